@@ -1,0 +1,85 @@
+//! The replay-safety classification of every runplane RPC.
+//!
+//! The types here are what the generated table in `runplane-proto` is made of; the
+//! `check` module holds the build-time half that reads `runplane.options.v1.policy`
+//! from a descriptor pool, refuses unclassified or inconsistent methods, and renders
+//! the table.
+
+pub mod check;
+
+/// Whether a request whose outcome is unknown may be sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReplaySafety {
+    /// Reads only.
+    ReadOnly,
+    /// Applying it twice equals applying it once.
+    Idempotent,
+    /// The server dedupes on the request field named by [`MethodPolicy::key_field`].
+    Keyed,
+    /// May not be sent again once it may have reached the handler.
+    Unsafe,
+}
+
+impl ReplaySafety {
+    /// True when a request that may already have been processed can be sent again.
+    pub const fn is_replay_safe(self) -> bool {
+        !matches!(self, ReplaySafety::Unsafe)
+    }
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ReplaySafety::ReadOnly => "read_only",
+            ReplaySafety::Idempotent => "idempotent",
+            ReplaySafety::Keyed => "keyed",
+            ReplaySafety::Unsafe => "unsafe",
+        }
+    }
+}
+
+/// How long a client keeps retrying through an outage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OutageBudget {
+    /// 3 minutes.
+    Ordinary,
+    /// 5 minutes: calls that end a run.
+    Terminal,
+}
+
+impl OutageBudget {
+    /// The outage budget in seconds, as DESIGN.md "Runner transport" fixes it.
+    pub const fn seconds(self) -> u64 {
+        match self {
+            OutageBudget::Ordinary => 180,
+            OutageBudget::Terminal => 300,
+        }
+    }
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OutageBudget::Ordinary => "ordinary",
+            OutageBudget::Terminal => "terminal",
+        }
+    }
+}
+
+/// The policy of one RPC, generated from its `runplane.options.v1.policy` option.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MethodPolicy {
+    /// Full method path as it appears on the wire: `/package.Service/Method`.
+    pub path: &'static str,
+    pub replay_safety: ReplaySafety,
+    /// The request field the server dedupes on, for [`ReplaySafety::Keyed`].
+    pub key_field: Option<&'static str>,
+    pub outage_budget: OutageBudget,
+    pub justification: &'static str,
+    pub client_streaming: bool,
+    pub server_streaming: bool,
+}
+
+/// Looks a path up in a table sorted by path (the generated table is).
+pub fn lookup<'a>(table: &'a [MethodPolicy], path: &str) -> Option<&'a MethodPolicy> {
+    table
+        .binary_search_by(|p| p.path.cmp(path))
+        .ok()
+        .map(|i| &table[i])
+}

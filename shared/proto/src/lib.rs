@@ -1,0 +1,30 @@
+//! runplane's protobuf contract, generated at build time from `proto/`.
+//!
+//! - one module per package (`runstore::v1`, `reconciler::v1`, …) with prost messages
+//!   and tonic clients and servers;
+//! - [`FILE_DESCRIPTOR_SET`] for gRPC reflection;
+//! - [`METHOD_POLICIES`] and [`policy_for`]: each RPC's replay-safety policy, from its
+//!   `runplane.options.v1.policy` option.
+
+pub use runplane_proto_policy::{MethodPolicy, OutageBudget, ReplaySafety};
+
+/// The encoded `FileDescriptorSet` of every runplane proto and its imports, with options.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/runplane_descriptor.bin"));
+
+include!(concat!(env!("OUT_DIR"), "/method_policies.rs"));
+
+/// The policy of the RPC at `path` (`/package.Service/Method`), if runplane defines it.
+pub fn policy_for(path: &str) -> Option<&'static MethodPolicy> {
+    runplane_proto_policy::lookup(METHOD_POLICIES, path)
+}
+
+/// `ErrorInfo.domain` of every error runplane returns.
+pub const ERROR_DOMAIN: &str = "runplane.dev";
+
+#[allow(clippy::all, missing_docs)]
+pub mod options {
+    pub mod v1 {
+        tonic::include_proto!("runplane.options.v1");
+    }
+}
