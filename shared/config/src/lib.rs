@@ -1,0 +1,420 @@
+//! runplane's configuration.
+//!
+//! Sources, later wins: built-in defaults, a TOML file, then environment variables named
+//! `RUNPLANE_<SECTION>__<FIELD>` (double underscore between section and field, e.g.
+//! `RUNPLANE_SERVER__LISTEN=0.0.0.0:7070`). [`Config::load`] validates the result and
+//! every error names the field it is about; secrets never appear in an error.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Toml};
+use serde::Deserialize;
+
+/// Prefix of every environment override.
+pub const ENV_PREFIX: &str = "RUNPLANE_";
+/// Default address the services listen on.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path} does not exist")]
+    MissingFile { path: String },
+    #[error("invalid config: {0}")]
+    Parse(String),
+    #[error("invalid config: {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+impl ConfigError {
+    fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A secret string (token, key). Its `Debug` and `Display` never show it.
+#[derive(Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for comparing or sending; never log it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_empty() { "<unset>" } else { "<redacted>" })
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub auth: AuthConfig,
+    pub telemetry: TelemetryConfig,
+    pub run_store: RunStoreConfig,
+    pub sandbox_reconciler: SandboxReconcilerConfig,
+    pub stream_recovery: StreamRecoveryConfig,
+    pub credential_health: CredentialHealthConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address the gRPC server listens on.
+    pub listen: String,
+    /// How long in-flight calls get to finish after SIGTERM/SIGINT.
+    pub shutdown_grace_seconds: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: DEFAULT_LISTEN.to_owned(),
+            shutdown_grace_seconds: 10,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Bearer token of operators and services. Required to serve; at least 32 characters.
+    pub operator_token: Secret,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// `text` for people, `json` for log pipelines.
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunStoreConfig {
+    /// `postgres://…` or `sqlite://path`.
+    pub database_url: String,
+    /// Where other services and runners reach the run store.
+    pub endpoint: String,
+}
+
+impl Default for RunStoreConfig {
+    fn default() -> Self {
+        Self {
+            database_url: "postgres://postgres@127.0.0.1:5432/runplane_run_store".to_owned(),
+            endpoint: default_endpoint(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxReconcilerConfig {
+    pub database_url: String,
+    pub endpoint: String,
+}
+
+impl Default for SandboxReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            database_url: "postgres://postgres@127.0.0.1:5432/runplane_sandbox_reconciler"
+                .to_owned(),
+            endpoint: default_endpoint(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StreamRecoveryConfig {
+    /// `redis://host:port[/db]`.
+    pub redis_url: String,
+    /// Prefix of every Redis key the coordinator writes.
+    pub key_prefix: String,
+    pub endpoint: String,
+}
+
+impl Default for StreamRecoveryConfig {
+    fn default() -> Self {
+        Self {
+            redis_url: "redis://127.0.0.1:6379".to_owned(),
+            key_prefix: "runplane:".to_owned(),
+            endpoint: default_endpoint(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CredentialHealthConfig {
+    pub database_url: String,
+    pub endpoint: String,
+}
+
+impl Default for CredentialHealthConfig {
+    fn default() -> Self {
+        Self {
+            database_url: "postgres://postgres@127.0.0.1:5432/runplane_credential_health"
+                .to_owned(),
+            endpoint: default_endpoint(),
+        }
+    }
+}
+
+fn default_endpoint() -> String {
+    format!("http://{DEFAULT_LISTEN}")
+}
+
+impl Config {
+    /// Defaults, then `file` (when given), then `RUNPLANE_*` variables; validated.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::from_figment(Self::figment(file)?)
+    }
+
+    /// The layered sources, before extraction. Exposed so tests can add their own.
+    pub fn figment(file: Option<&Path>) -> Result<Figment, ConfigError> {
+        let mut figment = Figment::new();
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(ConfigError::MissingFile {
+                    path: path.display().to_string(),
+                });
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        // Only `SECTION__FIELD` variables are configuration; others with the prefix
+        // (`RUNPLANE_CONFIG`, the runner's `RUNPLANE_RUN_KEY`) belong to someone else.
+        Ok(figment.merge(
+            Env::prefixed(ENV_PREFIX)
+                .filter(|key| key.as_str().contains("__"))
+                .split("__"),
+        ))
+    }
+
+    pub fn from_figment(figment: Figment) -> Result<Config, ConfigError> {
+        let config: Config = figment
+            .extract()
+            .map_err(|e| ConfigError::Parse(describe(e)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what serde cannot. Requirements that depend on the role (a token to serve)
+    /// are checked by [`Config::require_operator_token`].
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.listen_addr()?;
+        if self.server.shutdown_grace_seconds == 0 || self.server.shutdown_grace_seconds > 600 {
+            return Err(ConfigError::invalid(
+                "server.shutdown_grace_seconds",
+                "must be between 1 and 600",
+            ));
+        }
+        if !self.auth.operator_token.is_empty() && self.auth.operator_token.expose().len() < 32 {
+            return Err(ConfigError::invalid(
+                "auth.operator_token",
+                "must be at least 32 characters",
+            ));
+        }
+        for (field, url) in [
+            ("run_store.database_url", &self.run_store.database_url),
+            (
+                "sandbox_reconciler.database_url",
+                &self.sandbox_reconciler.database_url,
+            ),
+            (
+                "credential_health.database_url",
+                &self.credential_health.database_url,
+            ),
+        ] {
+            if !(url.starts_with("postgres://")
+                || url.starts_with("postgresql://")
+                || url.starts_with("sqlite:"))
+            {
+                return Err(ConfigError::invalid(
+                    field,
+                    "must start with postgres:// or sqlite:",
+                ));
+            }
+        }
+        if !self.stream_recovery.redis_url.starts_with("redis://") {
+            return Err(ConfigError::invalid(
+                "stream_recovery.redis_url",
+                "must start with redis://",
+            ));
+        }
+        for (field, endpoint) in [
+            ("run_store.endpoint", &self.run_store.endpoint),
+            (
+                "sandbox_reconciler.endpoint",
+                &self.sandbox_reconciler.endpoint,
+            ),
+            ("stream_recovery.endpoint", &self.stream_recovery.endpoint),
+            ("credential_health.endpoint", &self.credential_health.endpoint),
+        ] {
+            if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+                return Err(ConfigError::invalid(
+                    field,
+                    "must be an http:// or https:// URL",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.server.listen.parse().map_err(|_| {
+            ConfigError::invalid(
+                "server.listen",
+                format!(
+                    "`{}` is not a socket address such as 127.0.0.1:7070",
+                    self.server.listen
+                ),
+            )
+        })
+    }
+
+    /// Serving needs an operator token; the error says how to set one.
+    pub fn require_operator_token(&self) -> Result<&Secret, ConfigError> {
+        if self.auth.operator_token.is_empty() {
+            return Err(ConfigError::invalid(
+                "auth.operator_token",
+                "required to serve; set it in the config file or RUNPLANE_AUTH__OPERATOR_TOKEN",
+            ));
+        }
+        Ok(&self.auth.operator_token)
+    }
+
+    pub fn shutdown_grace(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.server.shutdown_grace_seconds)
+    }
+}
+
+/// Figment's message plus where the bad value came from; never the value of a secret,
+/// because figment only quotes values for type errors and secrets are plain strings.
+fn describe(error: figment::Error) -> String {
+    error
+        .into_iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_with(toml: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let mut result = None;
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("runplane.toml", toml)?;
+            for (k, v) in env {
+                jail.set_env(k, v);
+            }
+            result = Some(Config::load(Some(Path::new("runplane.toml"))));
+            Ok(())
+        });
+        result.expect("jail ran")
+    }
+
+    #[test]
+    fn defaults_are_valid_and_listen_locally() {
+        let config = load_with("", &[]).expect("defaults load");
+        assert_eq!(config.listen_addr().unwrap().to_string(), DEFAULT_LISTEN);
+        assert_eq!(config.telemetry.log_format, LogFormat::Text);
+        assert!(config.require_operator_token().is_err());
+    }
+
+    #[test]
+    fn environment_overrides_the_file_and_foreign_variables_are_ignored() {
+        let config = load_with(
+            "[server]\nlisten = \"127.0.0.1:9000\"\n[telemetry]\nlog_format = \"json\"\n",
+            &[
+                ("RUNPLANE_SERVER__LISTEN", "0.0.0.0:7171"),
+                ("RUNPLANE_RUN_KEY", "not-config"),
+                ("RUNPLANE_CONFIG", "runplane.toml"),
+            ],
+        )
+        .expect("loads");
+        assert_eq!(config.server.listen, "0.0.0.0:7171");
+        assert_eq!(config.telemetry.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let err = load_with("[server]\nlisten = \"nowhere\"\n", &[]).unwrap_err();
+        assert!(err.to_string().starts_with("invalid config: server.listen:"), "{err}");
+
+        let err = load_with("", &[("RUNPLANE_SERVER__SHUTDOWN_GRACE_SECONDS", "soon")])
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.to_lowercase().contains("server.shutdown_grace_seconds"),
+            "{msg}"
+        );
+        assert!(msg.contains("RUNPLANE_"), "{msg}");
+
+        let err = load_with("[server]\nlisten_addr = \"x\"\n", &[]).unwrap_err();
+        assert!(err.to_string().contains("listen_addr"), "{err}");
+
+        let err = load_with("[run_store]\ndatabase_url = \"mysql://x\"\n", &[]).unwrap_err();
+        assert!(
+            err.to_string().starts_with("invalid config: run_store.database_url:"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_short_operator_token_is_refused_without_echoing_it() {
+        let err = load_with("[auth]\noperator_token = \"hunter2\"\n", &[]).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("invalid config: auth.operator_token:"), "{msg}");
+        assert!(!msg.contains("hunter2"), "{msg}");
+    }
+
+    #[test]
+    fn secrets_do_not_debug_print() {
+        let config = load_with(
+            "[auth]\noperator_token = \"0123456789abcdef0123456789abcdef\"\n",
+            &[],
+        )
+        .unwrap();
+        let debug = format!("{config:?}");
+        assert!(!debug.contains("0123456789abcdef"), "{debug}");
+        assert!(debug.contains("<redacted>"));
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let err = Config::load(Some(Path::new("/nonexistent/runplane.toml"))).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "config file /nonexistent/runplane.toml does not exist"
+        );
+    }
+}

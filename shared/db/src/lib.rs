@@ -1,0 +1,126 @@
+//! Database connections for runplane services.
+//!
+//! Production runs on Postgres (`postgres://…`); the embedded default (`runplane dev`)
+//! runs on SQLite (`sqlite://path`, created when missing, in WAL mode so readers do not
+//! block the writer). Each service owns its own database and migrates it at start.
+
+use std::path::Path;
+use std::time::Duration;
+
+use sea_orm::{ConnectOptions, Database, DatabaseConnection, DbBackend};
+use sea_orm_migration::MigratorTrait;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("unsupported database url `{0}`: use postgres://… or sqlite://path")]
+    UnsupportedUrl(String),
+    #[error("could not create the directory for {path}: {reason}")]
+    CreateDir { path: String, reason: String },
+    #[error("could not connect to {url}: {reason}")]
+    Connect { url: String, reason: String },
+    #[error("migrating {url} failed: {reason}")]
+    Migrate { url: String, reason: String },
+}
+
+/// `url` with any password replaced, safe to log or put in an error.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let userinfo = &url[scheme_end + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Connects to `url` (Postgres or SQLite).
+pub async fn connect(url: &str) -> Result<DatabaseConnection, DbError> {
+    let safe = redact_url(url);
+    let url = if let Some(path) = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+    {
+        let (file, query) = path.split_once('?').unwrap_or((path, ""));
+        if file != ":memory:"
+            && let Some(dir) = Path::new(file).parent().filter(|d| !d.as_os_str().is_empty())
+        {
+            std::fs::create_dir_all(dir).map_err(|e| DbError::CreateDir {
+                path: file.to_owned(),
+                reason: e.to_string(),
+            })?;
+        }
+        // Create the file when it does not exist.
+        let query = if query.contains("mode=") {
+            query.to_owned()
+        } else if query.is_empty() {
+            "mode=rwc".to_owned()
+        } else {
+            format!("{query}&mode=rwc")
+        };
+        format!("sqlite://{file}?{query}")
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        url.to_owned()
+    } else {
+        return Err(DbError::UnsupportedUrl(safe));
+    };
+
+    let mut options = ConnectOptions::new(url);
+    options
+        .connect_timeout(Duration::from_secs(5))
+        .acquire_timeout(Duration::from_secs(10))
+        .sqlx_logging(false);
+    if options.get_url().starts_with("sqlite:") {
+        options.max_connections(8).map_sqlx_sqlite_opts(|o| {
+            o.journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
+                .busy_timeout(Duration::from_secs(5))
+                .foreign_keys(true)
+        });
+    } else {
+        options.max_connections(16);
+    }
+    Database::connect(options)
+        .await
+        .map_err(|e| DbError::Connect {
+            url: safe,
+            reason: e.to_string(),
+        })
+}
+
+/// Connects and applies every pending migration of `M`.
+pub async fn connect_and_migrate<M: MigratorTrait>(
+    url: &str,
+) -> Result<DatabaseConnection, DbError> {
+    let db = connect(url).await?;
+    M::up(&db, None).await.map_err(|e| DbError::Migrate {
+        url: redact_url(url),
+        reason: e.to_string(),
+    })?;
+    tracing::debug!(url = %redact_url(url), backend = ?db.get_database_backend(), "database migrated");
+    Ok(db)
+}
+
+/// True for the Postgres backend; some statements (row locks) differ by backend.
+pub fn is_postgres(db: &DatabaseConnection) -> bool {
+    db.get_database_backend() == DbBackend::Postgres
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://app:s3cret@db:5432/runs"),
+            "postgres://app:***@db:5432/runs"
+        );
+        assert_eq!(
+            redact_url("postgres://app@db/runs"),
+            "postgres://app@db/runs"
+        );
+        assert_eq!(redact_url("sqlite://x.db"), "sqlite://x.db");
+    }
+}

@@ -1,0 +1,63 @@
+//! Channels to runplane services. Every request carries the caller's trace context.
+
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+
+use crate::trace_context::{ClientTrace, ClientTraceLayer};
+use tower_layer::Layer;
+
+/// A channel whose requests carry W3C trace context.
+pub type TracedChannel = ClientTrace<Channel>;
+
+/// How long a TCP connect may take before it counts as failed (and provably unsent).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid endpoint `{endpoint}`: {reason}")]
+    InvalidEndpoint { endpoint: String, reason: String },
+    #[error("could not connect to {endpoint}: {reason}")]
+    Connect { endpoint: String, reason: String },
+}
+
+/// The endpoint settings runplane uses for every service-to-service channel.
+pub fn endpoint(uri: &str) -> Result<Endpoint, ClientError> {
+    Ok(Endpoint::from_shared(uri.to_owned())
+        .map_err(|e| ClientError::InvalidEndpoint {
+            endpoint: uri.to_owned(),
+            reason: e.to_string(),
+        })?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10)))
+}
+
+/// Connects now; fails when nothing listens at `uri`.
+pub async fn connect(uri: &str) -> Result<TracedChannel, ClientError> {
+    let channel = endpoint(uri)?
+        .connect()
+        .await
+        .map_err(|e| ClientError::Connect {
+            endpoint: uri.to_owned(),
+            reason: error_chain(&e),
+        })?;
+    Ok(ClientTraceLayer.layer(channel))
+}
+
+/// Connects on first use and reconnects after failures; for long-lived clients.
+pub fn connect_lazy(uri: &str) -> Result<TracedChannel, ClientError> {
+    Ok(ClientTraceLayer.layer(endpoint(uri)?.connect_lazy()))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}

@@ -1,0 +1,147 @@
+//! Serving a set of runplane services with health, reflection, request spans and a
+//! graceful shutdown that has a deadline.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::service::RoutesBuilder;
+use tonic_health::ServingStatus;
+use tower_service::Service;
+
+use crate::trace_context::ServerTraceLayer;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("reflection descriptors are invalid: {0}")]
+    Reflection(String),
+    #[error("gRPC server failed: {0}")]
+    Transport(String),
+}
+
+/// The runplane services one server will host. Health and reflection are added by
+/// [`serve`]; their names come from here.
+#[derive(Default)]
+pub struct ServiceSet {
+    routes: RoutesBuilder,
+    names: Vec<&'static str>,
+}
+
+impl ServiceSet {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a tonic service; its full name gets a health status of its own.
+    pub fn add<S>(&mut self, service: S) -> &mut Self
+    where
+        S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.routes.add_service(service);
+        self.names.push(S::NAME);
+        self
+    }
+
+    /// Full names of the services added so far.
+    pub fn names(&self) -> &[&'static str] {
+        &self.names
+    }
+}
+
+/// Serves `services` on `listener` until `shutdown` resolves.
+///
+/// On shutdown every health status turns NOT_SERVING first (so load balancers stop
+/// sending), then in-flight calls get `grace` to finish; whatever is still running after
+/// that is dropped.
+pub async fn serve(
+    listener: TcpListener,
+    services: ServiceSet,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> Result<(), ServeError> {
+    let ServiceSet { mut routes, names } = services;
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_service_status("", ServingStatus::Serving)
+        .await;
+    for name in &names {
+        health
+            .set_service_status(*name, ServingStatus::Serving)
+            .await;
+    }
+
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(runplane_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection()
+        .build_v1()
+        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
+        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+    routes
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
+
+    let local = listener.local_addr().ok();
+    tracing::info!(address = ?local, services = ?names, "serving");
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .layer(ServerTraceLayer)
+        .add_routes(routes.routes())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            let _ = stop_rx.await;
+        });
+    let mut server = tokio::spawn(server);
+
+    tokio::select! {
+        finished = &mut server => return flatten(finished),
+        () = shutdown => {}
+    }
+
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    for name in &names {
+        health
+            .set_service_status(*name, ServingStatus::NotServing)
+            .await;
+    }
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(grace, &mut server).await {
+        Ok(finished) => flatten(finished),
+        Err(_) => {
+            tracing::warn!(
+                grace_seconds = grace.as_secs(),
+                "in-flight calls outlived the shutdown grace; dropping them"
+            );
+            server.abort();
+            Ok(())
+        }
+    }
+}
+
+fn flatten(
+    joined: Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>,
+) -> Result<(), ServeError> {
+    match joined {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(ServeError::Transport(e.to_string())),
+        Err(e) => Err(ServeError::Transport(e.to_string())),
+    }
+}

@@ -1,0 +1,162 @@
+//! W3C trace context across gRPC hops.
+//!
+//! The server layer extracts `traceparent`/`tracestate` from the request headers with the
+//! global propagator and opens the request span as their child; the client layer injects
+//! the current span's context into every outgoing request. Both are no-ops for context
+//! when no propagator or tracer is installed, so they are always on.
+
+use std::task::{Context, Poll};
+
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
+use opentelemetry::propagation::{Extractor, Injector};
+use tower_layer::Layer;
+use tower_service::Service;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+/// Reads propagation fields from HTTP headers.
+pub struct HeaderExtractor<'a>(pub &'a HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(HeaderName::as_str).collect()
+    }
+}
+
+/// Writes propagation fields into HTTP headers.
+pub struct HeaderInjector<'a>(pub &'a mut HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(key.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
+
+/// The parent context a request carries, per the global propagator.
+pub fn extract_context(headers: &HeaderMap) -> opentelemetry::Context {
+    opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)))
+}
+
+/// Writes the current span's context into `headers`.
+pub fn inject_current_context(headers: &mut HeaderMap) {
+    let cx = tracing::Span::current().context();
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&cx, &mut HeaderInjector(headers))
+    });
+}
+
+/// Server side: one `grpc.request` span per call, child of the caller's trace.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ServerTraceLayer;
+
+impl<S> Layer<S> for ServerTraceLayer {
+    type Service = ServerTrace<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ServerTrace { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerTrace<S> {
+    inner: S,
+}
+
+impl<S, B, ResBody> Service<Request<B>> for ServerTrace<S>
+where
+    S: Service<Request<B>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let path = request.uri().path().to_owned();
+        let (service, method) = split_path(&path);
+        let span = tracing::info_span!(
+            "grpc.request",
+            otel.name = %path.trim_start_matches('/'),
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.service = %service,
+            rpc.method = %method,
+            rpc.grpc.status_code = tracing::field::Empty,
+        );
+        let parent = extract_context(request.headers());
+        // A missing or malformed traceparent leaves the span a root; nothing to report.
+        let _ = span.set_parent(parent);
+
+        let future = span.in_scope(|| self.inner.call(request));
+        let record_on = span.clone();
+        Box::pin(
+            async move {
+                let response = future.await?;
+                // Errors end trailers-only, so their status is in the headers; a success
+                // puts it in trailers, which this layer does not wait for.
+                if let Some(code) = response
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                {
+                    record_on.record("rpc.grpc.status_code", code);
+                }
+                Ok(response)
+            }
+            .instrument(span),
+        )
+    }
+}
+
+fn split_path(path: &str) -> (&str, &str) {
+    let trimmed = path.trim_start_matches('/');
+    trimmed.split_once('/').unwrap_or((trimmed, ""))
+}
+
+/// Client side: injects the current trace context into every request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClientTraceLayer;
+
+impl<S> Layer<S> for ClientTraceLayer {
+    type Service = ClientTrace<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ClientTrace { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ClientTrace<S> {
+    inner: S,
+}
+
+impl<S, B> Service<Request<B>> for ClientTrace<S>
+where
+    S: Service<Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        inject_current_context(request.headers_mut());
+        self.inner.call(request)
+    }
+}
