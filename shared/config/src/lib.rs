@@ -59,7 +59,11 @@ impl Secret {
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.0.is_empty() { "<unset>" } else { "<redacted>" })
+        f.write_str(if self.0.is_empty() {
+            "<unset>"
+        } else {
+            "<redacted>"
+        })
     }
 }
 
@@ -275,7 +279,10 @@ impl Config {
                 &self.sandbox_reconciler.endpoint,
             ),
             ("stream_recovery.endpoint", &self.stream_recovery.endpoint),
-            ("credential_health.endpoint", &self.credential_health.endpoint),
+            (
+                "credential_health.endpoint",
+                &self.credential_health.endpoint,
+            ),
         ] {
             if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
                 return Err(ConfigError::invalid(
@@ -329,6 +336,8 @@ fn describe(error: figment::Error) -> String {
 mod tests {
     use super::*;
 
+    // `figment::Error` is large and Jail's closure signature is figment's, not ours.
+    #[allow(clippy::result_large_err)]
     fn load_with(toml: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let mut result = None;
         figment::Jail::expect_with(|jail| {
@@ -368,10 +377,14 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         let err = load_with("[server]\nlisten = \"nowhere\"\n", &[]).unwrap_err();
-        assert!(err.to_string().starts_with("invalid config: server.listen:"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("invalid config: server.listen:"),
+            "{err}"
+        );
 
-        let err = load_with("", &[("RUNPLANE_SERVER__SHUTDOWN_GRACE_SECONDS", "soon")])
-            .unwrap_err();
+        let err =
+            load_with("", &[("RUNPLANE_SERVER__SHUTDOWN_GRACE_SECONDS", "soon")]).unwrap_err();
         let msg = err.to_string();
         assert!(
             msg.to_lowercase().contains("server.shutdown_grace_seconds"),
@@ -384,7 +397,8 @@ mod tests {
 
         let err = load_with("[run_store]\ndatabase_url = \"mysql://x\"\n", &[]).unwrap_err();
         assert!(
-            err.to_string().starts_with("invalid config: run_store.database_url:"),
+            err.to_string()
+                .starts_with("invalid config: run_store.database_url:"),
             "{err}"
         );
     }
@@ -393,7 +407,10 @@ mod tests {
     fn a_short_operator_token_is_refused_without_echoing_it() {
         let err = load_with("[auth]\noperator_token = \"hunter2\"\n", &[]).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.starts_with("invalid config: auth.operator_token:"), "{msg}");
+        assert!(
+            msg.starts_with("invalid config: auth.operator_token:"),
+            "{msg}"
+        );
         assert!(!msg.contains("hunter2"), "{msg}");
     }
 

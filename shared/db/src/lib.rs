@@ -45,7 +45,9 @@ pub async fn connect(url: &str) -> Result<DatabaseConnection, DbError> {
     {
         let (file, query) = path.split_once('?').unwrap_or((path, ""));
         if file != ":memory:"
-            && let Some(dir) = Path::new(file).parent().filter(|d| !d.as_os_str().is_empty())
+            && let Some(dir) = Path::new(file)
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
         {
             std::fs::create_dir_all(dir).map_err(|e| DbError::CreateDir {
                 path: file.to_owned(),

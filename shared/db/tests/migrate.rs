@@ -30,7 +30,9 @@ impl MigrationTrait for CreateWidgets {
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager.drop_table(Table::drop().table("widgets").to_owned()).await
+        manager
+            .drop_table(Table::drop().table("widgets").to_owned())
+            .await
     }
 }
 

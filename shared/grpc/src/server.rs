@@ -72,9 +72,7 @@ pub async fn serve(
     let ServiceSet { mut routes, names } = services;
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_service_status("", ServingStatus::Serving)
-        .await;
+    health.set_service_status("", ServingStatus::Serving).await;
     for name in &names {
         health
             .set_service_status(*name, ServingStatus::Serving)

@@ -73,7 +73,9 @@ fn rejects_a_keyed_method_without_a_string_key_field() {
     let err = rejected("keyed_not_string.proto");
     assert_eq!(
         problems_of(&err, "/fixture.keyed.v1.Widgets/CreateWidget"),
-        ["key_field `request_number` of fixture.keyed.v1.CreateWidgetRequest is not a singular string field"]
+        [
+            "key_field `request_number` of fixture.keyed.v1.CreateWidgetRequest is not a singular string field"
+        ]
     );
     assert_eq!(
         problems_of(&err, "/fixture.keyed.v1.Widgets/RenameWidget"),
@@ -102,7 +104,8 @@ fn rejects_contradictions_shared_messages_and_missing_budgets() {
     );
     let prod = problems_of(&err, "/fixture.inconsistent.v1.Widgets/Prod");
     assert!(
-        prod.iter().any(|p| p.contains("already used by /fixture.inconsistent.v1.Widgets/Poke")),
+        prod.iter()
+            .any(|p| p.contains("already used by /fixture.inconsistent.v1.Widgets/Poke")),
         "{err}"
     );
     assert!(

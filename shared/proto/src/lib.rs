@@ -22,9 +22,21 @@ pub fn policy_for(path: &str) -> Option<&'static MethodPolicy> {
 /// `ErrorInfo.domain` of every error runplane returns.
 pub const ERROR_DOMAIN: &str = "runplane.dev";
 
-#[allow(clippy::all, missing_docs)]
-pub mod options {
-    pub mod v1 {
-        tonic::include_proto!("runplane.options.v1");
-    }
+/// Generated code is checked by the proto build, not by clippy.
+macro_rules! package {
+    ($module:ident, $package:literal) => {
+        #[allow(clippy::all, clippy::pedantic, missing_docs)]
+        pub mod $module {
+            pub mod v1 {
+                tonic::include_proto!($package);
+            }
+        }
+    };
 }
+
+package!(options, "runplane.options.v1");
+package!(errors, "runplane.errors.v1");
+package!(runstore, "runplane.runstore.v1");
+package!(reconciler, "runplane.reconciler.v1");
+package!(recovery, "runplane.recovery.v1");
+package!(credentials, "runplane.credentials.v1");

@@ -19,7 +19,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
 /// Directives used when `RUST_LOG` is unset: runplane at info, chatty dependencies quieter.
-pub const DEFAULT_FILTER: &str = "info,h2=warn,hyper=warn,hyper_util=warn,tower=warn,sqlx=warn,sea_orm=warn,opentelemetry=warn";
+pub const DEFAULT_FILTER: &str =
+    "info,h2=warn,hyper=warn,hyper_util=warn,tower=warn,sqlx=warn,sea_orm=warn,opentelemetry=warn";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
@@ -83,9 +84,12 @@ pub fn install_propagator() {
 }
 
 fn otlp_configured() -> bool {
-    ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|s| !s.trim().is_empty()))
+    [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ]
+    .iter()
+    .any(|v| std::env::var(v).is_ok_and(|s| !s.trim().is_empty()))
 }
 
 /// Installs the global subscriber and, when configured, OTLP export. Call once, inside a

@@ -138,8 +138,8 @@ pub struct TestRedis {
 
 impl TestRedis {
     pub async fn new() -> Self {
-        let url =
-            std::env::var("RUNPLANE_TEST_REDIS_URL").unwrap_or_else(|_| DEFAULT_REDIS_URL.to_owned());
+        let url = std::env::var("RUNPLANE_TEST_REDIS_URL")
+            .unwrap_or_else(|_| DEFAULT_REDIS_URL.to_owned());
         let unreachable = |e: &dyn std::fmt::Display| -> ! {
             panic!("Redis is not reachable at {url}: {e}\nstart it with: {START_REDIS}")
         };

@@ -1,0 +1,71 @@
+//! The command line.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "runplane",
+    version,
+    about = "The control plane that keeps AI-agent runs alive",
+    long_about = "The control plane that keeps AI-agent runs alive.\n\n\
+        One binary serves any subset of runplane's four gRPC services (run store, sandbox \
+        reconciler, stream recovery coordinator, credential health), runs all of them in \
+        one process for development, and carries the operator commands."
+)]
+pub struct Cli {
+    /// Config file (TOML). RUNPLANE_<SECTION>__<FIELD> variables override its values,
+    /// e.g. RUNPLANE_SERVER__LISTEN=0.0.0.0:7070.
+    #[arg(long, global = true, env = "RUNPLANE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the named services on [server].listen, with health and reflection.
+    Serve {
+        /// Services to serve in this process.
+        #[arg(required = true, value_enum)]
+        services: Vec<ServiceName>,
+    },
+    /// Serve all four services in one process on one port: SQLite under the data
+    /// directory, the in-process coordinator store, a generated operator token.
+    Dev {
+        /// Address to listen on; port 0 picks a free port.
+        #[arg(long, default_value = "127.0.0.1:7070", value_name = "ADDR")]
+        listen: String,
+        /// Where the SQLite databases and the operator token are kept.
+        #[arg(long, default_value = ".runplane", value_name = "DIR")]
+        data_dir: PathBuf,
+    },
+    /// Print every RPC's replay-safety policy, as the proto method options declare it.
+    Policies,
+}
+
+/// A runplane service that `runplane serve` can host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ServiceName {
+    RunStore,
+    SandboxReconciler,
+    StreamRecovery,
+    CredentialHealth,
+    /// All four.
+    All,
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve { services } => crate::serve::serve(cli.config.as_deref(), &services).await,
+        Command::Dev { listen, data_dir } => {
+            crate::dev::dev(cli.config.as_deref(), &listen, &data_dir).await
+        }
+        Command::Policies => {
+            crate::policies::print(&mut std::io::stdout().lock())?;
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! `runplane dev`: all four services in one process on one port, on an embedded default
+//! (SQLite under the data directory, the in-process coordinator store), with an operator
+//! token generated once and kept in the data directory.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use rand::RngCore;
+use runplane_config::{Config, Secret};
+
+use crate::serve::{Selection, bind, init_telemetry, open, run_until_signal};
+
+const TOKEN_FILE: &str = "operator-token";
+
+pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> anyhow::Result<()> {
+    let mut config = Config::load(config_file)?;
+    let _telemetry = init_telemetry(&config, "runplane-dev")?;
+
+    let data_dir = prepare_data_dir(data_dir)?;
+    if config.auth.operator_token.is_empty() {
+        config.auth.operator_token = operator_token(&data_dir)?;
+    }
+    let listener = bind(listen).await?;
+    let addr = listener.local_addr()?;
+    let endpoint = format!("http://{addr}");
+    let sqlite = |name: &str| format!("sqlite://{}", data_dir.join(name).display());
+    config.server.listen = addr.to_string();
+    config.run_store.database_url = sqlite("run-store.sqlite");
+    config.run_store.endpoint = endpoint.clone();
+    config.sandbox_reconciler.database_url = sqlite("sandbox-reconciler.sqlite");
+    config.sandbox_reconciler.endpoint = endpoint.clone();
+    config.stream_recovery.endpoint = endpoint.clone();
+    config.credential_health.database_url = sqlite("credential-health.sqlite");
+    config.credential_health.endpoint = endpoint;
+    config.validate()?;
+
+    let services = open(&config, Selection::all()).await?;
+    print_banner(&config, &data_dir, services.names())?;
+    run_until_signal(listener, services, &config).await
+}
+
+fn prepare_data_dir(dir: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot restrict {}", dir.display()))?;
+    }
+    Ok(dir.canonicalize()?)
+}
+
+/// The token kept in `<data_dir>/operator-token`, created (256 random bits, mode 0600)
+/// on first start so that clients configured once keep working across restarts.
+fn operator_token(data_dir: &Path) -> anyhow::Result<Secret> {
+    let path = data_dir.join(TOKEN_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(token) if token.trim().len() >= 32 => return Ok(Secret::new(token.trim())),
+        Ok(_) => anyhow::bail!(
+            "{} holds no valid token; delete it to have a new one generated",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+    let mut bytes = [0u8; 32];
+    rand::rng().fill_bytes(&mut bytes);
+    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options
+        .open(&path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    writeln!(file, "{token}")?;
+    Ok(Secret::new(token))
+}
+
+fn print_banner(config: &Config, data_dir: &Path, services: &[&str]) -> anyhow::Result<()> {
+    let addr = &config.server.listen;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "runplane dev: serving on {addr}")?;
+    writeln!(
+        out,
+        "  data:           {} (SQLite; stream recovery store in process)",
+        data_dir.display()
+    )?;
+    // Shown on purpose: this is the developer's own embedded instance.
+    writeln!(
+        out,
+        "  operator token: {}  (kept in {})",
+        config.auth.operator_token.expose(),
+        data_dir.join(TOKEN_FILE).display()
+    )?;
+    writeln!(out, "  services:       {}", services.join(", "))?;
+    writeln!(out, "try:")?;
+    writeln!(out, "  grpcurl -plaintext {addr} list")?;
+    writeln!(
+        out,
+        "  grpcurl -plaintext -d '{{\"service\":\"{}\"}}' {addr} grpc.health.v1.Health/Check",
+        services.first().copied().unwrap_or("")
+    )?;
+    out.flush()?;
+    Ok(())
+}

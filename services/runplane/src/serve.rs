@@ -1,0 +1,120 @@
+//! `runplane serve` and the start-up both it and `runplane dev` share.
+
+use std::path::Path;
+
+use anyhow::Context;
+use runplane_config::Config;
+use runplane_credential_health::CredentialHealth;
+use runplane_grpc::ServiceSet;
+use runplane_run_store::RunStore;
+use runplane_sandbox_reconciler::SandboxReconciler;
+use runplane_stream_recovery::StreamRecovery;
+use tokio::net::TcpListener;
+
+use crate::cli::ServiceName;
+
+/// The services one process hosts.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Selection {
+    pub run_store: bool,
+    pub sandbox_reconciler: bool,
+    pub stream_recovery: bool,
+    pub credential_health: bool,
+}
+
+impl Selection {
+    pub fn all() -> Self {
+        Self {
+            run_store: true,
+            sandbox_reconciler: true,
+            stream_recovery: true,
+            credential_health: true,
+        }
+    }
+
+    fn from_names(names: &[ServiceName]) -> Self {
+        let mut s = Self::default();
+        for name in names {
+            match name {
+                ServiceName::RunStore => s.run_store = true,
+                ServiceName::SandboxReconciler => s.sandbox_reconciler = true,
+                ServiceName::StreamRecovery => s.stream_recovery = true,
+                ServiceName::CredentialHealth => s.credential_health = true,
+                ServiceName::All => s = Self::all(),
+            }
+        }
+        s
+    }
+}
+
+pub async fn serve(config_file: Option<&Path>, names: &[ServiceName]) -> anyhow::Result<()> {
+    let config = Config::load(config_file)?;
+    config.require_operator_token()?;
+    let _telemetry = init_telemetry(&config, "runplane")?;
+    let listener = bind(&config.server.listen).await?;
+    let services = open(&config, Selection::from_names(names)).await?;
+    run_until_signal(listener, services, &config).await
+}
+
+pub fn init_telemetry(
+    config: &Config,
+    service_name: &str,
+) -> anyhow::Result<runplane_telemetry::Telemetry> {
+    Ok(runplane_telemetry::init(
+        &runplane_telemetry::TelemetryOptions {
+            service_name: service_name.to_owned(),
+            log_format: config.telemetry.log_format,
+        },
+    )?)
+}
+
+pub async fn bind(listen: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(listen).await.with_context(|| {
+        format!(
+            "cannot listen on {listen} (is another runplane running there? choose another address)"
+        )
+    })
+}
+
+/// Opens the selected services (databases migrated) and collects their gRPC services.
+pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<ServiceSet> {
+    let mut services = ServiceSet::new();
+    if selection.run_store {
+        RunStore::open(config)
+            .await
+            .context("starting the run store")?
+            .register(&mut services);
+    }
+    if selection.sandbox_reconciler {
+        SandboxReconciler::open(config)
+            .await
+            .context("starting the sandbox reconciler")?
+            .register(&mut services);
+    }
+    if selection.stream_recovery {
+        StreamRecovery::new().register(&mut services);
+    }
+    if selection.credential_health {
+        CredentialHealth::open(config)
+            .await
+            .context("starting credential health")?
+            .register(&mut services);
+    }
+    Ok(services)
+}
+
+pub async fn run_until_signal(
+    listener: TcpListener,
+    services: ServiceSet,
+    config: &Config,
+) -> anyhow::Result<()> {
+    runplane_grpc::serve(
+        listener,
+        services,
+        runplane_grpc::shutdown_signal(),
+        config.shutdown_grace(),
+    )
+    .await?;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,7 @@
+//! The reconciler's errors.
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcilerError {
+    #[error(transparent)]
+    Database(#[from] runplane_db::DbError),
+}
