@@ -1,1 +1,180 @@
-//! Black-box tests live in `tests/`; this crate has no library code of its own.
+//! Helpers for black-box tests: start the real `runplane` binary and talk to it over
+//! real sockets.
+//!
+//! The binary is the one cargo built next to the test executables
+//! (`target/<profile>/runplane`; `cargo test --workspace` and `cargo nextest run
+//! --workspace` build it because the `runplane` package has integration tests), or the
+//! one `RUNPLANE_BIN` names.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStderr, ChildStdout, Command};
+
+/// Path of the `runplane` binary under test.
+pub fn runplane_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("RUNPLANE_BIN") {
+        return PathBuf::from(bin);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/runplane
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|dir| dir.join("runplane"))
+        .expect("target directory");
+    assert!(
+        bin.exists(),
+        "{} does not exist: build it with `cargo build -p runplane` or set RUNPLANE_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// A `runplane` process, killed on drop unless it already exited.
+pub struct Process {
+    pub child: Child,
+    pub address: String,
+    pub stdout_lines: Vec<String>,
+    stderr: Option<ChildStderr>,
+}
+
+impl Process {
+    /// `http://ADDR`, for tonic clients.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub async fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().expect("process still running");
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {pid} failed");
+        tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("runplane exits within 30 s of SIGTERM")
+            .expect("wait for runplane")
+    }
+
+    /// Everything the process wrote to stderr (its logs) until now; call after exit.
+    pub async fn stderr(&mut self) -> String {
+        let mut out = String::new();
+        if let Some(stderr) = self.stderr.take() {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                out.push_str(&line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+/// Starts `runplane dev` on a free port with its data in `data_dir` and waits for its
+/// banner.
+pub async fn start_dev(data_dir: &Path) -> Process {
+    let mut child = Command::new(runplane_bin())
+        .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("RUNPLANE_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn runplane dev");
+    let stdout = child.stdout.take().expect("stdout piped");
+    let stderr = child.stderr.take();
+    let (address, stdout_lines) = read_banner(stdout).await;
+    Process {
+        child,
+        address,
+        stdout_lines,
+        stderr,
+    }
+}
+
+/// Reads the dev banner up to and including the grpcurl lines.
+async fn read_banner(stdout: ChildStdout) -> (String, Vec<String>) {
+    let mut lines = BufReader::new(stdout).lines();
+    let mut seen = Vec::new();
+    let mut address = None;
+    let read = async {
+        while let Some(line) = lines.next_line().await.expect("read stdout") {
+            if let Some(rest) = line.strip_prefix("runplane dev: serving on ") {
+                address = Some(rest.trim().to_owned());
+            }
+            let done = line.contains("grpc.health.v1.Health/Check");
+            seen.push(line);
+            if done {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .expect("runplane dev printed its banner within 60 s");
+    let address = address.unwrap_or_else(|| panic!("no address in banner: {seen:?}"));
+    (address, seen)
+}
+
+/// Starts `runplane serve <services>` with `env` and waits for its `serving` log line.
+pub async fn start_serve(services: &[&str], env: &[(&str, &str)]) -> Process {
+    let mut command = Command::new(runplane_bin());
+    command
+        .arg("serve")
+        .args(services)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("RUNPLANE_CONFIG")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn().expect("spawn runplane serve");
+    let stderr = child.stderr.take().expect("stderr piped");
+    let mut lines = BufReader::new(stderr).lines();
+    let mut seen = Vec::new();
+    let address = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = lines.next_line().await.expect("read stderr") {
+            if let Some((_, rest)) = line.split_once(" serving address=") {
+                return rest.split_whitespace().next().map(str::to_owned);
+            }
+            seen.push(line);
+        }
+        None
+    })
+    .await
+    .expect("runplane serve logged `serving` within 60 s")
+    .unwrap_or_else(|| panic!("runplane serve exited before serving: {seen:#?}"));
+    Process {
+        child,
+        address,
+        stdout_lines: Vec::new(),
+        stderr: Some(lines.into_inner().into_inner()),
+    }
+}
+
+/// A plain tonic channel to `endpoint`, as any gRPC client would open.
+pub async fn channel(endpoint: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+        .expect("endpoint uri")
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connect to {endpoint}: {e}"))
+}

@@ -9,13 +9,15 @@ use anyhow::Context;
 use rand::RngCore;
 use runplane_config::{Config, Secret};
 
-use crate::serve::{Selection, bind, init_telemetry, open, run_until_signal};
+use crate::serve::{Selection, bind, init_telemetry, open, run_until};
 
 const TOKEN_FILE: &str = "operator-token";
 
 pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> anyhow::Result<()> {
     let mut config = Config::load(config_file)?;
     let _telemetry = init_telemetry(&config, "runplane-dev")?;
+    // Before the banner: a user may press Ctrl-C the moment it appears.
+    let shutdown = runplane_grpc::shutdown_signal();
 
     let data_dir = prepare_data_dir(data_dir)?;
     if config.auth.operator_token.is_empty() {
@@ -37,7 +39,7 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
 
     let services = open(&config, Selection::all()).await?;
     print_banner(&config, &data_dir, services.names())?;
-    run_until_signal(listener, services, &config).await
+    run_until(listener, services, &config, shutdown).await
 }
 
 fn prepare_data_dir(dir: &Path) -> anyhow::Result<PathBuf> {

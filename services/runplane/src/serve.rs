@@ -51,9 +51,10 @@ pub async fn serve(config_file: Option<&Path>, names: &[ServiceName]) -> anyhow:
     let config = Config::load(config_file)?;
     config.require_operator_token()?;
     let _telemetry = init_telemetry(&config, "runplane")?;
+    let shutdown = runplane_grpc::shutdown_signal();
     let listener = bind(&config.server.listen).await?;
     let services = open(&config, Selection::from_names(names)).await?;
-    run_until_signal(listener, services, &config).await
+    run_until(listener, services, &config, shutdown).await
 }
 
 pub fn init_telemetry(
@@ -103,18 +104,13 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
     Ok(services)
 }
 
-pub async fn run_until_signal(
+pub async fn run_until(
     listener: TcpListener,
     services: ServiceSet,
     config: &Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    runplane_grpc::serve(
-        listener,
-        services,
-        runplane_grpc::shutdown_signal(),
-        config.shutdown_grace(),
-    )
-    .await?;
+    runplane_grpc::serve(listener, services, shutdown, config.shutdown_grace()).await?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -16,21 +16,28 @@ pub use error::{ErrorReason, error_info, status_with_reason};
 pub use server::{ServiceSet, serve};
 
 /// Resolves on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
-pub async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+///
+/// The handlers are installed when this is called, not when the future is first polled,
+/// so call it before announcing readiness: a signal that arrives in between is caught
+/// instead of killing the process.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
-        let mut terminate =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("install SIGTERM handler");
-        tokio::select! {
-            _ = interrupt => tracing::info!(signal = "SIGINT", "shutting down"),
-            _ = terminate.recv() => tracing::info!(signal = "SIGTERM", "shutting down"),
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+        let mut terminate = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+        async move {
+            tokio::select! {
+                _ = interrupt.recv() => tracing::info!(signal = "SIGINT", "shutting down"),
+                _ = terminate.recv() => tracing::info!(signal = "SIGTERM", "shutting down"),
+            }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = interrupt.await;
-        tracing::info!(signal = "ctrl-c", "shutting down");
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!(signal = "ctrl-c", "shutting down");
+        }
     }
 }

@@ -79,8 +79,14 @@ pub async fn serve(
             .await;
     }
 
+    // Both versions list both reflection services, whichever a client speaks.
     let reflection = || {
         tonic_reflection::server::Builder::configure()
+            .include_reflection_service(false)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(
+                tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+            )
             .register_encoded_file_descriptor_set(runplane_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
@@ -95,8 +101,9 @@ pub async fn serve(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
 
-    let local = listener.local_addr().ok();
-    tracing::info!(address = ?local, services = ?names, "serving");
+    if let Ok(address) = listener.local_addr() {
+        tracing::info!(%address, services = ?names, "serving");
+    }
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()

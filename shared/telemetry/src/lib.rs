@@ -8,6 +8,8 @@
 //!   context crosses gRPC hops even when this process exports nothing.
 //! - [`Telemetry::shutdown`] (or drop) flushes spans still in the batch.
 
+use std::io::IsTerminal;
+
 use opentelemetry::propagation::TextMapCompositePropagator;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
@@ -129,7 +131,11 @@ pub fn init(options: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
     let registry = tracing_subscriber::registry().with(filter).with(otel_layer);
     let installed = match options.log_format {
         LogFormat::Text => registry
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(std::io::stderr().is_terminal())
+                    .with_writer(std::io::stderr),
+            )
             .try_init(),
         LogFormat::Json => registry
             .with(

@@ -1,0 +1,100 @@
+//! `runplane serve` of one service against the real Postgres: only the named services
+//! are hosted, the database is migrated, and configuration errors name the field.
+
+use runplane_integration_tests::{channel, runplane_bin, start_serve};
+use runplane_testkit::TestDatabase;
+use sea_orm::{ConnectionTrait, Database, Statement};
+use tonic::Code;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const TOKEN: &str = "integration-test-operator-token-0123456789";
+
+#[tokio::test]
+async fn serve_run_store_hosts_only_the_run_store_on_migrated_postgres() {
+    let db = TestDatabase::new().await;
+    let mut process = start_serve(
+        &["run-store"],
+        &[
+            ("RUNPLANE_SERVER__LISTEN", "127.0.0.1:0"),
+            ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN),
+            ("RUNPLANE_RUN_STORE__DATABASE_URL", db.url()),
+        ],
+    )
+    .await;
+
+    let mut health = HealthClient::new(channel(&process.endpoint()).await);
+    for service in [
+        "runplane.runstore.v1.RunService",
+        "runplane.runstore.v1.RunnerService",
+    ] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status();
+        assert_eq!(status, ServingStatus::Serving);
+    }
+    let err = health
+        .check(HealthCheckRequest {
+            service: "runplane.reconciler.v1.SandboxService".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+
+    let conn = Database::connect(db.url()).await.unwrap();
+    let migrated = conn
+        .query_one_raw(Statement::from_string(
+            conn.get_database_backend(),
+            "SELECT to_regclass('public.seaql_migrations') IS NOT NULL AS present",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(migrated.try_get::<bool>("", "present").unwrap());
+    conn.close().await.unwrap();
+
+    assert!(process.terminate().await.success());
+    let logs = process.stderr().await;
+    assert!(!logs.contains(TOKEN), "the operator token leaked into logs");
+}
+
+#[tokio::test]
+async fn serve_without_an_operator_token_refuses_to_start() {
+    let output = tokio::process::Command::new(runplane_bin())
+        .args(["serve", "run-store"])
+        .env_remove("RUNPLANE_AUTH__OPERATOR_TOKEN")
+        .env_remove("RUNPLANE_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("invalid config: auth.operator_token: required to serve"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_bad_override_names_the_field_and_its_variable() {
+    let output = tokio::process::Command::new(runplane_bin())
+        .args(["serve", "all"])
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+        .env("RUNPLANE_SERVER__LISTEN", "not-an-address")
+        .env_remove("RUNPLANE_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("invalid config: server.listen: `not-an-address` is not a socket address"),
+        "{stderr}"
+    );
+}
