@@ -12,7 +12,9 @@
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 
-use sea_orm::{ConnectionTrait, Database};
+use std::time::Duration;
+
+use sea_orm::{ConnectOptions, ConnectionTrait, Database};
 
 pub const DEFAULT_POSTGRES_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -20,6 +22,17 @@ pub const START_POSTGRES: &str =
     "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start";
 pub const START_REDIS: &str =
     "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save \"\" --appendonly no";
+
+/// A refused connection fails in seconds, not after sqlx's default 30 s of retries.
+fn admin_options(admin_url: &str) -> ConnectOptions {
+    let mut options = ConnectOptions::new(admin_url.to_owned());
+    options
+        .max_connections(1)
+        .connect_timeout(Duration::from_secs(3))
+        .acquire_timeout(Duration::from_secs(3))
+        .sqlx_logging(false);
+    options
+}
 
 fn postgres_admin_url() -> String {
     std::env::var("RUNPLANE_TEST_POSTGRES_URL")
@@ -35,9 +48,15 @@ pub struct TestDatabase {
 }
 
 impl TestDatabase {
+    /// A database on the server `RUNPLANE_TEST_POSTGRES_URL` (or the local default) names.
     pub async fn new() -> Self {
-        let admin_url = postgres_admin_url();
-        let admin = Database::connect(&admin_url).await.unwrap_or_else(|e| {
+        Self::on(postgres_admin_url()).await
+    }
+
+    /// A database on the server reached through `admin_url` (a user that may create
+    /// databases). Panics with the start command when the server is unreachable.
+    pub async fn on(admin_url: String) -> Self {
+        let admin = Database::connect(admin_options(&admin_url)).await.unwrap_or_else(|e| {
             panic!(
                 "Postgres is not reachable at {admin_url}: {e}\n\
                  start it with: {START_POSTGRES}\n\
@@ -82,7 +101,7 @@ impl Drop for TestDatabase {
                 .build()
                 .expect("runtime for dropping the test database");
             rt.block_on(async {
-                let admin = Database::connect(&admin_url).await?;
+                let admin = Database::connect(admin_options(&admin_url)).await?;
                 admin
                     .execute_unprepared(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
                     .await?;
@@ -137,9 +156,17 @@ pub struct TestRedis {
 }
 
 impl TestRedis {
+    /// A prefix on the server `RUNPLANE_TEST_REDIS_URL` (or the local default) names.
     pub async fn new() -> Self {
-        let url = std::env::var("RUNPLANE_TEST_REDIS_URL")
-            .unwrap_or_else(|_| DEFAULT_REDIS_URL.to_owned());
+        Self::on(
+            std::env::var("RUNPLANE_TEST_REDIS_URL")
+                .unwrap_or_else(|_| DEFAULT_REDIS_URL.to_owned()),
+        )
+        .await
+    }
+
+    /// A prefix on the server at `url`. Panics with the start command when unreachable.
+    pub async fn on(url: String) -> Self {
         let unreachable = |e: &dyn std::fmt::Display| -> ! {
             panic!("Redis is not reachable at {url}: {e}\nstart it with: {START_REDIS}")
         };
