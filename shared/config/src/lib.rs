@@ -435,3 +435,21 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod example {
+    use super::*;
+
+    /// `deploy/runplane.example.toml` documents every field at its default; keep it so.
+    #[test]
+    fn the_example_file_loads_and_matches_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/runplane.example.toml");
+        let figment = Figment::new().merge(Toml::file_exact(&path));
+        let example: Config = figment
+            .extract()
+            .expect("example parses with no unknown field");
+        example.validate().expect("example is valid");
+        let defaults = Config::default();
+        assert_eq!(format!("{example:?}"), format!("{defaults:?}"));
+    }
+}
