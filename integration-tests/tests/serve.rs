@@ -10,6 +10,8 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 const TOKEN: &str = "integration-test-operator-token-0123456789";
+/// A fixed Ed25519 seed; tests only.
+const RECEIPT_KEY: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
 
 #[tokio::test]
 async fn serve_run_store_hosts_only_the_run_store_on_migrated_postgres() {
@@ -20,6 +22,7 @@ async fn serve_run_store_hosts_only_the_run_store_on_migrated_postgres() {
             ("RUNPLANE_SERVER__LISTEN", "127.0.0.1:0"),
             ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN),
             ("RUNPLANE_RUN_STORE__DATABASE_URL", db.url()),
+            ("RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY", RECEIPT_KEY),
         ],
     )
     .await;
@@ -62,6 +65,10 @@ async fn serve_run_store_hosts_only_the_run_store_on_migrated_postgres() {
     assert!(process.terminate().await.success());
     let logs = process.stderr().await;
     assert!(!logs.contains(TOKEN), "the operator token leaked into logs");
+    assert!(
+        !logs.contains(RECEIPT_KEY),
+        "the signing key leaked into logs"
+    );
 }
 
 #[tokio::test]

@@ -1,18 +1,902 @@
-//! The tonic side of the run store: decode, validate, call the domain, map errors.
-//!
-//! Every method still has the generated default body, which answers `UNIMPLEMENTED`.
+//! The tonic side of the run store: authenticate, validate, call the store, map errors.
 
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use futures::Stream;
+use prost::Message;
+use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_server::RunService;
 use runplane_proto::runstore::v1::runner_service_server::RunnerService;
+use tonic::{Request, Response, Status};
+
+use crate::auth::{Operator, OperatorAuth, bearer};
+use crate::changes::Changes;
+use crate::config::RunStoreSettings;
+use crate::convert;
+use crate::domain::ids::{digest_hex, hex};
+use crate::domain::{ids, state, validate};
+use crate::error::RunStoreError;
+use crate::store::{Ack, FailRequest, NewRun, RunFilter, RunnerAuth, Store};
+
+type Result<T> = std::result::Result<T, RunStoreError>;
+
+/// What both services share.
+#[derive(Debug)]
+pub struct Shared {
+    pub store: Store,
+    pub settings: RunStoreSettings,
+    pub operators: OperatorAuth,
+    pub changes: Changes,
+}
+
+impl Shared {
+    fn operator<T>(&self, request: &Request<T>) -> Result<Operator> {
+        self.operators.authenticate(request.metadata())
+    }
+
+    /// Calls only runplane's own services may make.
+    fn service<T>(&self, request: &Request<T>) -> Result<()> {
+        match self.operator(request)? {
+            Operator::AnyOrg => Ok(()),
+            Operator::Org(org) => Err(RunStoreError::OrgDenied { org }),
+        }
+    }
+
+    async fn runner<T>(
+        &self,
+        request: &Request<T>,
+        run_id: &str,
+        allow_terminal: bool,
+    ) -> Result<RunnerAuth> {
+        let key = bearer(request.metadata()).ok_or(RunStoreError::Unauthenticated)?;
+        validate::run_id(run_id)?;
+        self.store
+            .authenticate_runner(key, run_id, allow_terminal)
+            .await
+    }
+
+    /// The run, if the operator may see it. A run of another org is reported as not
+    /// found, so org tokens cannot probe for ids.
+    async fn visible_run(
+        &self,
+        operator: &Operator,
+        run_id: &str,
+    ) -> Result<crate::store::entities::run::Model> {
+        validate::run_id(run_id)?;
+        let run = self.store.get_run(run_id).await?;
+        if operator.may_act_in(&run.org_id).is_err() {
+            return Err(RunStoreError::RunNotFound {
+                run_id: run_id.to_owned(),
+            });
+        }
+        Ok(run)
+    }
+
+    fn limits(&self) -> pb::RunnerLimits {
+        let l = &self.settings.limits;
+        pb::RunnerLimits {
+            max_batch_events: l.max_batch_events,
+            max_batch_bytes: l.max_batch_bytes,
+            max_event_text_bytes: l.max_event_text_bytes,
+            max_ack_ids: l.max_ack_ids,
+            max_poll_wait: Some(duration(l.max_poll_wait)),
+            max_failure_tail_bytes: l.max_failure_tail_bytes,
+        }
+    }
+}
+
+fn duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+fn from_duration(
+    field: &'static str,
+    d: Option<&prost_types::Duration>,
+) -> Result<Option<Duration>> {
+    match d {
+        None => Ok(None),
+        Some(d) if d.seconds < 0 || d.nanos < 0 => {
+            Err(RunStoreError::invalid(field, "must not be negative"))
+        }
+        Some(d) => Ok(Some(Duration::new(d.seconds as u64, d.nanos as u32))),
+    }
+}
 
 /// `runplane.runstore.v1.RunnerService`: calls from the runner inside a sandbox.
 #[derive(Debug, Clone)]
-pub struct RunnerApi;
-
-impl RunnerService for RunnerApi {}
+pub struct RunnerApi {
+    pub shared: Arc<Shared>,
+}
 
 /// `runplane.runstore.v1.RunService`: calls from operators and other services.
 #[derive(Debug, Clone)]
-pub struct RunApi;
+pub struct RunApi {
+    pub shared: Arc<Shared>,
+}
 
-impl RunService for RunApi {}
+#[tonic::async_trait]
+impl RunnerService for RunnerApi {
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn hello(
+        &self,
+        request: Request<pb::HelloRequest>,
+    ) -> std::result::Result<Response<pb::HelloResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        let auth = s.runner(&request, &req.run_id, false).await?;
+        validate::client_key("nonce", &req.nonce)?;
+        let (run, claimed_at) = s
+            .store
+            .hello(&auth.key.key_id, &req.run_id, &req.nonce)
+            .await?;
+        s.changes.notify(&run.id);
+        tracing::info!(key_id = %auth.key.key_id, generation = auth.key.sandbox_generation, "runner said hello");
+        Ok(Response::new(pb::HelloResponse {
+            chain_head: run.chain_head.clone(),
+            run: Some(convert::run(&run)),
+            claimed_at: Some(crate::store::timestamp(claimed_at)),
+            limits: Some(s.limits()),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, events = request.get_ref().events.len()))]
+    async fn append_events(
+        &self,
+        request: Request<pb::AppendEventsRequest>,
+    ) -> std::result::Result<Response<pb::AppendEventsResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        s.runner(&request, &req.run_id, false).await?;
+        validate::client_key("batch_key", &req.batch_key)?;
+        let events = validate::batch(&req.events, &s.settings.limits, false)?;
+        let appended = s
+            .store
+            .append_events(&req.run_id, &req.batch_key, &events)
+            .await?;
+        s.changes.notify(&req.run_id);
+        Ok(Response::new(pb::AppendEventsResponse {
+            first_sequence: appended.first_sequence,
+            last_sequence: appended.last_sequence,
+            chain_head: appended.chain_head,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, acks = request.get_ref().acks.len()))]
+    async fn poll_steering(
+        &self,
+        request: Request<pb::PollSteeringRequest>,
+    ) -> std::result::Result<Response<pb::PollSteeringResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        s.runner(&request, &req.run_id, false).await?;
+        let acks = check_acks(&req.acks, s.settings.limits.max_ack_ids as usize)?;
+        let limit = match req.max_messages {
+            0 => 16,
+            n @ 1..=64 => n,
+            _ => return Err(RunStoreError::invalid("max_messages", "must be 0 to 64").into()),
+        };
+        let wait = from_duration("wait", req.wait.as_ref())?
+            .unwrap_or_default()
+            .min(s.settings.limits.max_poll_wait);
+
+        s.store.acknowledge(&req.run_id, &acks).await?;
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = s.changes.subscribe();
+        loop {
+            let pending = s.store.pending_messages(&req.run_id, limit.into()).await?;
+            let run = s.store.get_run(&req.run_id).await?;
+            if !pending.is_empty()
+                || state::is_terminal(&run.state)
+                || tokio::time::Instant::now() >= deadline
+            {
+                return Ok(Response::new(pb::PollSteeringResponse {
+                    messages: pending.iter().map(convert::message).collect(),
+                    run_state: state::to_proto(&run.state) as i32,
+                }));
+            }
+            changes.wait_for(&req.run_id, deadline).await;
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn submit_result(
+        &self,
+        request: Request<pb::SubmitResultRequest>,
+    ) -> std::result::Result<Response<pb::SubmitResultResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        s.runner(&request, &req.run_id, true).await?;
+        let verdict = validate::verdict(req.verdict.as_ref())?;
+        validate::bounded(
+            "failure_tail",
+            &req.failure_tail,
+            0,
+            s.settings.limits.max_failure_tail_bytes as usize,
+        )?;
+        let final_events = validate::batch(&req.final_events, &s.settings.limits, true)?;
+        let final_batch = if final_events.is_empty() {
+            None
+        } else {
+            validate::client_key("final_batch_key", &req.final_batch_key)?;
+            Some((req.final_batch_key.as_str(), final_events.as_slice()))
+        };
+        let finished = s
+            .store
+            .submit_result(
+                &req.run_id,
+                verdict,
+                &req.failure_tail,
+                final_batch,
+                &s.settings.signer,
+            )
+            .await?;
+        if finished.made_terminal {
+            s.changes.notify(&req.run_id);
+            tracing::info!(outcome = %state::outcome_name(verdict.outcome()), reason = %verdict.reason, "run finished");
+        }
+        let receipt = s.store.receipt(&req.run_id).await?;
+        Ok(Response::new(pb::SubmitResultResponse {
+            run: Some(convert::run(&finished.run)),
+            already_recorded: !finished.made_terminal,
+            receipt,
+        }))
+    }
+}
+
+fn check_acks(acks: &[pb::SteeringAck], max: usize) -> Result<Vec<Ack>> {
+    if acks.len() > max {
+        return Err(RunStoreError::AckInvalid {
+            index: max,
+            reason: format!(
+                "at most {max} acknowledgements per poll, got {}",
+                acks.len()
+            ),
+        });
+    }
+    acks.iter()
+        .enumerate()
+        .map(|(index, a)| {
+            if !ids::is_message_id(&a.message_id) {
+                return Err(RunStoreError::AckInvalid {
+                    index,
+                    reason: "not a message id this server issues".into(),
+                });
+            }
+            let dropped = match pb::AckOutcome::try_from(a.outcome) {
+                Ok(pb::AckOutcome::Applied) => false,
+                Ok(pb::AckOutcome::DroppedUndeliverable) => true,
+                _ => {
+                    return Err(RunStoreError::AckInvalid {
+                        index,
+                        reason: "outcome must be applied or dropped_undeliverable".into(),
+                    });
+                }
+            };
+            if a.error.len() > 512 {
+                return Err(RunStoreError::AckInvalid {
+                    index,
+                    reason: "error is more than 512 bytes".into(),
+                });
+            }
+            Ok(Ack {
+                message_id: a.message_id.clone(),
+                dropped,
+                attempts: a.attempts.max(1),
+                error: a.error.clone(),
+            })
+        })
+        .collect()
+}
+
+type WatchStream =
+    Pin<Box<dyn Stream<Item = std::result::Result<pb::WatchRunResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl RunService for RunApi {
+    #[tracing::instrument(skip_all, fields(org_id = %request.get_ref().org_id))]
+    async fn create_run(
+        &self,
+        request: Request<pb::CreateRunRequest>,
+    ) -> std::result::Result<Response<pb::CreateRunResponse>, Status> {
+        use pb::create_run_request::Target;
+        let s = &self.shared;
+        let operator = s.operator(&request)?;
+        let req = request.get_ref();
+        validate::client_key("client_request_id", &req.client_request_id)?;
+        validate::name("org_id", &req.org_id)?;
+        operator.may_act_in(&req.org_id)?;
+        if !req.lead_id.is_empty() {
+            validate::name("lead_id", &req.lead_id)?;
+        }
+        let (profile, credential_id) = match &req.target {
+            Some(Target::Profile(p)) => {
+                validate::name("profile", p)?;
+                (p.clone(), String::new())
+            }
+            Some(Target::CredentialId(c)) => {
+                validate::name("credential_id", c)?;
+                (String::new(), c.clone())
+            }
+            None => {
+                return Err(RunStoreError::invalid(
+                    "target",
+                    "exactly one of profile or credential_id is required",
+                )
+                .into());
+            }
+        };
+        validate::bounded("command", &req.command, 1, 4096)?;
+        if req.args.len() > 256 {
+            return Err(RunStoreError::invalid("args", "at most 256 arguments").into());
+        }
+        for arg in &req.args {
+            validate::bounded("args", arg, 0, 4096)?;
+        }
+        if req.labels.len() > 32 {
+            return Err(RunStoreError::invalid("labels", "at most 32 labels").into());
+        }
+        let labels: std::collections::BTreeMap<String, String> = req
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (k, v) in &labels {
+            validate::bounded("labels", k, 1, 63)?;
+            validate::bounded("labels", v, 0, 256)?;
+        }
+        let request_digest = digest_hex(
+            serde_json::to_string(&(
+                &req.org_id,
+                &req.lead_id,
+                &profile,
+                &credential_id,
+                &req.command,
+                &req.args,
+                &labels,
+            ))
+            .expect("serialisable")
+            .as_bytes(),
+        );
+        let (run, created) = s
+            .store
+            .create_run(NewRun {
+                org_id: req.org_id.clone(),
+                lead_id: req.lead_id.clone(),
+                client_request_id: req.client_request_id.clone(),
+                request_digest,
+                credential_id,
+                profile,
+                command: req.command.clone(),
+                args: req.args.clone(),
+                labels,
+            })
+            .await?;
+        if created {
+            tracing::info!(run_id = %run.id, "run created");
+        }
+        Ok(Response::new(pb::CreateRunResponse {
+            run: Some(convert::run(&run)),
+        }))
+    }
+
+    async fn get_run(
+        &self,
+        request: Request<pb::GetRunRequest>,
+    ) -> std::result::Result<Response<pb::GetRunResponse>, Status> {
+        let s = &self.shared;
+        let operator = s.operator(&request)?;
+        let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
+        Ok(Response::new(pb::GetRunResponse {
+            run: Some(convert::run(&run)),
+        }))
+    }
+
+    async fn list_runs(
+        &self,
+        request: Request<pb::ListRunsRequest>,
+    ) -> std::result::Result<Response<pb::ListRunsResponse>, Status> {
+        let s = &self.shared;
+        let operator = s.operator(&request)?;
+        let req = request.get_ref();
+        let org_id = operator.org_filter(&req.org_id)?;
+        let mut states = Vec::new();
+        for st in &req.states {
+            let st = pb::RunState::try_from(*st)
+                .ok()
+                .and_then(state::from_proto)
+                .ok_or_else(|| {
+                    RunStoreError::invalid("states", "holds an unknown or unspecified state")
+                })?;
+            states.push(st);
+        }
+        let limit = match req.page_size {
+            0 => 50,
+            n @ 1..=500 => n,
+            _ => return Err(RunStoreError::invalid("page_size", "must be 0 to 500").into()),
+        };
+        let mut filter = RunFilter {
+            org_id,
+            lead_id: (!req.lead_id.is_empty()).then(|| req.lead_id.clone()),
+            credential_id: (!req.credential_id.is_empty()).then(|| req.credential_id.clone()),
+            profile: (!req.profile.is_empty()).then(|| req.profile.clone()),
+            states,
+            after: None,
+            limit: u64::from(limit) + 1,
+        };
+        let filter_digest = page_filter_digest(&filter);
+        if !req.page_token.is_empty() {
+            filter.after = Some(decode_page_token(&req.page_token, &filter_digest)?);
+        }
+        let mut runs = s.store.list_runs(&filter).await?;
+        let next_page_token = if runs.len() > limit as usize {
+            runs.truncate(limit as usize);
+            let last = runs.last().expect("a full page");
+            encode_page_token(&filter_digest, last.created_at_us, &last.id)
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListRunsResponse {
+            runs: runs.iter().map(convert::run).collect(),
+            next_page_token,
+        }))
+    }
+
+    async fn count_active_runs(
+        &self,
+        request: Request<pb::CountActiveRunsRequest>,
+    ) -> std::result::Result<Response<pb::CountActiveRunsResponse>, Status> {
+        let s = &self.shared;
+        s.service(&request)?;
+        let req = request.get_ref();
+        if req.credential_ids.len() > 10_000 || req.profiles.len() > 10_000 {
+            return Err(RunStoreError::invalid("credential_ids", "at most 10000 entries").into());
+        }
+        let (mut by_credential, mut by_profile) = s.store.count_active().await?;
+        if !req.credential_ids.is_empty() {
+            by_credential.retain(|k, _| req.credential_ids.contains(k));
+        }
+        if !req.profiles.is_empty() {
+            by_profile.retain(|k, _| req.profiles.contains(k));
+        }
+        Ok(Response::new(pb::CountActiveRunsResponse {
+            active_by_credential: by_credential,
+            active_by_profile: by_profile,
+            counted_at: Some(crate::store::timestamp(s.store.now_us())),
+        }))
+    }
+
+    async fn watch_run(
+        &self,
+        request: Request<pb::WatchRunRequest>,
+    ) -> std::result::Result<Response<WatchStream>, Status> {
+        let s = self.shared.clone();
+        let operator = s.operator(&request)?;
+        let req = request.into_inner();
+        let first = s.visible_run(&operator, &req.run_id).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            if let Err(status) = watch(&s, first, &req, &tx).await {
+                let _ = tx.send(Err(status)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, generation = request.get_ref().sandbox_generation))]
+    async fn issue_run_key(
+        &self,
+        request: Request<pb::IssueRunKeyRequest>,
+    ) -> std::result::Result<Response<pb::IssueRunKeyResponse>, Status> {
+        let s = &self.shared;
+        s.service(&request)?;
+        let req = request.get_ref();
+        validate::run_id(&req.run_id)?;
+        validate::name("sandbox_id", &req.sandbox_id)?;
+        validate::client_key("idempotency_key", &req.idempotency_key)?;
+        if req.sandbox_generation == 0 || req.sandbox_generation > i64::MAX as u64 {
+            return Err(RunStoreError::invalid("sandbox_generation", "must be at least 1").into());
+        }
+        let (key, secret) = s
+            .store
+            .issue_run_key(
+                &req.run_id,
+                &req.sandbox_id,
+                req.sandbox_generation,
+                &req.idempotency_key,
+            )
+            .await?;
+        s.changes.notify(&req.run_id);
+        tracing::info!(key_id = %key.key_id, "run key issued");
+        Ok(Response::new(pb::IssueRunKeyResponse {
+            run_key: secret,
+            key_id: key.key_id,
+            sandbox_generation: key.sandbox_generation as u64,
+        }))
+    }
+
+    async fn check_run_key(
+        &self,
+        request: Request<pb::CheckRunKeyRequest>,
+    ) -> std::result::Result<Response<pb::CheckRunKeyResponse>, Status> {
+        let s = &self.shared;
+        s.service(&request)?;
+        let req = request.get_ref();
+        validate::run_id(&req.run_id)?;
+        if req.key_sha256.len() != 32 {
+            return Err(RunStoreError::invalid("key_sha256", "must be 32 bytes").into());
+        }
+        let auth = s
+            .store
+            .authenticate_key_hash(&hex(&req.key_sha256), &req.run_id, false)
+            .await?;
+        Ok(Response::new(pb::CheckRunKeyResponse {
+            org_id: auth.run.org_id.clone(),
+            run_state: state::to_proto(&auth.run.state) as i32,
+            sandbox_generation: auth.key.sandbox_generation as u64,
+            key_id: auth.key.key_id,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn steer(
+        &self,
+        request: Request<pb::SteerRequest>,
+    ) -> std::result::Result<Response<pb::SteerResponse>, Status> {
+        let s = &self.shared;
+        let operator = s.operator(&request)?;
+        let req = request.get_ref();
+        s.visible_run(&operator, &req.run_id).await?;
+        validate::bounded("text", &req.text, 1, 8192)?;
+        if req.text.contains('\n') {
+            return Err(RunStoreError::invalid("text", "must be one line (no newline)").into());
+        }
+        validate::client_key("idempotency_key", &req.idempotency_key)?;
+        let payload = pb::SteerPayload {
+            text: req.text.clone(),
+        }
+        .encode_to_vec();
+        let message = s
+            .store
+            .enqueue(
+                &req.run_id,
+                pb::SteeringKind::Steer,
+                payload,
+                &req.idempotency_key,
+                false,
+            )
+            .await?;
+        s.changes.notify(&req.run_id);
+        Ok(Response::new(pb::SteerResponse {
+            message: Some(convert::message(&message)),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn interrupt(
+        &self,
+        request: Request<pb::InterruptRequest>,
+    ) -> std::result::Result<Response<pb::InterruptResponse>, Status> {
+        let s = &self.shared;
+        let operator = s.operator(&request)?;
+        let req = request.get_ref();
+        let run = s.visible_run(&operator, &req.run_id).await?;
+        validate::bounded("reason", &req.reason, 0, 512)?;
+        validate::client_key("idempotency_key", &req.idempotency_key)?;
+        let grace = from_duration("grace", req.grace.as_ref())?.unwrap_or(Duration::from_secs(10));
+        if grace > Duration::from_secs(300) {
+            return Err(RunStoreError::invalid("grace", "must be at most 5 minutes").into());
+        }
+        if run.state == state::QUEUED
+            && let Some(cancelled) = s
+                .store
+                .cancel_queued(&req.run_id, &req.reason, &s.settings.signer)
+                .await?
+        {
+            s.changes.notify(&req.run_id);
+            return Ok(Response::new(pb::InterruptResponse {
+                message: None,
+                run: Some(convert::run(&cancelled)),
+            }));
+        }
+        let payload = pb::InterruptPayload {
+            reason: req.reason.clone(),
+            grace: Some(duration(grace)),
+        }
+        .encode_to_vec();
+        let message = s
+            .store
+            .enqueue(
+                &req.run_id,
+                pb::SteeringKind::Interrupt,
+                payload,
+                &req.idempotency_key,
+                false,
+            )
+            .await?;
+        s.changes.notify(&req.run_id);
+        let run = s.store.get_run(&req.run_id).await?;
+        Ok(Response::new(pb::InterruptResponse {
+            message: Some(convert::message(&message)),
+            run: Some(convert::run(&run)),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn enqueue_control(
+        &self,
+        request: Request<pb::EnqueueControlRequest>,
+    ) -> std::result::Result<Response<pb::EnqueueControlResponse>, Status> {
+        use pb::enqueue_control_request::Control;
+        let s = &self.shared;
+        s.service(&request)?;
+        let req = request.get_ref();
+        validate::run_id(&req.run_id)?;
+        validate::client_key("idempotency_key", &req.idempotency_key)?;
+        let (kind, payload, on_terminal) = match &req.control {
+            Some(Control::ResumeStream(p)) => {
+                validate::bounded(
+                    "resume_stream.controller_token",
+                    &p.controller_token,
+                    1,
+                    256,
+                )?;
+                (pb::SteeringKind::ResumeStream, p.encode_to_vec(), false)
+            }
+            Some(Control::Abort(p)) => {
+                validate::snake_reason("abort.reason", &p.reason)?;
+                (pb::SteeringKind::Abort, p.encode_to_vec(), true)
+            }
+            None => {
+                return Err(RunStoreError::invalid(
+                    "control",
+                    "one of resume_stream or abort is required",
+                )
+                .into());
+            }
+        };
+        let message = s
+            .store
+            .enqueue(
+                &req.run_id,
+                kind,
+                payload,
+                &req.idempotency_key,
+                on_terminal,
+            )
+            .await?;
+        s.changes.notify(&req.run_id);
+        Ok(Response::new(pb::EnqueueControlResponse {
+            message: Some(convert::message(&message)),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, reason = %request.get_ref().reason))]
+    async fn fail_run(
+        &self,
+        request: Request<pb::FailRunRequest>,
+    ) -> std::result::Result<Response<pb::FailRunResponse>, Status> {
+        let s = &self.shared;
+        s.service(&request)?;
+        let req = request.get_ref();
+        validate::run_id(&req.run_id)?;
+        validate::snake_reason("reason", &req.reason)?;
+        validate::bounded("message", &req.message, 0, 512)?;
+        validate::client_key("idempotency_key", &req.idempotency_key)?;
+        let digest = digest_hex(
+            serde_json::to_string(&(&req.reason, &req.message, req.if_sandbox_generation))
+                .expect("serialisable")
+                .as_bytes(),
+        );
+        let (outcome, run) = s
+            .store
+            .fail_run(
+                &req.run_id,
+                &FailRequest {
+                    reason: &req.reason,
+                    message: &req.message,
+                    idempotency_key: &req.idempotency_key,
+                    guard_generation: req.if_sandbox_generation,
+                    request_digest: &digest,
+                },
+                &s.settings.signer,
+            )
+            .await?;
+        if outcome == pb::FailRunOutcome::MadeTerminal {
+            s.changes.notify(&req.run_id);
+        }
+        tracing::info!(outcome = outcome.as_str_name(), "fail run");
+        Ok(Response::new(pb::FailRunResponse {
+            outcome: outcome as i32,
+            run: Some(convert::run(&run)),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn mark_backend_error(
+        &self,
+        request: Request<pb::MarkBackendErrorRequest>,
+    ) -> std::result::Result<Response<pb::MarkBackendErrorResponse>, Status> {
+        let s = &self.shared;
+        s.service(&request)?;
+        let req = request.get_ref();
+        validate::run_id(&req.run_id)?;
+        validate::client_key("idempotency_key", &req.idempotency_key)?;
+        let kind = match pb::BackendErrorKind::try_from(req.kind) {
+            Ok(k @ (pb::BackendErrorKind::Error | pb::BackendErrorKind::Exhausted)) => k,
+            _ => return Err(RunStoreError::invalid("kind", "must be error or exhausted").into()),
+        };
+        validate::bounded("reason", &req.reason, 1, 512)?;
+        validate::name("credential_id", &req.credential_id)?;
+        validate::bounded("incident_id", &req.incident_id, 0, 128)?;
+        validate::bounded("turn_id", &req.turn_id, 0, 128)?;
+        let request_json = serde_json::json!({
+            "kind": kind.as_str_name(),
+            "reason": req.reason,
+            "credential_id": req.credential_id,
+            "incident_id": req.incident_id,
+            "turn_id": req.turn_id,
+        });
+        let digest = digest_hex(request_json.to_string().as_bytes());
+        let mut outcome_json = request_json;
+        outcome_json["recorded_at_us"] = s.store.now_us().into();
+        let (outcome, run) = s
+            .store
+            .mark_backend_error(
+                &req.run_id,
+                &req.idempotency_key,
+                &digest,
+                &outcome_json.to_string(),
+                &req.reason,
+                &s.settings.signer,
+            )
+            .await?;
+        s.changes.notify(&req.run_id);
+        Ok(Response::new(pb::MarkBackendErrorResponse {
+            outcome: outcome as i32,
+            run: Some(convert::run(&run)),
+        }))
+    }
+
+    async fn get_receipt(
+        &self,
+        request: Request<pb::GetReceiptRequest>,
+    ) -> std::result::Result<Response<pb::GetReceiptResponse>, Status> {
+        let s = &self.shared;
+        let operator = s.operator(&request)?;
+        let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
+        let receipt = s
+            .store
+            .receipt(&run.id)
+            .await?
+            .ok_or(RunStoreError::ReceiptNotSealed { run_id: run.id })?;
+        Ok(Response::new(pb::GetReceiptResponse {
+            receipt: Some(receipt),
+        }))
+    }
+
+    async fn get_receipt_public_key(
+        &self,
+        request: Request<pb::GetReceiptPublicKeyRequest>,
+    ) -> std::result::Result<Response<pb::GetReceiptPublicKeyResponse>, Status> {
+        let s = &self.shared;
+        s.operator(&request)?;
+        let key_id = &request.get_ref().key_id;
+        let signer = &s.settings.signer;
+        if key_id != signer.key_id() {
+            return Err(RunStoreError::ReceiptKeyUnknown {
+                key_id: key_id.clone(),
+            }
+            .into());
+        }
+        Ok(Response::new(pb::GetReceiptPublicKeyResponse {
+            key_id: key_id.clone(),
+            public_key: signer.public_key().to_vec(),
+            algorithm: "ed25519".into(),
+        }))
+    }
+}
+
+/// Streams a run's snapshot, its events after the asked sequence and a new snapshot at
+/// each state change, until the run is terminal and every event was sent.
+async fn watch(
+    s: &Shared,
+    first: crate::store::entities::run::Model,
+    req: &pb::WatchRunRequest,
+    tx: &tokio::sync::mpsc::Sender<std::result::Result<pb::WatchRunResponse, Status>>,
+) -> std::result::Result<(), Status> {
+    use pb::watch_run_response::Update;
+    let send = |update: Update| async move {
+        tx.send(Ok(pb::WatchRunResponse {
+            update: Some(update),
+        }))
+        .await
+        .is_ok()
+    };
+    let mut last_state = first.state.clone();
+    let mut last_updated = first.updated_at_us;
+    if !send(Update::Run(convert::run(&first))).await {
+        return Ok(());
+    }
+    let mut cursor = req.after_sequence;
+    let mut changes = s.changes.subscribe();
+    loop {
+        if !req.states_only {
+            loop {
+                let events = s.store.events_after(&req.run_id, cursor, 500).await?;
+                let full = events.len() == 500;
+                for e in &events {
+                    cursor = e.sequence as u64;
+                    if !send(Update::Event(convert::event(e))).await {
+                        return Ok(());
+                    }
+                }
+                if !full {
+                    break;
+                }
+            }
+        }
+        let run = s.store.get_run(&req.run_id).await?;
+        if run.state != last_state
+            || (state::is_terminal(&run.state) && run.updated_at_us != last_updated)
+        {
+            last_state = run.state.clone();
+            last_updated = run.updated_at_us;
+            if !send(Update::Run(convert::run(&run))).await {
+                return Ok(());
+            }
+        }
+        if state::is_terminal(&run.state) && (req.states_only || cursor >= run.last_sequence as u64)
+        {
+            return Ok(());
+        }
+        changes
+            .wait_for(
+                &req.run_id,
+                tokio::time::Instant::now() + Duration::from_secs(30),
+            )
+            .await;
+    }
+}
+
+fn page_filter_digest(filter: &RunFilter) -> String {
+    digest_hex(
+        format!(
+            "{:?}|{:?}|{:?}|{:?}|{:?}",
+            filter.org_id, filter.lead_id, filter.credential_id, filter.profile, filter.states
+        )
+        .as_bytes(),
+    )[..16]
+        .to_owned()
+}
+
+fn encode_page_token(filter_digest: &str, created_at_us: i64, id: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .encode(format!("v1|{filter_digest}|{created_at_us}|{id}"))
+}
+
+fn decode_page_token(token: &str, filter_digest: &str) -> Result<(i64, String)> {
+    let invalid = || RunStoreError::invalid("page_token", "was not issued for these filters");
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(token)
+        .map_err(|_| invalid())?;
+    let raw = String::from_utf8(raw).map_err(|_| invalid())?;
+    let mut parts = raw.splitn(4, '|');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some("v1"), Some(digest), Some(created), Some(id)) if digest == filter_digest => {
+            let created = created.parse().map_err(|_| invalid())?;
+            if !ids::is_run_id(id) {
+                return Err(invalid());
+            }
+            Ok((created, id.to_owned()))
+        }
+        _ => Err(invalid()),
+    }
+}

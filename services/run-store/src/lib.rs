@@ -2,44 +2,64 @@
 //!
 //! DESIGN.md "Run store" is the contract. The gRPC surface is
 //! `runplane.runstore.v1.RunnerService` (the runner, authenticated by its run key) and
-//! `runplane.runstore.v1.RunService` (operators and services). Until the run store
-//! issue lands, both answer `UNIMPLEMENTED`; the database is already opened and
-//! migrated so the storage that issue adds is migrated the same way.
+//! `runplane.runstore.v1.RunService` (operators and services, by token).
 
+pub mod auth;
+pub mod changes;
+pub mod config;
+pub mod convert;
+pub mod domain;
 pub mod error;
 pub mod grpc;
 pub mod store;
 
+use std::sync::Arc;
+
+use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
 use runplane_proto::runstore::v1::run_service_server::RunServiceServer;
 use runplane_proto::runstore::v1::runner_service_server::RunnerServiceServer;
-use sea_orm::DatabaseConnection;
 
+pub use config::{Limits, RunStoreSettings};
 pub use error::RunStoreError;
 
 /// A started run store, ready to be registered on a server.
+#[derive(Debug, Clone)]
 pub struct RunStore {
-    db: DatabaseConnection,
+    shared: Arc<grpc::Shared>,
 }
 
 impl RunStore {
     /// Opens and migrates the run store's database (`[run_store].database_url`).
-    pub async fn open(config: &runplane_config::Config) -> Result<Self, RunStoreError> {
+    pub async fn open(
+        config: &runplane_config::Config,
+        clock: SharedClock,
+    ) -> Result<Self, RunStoreError> {
+        let settings = RunStoreSettings::from_config(config)?;
         let db =
-            runplane_db::connect_and_migrate::<store::Migrator>(&config.run_store.database_url)
-                .await?;
-        Ok(Self { db })
+            runplane_db::connect_and_migrate::<store::Migrator>(&settings.database_url).await?;
+        Ok(Self {
+            shared: Arc::new(grpc::Shared {
+                store: store::Store::new(db, clock),
+                operators: auth::OperatorAuth::from_config(config),
+                settings,
+                changes: changes::Changes::new(),
+            }),
+        })
     }
 
-    /// The run store's database connection.
-    pub fn database(&self) -> &DatabaseConnection {
-        &self.db
+    pub fn store(&self) -> &store::Store {
+        &self.shared.store
     }
 
     /// Adds the run store's gRPC services to `services`.
     pub fn register(&self, services: &mut ServiceSet) {
         services
-            .add(RunnerServiceServer::new(grpc::RunnerApi))
-            .add(RunServiceServer::new(grpc::RunApi));
+            .add(RunnerServiceServer::new(grpc::RunnerApi {
+                shared: self.shared.clone(),
+            }))
+            .add(RunServiceServer::new(grpc::RunApi {
+                shared: self.shared.clone(),
+            }));
     }
 }

@@ -44,6 +44,24 @@ pub enum Command {
     },
     /// Print every RPC's replay-safety policy, as the proto method options declare it.
     Policies,
+    /// Receipts: make a signing key, verify a receipt offline.
+    #[command(subcommand)]
+    Receipt(ReceiptCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReceiptCommand {
+    /// Print a new Ed25519 receipt signing key (for run_store.receipt_signing_key) and its
+    /// public key.
+    Keygen,
+    /// Verify a receipt offline: its Ed25519 signature and the body it signs.
+    Verify {
+        /// The receipt as JSON: grpcurl's output of RunService/GetReceipt.
+        file: PathBuf,
+        /// The signer's public key, 64 hex digits or base64 (GetReceiptPublicKey prints it).
+        #[arg(long, value_name = "KEY")]
+        public_key: String,
+    },
 }
 
 /// A runplane service that `runplane serve` can host.
@@ -66,6 +84,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Policies => {
             crate::policies::print(&mut std::io::stdout().lock())?;
             Ok(())
+        }
+        Command::Receipt(ReceiptCommand::Keygen) => {
+            crate::receipt::keygen(&mut std::io::stdout().lock())
+        }
+        Command::Receipt(ReceiptCommand::Verify { file, public_key }) => {
+            crate::receipt::verify_file(&file, &public_key, &mut std::io::stdout().lock())
         }
     }
 }

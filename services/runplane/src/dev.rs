@@ -8,10 +8,12 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use rand::RngCore;
 use runplane_config::{Config, Secret};
+use runplane_run_store::domain::receipt::ReceiptSigner;
 
 use crate::serve::{Selection, bind, init_telemetry, open, run_until};
 
 const TOKEN_FILE: &str = "operator-token";
+const RECEIPT_KEY_FILE: &str = "receipt-signing-key";
 
 pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> anyhow::Result<()> {
     let mut config = Config::load(config_file)?;
@@ -21,7 +23,16 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
 
     let data_dir = prepare_data_dir(data_dir)?;
     if config.auth.operator_token.is_empty() {
-        config.auth.operator_token = operator_token(&data_dir)?;
+        config.auth.operator_token = kept_secret(&data_dir, TOKEN_FILE, || {
+            let mut bytes = [0u8; 32];
+            rand::rng().fill_bytes(&mut bytes);
+            bytes.iter().map(|b| format!("{b:02x}")).collect()
+        })?;
+    }
+    if config.run_store.receipt_signing_key.is_empty() {
+        config.run_store.receipt_signing_key = kept_secret(&data_dir, RECEIPT_KEY_FILE, || {
+            ReceiptSigner::generate().seed_hex()
+        })?;
     }
     let listener = bind(listen).await?;
     let addr = listener.local_addr()?;
@@ -54,22 +65,24 @@ fn prepare_data_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(dir.canonicalize()?)
 }
 
-/// The token kept in `<data_dir>/operator-token`, created (256 random bits, mode 0600)
-/// on first start so that clients configured once keep working across restarts.
-fn operator_token(data_dir: &Path) -> anyhow::Result<Secret> {
-    let path = data_dir.join(TOKEN_FILE);
+/// A secret kept in `<data_dir>/<name>`, made by `generate` (mode 0600) on first start so
+/// that what was configured once (clients' token, receipts' key) survives restarts.
+fn kept_secret(
+    data_dir: &Path,
+    name: &str,
+    generate: impl FnOnce() -> String,
+) -> anyhow::Result<Secret> {
+    let path = data_dir.join(name);
     match std::fs::read_to_string(&path) {
         Ok(token) if token.trim().len() >= 32 => return Ok(Secret::new(token.trim())),
         Ok(_) => anyhow::bail!(
-            "{} holds no valid token; delete it to have a new one generated",
+            "{} holds no valid secret; delete it to have a new one generated",
             path.display()
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     }
-    let mut bytes = [0u8; 32];
-    rand::rng().fill_bytes(&mut bytes);
-    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let token = generate();
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create_new(true);
     #[cfg(unix)]

@@ -3,6 +3,7 @@
 mod cli;
 mod dev;
 mod policies;
+mod receipt;
 mod serve;
 
 use std::process::ExitCode;

@@ -81,7 +81,7 @@ pub async fn bind(listen: &str) -> anyhow::Result<TcpListener> {
 pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<ServiceSet> {
     let mut services = ServiceSet::new();
     if selection.run_store {
-        RunStore::open(config)
+        RunStore::open(config, runplane_clock::SystemClock::shared())
             .await
             .context("starting the run store")?
             .register(&mut services);

@@ -100,8 +100,12 @@ impl Default for ServerConfig {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
-    /// Bearer token of operators and services. Required to serve; at least 32 characters.
+    /// Bearer token of runplane's services and of operators acting in any org. Required
+    /// to serve; at least 32 characters.
     pub operator_token: Secret,
+    /// Org-scoped operator tokens: org id to token (each at least 32 characters). A call
+    /// with one of these acts only in its org.
+    pub org_tokens: std::collections::BTreeMap<String, Secret>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -126,6 +130,15 @@ pub struct RunStoreConfig {
     pub database_url: String,
     /// Where other services and runners reach the run store.
     pub endpoint: String,
+    /// Ed25519 seed (64 hex digits) that signs receipts; required to serve the run store.
+    /// `runplane receipt keygen` makes one.
+    pub receipt_signing_key: Secret,
+    /// Most events in one AppendEvents batch.
+    pub max_batch_events: u32,
+    /// Most bytes of events in one batch.
+    pub max_batch_bytes: u32,
+    /// Longest PollSteering wait honoured, in seconds.
+    pub max_poll_wait_seconds: u32,
 }
 
 impl Default for RunStoreConfig {
@@ -133,6 +146,10 @@ impl Default for RunStoreConfig {
         Self {
             database_url: "postgres://postgres@127.0.0.1:5432/runplane_run_store".to_owned(),
             endpoint: default_endpoint(),
+            receipt_signing_key: Secret::default(),
+            max_batch_events: 1000,
+            max_batch_bytes: 1 << 20,
+            max_poll_wait_seconds: 30,
         }
     }
 }
@@ -243,6 +260,42 @@ impl Config {
             return Err(ConfigError::invalid(
                 "auth.operator_token",
                 "must be at least 32 characters",
+            ));
+        }
+        if self
+            .auth
+            .org_tokens
+            .iter()
+            .any(|(org, token)| org.is_empty() || token.expose().len() < 32)
+        {
+            return Err(ConfigError::invalid(
+                "auth.org_tokens",
+                "every entry needs a non-empty org id and a token of at least 32 characters",
+            ));
+        }
+        let key = self.run_store.receipt_signing_key.expose();
+        if !key.is_empty() && (key.len() != 64 || !key.bytes().all(|b| b.is_ascii_hexdigit())) {
+            return Err(ConfigError::invalid(
+                "run_store.receipt_signing_key",
+                "must be 64 hex digits (an Ed25519 seed; `runplane receipt keygen` makes one)",
+            ));
+        }
+        if !(1..=10_000).contains(&self.run_store.max_batch_events) {
+            return Err(ConfigError::invalid(
+                "run_store.max_batch_events",
+                "must be between 1 and 10000",
+            ));
+        }
+        if !(1024..=(16 << 20)).contains(&self.run_store.max_batch_bytes) {
+            return Err(ConfigError::invalid(
+                "run_store.max_batch_bytes",
+                "must be between 1024 and 16777216",
+            ));
+        }
+        if !(1..=300).contains(&self.run_store.max_poll_wait_seconds) {
+            return Err(ConfigError::invalid(
+                "run_store.max_poll_wait_seconds",
+                "must be between 1 and 300",
             ));
         }
         for (field, url) in [

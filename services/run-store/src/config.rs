@@ -1,0 +1,67 @@
+//! What the run store takes from runplane's configuration.
+
+use std::time::Duration;
+
+use runplane_config::Config;
+
+use crate::domain::receipt::ReceiptSigner;
+use crate::error::RunStoreError;
+
+/// Bounds the run store enforces; Hello hands them to the runner.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_batch_events: u32,
+    pub max_batch_bytes: u32,
+    /// Text (and structured data) of one event.
+    pub max_event_text_bytes: u32,
+    /// Acknowledgements in one poll; more is refused whole.
+    pub max_ack_ids: u32,
+    pub max_poll_wait: Duration,
+    pub max_failure_tail_bytes: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_batch_events: 1000,
+            max_batch_bytes: 1 << 20,
+            max_event_text_bytes: 16 << 10,
+            max_ack_ids: 32,
+            max_poll_wait: Duration::from_secs(30),
+            max_failure_tail_bytes: 8 << 10,
+        }
+    }
+}
+
+/// The run store's settings.
+#[derive(Debug, Clone)]
+pub struct RunStoreSettings {
+    pub database_url: String,
+    pub limits: Limits,
+    pub signer: ReceiptSigner,
+}
+
+impl RunStoreSettings {
+    pub fn from_config(config: &Config) -> Result<Self, RunStoreError> {
+        let key = config.run_store.receipt_signing_key.expose();
+        if key.is_empty() {
+            return Err(RunStoreError::SigningKey(
+                "run_store.receipt_signing_key is required to serve the run store \
+                 (`runplane receipt keygen` makes one)"
+                    .into(),
+            ));
+        }
+        let signer =
+            ReceiptSigner::from_hex(key).map_err(|e| RunStoreError::SigningKey(e.to_string()))?;
+        Ok(Self {
+            database_url: config.run_store.database_url.clone(),
+            limits: Limits {
+                max_batch_events: config.run_store.max_batch_events,
+                max_batch_bytes: config.run_store.max_batch_bytes,
+                max_poll_wait: Duration::from_secs(config.run_store.max_poll_wait_seconds.into()),
+                ..Limits::default()
+            },
+            signer,
+        })
+    }
+}

@@ -1,0 +1,91 @@
+//! Stored rows to protobuf messages.
+
+use prost::Message;
+use runplane_proto::runstore::v1 as pb;
+
+use crate::domain::state;
+use crate::domain::validate::json_to_struct;
+use crate::store::entities::{event, run, steering_message};
+use crate::store::{timestamp, verdict_of};
+
+pub fn run(model: &run::Model) -> pb::Run {
+    let terminal = state::is_terminal(&model.state);
+    let backend_error: Option<pb::BackendError> = model
+        .backend_error
+        .as_deref()
+        .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok())
+        .map(|v| pb::BackendError {
+            kind: pb::BackendErrorKind::from_str_name(v["kind"].as_str().unwrap_or_default())
+                .unwrap_or(pb::BackendErrorKind::Unspecified) as i32,
+            reason: v["reason"].as_str().unwrap_or_default().to_owned(),
+            credential_id: v["credential_id"].as_str().unwrap_or_default().to_owned(),
+            incident_id: v["incident_id"].as_str().unwrap_or_default().to_owned(),
+            turn_id: v["turn_id"].as_str().unwrap_or_default().to_owned(),
+            recorded_at: v["recorded_at_us"].as_i64().map(timestamp),
+        });
+    let verdict = (terminal && model.verdict_outcome.is_some()).then(|| verdict_of(model));
+    let failure_reason = match (&backend_error, &verdict) {
+        (Some(b), _) => b.reason.clone(),
+        (None, Some(v)) if v.outcome() != pb::VerdictOutcome::Succeeded => v.reason.clone(),
+        _ => String::new(),
+    };
+    pb::Run {
+        id: model.id.clone(),
+        org_id: model.org_id.clone(),
+        lead_id: model.lead_id.clone(),
+        state: state::to_proto(&model.state) as i32,
+        verdict,
+        failure_reason,
+        credential_id: model.credential_id.clone(),
+        profile: model.profile.clone(),
+        command: model.command.clone(),
+        args: serde_json::from_str(&model.args).unwrap_or_default(),
+        labels: serde_json::from_str(&model.labels).unwrap_or_default(),
+        sandbox_generation: model.sandbox_generation as u64,
+        last_sequence: model.last_sequence as u64,
+        backend_error,
+        created_at: Some(timestamp(model.created_at_us)),
+        started_at: model.started_at_us.map(timestamp),
+        ended_at: model.ended_at_us.map(timestamp),
+        updated_at: Some(timestamp(model.updated_at_us)),
+    }
+}
+
+pub fn event(model: &event::Model) -> pb::Event {
+    pb::Event {
+        run_id: model.run_id.clone(),
+        sequence: model.sequence as u64,
+        kind: model.kind,
+        text: model.text.clone(),
+        data: json_to_struct(&model.data),
+        check: model.is_check,
+        name: model.name.clone(),
+        observed_at: model.observed_at_us.map(timestamp),
+        recorded_at: Some(timestamp(model.recorded_at_us)),
+        digest: model.digest.clone(),
+    }
+}
+
+pub fn message(model: &steering_message::Model) -> pb::SteeringMessage {
+    use pb::steering_message::Payload;
+    let bytes = model.payload.as_slice();
+    let payload = match pb::SteeringKind::try_from(model.kind) {
+        Ok(pb::SteeringKind::Steer) => pb::SteerPayload::decode(bytes).ok().map(Payload::Steer),
+        Ok(pb::SteeringKind::Interrupt) => pb::InterruptPayload::decode(bytes)
+            .ok()
+            .map(Payload::Interrupt),
+        Ok(pb::SteeringKind::ResumeStream) => pb::ResumeStreamPayload::decode(bytes)
+            .ok()
+            .map(Payload::ResumeStream),
+        Ok(pb::SteeringKind::Abort) => pb::AbortPayload::decode(bytes).ok().map(Payload::Abort),
+        _ => None,
+    };
+    pb::SteeringMessage {
+        id: model.id.clone(),
+        run_id: model.run_id.clone(),
+        kind: model.kind,
+        sequence: model.sequence as u64,
+        enqueued_at: Some(timestamp(model.enqueued_at_us)),
+        payload,
+    }
+}

@@ -1,0 +1,7 @@
+//! The run store's decisions and encodings, without I/O.
+
+pub mod chain;
+pub mod ids;
+pub mod receipt;
+pub mod state;
+pub mod validate;

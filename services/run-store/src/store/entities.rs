@@ -1,0 +1,206 @@
+//! sea-orm entities of the run store's tables.
+//!
+//! Times are stored as microseconds since the Unix epoch (`*_at_us`): one integer type on
+//! both backends, exact equality for compare-and-set, no time-zone conversions.
+
+pub mod run {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "runs")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        pub org_id: String,
+        pub lead_id: String,
+        pub client_request_id: String,
+        /// SHA-256 (hex) of the CreateRun body, to refuse a reused id with another body.
+        pub request_digest: String,
+        pub state: String,
+        pub credential_id: String,
+        pub profile: String,
+        pub command: String,
+        /// JSON array of strings.
+        pub args: String,
+        /// JSON object of string to string.
+        pub labels: String,
+        pub sandbox_generation: i64,
+        pub last_sequence: i64,
+        pub chain_head: Vec<u8>,
+        /// Per-run counter of steering messages, so their order is the enqueue order.
+        pub steering_sequence: i64,
+        pub verdict_outcome: Option<String>,
+        pub verdict_reason: Option<String>,
+        pub verdict_exit_code: Option<i32>,
+        pub verdict_signal: Option<i32>,
+        pub verdict_message: Option<String>,
+        pub failure_tail: Option<String>,
+        /// JSON of the durable backend-error outcome, when the run died on one.
+        pub backend_error: Option<String>,
+        pub created_at_us: i64,
+        pub started_at_us: Option<i64>,
+        pub ended_at_us: Option<i64>,
+        pub updated_at_us: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod run_key {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "run_keys")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub key_id: String,
+        pub run_id: String,
+        pub org_id: String,
+        /// SHA-256 (hex) of the secret; the secret itself is never stored.
+        #[sea_orm(unique)]
+        pub key_hash: String,
+        pub sandbox_id: String,
+        pub sandbox_generation: i64,
+        pub idempotency_key: String,
+        pub created_at_us: i64,
+        /// `superseded` (a newer generation or a re-issue) or `terminal` (the run ended).
+        pub revoked_reason: Option<String>,
+        pub revoked_at_us: Option<i64>,
+        pub hello_nonce: Option<String>,
+        pub hello_at_us: Option<i64>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod event {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "events")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub run_id: String,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub sequence: i64,
+        pub kind: i32,
+        pub text: String,
+        /// Canonical JSON of the event's structured data, or empty.
+        pub data: String,
+        pub is_check: bool,
+        pub name: String,
+        pub observed_at_us: Option<i64>,
+        pub recorded_at_us: i64,
+        pub digest: Vec<u8>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod event_batch {
+    use sea_orm::entity::prelude::*;
+
+    /// One row per appended batch: the dedupe record that makes AppendEvents replay-safe.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "event_batches")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub run_id: String,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub batch_key: String,
+        /// SHA-256 (hex) of the batch's events, to refuse a reused key with other events.
+        pub batch_digest: String,
+        pub first_sequence: i64,
+        pub last_sequence: i64,
+        pub chain_head: Vec<u8>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod steering_message {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "steering_messages")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        pub run_id: String,
+        pub org_id: String,
+        pub sequence: i64,
+        pub kind: i32,
+        /// The payload message, protobuf-encoded.
+        pub payload: Vec<u8>,
+        pub idempotency_key: String,
+        pub enqueued_at_us: i64,
+        /// Set by the acknowledgement, never by a poll.
+        pub acked_at_us: Option<i64>,
+        /// `applied` or `dropped_undeliverable`.
+        pub ack_outcome: Option<String>,
+        pub ack_attempts: Option<i32>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod receipt {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "receipts")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub run_id: String,
+        pub signed_payload: Vec<u8>,
+        pub signature: Vec<u8>,
+        pub key_id: String,
+        pub sealed_at_us: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod keyed_answer {
+    use sea_orm::entity::prelude::*;
+
+    /// The stored answer of a keyed call whose effect is not itself a row to find again
+    /// (FailRun, MarkBackendError): a replay with the same key gets these bytes back.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "keyed_answers")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub run_id: String,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub method: String,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub idempotency_key: String,
+        /// SHA-256 (hex) of the request, to refuse a reused key with another request.
+        pub request_digest: String,
+        pub answer: Vec<u8>,
+        pub created_at_us: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

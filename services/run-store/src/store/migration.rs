@@ -1,0 +1,298 @@
+//! The run store's schema, created by sea-orm-migration at start.
+
+use sea_orm_migration::prelude::*;
+
+/// Applies the run store's migrations, oldest first, at every start.
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(CreateRunStore)]
+    }
+}
+
+#[derive(DeriveMigrationName)]
+struct CreateRunStore;
+
+fn text(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name))
+        .text()
+        .not_null()
+        .to_owned()
+}
+
+fn text_null(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name)).text().null().to_owned()
+}
+
+fn int64(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name))
+        .big_integer()
+        .not_null()
+        .to_owned()
+}
+
+fn int64_null(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name))
+        .big_integer()
+        .null()
+        .to_owned()
+}
+
+fn int32(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name))
+        .integer()
+        .not_null()
+        .to_owned()
+}
+
+fn int32_null(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name)).integer().null().to_owned()
+}
+
+fn bytes(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name))
+        .blob()
+        .not_null()
+        .to_owned()
+}
+
+fn index(
+    name: &'static str,
+    table: &'static str,
+    columns: &[&'static str],
+    unique: bool,
+) -> IndexCreateStatement {
+    let mut index = Index::create();
+    index.name(name).table(Alias::new(table));
+    for c in columns {
+        index.col(Alias::new(*c));
+    }
+    if unique {
+        index.unique();
+    }
+    index.to_owned()
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for CreateRunStore {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("runs"))
+                    .col(text("id").primary_key())
+                    .col(text("org_id"))
+                    .col(text("lead_id"))
+                    .col(text("client_request_id"))
+                    .col(text("request_digest"))
+                    .col(text("state"))
+                    .col(text("credential_id"))
+                    .col(text("profile"))
+                    .col(text("command"))
+                    .col(text("args"))
+                    .col(text("labels"))
+                    .col(int64("sandbox_generation"))
+                    .col(int64("last_sequence"))
+                    .col(bytes("chain_head"))
+                    .col(int64("steering_sequence"))
+                    .col(text_null("verdict_outcome"))
+                    .col(text_null("verdict_reason"))
+                    .col(int32_null("verdict_exit_code"))
+                    .col(int32_null("verdict_signal"))
+                    .col(text_null("verdict_message"))
+                    .col(text_null("failure_tail"))
+                    .col(text_null("backend_error"))
+                    .col(int64("created_at_us"))
+                    .col(int64_null("started_at_us"))
+                    .col(int64_null("ended_at_us"))
+                    .col(int64("updated_at_us"))
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index(
+                "runs_org_client_request",
+                "runs",
+                &["org_id", "client_request_id"],
+                true,
+            ))
+            .await?;
+        manager
+            .create_index(index(
+                "runs_org_created",
+                "runs",
+                &["org_id", "created_at_us", "id"],
+                false,
+            ))
+            .await?;
+        manager
+            .create_index(index(
+                "runs_created",
+                "runs",
+                &["created_at_us", "id"],
+                false,
+            ))
+            .await?;
+
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("run_keys"))
+                    .col(text("key_id").primary_key())
+                    .col(text("run_id"))
+                    .col(text("org_id"))
+                    .col(text("key_hash"))
+                    .col(text("sandbox_id"))
+                    .col(int64("sandbox_generation"))
+                    .col(text("idempotency_key"))
+                    .col(int64("created_at_us"))
+                    .col(text_null("revoked_reason"))
+                    .col(int64_null("revoked_at_us"))
+                    .col(text_null("hello_nonce"))
+                    .col(int64_null("hello_at_us"))
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index("run_keys_hash", "run_keys", &["key_hash"], true))
+            .await?;
+        manager
+            .create_index(index(
+                "run_keys_run_idempotency",
+                "run_keys",
+                &["run_id", "idempotency_key"],
+                true,
+            ))
+            .await?;
+
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("events"))
+                    .col(text("run_id"))
+                    .col(int64("sequence"))
+                    .col(int32("kind"))
+                    .col(text("text"))
+                    .col(text("data"))
+                    .col(ColumnDef::new(Alias::new("is_check")).boolean().not_null())
+                    .col(text("name"))
+                    .col(int64_null("observed_at_us"))
+                    .col(int64("recorded_at_us"))
+                    .col(bytes("digest"))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("run_id"))
+                            .col(Alias::new("sequence")),
+                    )
+                    .to_owned(),
+            )
+            .await?;
+
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("event_batches"))
+                    .col(text("run_id"))
+                    .col(text("batch_key"))
+                    .col(text("batch_digest"))
+                    .col(int64("first_sequence"))
+                    .col(int64("last_sequence"))
+                    .col(bytes("chain_head"))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("run_id"))
+                            .col(Alias::new("batch_key")),
+                    )
+                    .to_owned(),
+            )
+            .await?;
+
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("steering_messages"))
+                    .col(text("id").primary_key())
+                    .col(text("run_id"))
+                    .col(text("org_id"))
+                    .col(int64("sequence"))
+                    .col(int32("kind"))
+                    .col(bytes("payload"))
+                    .col(text("idempotency_key"))
+                    .col(int64("enqueued_at_us"))
+                    .col(int64_null("acked_at_us"))
+                    .col(text_null("ack_outcome"))
+                    .col(int32_null("ack_attempts"))
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index(
+                "steering_run_idempotency",
+                "steering_messages",
+                &["run_id", "idempotency_key"],
+                true,
+            ))
+            .await?;
+        manager
+            .create_index(index(
+                "steering_run_sequence",
+                "steering_messages",
+                &["run_id", "sequence"],
+                true,
+            ))
+            .await?;
+
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("receipts"))
+                    .col(text("run_id").primary_key())
+                    .col(bytes("signed_payload"))
+                    .col(bytes("signature"))
+                    .col(text("key_id"))
+                    .col(int64("sealed_at_us"))
+                    .to_owned(),
+            )
+            .await?;
+
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("keyed_answers"))
+                    .col(text("run_id"))
+                    .col(text("method"))
+                    .col(text("idempotency_key"))
+                    .col(text("request_digest"))
+                    .col(bytes("answer"))
+                    .col(int64("created_at_us"))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("run_id"))
+                            .col(Alias::new("method"))
+                            .col(Alias::new("idempotency_key")),
+                    )
+                    .to_owned(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        for table in [
+            "keyed_answers",
+            "receipts",
+            "steering_messages",
+            "event_batches",
+            "events",
+            "run_keys",
+            "runs",
+        ] {
+            manager
+                .drop_table(Table::drop().table(Alias::new(table)).to_owned())
+                .await?;
+        }
+        Ok(())
+    }
+}
