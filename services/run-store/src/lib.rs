@@ -52,14 +52,31 @@ impl RunStore {
         &self.shared.store
     }
 
+    /// The two tonic services, for callers that wrap them (tests cut responses).
+    pub fn services(
+        &self,
+    ) -> (
+        RunnerServiceServer<grpc::RunnerApi>,
+        RunServiceServer<grpc::RunApi>,
+    ) {
+        (
+            RunnerServiceServer::new(grpc::RunnerApi {
+                shared: self.shared.clone(),
+            }),
+            RunServiceServer::new(grpc::RunApi {
+                shared: self.shared.clone(),
+            }),
+        )
+    }
+
+    /// The public key receipts are signed with.
+    pub fn receipt_public_key(&self) -> [u8; 32] {
+        self.shared.settings.signer.public_key()
+    }
+
     /// Adds the run store's gRPC services to `services`.
     pub fn register(&self, services: &mut ServiceSet) {
-        services
-            .add(RunnerServiceServer::new(grpc::RunnerApi {
-                shared: self.shared.clone(),
-            }))
-            .add(RunServiceServer::new(grpc::RunApi {
-                shared: self.shared.clone(),
-            }));
+        let (runner, run) = self.services();
+        services.add(runner).add(run);
     }
 }

@@ -1,0 +1,372 @@
+//! A run store on a real socket over a real database, with a switch that lets the
+//! handler commit and then cuts the response mid-body, as a dying proxy or a restart
+//! between commit and reply would.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use runplane_config::{Config, Secret};
+use runplane_grpc::{ErrorReason, ServiceSet, error_info};
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+use runplane_run_store::RunStore;
+use runplane_testkit::{TestDatabase, TestSqlite};
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tower_service::Service;
+
+pub const SERVICE_TOKEN: &str = "service-token-0123456789abcdef0123456789";
+pub const ACME_TOKEN: &str = "acme-operator-token-0123456789abcdef01234";
+
+pub enum Backend {
+    Postgres(TestDatabase),
+    Sqlite(TestSqlite),
+}
+
+impl Backend {
+    pub async fn postgres() -> Self {
+        Backend::Postgres(TestDatabase::new().await)
+    }
+
+    pub async fn sqlite() -> Self {
+        Backend::Sqlite(TestSqlite::new())
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Backend::Postgres(db) => db.url().to_owned(),
+            Backend::Sqlite(db) => db.url(),
+        }
+    }
+}
+
+/// Paths whose next responses are cut after the handler ran, with how many to cut.
+type Cuts = Arc<Mutex<HashMap<String, usize>>>;
+
+pub struct Harness {
+    pub endpoint: String,
+    pub store: RunStore,
+    cuts: Cuts,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _backend: Backend,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Bearer(pub String);
+
+impl Interceptor for Bearer {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        request.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {}", self.0).parse().expect("ascii token"),
+        );
+        Ok(request)
+    }
+}
+
+pub type RunClient = RunServiceClient<InterceptedService<Channel, Bearer>>;
+pub type RunnerClient = RunnerServiceClient<InterceptedService<Channel, Bearer>>;
+
+impl Harness {
+    pub async fn start(backend: Backend) -> Self {
+        let mut config = Config::default();
+        config.auth.operator_token = Secret::new(SERVICE_TOKEN);
+        config
+            .auth
+            .org_tokens
+            .insert("acme".into(), Secret::new(ACME_TOKEN));
+        config.run_store.database_url = backend.url();
+        config.run_store.receipt_signing_key =
+            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+        config.run_store.max_batch_events = 100;
+        let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
+            .await
+            .expect("run store opens");
+        let cuts: Cuts = Arc::default();
+        let (runner, run) = store.services();
+        let mut services = ServiceSet::new();
+        services
+            .add(CutAfterCommit {
+                inner: runner,
+                cuts: cuts.clone(),
+            })
+            .add(CutAfterCommit {
+                inner: run,
+                cuts: cuts.clone(),
+            });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(runplane_grpc::serve(
+            listener,
+            services,
+            async {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(1),
+        ));
+        Self {
+            endpoint,
+            store,
+            cuts,
+            stop: Some(stop),
+            _backend: backend,
+        }
+    }
+
+    /// The next `n` responses of `method` (e.g. "AppendEvents") are cut after the handler
+    /// committed.
+    pub fn cut_next(&self, method: &str, n: usize) {
+        self.cuts.lock().unwrap().insert(method.to_owned(), n);
+    }
+
+    async fn channel(&self) -> Channel {
+        tonic::transport::Endpoint::from_shared(self.endpoint.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    pub async fn operator(&self) -> RunClient {
+        self.operator_with(SERVICE_TOKEN).await
+    }
+
+    pub async fn operator_with(&self, token: &str) -> RunClient {
+        RunServiceClient::with_interceptor(self.channel().await, Bearer(token.to_owned()))
+    }
+
+    pub async fn runner(&self, key: &str) -> RunnerClient {
+        RunnerServiceClient::with_interceptor(self.channel().await, Bearer(key.to_owned()))
+    }
+
+    /// A queued run in org `acme`.
+    pub async fn create_run(&self, request_id: &str) -> pb::Run {
+        self.operator()
+            .await
+            .create_run(create_request(request_id))
+            .await
+            .expect("create run")
+            .into_inner()
+            .run
+            .unwrap()
+    }
+
+    pub async fn issue_key(&self, run_id: &str, generation: u64) -> String {
+        self.operator()
+            .await
+            .issue_run_key(pb::IssueRunKeyRequest {
+                run_id: run_id.into(),
+                sandbox_id: "sbx-test".into(),
+                sandbox_generation: generation,
+                idempotency_key: format!("sbx-test:{generation}:issue-key"),
+            })
+            .await
+            .expect("issue key")
+            .into_inner()
+            .run_key
+    }
+
+    /// A run that a runner has said Hello on; returns the run id and the key.
+    pub async fn running_run(&self, request_id: &str) -> (String, String) {
+        let run = self.create_run(request_id).await;
+        let key = self.issue_key(&run.id, 1).await;
+        self.runner(&key)
+            .await
+            .hello(pb::HelloRequest {
+                run_id: run.id.clone(),
+                nonce: "runner-nonce-0000000001".into(),
+                runner_version: "test".into(),
+            })
+            .await
+            .expect("hello");
+        (run.id, key)
+    }
+
+    pub async fn get_run(&self, run_id: &str) -> pb::Run {
+        self.operator()
+            .await
+            .get_run(pb::GetRunRequest {
+                run_id: run_id.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap()
+    }
+}
+
+pub fn create_request(request_id: &str) -> pb::CreateRunRequest {
+    pb::CreateRunRequest {
+        client_request_id: format!("{request_id:0>16}"),
+        org_id: "acme".into(),
+        lead_id: "lead-1".into(),
+        target: Some(pb::create_run_request::Target::CredentialId(
+            "cred-a".into(),
+        )),
+        command: "agent".into(),
+        args: vec!["--task".into(), "fix".into()],
+        labels: Default::default(),
+    }
+}
+
+pub fn line(text: &str) -> pb::EventInput {
+    pb::EventInput {
+        kind: pb::EventKind::Stdout as i32,
+        text: text.into(),
+        ..Default::default()
+    }
+}
+
+pub fn check(name: &str) -> pb::EventInput {
+    pb::EventInput {
+        kind: pb::EventKind::Custom as i32,
+        check: true,
+        name: name.into(),
+        ..Default::default()
+    }
+}
+
+pub fn succeeded() -> pb::Verdict {
+    pb::Verdict {
+        outcome: pb::VerdictOutcome::Succeeded as i32,
+        reason: "exit_zero".into(),
+        exit_code: Some(0),
+        ..Default::default()
+    }
+}
+
+pub fn failed(code: i32) -> pb::Verdict {
+    pb::Verdict {
+        outcome: pb::VerdictOutcome::Failed as i32,
+        reason: "exit_nonzero".into(),
+        exit_code: Some(code),
+        ..Default::default()
+    }
+}
+
+/// The stable reason of a status.
+pub fn reason(status: &tonic::Status) -> String {
+    error_info(status).map(|i| i.reason).unwrap_or_default()
+}
+
+pub fn assert_reason(status: &tonic::Status, code: tonic::Code, expected: ErrorReason) {
+    assert_eq!(status.code(), code, "{status:?}");
+    assert_eq!(reason(status), expected.as_str_name(), "{status:?}");
+}
+
+/// Wraps a tonic service; when told to, lets the handler run to completion and then
+/// replaces the response body with one that fails at once, so the client sees the
+/// stream reset after the server committed.
+#[derive(Clone)]
+pub struct CutAfterCommit<S> {
+    inner: S,
+    cuts: Cuts,
+}
+
+impl<S: NamedService> NamedService for CutAfterCommit<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for CutAfterCommit<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let method = request
+            .uri()
+            .path()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let cut = {
+            let mut cuts = self.cuts.lock().unwrap();
+            match cuts.get_mut(&method) {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    true
+                }
+                _ => false,
+            }
+        };
+        let future = self.inner.call(request);
+        Box::pin(async move {
+            let response = future.await?;
+            if !cut {
+                return Ok(response);
+            }
+            // Drain the real body so the handler's work is complete, then fail instead.
+            let (parts, body) = response.into_parts();
+            let _ = http_body_util_collect(body).await;
+            Ok(http::Response::from_parts(parts, Body::new(FailingBody)))
+        })
+    }
+}
+
+async fn http_body_util_collect(mut body: Body) -> Vec<Bytes> {
+    use http_body::Body as _;
+    let mut chunks = Vec::new();
+    let mut body = Pin::new(&mut body);
+    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        if let Ok(frame) = frame
+            && let Ok(data) = frame.into_data()
+        {
+            chunks.push(data);
+        }
+    }
+    chunks
+}
+
+struct FailingBody;
+
+impl http_body::Body for FailingBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        Poll::Ready(Some(Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "response cut after commit",
+        ))))
+    }
+}

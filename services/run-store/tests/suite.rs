@@ -1,0 +1,1063 @@
+//! The run store's behaviour over real gRPC, run once on Postgres and once on SQLite.
+
+mod common;
+
+use std::collections::HashSet;
+
+use common::*;
+use futures::StreamExt;
+use runplane_grpc::{ErrorReason, error_info};
+use runplane_proto::runstore::v1 as pb;
+use runplane_run_store::domain::chain::{self, ChainedEvent};
+use runplane_run_store::domain::receipt::verify;
+use tonic::Code;
+
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Harness::start(super::Backend::postgres().await).await).await
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Harness::start(super::Backend::sqlite().await).await).await
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    a_batch_whose_response_was_lost_is_stored_once_when_replayed,
+    an_interrupt_whose_poll_response_was_lost_is_served_again,
+    invalid_acknowledgements_are_refused_whole,
+    a_dropped_steer_writes_one_undeliverable_event,
+    concurrent_different_verdicts_have_exactly_one_winner,
+    a_replayed_verdict_is_already_recorded_and_a_different_one_is_refused,
+    a_key_for_another_run_is_denied,
+    revoked_and_unknown_keys_are_refused,
+    fail_run_with_a_stale_guard_does_nothing,
+    hello_is_replay_safe_per_nonce,
+    create_run_is_keyed_by_client_request_id,
+    bad_batches_are_refused_and_nothing_is_written,
+    concurrent_appends_to_one_run_keep_order_and_chain,
+    the_receipt_verifies_and_pins_the_chain,
+    org_tokens_are_confined_to_their_org,
+    watch_run_streams_events_and_ends_after_the_verdict,
+    a_long_poll_wakes_when_a_message_is_enqueued,
+    list_runs_filters_and_pages,
+    an_interrupt_on_a_queued_run_cancels_it,
+    mark_backend_error_is_durable_from_running_and_from_done,
+);
+
+async fn append(
+    runner: &mut RunnerClient,
+    run_id: &str,
+    batch_key: &str,
+    events: Vec<pb::EventInput>,
+) -> Result<pb::AppendEventsResponse, tonic::Status> {
+    runner
+        .append_events(pb::AppendEventsRequest {
+            run_id: run_id.into(),
+            batch_key: batch_key.into(),
+            events,
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
+async fn poll(
+    runner: &mut RunnerClient,
+    run_id: &str,
+    acks: Vec<pb::SteeringAck>,
+) -> Result<pb::PollSteeringResponse, tonic::Status> {
+    runner
+        .poll_steering(pb::PollSteeringRequest {
+            run_id: run_id.into(),
+            acks,
+            wait: None,
+            max_messages: 0,
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
+fn applied(id: &str) -> pb::SteeringAck {
+    pb::SteeringAck {
+        message_id: id.into(),
+        outcome: pb::AckOutcome::Applied as i32,
+        attempts: 1,
+        error: String::new(),
+    }
+}
+
+async fn submit(
+    runner: &mut RunnerClient,
+    run_id: &str,
+    verdict: pb::Verdict,
+) -> Result<pb::SubmitResultResponse, tonic::Status> {
+    runner
+        .submit_result(pb::SubmitResultRequest {
+            run_id: run_id.into(),
+            verdict: Some(verdict),
+            ..Default::default()
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
+async fn receipt(h: &Harness, run_id: &str) -> pb::ReceiptBody {
+    let receipt = h
+        .operator()
+        .await
+        .get_receipt(pb::GetReceiptRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .receipt
+        .unwrap();
+    verify(&receipt, &h.store.receipt_public_key()).expect("receipt verifies")
+}
+
+async fn a_batch_whose_response_was_lost_is_stored_once_when_replayed(h: Harness) {
+    let (run_id, key) = h.running_run("lost-batch").await;
+    let mut runner = h.runner(&key).await;
+    let batch = vec![line("one"), check("lint"), line("three")];
+
+    h.cut_next("AppendEvents", 1);
+    let lost = append(&mut runner, &run_id, "batch-lost-response-1", batch.clone()).await;
+    assert!(lost.is_err(), "the response was cut: {lost:?}");
+    // The server committed before the cut.
+    assert_eq!(h.get_run(&run_id).await.last_sequence, 3);
+
+    let replay = append(&mut runner, &run_id, "batch-lost-response-1", batch)
+        .await
+        .expect("the replay answers like the first call would have");
+    assert_eq!((replay.first_sequence, replay.last_sequence), (1, 3));
+    assert_eq!(h.get_run(&run_id).await.last_sequence, 3);
+    assert_eq!(h.store.store().count_events(&run_id).await.unwrap(), 3);
+
+    submit(&mut runner, &run_id, succeeded()).await.unwrap();
+    let body = receipt(&h, &run_id).await;
+    assert_eq!(body.event_count, 3);
+    assert_eq!(body.check_events.len(), 1);
+    assert_eq!(body.chain_head, replay.chain_head);
+}
+
+async fn an_interrupt_whose_poll_response_was_lost_is_served_again(h: Harness) {
+    let (run_id, key) = h.running_run("lost-poll").await;
+    let interrupt = h
+        .operator()
+        .await
+        .interrupt(pb::InterruptRequest {
+            run_id: run_id.clone(),
+            reason: "operator stop".into(),
+            grace: None,
+            idempotency_key: "interrupt-0000000001".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let mut runner = h.runner(&key).await;
+
+    h.cut_next("PollSteering", 1);
+    assert!(poll(&mut runner, &run_id, vec![]).await.is_err());
+
+    let again = poll(&mut runner, &run_id, vec![]).await.unwrap();
+    assert_eq!(again.messages.len(), 1);
+    assert_eq!(again.messages[0].id, interrupt.id);
+    assert_eq!(again.messages[0].kind(), pb::SteeringKind::Interrupt);
+
+    // Only the acknowledgement retires it; until then every poll serves it.
+    let still = poll(&mut runner, &run_id, vec![]).await.unwrap();
+    assert_eq!(still.messages[0].id, interrupt.id);
+    let after_ack = poll(&mut runner, &run_id, vec![applied(&interrupt.id)])
+        .await
+        .unwrap();
+    assert!(after_ack.messages.is_empty());
+    // Acknowledging again changes nothing.
+    assert!(
+        poll(&mut runner, &run_id, vec![applied(&interrupt.id)])
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+}
+
+async fn invalid_acknowledgements_are_refused_whole(h: Harness) {
+    let (run_id, key) = h.running_run("bad-acks").await;
+    let mut op = h.operator().await;
+    let steer = op
+        .steer(pb::SteerRequest {
+            run_id: run_id.clone(),
+            text: "also run lint".into(),
+            idempotency_key: "steer-000000000001".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let interrupt = op
+        .interrupt(pb::InterruptRequest {
+            run_id: run_id.clone(),
+            reason: String::new(),
+            grace: None,
+            idempotency_key: "interrupt-000000001".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    // A message of another run.
+    let (other_run, _) = h.running_run("bad-acks-other").await;
+    let foreign = op
+        .steer(pb::SteerRequest {
+            run_id: other_run,
+            text: "x".into(),
+            idempotency_key: "steer-000000000002".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let mut runner = h.runner(&key).await;
+
+    let cases: Vec<(Vec<pb::SteeringAck>, ErrorReason)> = vec![
+        (
+            vec![applied(&steer.id), applied("msg_not-a-real-id")],
+            ErrorReason::AckIdInvalid,
+        ),
+        (
+            vec![
+                applied(&steer.id),
+                applied(&format!("msg_{}", "0".repeat(32))),
+            ],
+            ErrorReason::AckIdInvalid,
+        ),
+        (
+            vec![applied(&steer.id), applied(&foreign.id)],
+            ErrorReason::AckIdInvalid,
+        ),
+        (
+            vec![
+                applied(&steer.id),
+                pb::SteeringAck {
+                    message_id: interrupt.id.clone(),
+                    outcome: pb::AckOutcome::DroppedUndeliverable as i32,
+                    attempts: 3,
+                    error: "child gone".into(),
+                },
+            ],
+            ErrorReason::AckDropForbidden,
+        ),
+        (
+            (0..33).map(|_| applied(&steer.id)).collect(),
+            ErrorReason::AckIdInvalid,
+        ),
+        (
+            vec![pb::SteeringAck {
+                message_id: steer.id.clone(),
+                outcome: 0,
+                attempts: 1,
+                error: String::new(),
+            }],
+            ErrorReason::AckIdInvalid,
+        ),
+    ];
+    for (acks, expected) in cases {
+        let err = poll(&mut runner, &run_id, acks).await.unwrap_err();
+        assert_reason(&err, Code::InvalidArgument, expected);
+        // Nothing was marked: both messages are still pending, in order.
+        let pending = poll(&mut runner, &run_id, vec![]).await.unwrap();
+        let ids: Vec<_> = pending.messages.iter().map(|m| m.id.clone()).collect();
+        assert_eq!(ids, [steer.id.clone(), interrupt.id.clone()]);
+    }
+}
+
+async fn a_dropped_steer_writes_one_undeliverable_event(h: Harness) {
+    let (run_id, key) = h.running_run("drop-steer").await;
+    let steer = h
+        .operator()
+        .await
+        .steer(pb::SteerRequest {
+            run_id: run_id.clone(),
+            text: "unappliable".into(),
+            idempotency_key: "steer-000000000009".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    let drop = pb::SteeringAck {
+        message_id: steer.id.clone(),
+        outcome: pb::AckOutcome::DroppedUndeliverable as i32,
+        attempts: 3,
+        error: "stdin closed".into(),
+    };
+    let mut runner = h.runner(&key).await;
+    assert!(
+        poll(&mut runner, &run_id, vec![drop.clone()])
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+    // The replayed acknowledgement (its response lost) changes nothing.
+    assert!(
+        poll(&mut runner, &run_id, vec![drop])
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+    let events = h.store.store().events_after(&run_id, 0, 100).await.unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].kind, pb::EventKind::SteerUndeliverable as i32);
+    assert!(events[0].data.contains(&steer.id));
+}
+
+async fn concurrent_different_verdicts_have_exactly_one_winner(h: Harness) {
+    for round in 0..5 {
+        let (run_id, key) = h.running_run(&format!("verdict-race-{round}")).await;
+        let mut a = h.runner(&key).await;
+        let mut b = h.runner(&key).await;
+        let (ra, rb) = tokio::join!(
+            submit(&mut a, &run_id, succeeded()),
+            submit(&mut b, &run_id, failed(3))
+        );
+        let (winner, loser, winning_verdict) = match (ra, rb) {
+            (Ok(w), Err(l)) => (w, l, succeeded()),
+            (Err(l), Ok(w)) => (w, l, failed(3)),
+            (a, b) => panic!("round {round}: expected one winner, got {a:?} and {b:?}"),
+        };
+        assert!(!winner.already_recorded);
+        assert_reason(&loser, Code::FailedPrecondition, ErrorReason::RunTerminal);
+        let info = error_info(&loser).unwrap();
+        assert_eq!(
+            info.metadata["recorded_verdict_reason"],
+            winning_verdict.reason
+        );
+        assert_eq!(
+            h.get_run(&run_id).await.verdict.unwrap().reason,
+            winning_verdict.reason
+        );
+    }
+}
+
+async fn a_replayed_verdict_is_already_recorded_and_a_different_one_is_refused(h: Harness) {
+    let (run_id, key) = h.running_run("verdict-replay").await;
+    let mut runner = h.runner(&key).await;
+    h.cut_next("SubmitResult", 1);
+    assert!(submit(&mut runner, &run_id, failed(2)).await.is_err());
+    let replay = submit(&mut runner, &run_id, failed(2)).await.unwrap();
+    assert!(replay.already_recorded);
+    assert_eq!(replay.run.unwrap().state(), pb::RunState::Failed);
+    assert!(replay.receipt.is_some());
+
+    let err = submit(&mut runner, &run_id, succeeded()).await.unwrap_err();
+    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+    let info = error_info(&err).unwrap();
+    assert_eq!(info.metadata["recorded_verdict_outcome"], "failed");
+    assert_eq!(info.metadata["recorded_exit_code"], "2");
+}
+
+async fn a_key_for_another_run_is_denied(h: Harness) {
+    let (run_a, key_a) = h.running_run("key-scope-a").await;
+    let (run_b, _) = h.running_run("key-scope-b").await;
+    let mut runner = h.runner(&key_a).await;
+    let err = append(&mut runner, &run_b, "batch-wrong-run-0001", vec![line("x")])
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::PermissionDenied, ErrorReason::RunKeyWrongRun);
+    assert_eq!(h.get_run(&run_b).await.last_sequence, 0);
+    append(&mut runner, &run_a, "batch-right-run-0001", vec![line("x")])
+        .await
+        .unwrap();
+}
+
+async fn revoked_and_unknown_keys_are_refused(h: Harness) {
+    let (run_id, first_key) = h.running_run("revoked").await;
+    let second_key = h.issue_key(&run_id, 2).await;
+    let mut old = h.runner(&first_key).await;
+    let err = append(&mut old, &run_id, "batch-old-generation", vec![line("x")])
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::Unauthenticated, ErrorReason::RunKeyRevoked);
+
+    let mut unknown = h.runner("rk_not-a-key-we-issued").await;
+    let err = append(
+        &mut unknown,
+        &run_id,
+        "batch-unknown-key-01",
+        vec![line("x")],
+    )
+    .await
+    .unwrap_err();
+    assert_reason(&err, Code::Unauthenticated, ErrorReason::RunKeyInvalid);
+
+    let mut current = h.runner(&second_key).await;
+    current
+        .hello(pb::HelloRequest {
+            run_id: run_id.clone(),
+            nonce: "second-generation-nonce".into(),
+            runner_version: String::new(),
+        })
+        .await
+        .unwrap();
+    submit(&mut current, &run_id, succeeded()).await.unwrap();
+    // Revoked by the terminal verdict: runner calls now learn the run is over.
+    let err = append(
+        &mut current,
+        &run_id,
+        "batch-after-verdict1",
+        vec![line("x")],
+    )
+    .await
+    .unwrap_err();
+    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+    let err = poll(&mut current, &run_id, vec![]).await.unwrap_err();
+    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+}
+
+async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
+    let (run_id, _) = h.running_run("guarded-fail").await;
+    let current_key = h.issue_key(&run_id, 2).await;
+    let mut op = h.operator().await;
+    let fail = |key: &str, guard: Option<u64>| pb::FailRunRequest {
+        run_id: run_id.clone(),
+        reason: "sandbox_lost".into(),
+        message: "lost past the grace".into(),
+        idempotency_key: key.into(),
+        if_sandbox_generation: guard,
+    };
+
+    let stale = op
+        .fail_run(fail("fail-generation-1-lost", Some(1)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stale.outcome(), pb::FailRunOutcome::GuardMismatch);
+    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
+    // The live generation's key still works.
+    let mut runner = h.runner(&current_key).await;
+    runner
+        .hello(pb::HelloRequest {
+            run_id: run_id.clone(),
+            nonce: "generation-two-nonce-01".into(),
+            runner_version: String::new(),
+        })
+        .await
+        .unwrap();
+
+    let won = op
+        .fail_run(fail("fail-generation-2-lost", Some(2)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(won.outcome(), pb::FailRunOutcome::MadeTerminal);
+    let replay = op
+        .fail_run(fail("fail-generation-2-lost", Some(2)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        replay.outcome(),
+        pb::FailRunOutcome::MadeTerminal,
+        "a replay gets the first answer"
+    );
+    let other = op
+        .fail_run(fail("fail-again-other-key", None))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(other.outcome(), pb::FailRunOutcome::AlreadyTerminal);
+    let err = op
+        .fail_run(fail("fail-generation-2-lost", Some(7)))
+        .await
+        .unwrap_err();
+    assert_reason(
+        &err,
+        Code::InvalidArgument,
+        ErrorReason::IdempotencyKeyReused,
+    );
+
+    let run = h.get_run(&run_id).await;
+    assert_eq!(run.state(), pb::RunState::Failed);
+    assert_eq!(run.failure_reason, "sandbox_lost");
+    let err = append(
+        &mut runner,
+        &run_id,
+        "batch-after-failrun1",
+        vec![line("x")],
+    )
+    .await
+    .unwrap_err();
+    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+    assert_eq!(
+        receipt(&h, &run_id).await.verdict.unwrap().reason,
+        "sandbox_lost"
+    );
+}
+
+async fn hello_is_replay_safe_per_nonce(h: Harness) {
+    let run = h.create_run("hello-nonce").await;
+    let key = h.issue_key(&run.id, 1).await;
+    let mut runner = h.runner(&key).await;
+    let hello = |nonce: &str| pb::HelloRequest {
+        run_id: run.id.clone(),
+        nonce: nonce.into(),
+        runner_version: "t".into(),
+    };
+    h.cut_next("Hello", 1);
+    assert!(runner.hello(hello("instance-a-0000000001")).await.is_err());
+    let first = runner
+        .hello(hello("instance-a-0000000001"))
+        .await
+        .unwrap()
+        .into_inner();
+    let again = runner
+        .hello(hello("instance-a-0000000001"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.claimed_at, again.claimed_at);
+    assert_eq!(first.run.unwrap().state(), pb::RunState::Running);
+    let err = runner
+        .hello(hello("instance-b-0000000001"))
+        .await
+        .unwrap_err();
+    assert_reason(
+        &err,
+        Code::FailedPrecondition,
+        ErrorReason::HelloNonceMismatch,
+    );
+}
+
+async fn create_run_is_keyed_by_client_request_id(h: Harness) {
+    let mut op = h.operator().await;
+    h.cut_next("CreateRun", 1);
+    assert!(op.create_run(create_request("keyed-create")).await.is_err());
+    let first = op
+        .create_run(create_request("keyed-create"))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let again = op
+        .create_run(create_request("keyed-create"))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(first.id, again.id);
+
+    let mut different = create_request("keyed-create");
+    different.command = "other-agent".into();
+    let err = op.create_run(different).await.unwrap_err();
+    assert_reason(
+        &err,
+        Code::InvalidArgument,
+        ErrorReason::IdempotencyKeyReused,
+    );
+
+    let mut bad = create_request("bad-create");
+    bad.target = None;
+    let err = op.create_run(bad).await.unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+    assert_eq!(error_info(&err).unwrap().metadata["field"], "target");
+    let listed = op
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.runs.len(), 1, "the refused request wrote nothing");
+}
+
+async fn bad_batches_are_refused_and_nothing_is_written(h: Harness) {
+    let (run_id, key) = h.running_run("bad-batch").await;
+    let mut runner = h.runner(&key).await;
+    let too_many: Vec<_> = (0..101).map(|i| line(&i.to_string())).collect();
+    let err = append(&mut runner, &run_id, "batch-too-many-0001", too_many)
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::BatchTooLarge);
+
+    let mut malformed = vec![line("fine"), line("also fine")];
+    malformed[1].kind = 0;
+    let err = append(&mut runner, &run_id, "batch-malformed-0001", malformed)
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::EventMalformed);
+    assert_eq!(error_info(&err).unwrap().metadata["index"], "1");
+
+    let huge = vec![line(&"x".repeat(17 << 10))];
+    let err = append(&mut runner, &run_id, "batch-huge-event-001", huge)
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::EventMalformed);
+
+    let err = append(&mut runner, &run_id, "short", vec![line("x")])
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+
+    assert_eq!(h.get_run(&run_id).await.last_sequence, 0);
+    assert_eq!(h.store.store().count_events(&run_id).await.unwrap(), 0);
+
+    // The same key with other events is a reuse, not a replay.
+    append(
+        &mut runner,
+        &run_id,
+        "batch-reused-key-001",
+        vec![line("a")],
+    )
+    .await
+    .unwrap();
+    let err = append(
+        &mut runner,
+        &run_id,
+        "batch-reused-key-001",
+        vec![line("b")],
+    )
+    .await
+    .unwrap_err();
+    assert_reason(
+        &err,
+        Code::InvalidArgument,
+        ErrorReason::IdempotencyKeyReused,
+    );
+    assert_eq!(h.get_run(&run_id).await.last_sequence, 1);
+}
+
+async fn concurrent_appends_to_one_run_keep_order_and_chain(h: Harness) {
+    let (run_id, key) = h.running_run("concurrent-appends").await;
+    let mut tasks = Vec::new();
+    for writer in 0..8 {
+        let mut runner = h.runner(&key).await;
+        let run_id = run_id.clone();
+        tasks.push(tokio::spawn(async move {
+            for batch in 0..5 {
+                let events = (0..3)
+                    .map(|i| line(&format!("w{writer} b{batch} e{i}")))
+                    .collect();
+                append(
+                    &mut runner,
+                    &run_id,
+                    &format!("writer-{writer}-batch-{batch}-key"),
+                    events,
+                )
+                .await
+                .expect("append");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let events = h
+        .store
+        .store()
+        .events_after(&run_id, 0, 1000)
+        .await
+        .unwrap();
+    assert_eq!(events.len(), 120);
+    let mut head = chain::genesis(&run_id);
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.sequence, i as i64 + 1, "no gaps, no duplicates");
+        head = chain::extend(
+            &head,
+            &ChainedEvent {
+                sequence: e.sequence as u64,
+                kind: e.kind,
+                check: e.is_check,
+                name: &e.name,
+                text: &e.text,
+                data: &e.data,
+                observed_at_us: e.observed_at_us,
+            },
+        );
+        assert_eq!(head, e.digest, "event {} extends the chain", e.sequence);
+    }
+    // Each writer's batches kept their internal order.
+    let texts: HashSet<_> = events.iter().map(|e| e.text.clone()).collect();
+    assert_eq!(texts.len(), 120);
+}
+
+async fn the_receipt_verifies_and_pins_the_chain(h: Harness) {
+    let (run_id, key) = h.running_run("receipt").await;
+    let mut runner = h.runner(&key).await;
+    let appended = append(
+        &mut runner,
+        &run_id,
+        "batch-receipt-00001",
+        vec![line("a"), check("tests"), line("b")],
+    )
+    .await
+    .unwrap();
+    let mut op = h.operator().await;
+    let err = op
+        .get_receipt(pb::GetReceiptRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_reason(
+        &err,
+        Code::FailedPrecondition,
+        ErrorReason::ReceiptNotSealed,
+    );
+
+    let result = runner
+        .submit_result(pb::SubmitResultRequest {
+            run_id: run_id.clone(),
+            verdict: Some(succeeded()),
+            failure_tail: String::new(),
+            final_batch_key: "batch-final-000001".into(),
+            final_events: vec![check("final-check")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let body = receipt(&h, &run_id).await;
+    assert_eq!(body.event_count, 4);
+    assert_eq!(
+        body.check_events
+            .iter()
+            .map(|c| (c.sequence, c.name.as_str()))
+            .collect::<Vec<_>>(),
+        [(2, "tests"), (4, "final-check")]
+    );
+    assert_ne!(body.chain_head, appended.chain_head);
+    assert_eq!(
+        result.receipt.unwrap().body.unwrap().chain_head,
+        body.chain_head
+    );
+
+    let key_id = body.key_id.clone();
+    let public = op
+        .get_receipt_public_key(pb::GetReceiptPublicKeyRequest { key_id })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(public.public_key, h.store.receipt_public_key().to_vec());
+}
+
+async fn org_tokens_are_confined_to_their_org(h: Harness) {
+    let mut service = h.operator().await;
+    let mut globex = create_request("globex-run");
+    globex.org_id = "globex".into();
+    let globex_run = service
+        .create_run(globex.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+
+    let mut acme = h.operator_with(ACME_TOKEN).await;
+    let err = acme.create_run(globex).await.unwrap_err();
+    assert_reason(&err, Code::PermissionDenied, ErrorReason::PermissionDenied);
+    let err = acme
+        .get_run(pb::GetRunRequest {
+            run_id: globex_run.id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::NotFound, ErrorReason::RunNotFound);
+    let acme_run = acme
+        .create_run(create_request("acme-run"))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let listed = acme
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        listed
+            .runs
+            .iter()
+            .map(|r| r.id.as_str())
+            .collect::<Vec<_>>(),
+        [acme_run.id.as_str()]
+    );
+    let err = acme
+        .issue_run_key(pb::IssueRunKeyRequest {
+            run_id: acme_run.id,
+            sandbox_id: "sbx".into(),
+            sandbox_generation: 1,
+            idempotency_key: "org-token-issue-key".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::PermissionDenied, ErrorReason::PermissionDenied);
+
+    let mut nobody = h.operator_with("not-a-token-at-all-0123456789abcdef").await;
+    let err = nobody
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+}
+
+async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
+    let (run_id, key) = h.running_run("watch").await;
+    let mut runner = h.runner(&key).await;
+    append(
+        &mut runner,
+        &run_id,
+        "batch-watch-000001",
+        vec![line("a"), line("b")],
+    )
+    .await
+    .unwrap();
+    let mut stream = h
+        .operator()
+        .await
+        .watch_run(pb::WatchRunRequest {
+            run_id: run_id.clone(),
+            after_sequence: 1,
+            states_only: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let writer = tokio::spawn(async move {
+        append(&mut runner, &run_id, "batch-watch-000002", vec![line("c")])
+            .await
+            .unwrap();
+        submit(&mut runner, &run_id, succeeded()).await.unwrap();
+    });
+    use pb::watch_run_response::Update;
+    let mut seen = Vec::new();
+    while let Some(item) = stream.next().await {
+        match item.unwrap().update.unwrap() {
+            Update::Run(run) => seen.push(format!("run:{}", run.state().as_str_name())),
+            Update::Event(e) => seen.push(format!("event:{}:{}", e.sequence, e.text)),
+            Update::Gap(g) => seen.push(format!("gap:{}", g.from_sequence)),
+        }
+    }
+    writer.await.unwrap();
+    assert_eq!(
+        seen.first().map(String::as_str),
+        Some("run:RUN_STATE_RUNNING")
+    );
+    assert_eq!(
+        seen.last().map(String::as_str),
+        Some("run:RUN_STATE_SUCCEEDED")
+    );
+    let events: Vec<_> = seen
+        .iter()
+        .filter(|s| s.starts_with("event:"))
+        .cloned()
+        .collect();
+    assert_eq!(events, ["event:2:b", "event:3:c"]);
+}
+
+async fn a_long_poll_wakes_when_a_message_is_enqueued(h: Harness) {
+    let (run_id, key) = h.running_run("long-poll").await;
+    let mut runner = h.runner(&key).await;
+    let poller = {
+        let run_id = run_id.clone();
+        tokio::spawn(async move {
+            runner
+                .poll_steering(pb::PollSteeringRequest {
+                    run_id,
+                    acks: vec![],
+                    wait: Some(prost_types::Duration {
+                        seconds: 20,
+                        nanos: 0,
+                    }),
+                    max_messages: 0,
+                })
+                .await
+                .unwrap()
+                .into_inner()
+        })
+    };
+    tokio::task::yield_now().await;
+    h.operator()
+        .await
+        .steer(pb::SteerRequest {
+            run_id,
+            text: "wake up".into(),
+            idempotency_key: "steer-long-poll-0001".into(),
+        })
+        .await
+        .unwrap();
+    let answer = poller.await.unwrap();
+    assert_eq!(answer.messages.len(), 1);
+    assert_eq!(answer.messages[0].kind(), pb::SteeringKind::Steer);
+}
+
+async fn list_runs_filters_and_pages(h: Harness) {
+    let mut op = h.operator().await;
+    for i in 0..5 {
+        let mut req = create_request(&format!("list-{i}"));
+        if i % 2 == 0 {
+            req.target = Some(pb::create_run_request::Target::Profile("fast".into()));
+        }
+        op.create_run(req).await.unwrap();
+    }
+    let mut ids = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = op
+            .list_runs(pb::ListRunsRequest {
+                page_size: 2,
+                page_token: token.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        ids.extend(page.runs.into_iter().map(|r| r.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(ids.len(), 5);
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 5);
+
+    let fast = op
+        .list_runs(pb::ListRunsRequest {
+            profile: "fast".into(),
+            states: vec![pb::RunState::Queued as i32],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fast.runs.len(), 3);
+
+    let first_page = op
+        .list_runs(pb::ListRunsRequest {
+            page_size: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let err = op
+        .list_runs(pb::ListRunsRequest {
+            page_size: 2,
+            profile: "fast".into(),
+            page_token: first_page.next_page_token,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+}
+
+async fn an_interrupt_on_a_queued_run_cancels_it(h: Harness) {
+    let run = h.create_run("cancel-queued").await;
+    let answer = h
+        .operator()
+        .await
+        .interrupt(pb::InterruptRequest {
+            run_id: run.id.clone(),
+            reason: "not needed".into(),
+            grace: None,
+            idempotency_key: "interrupt-queued-01".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answer.message.is_none());
+    assert_eq!(answer.run.unwrap().state(), pb::RunState::Cancelled);
+    let err = h
+        .operator()
+        .await
+        .issue_run_key(pb::IssueRunKeyRequest {
+            run_id: run.id,
+            sandbox_id: "sbx".into(),
+            sandbox_generation: 1,
+            idempotency_key: "issue-after-cancel".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+}
+
+async fn mark_backend_error_is_durable_from_running_and_from_done(h: Harness) {
+    let mut op = h.operator().await;
+    let mark = |run_id: &str, key: &str| pb::MarkBackendErrorRequest {
+        run_id: run_id.into(),
+        idempotency_key: key.into(),
+        kind: pb::BackendErrorKind::Error as i32,
+        reason: "upstream 529 overloaded".into(),
+        credential_id: "cred-a".into(),
+        incident_id: "inc-1".into(),
+        turn_id: "turn-1".into(),
+    };
+    let (running, _) = h.running_run("backend-running").await;
+    let marked = op
+        .mark_backend_error(mark(&running, "turn-running-00001"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(marked.outcome(), pb::MarkBackendErrorOutcome::Marked);
+    let run = marked.run.unwrap();
+    assert_eq!(run.state(), pb::RunState::BackendError);
+    assert_eq!(run.failure_reason, "upstream 529 overloaded");
+    assert_eq!(
+        run.backend_error.unwrap().kind(),
+        pb::BackendErrorKind::Error
+    );
+
+    let (done, key) = h.running_run("backend-done").await;
+    submit(&mut h.runner(&key).await, &done, failed(1))
+        .await
+        .unwrap();
+    let marked = op
+        .mark_backend_error(mark(&done, "turn-done-0000001"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(marked.outcome(), pb::MarkBackendErrorOutcome::Marked);
+    assert_eq!(h.get_run(&done).await.state(), pb::RunState::BackendError);
+    let replay = op
+        .mark_backend_error(mark(&done, "turn-done-0000001"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(replay.outcome(), pb::MarkBackendErrorOutcome::Marked);
+    let again = op
+        .mark_backend_error(mark(&done, "turn-done-0000002"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.outcome(), pb::MarkBackendErrorOutcome::AlreadyMarked);
+
+    let listed = op
+        .list_runs(pb::ListRunsRequest {
+            states: vec![pb::RunState::BackendError as i32],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.runs.len(), 2);
+}
