@@ -11,7 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, ChildStderr, ChildStdout, Command};
+use tokio::process::{Child, ChildStdout, Command};
 
 /// Path of the `runplane` binary under test.
 pub fn runplane_bin() -> PathBuf {
@@ -38,7 +38,23 @@ pub struct Process {
     pub child: Child,
     pub address: String,
     pub stdout_lines: Vec<String>,
-    stderr: Option<ChildStderr>,
+    stderr: Option<tokio::task::JoinHandle<String>>,
+}
+
+/// Reads the process's stderr as it comes, so a chatty log level never fills the pipe
+/// and stalls the process.
+fn collect(
+    stderr: impl tokio::io::AsyncRead + Unpin + Send + 'static,
+    mut seen: String,
+) -> tokio::task::JoinHandle<String> {
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            seen.push_str(&line);
+            seen.push('\n');
+        }
+        seen
+    })
 }
 
 impl Process {
@@ -61,17 +77,12 @@ impl Process {
             .expect("wait for runplane")
     }
 
-    /// Everything the process wrote to stderr (its logs) until now; call after exit.
+    /// Everything the process wrote to stderr (its logs); call after it exited.
     pub async fn stderr(&mut self) -> String {
-        let mut out = String::new();
-        if let Some(stderr) = self.stderr.take() {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                out.push_str(&line);
-                out.push('\n');
-            }
+        match self.stderr.take() {
+            Some(reader) => reader.await.unwrap_or_default(),
+            None => String::new(),
         }
-        out
     }
 }
 
@@ -84,11 +95,21 @@ impl Drop for Process {
 /// Starts `runplane dev` on a free port with its data in `data_dir` and waits for its
 /// banner.
 pub async fn start_dev(data_dir: &Path) -> Process {
-    let mut child = Command::new(runplane_bin())
+    start_dev_with_env(data_dir, &[]).await
+}
+
+/// [`start_dev`] with extra environment variables.
+pub async fn start_dev_with_env(data_dir: &Path, env: &[(&str, &str)]) -> Process {
+    let mut command = Command::new(runplane_bin());
+    command
         .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_CONFIG");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -96,7 +117,10 @@ pub async fn start_dev(data_dir: &Path) -> Process {
         .spawn()
         .expect("spawn runplane dev");
     let stdout = child.stdout.take().expect("stdout piped");
-    let stderr = child.stderr.take();
+    let stderr = child
+        .stderr
+        .take()
+        .map(|stderr| collect(stderr, String::new()));
     let (address, stdout_lines) = read_banner(stdout).await;
     Process {
         child,
@@ -149,24 +173,25 @@ pub async fn start_serve(services: &[&str], env: &[(&str, &str)]) -> Process {
     let mut child = command.spawn().expect("spawn runplane serve");
     let stderr = child.stderr.take().expect("stderr piped");
     let mut lines = BufReader::new(stderr).lines();
-    let mut seen = Vec::new();
+    let mut seen = String::new();
     let address = tokio::time::timeout(Duration::from_secs(60), async {
         while let Some(line) = lines.next_line().await.expect("read stderr") {
+            seen.push_str(&line);
+            seen.push('\n');
             if let Some((_, rest)) = line.split_once(" serving address=") {
                 return rest.split_whitespace().next().map(str::to_owned);
             }
-            seen.push(line);
         }
         None
     })
     .await
     .expect("runplane serve logged `serving` within 60 s")
-    .unwrap_or_else(|| panic!("runplane serve exited before serving: {seen:#?}"));
+    .unwrap_or_else(|| panic!("runplane serve exited before serving:\n{seen}"));
     Process {
         child,
         address,
         stdout_lines: Vec::new(),
-        stderr: Some(lines.into_inner().into_inner()),
+        stderr: Some(collect(lines.into_inner().into_inner(), seen)),
     }
 }
 

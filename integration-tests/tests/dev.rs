@@ -198,3 +198,88 @@ async fn a_taken_port_is_refused_with_the_address() {
         "{stderr}"
     );
 }
+
+#[tokio::test]
+async fn run_keys_and_tokens_never_reach_the_logs() {
+    use runplane_proto::runstore::v1 as pb;
+    use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+    use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+
+    let data = tempfile::tempdir().unwrap();
+    let mut dev =
+        runplane_integration_tests::start_dev_with_env(data.path(), &[("RUST_LOG", "trace")]).await;
+    let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
+    let token = token.trim().to_owned();
+    fn authed<T>(message: T, secret: &str) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {secret}").parse().unwrap());
+        request
+    }
+    let mut op = RunServiceClient::new(channel(&dev.endpoint()).await);
+    let run = op
+        .create_run(authed(
+            pb::CreateRunRequest {
+                client_request_id: "log-scan-request-0001".into(),
+                org_id: "acme".into(),
+                target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                command: "true".into(),
+                ..Default::default()
+            },
+            &token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let key = op
+        .issue_run_key(authed(
+            pb::IssueRunKeyRequest {
+                run_id: run.id.clone(),
+                sandbox_id: "sbx".into(),
+                sandbox_generation: 1,
+                idempotency_key: "log-scan-key-000001".into(),
+            },
+            &token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .run_key;
+    let mut runner = RunnerServiceClient::new(channel(&dev.endpoint()).await);
+    runner
+        .hello(authed(
+            pb::HelloRequest {
+                run_id: run.id.clone(),
+                nonce: "log-scan-nonce-000001".into(),
+                runner_version: String::new(),
+            },
+            &key,
+        ))
+        .await
+        .unwrap();
+    // A refused call too: its error must not echo the key either.
+    let refused = runner
+        .append_events(authed(
+            pb::AppendEventsRequest {
+                run_id: run.id.clone(),
+                batch_key: "short".into(),
+                events: vec![],
+            },
+            &key,
+        ))
+        .await
+        .unwrap_err();
+    assert!(!refused.message().contains(&key));
+
+    assert!(dev.terminate().await.success());
+    let logs = dev.stderr().await;
+    assert!(logs.contains(&run.id), "trace logs were captured");
+    assert!(!logs.contains(&key), "a run key reached the logs");
+    assert!(
+        !logs.contains(&token),
+        "the operator token reached the logs"
+    );
+}

@@ -25,6 +25,8 @@ pub enum RunStoreError {
     },
     #[error("event {index}: {reason}")]
     EventMalformed { index: usize, reason: String },
+    #[error("page_token was not issued for these filters")]
+    CursorInvalid,
     #[error("{field} was already used with a different request")]
     KeyReused { field: &'static str },
     #[error("acknowledgement {index}: {reason}")]
@@ -32,7 +34,7 @@ pub enum RunStoreError {
     #[error("acknowledgement {index}: a {kind} cannot be dropped; only a steer can")]
     AckDropForbidden { index: usize, kind: &'static str },
 
-    #[error("missing bearer credentials")]
+    #[error("missing or unknown bearer token")]
     Unauthenticated,
     #[error("the run key is not valid")]
     RunKeyInvalid,
@@ -109,6 +111,11 @@ impl From<RunStoreError> for Status {
                 Code::InvalidArgument,
                 ErrorReason::EventMalformed,
                 meta([("index", index.to_string())]),
+            ),
+            E::CursorInvalid => (
+                Code::InvalidArgument,
+                ErrorReason::CursorInvalid,
+                meta([("field", "page_token".to_owned())]),
             ),
             E::KeyReused { field } => (
                 Code::InvalidArgument,

@@ -883,7 +883,7 @@ fn encode_page_token(filter_digest: &str, created_at_us: i64, id: &str) -> Strin
 }
 
 fn decode_page_token(token: &str, filter_digest: &str) -> Result<(i64, String)> {
-    let invalid = || RunStoreError::invalid("page_token", "was not issued for these filters");
+    let invalid = || RunStoreError::CursorInvalid;
     let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(token)
         .map_err(|_| invalid())?;

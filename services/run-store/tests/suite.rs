@@ -968,7 +968,7 @@ async fn list_runs_filters_and_pages(h: Harness) {
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::CursorInvalid);
 }
 
 async fn an_interrupt_on_a_queued_run_cancels_it(h: Harness) {

@@ -89,6 +89,8 @@ pub async fn serve(
             )
             .register_encoded_file_descriptor_set(runplane_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            // So grpcurl can decode the ErrorInfo in every runplane error.
+            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
     };
     let reflection_v1 = reflection()
         .build_v1()
