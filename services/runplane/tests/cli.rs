@@ -77,3 +77,94 @@ fn an_unknown_service_is_refused_with_the_choices() {
     assert!(stderr.contains("invalid value 'billing'"), "{stderr}");
     assert!(stderr.contains("run-store"), "{stderr}");
 }
+
+#[test]
+fn receipt_keygen_and_verify_work_offline() {
+    use base64::Engine;
+    use runplane_proto::runstore::v1::{ReceiptBody, Verdict};
+    use runplane_run_store::domain::receipt::ReceiptSigner;
+
+    let out = runplane(&["receipt", "keygen"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let seed = text
+        .lines()
+        .find_map(|l| l.strip_prefix("receipt_signing_key = \""))
+        .and_then(|rest| rest.strip_suffix('"'))
+        .expect("keygen prints the key as a config line");
+    let public_hex = text
+        .lines()
+        .find_map(|l| l.strip_prefix("# public key: "))
+        .expect("keygen prints the public key")
+        .trim()
+        .to_owned();
+
+    let signer = ReceiptSigner::from_hex(seed).unwrap();
+    let receipt = signer.seal(ReceiptBody {
+        run_id: "01a22b9d-7bd7-76e7-a072-4dd6efe3ec58".into(),
+        org_id: "acme".into(),
+        verdict: Some(Verdict {
+            outcome: 1,
+            reason: "exit_zero".into(),
+            exit_code: Some(0),
+            ..Default::default()
+        }),
+        event_count: 7,
+        ..Default::default()
+    });
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("receipt.json");
+    let write = |payload: &[u8]| {
+        std::fs::write(
+            &file,
+            serde_json::json!({"receipt": {
+                "signedPayload": b64(payload),
+                "signature": b64(&receipt.signature),
+                "keyId": receipt.key_id,
+            }})
+            .to_string(),
+        )
+        .unwrap();
+    };
+
+    write(&receipt.signed_payload);
+    let public_b64 = b64(&signer.public_key());
+    for key in [public_hex.as_str(), public_b64.as_str()] {
+        let out = runplane(&[
+            "receipt",
+            "verify",
+            file.to_str().unwrap(),
+            "--public-key",
+            key,
+        ]);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.starts_with("receipt verified: signed by ed25519:"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("events   7 (0 checks)"), "{stdout}");
+    }
+
+    let mut tampered = receipt.signed_payload.clone();
+    *tampered.last_mut().unwrap() ^= 1;
+    write(&tampered);
+    let out = runplane(&[
+        "receipt",
+        "verify",
+        file.to_str().unwrap(),
+        "--public-key",
+        &public_hex,
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the signature does not match"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
