@@ -1,0 +1,106 @@
+//! Whether a failed attempt may be sent again.
+
+use std::time::Duration;
+
+use tonic::Code;
+use tonic_types::StatusExt;
+
+/// What a failure proves about the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// It never reached a handler: safe to send again for every method.
+    ProvenNotSent,
+    /// It may have been processed: safe to send again only when replay-safe.
+    MaybeProcessed,
+    /// `RESOURCE_EXHAUSTED`: the server is rate limiting; its own bounded counter.
+    RateLimited,
+    /// An answer to act on, not to retry (`INVALID_ARGUMENT`, `NOT_FOUND`, …).
+    Final,
+}
+
+impl Failure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::ProvenNotSent => "proven_not_sent",
+            Failure::MaybeProcessed => "maybe_processed",
+            Failure::RateLimited => "rate_limited",
+            Failure::Final => "final",
+        }
+    }
+}
+
+/// A gRPC status answered by the server.
+pub fn code(code: Code) -> Failure {
+    match code {
+        Code::Unavailable | Code::Internal | Code::Unknown | Code::DeadlineExceeded => {
+            Failure::MaybeProcessed
+        }
+        Code::ResourceExhausted => Failure::RateLimited,
+        _ => Failure::Final,
+    }
+}
+
+/// A transport error from the channel, by what its cause chain proves.
+pub fn error(error: &(dyn std::error::Error + 'static)) -> Failure {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        // tonic wraps everything its connector reports (refused, DNS, no route, connect
+        // timeout) in its ConnectError: no byte of the request was written.
+        if format!("{e:?}").starts_with("ConnectError(") {
+            return Failure::ProvenNotSent;
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind as K;
+            if matches!(
+                io.kind(),
+                K::ConnectionRefused
+                    | K::AddrNotAvailable
+                    | K::NetworkUnreachable
+                    | K::HostUnreachable
+            ) {
+                return Failure::ProvenNotSent;
+            }
+        }
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            // REFUSED_STREAM, or a remote GOAWAY for a stream above its last id: the
+            // server says it processed nothing of this stream.
+            if h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+                || (h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR))
+            {
+                return Failure::ProvenNotSent;
+            }
+        }
+        cause = e.source();
+    }
+    Failure::MaybeProcessed
+}
+
+/// The server's pushback: `grpc-retry-pushback-ms`, else `google.rpc.RetryInfo`.
+pub fn pushback(headers: &http::HeaderMap, status: &tonic::Status) -> Option<Duration> {
+    if let Some(ms) = headers
+        .get("grpc-retry-pushback-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        return Some(Duration::from_millis(ms));
+    }
+    status
+        .get_details_retry_info()
+        .and_then(|info| info.retry_delay)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_classified() {
+        assert_eq!(code(Code::Unavailable), Failure::MaybeProcessed);
+        assert_eq!(code(Code::Internal), Failure::MaybeProcessed);
+        assert_eq!(code(Code::Unknown), Failure::MaybeProcessed);
+        assert_eq!(code(Code::ResourceExhausted), Failure::RateLimited);
+        assert_eq!(code(Code::InvalidArgument), Failure::Final);
+        assert_eq!(code(Code::FailedPrecondition), Failure::Final);
+        assert_eq!(code(Code::Unauthenticated), Failure::Final);
+    }
+}

@@ -1,0 +1,510 @@
+//! The runner's retrying transport: one tower layer every runner client goes through.
+//!
+//! The layer looks the policy up from the generated table by the request's method path
+//! ([`runplane_proto::METHOD_POLICIES`]); no call site can pass or override one. Then:
+//!
+//! - A failure that proves the request never reached a handler (connection refused, name
+//!   resolution failure, no route, connect timeout: anything tonic's connector reports;
+//!   an HTTP/2 stream refused, or past a GOAWAY's last stream id) is retried for every
+//!   method.
+//! - A failure after the request may have been processed (reset, broken pipe, timeouts
+//!   after send, `UNAVAILABLE`/`INTERNAL`/`UNKNOWN`, a response body cut short) is retried
+//!   only for replay-safe methods; an unsafe method gets exactly one attempt.
+//! - Backoff is exponential with full jitter (see [`Jitter`]) under the method's outage
+//!   budget (3 min ordinary, 5 min terminal), spent in full, with one retry always granted
+//!   so one stalled attempt cannot eat the budget. Server pushback
+//!   (`grpc-retry-pushback-ms`, `google.rpc.RetryInfo`) is honoured but never below the
+//!   backoff.
+//! - `RESOURCE_EXHAUSTED` is rate limiting: its own bounded counter, outside the budget.
+//! - A token bucket per upstream (gRPC's retry throttling) notices a live server that
+//!   keeps answering with failures; while it is drained, retries wait the backoff cap
+//!   instead of amplifying the overload.
+//!
+//! Unary responses are read whole before they are handed on, so a body cut mid-way is
+//! seen (and retried) here rather than surfacing later in the codec. Server-streaming
+//! responses are handed on as they come; only failures before their headers are retried.
+
+mod classify;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use http_body_util::BodyExt;
+use runplane_proto::{MethodPolicy, OutageBudget, ReplaySafety};
+use tokio::time::Instant;
+use tonic::body::Body;
+use tower_layer::Layer;
+use tower_service::Service;
+
+pub use classify::Failure;
+
+/// Errors the layer returns: the inner channel's, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How backoff delays are drawn from the exponential ceiling `min(cap, base * 2^n)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Jitter {
+    /// Uniform in `[0, ceiling]`. runplane's choice: after a restart a thousand runners
+    /// spread their retries over the whole window instead of bunching in its upper half,
+    /// so the server that just came back meets the smallest peak.
+    Full,
+    /// Uniform in `[ceiling/2, ceiling]`: the seed's policy, kept for comparison.
+    Equal,
+}
+
+/// The retry policy's numbers; the per-method part comes from the proto options.
+#[derive(Debug, Clone)]
+pub struct RetryConfig {
+    pub base: Duration,
+    pub cap: Duration,
+    pub jitter: Jitter,
+    /// Outage budget of ordinary methods.
+    pub ordinary_budget: Duration,
+    /// Outage budget of terminal methods (results).
+    pub terminal_budget: Duration,
+    /// Most `RESOURCE_EXHAUSTED` answers retried in one call.
+    pub rate_limit_retries: u32,
+    /// Retry throttle: bucket size and what a success puts back.
+    pub throttle_max_tokens: f64,
+    pub throttle_token_ratio: f64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            base: Duration::from_millis(200),
+            cap: Duration::from_secs(15),
+            jitter: Jitter::Full,
+            ordinary_budget: Duration::from_secs(OutageBudget::Ordinary.seconds()),
+            terminal_budget: Duration::from_secs(OutageBudget::Terminal.seconds()),
+            rate_limit_retries: 10,
+            throttle_max_tokens: 10.0,
+            throttle_token_ratio: 0.1,
+        }
+    }
+}
+
+impl RetryConfig {
+    /// The seed's policy (500 ms base, 10 s cap, equal jitter), for comparisons.
+    pub fn seed() -> Self {
+        Self {
+            base: Duration::from_millis(500),
+            cap: Duration::from_secs(10),
+            jitter: Jitter::Equal,
+            ..Self::default()
+        }
+    }
+
+    fn budget(&self, class: OutageBudget) -> Duration {
+        match class {
+            OutageBudget::Ordinary => self.ordinary_budget,
+            OutageBudget::Terminal => self.terminal_budget,
+        }
+    }
+
+    /// The delay before retry number `retry` (0-based).
+    pub fn backoff(&self, retry: u32) -> Duration {
+        let ceiling = self
+            .base
+            .saturating_mul(2u32.saturating_pow(retry.min(30)))
+            .min(self.cap);
+        let ceiling_ms = ceiling.as_millis() as u64;
+        let floor_ms = match self.jitter {
+            Jitter::Full => 0,
+            Jitter::Equal => ceiling_ms / 2,
+        };
+        Duration::from_millis(rand::random_range(floor_ms..=ceiling_ms))
+    }
+}
+
+/// Retries by classification, for metrics and tests.
+#[derive(Debug, Default)]
+pub struct RetryStats {
+    pub proven_not_sent: AtomicU64,
+    pub maybe_processed: AtomicU64,
+    pub rate_limited: AtomicU64,
+    /// Retries that waited the cap because the throttle was drained.
+    pub throttled: AtomicU64,
+    /// Calls that ended in a failure after retrying (budget spent or not replay-safe).
+    pub gave_up: AtomicU64,
+    /// Every attempt sent, first ones included.
+    pub attempts: AtomicU64,
+    /// The delays chosen before retries, oldest first (the first 1,024).
+    pub delays: Mutex<Vec<Duration>>,
+}
+
+impl RetryStats {
+    pub fn retries(&self) -> u64 {
+        self.proven_not_sent.load(Ordering::Relaxed)
+            + self.maybe_processed.load(Ordering::Relaxed)
+            + self.rate_limited.load(Ordering::Relaxed)
+    }
+}
+
+/// gRPC's retry throttling: failures answered by a live server take a token, successes
+/// give back a fraction; below half the bucket, retries stop amplifying.
+#[derive(Debug)]
+struct Throttle {
+    tokens: Mutex<f64>,
+    max: f64,
+    ratio: f64,
+}
+
+impl Throttle {
+    fn failure(&self) {
+        let mut t = self.tokens.lock().expect("throttle poisoned");
+        *t = (*t - 1.0).max(0.0);
+    }
+
+    fn success(&self) {
+        let mut t = self.tokens.lock().expect("throttle poisoned");
+        *t = (*t + self.ratio).min(self.max);
+    }
+
+    fn drained(&self) -> bool {
+        *self.tokens.lock().expect("throttle poisoned") <= self.max / 2.0
+    }
+}
+
+/// The layer. Build one per upstream: the throttle is per upstream.
+#[derive(Debug, Clone)]
+pub struct RetryLayer {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    config: RetryConfig,
+    table: &'static [MethodPolicy],
+    throttle: Throttle,
+    stats: Arc<RetryStats>,
+}
+
+impl RetryLayer {
+    /// runplane's policy table with `config`'s numbers.
+    pub fn new(config: RetryConfig) -> Self {
+        Self::with_table(config, runplane_proto::METHOD_POLICIES)
+    }
+
+    /// Another (sorted) policy table; tests use one with an unsafe method.
+    pub fn with_table(config: RetryConfig, table: &'static [MethodPolicy]) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                throttle: Throttle {
+                    tokens: Mutex::new(config.throttle_max_tokens),
+                    max: config.throttle_max_tokens,
+                    ratio: config.throttle_token_ratio,
+                },
+                config,
+                table,
+                stats: Arc::default(),
+            }),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<RetryStats> {
+        self.shared.stats.clone()
+    }
+}
+
+impl<S> Layer<S> for RetryLayer {
+    type Service = Retry<S>;
+
+    fn layer(&self, inner: S) -> Retry<S> {
+        Retry {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The retrying service.
+#[derive(Debug, Clone)]
+pub struct Retry<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+/// A method the table does not know is treated as unsafe: only provably unsent
+/// requests are sent again.
+const UNKNOWN: MethodPolicy = MethodPolicy {
+    path: "",
+    replay_safety: ReplaySafety::Unsafe,
+    key_field: None,
+    outage_budget: OutageBudget::Ordinary,
+    justification: "not in the policy table",
+    client_streaming: false,
+    server_streaming: false,
+};
+
+impl<S> Service<http::Request<Body>> for Retry<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<http::Response<Body>, BoxError>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // Readiness is awaited per attempt inside the call, where failures are retried.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        let shared = self.shared.clone();
+        Box::pin(async move { shared.call(inner, request).await })
+    }
+}
+
+/// What one attempt came to.
+enum Attempt {
+    Done(http::Response<Body>),
+    Failed {
+        failure: Failure,
+        /// The response to hand on if this failure is final (a gRPC status), or the error.
+        last: Result<http::Response<Body>, BoxError>,
+        pushback: Option<Duration>,
+    },
+}
+
+impl Shared {
+    async fn call<S>(
+        &self,
+        mut inner: S,
+        request: http::Request<Body>,
+    ) -> Result<http::Response<Body>, BoxError>
+    where
+        S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        let path = request.uri().path().to_owned();
+        let policy = runplane_proto_policy_lookup(self.table, &path).unwrap_or(&UNKNOWN);
+        let (parts, body) = request.into_parts();
+        // Requests of the runner's methods are single messages; keep them to resend.
+        let body = body
+            .collect()
+            .await
+            .map_err(|e| Box::new(e) as BoxError)?
+            .to_bytes();
+        let budget = self.config.budget(policy.outage_budget);
+        let started = Instant::now();
+        let mut retries: u32 = 0;
+        let mut rate_limited: u32 = 0;
+
+        loop {
+            self.stats.attempts.fetch_add(1, Ordering::Relaxed);
+            let attempt = self
+                .attempt(&mut inner, rebuild(&parts, body.clone()), policy)
+                .await;
+            let (failure, last, pushback) = match attempt {
+                Attempt::Done(response) => {
+                    self.throttle.success();
+                    return Ok(response);
+                }
+                Attempt::Failed {
+                    failure,
+                    last,
+                    pushback,
+                } => (failure, last, pushback),
+            };
+
+            let retryable = match failure {
+                Failure::ProvenNotSent => true,
+                Failure::MaybeProcessed => policy.replay_safety.is_replay_safe(),
+                Failure::RateLimited => rate_limited < self.config.rate_limit_retries,
+                Failure::Final => false,
+            };
+            // The budget is spent in full, but the first retry is always granted.
+            let within_budget =
+                failure == Failure::RateLimited || retries == 0 || started.elapsed() < budget;
+            if !retryable || !within_budget {
+                if failure != Failure::Final {
+                    self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        rpc.method = %path,
+                        attempts = retries + rate_limited + 1,
+                        classification = failure.as_str(),
+                        replay_safety = policy.replay_safety.as_str(),
+                        "giving up"
+                    );
+                }
+                return last;
+            }
+
+            if matches!(failure, Failure::MaybeProcessed | Failure::RateLimited) && last.is_ok() {
+                // A live server answered with a failure.
+                self.throttle.failure();
+            }
+            let backoff = self.config.backoff(if failure == Failure::RateLimited {
+                rate_limited
+            } else {
+                retries
+            });
+            let mut delay = pushback.map_or(backoff, |p| p.max(backoff));
+            let throttled = failure != Failure::ProvenNotSent && self.throttle.drained();
+            if throttled {
+                delay = delay.max(self.config.cap);
+                self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+            }
+            if failure != Failure::RateLimited {
+                // Never sleep past the budget's end; the retry after it still happens.
+                let left = budget.saturating_sub(started.elapsed());
+                if retries > 0 || !left.is_zero() {
+                    delay = delay.min(left.max(Duration::from_millis(1)));
+                }
+            }
+            match failure {
+                Failure::ProvenNotSent => &self.stats.proven_not_sent,
+                Failure::MaybeProcessed => &self.stats.maybe_processed,
+                Failure::RateLimited => &self.stats.rate_limited,
+                Failure::Final => unreachable!("final failures return above"),
+            }
+            .fetch_add(1, Ordering::Relaxed);
+            {
+                let mut delays = self.stats.delays.lock().expect("stats poisoned");
+                if delays.len() < 1024 {
+                    delays.push(delay);
+                }
+            }
+            tracing::info!(
+                rpc.method = %path,
+                attempt = retries + rate_limited + 1,
+                classification = failure.as_str(),
+                delay_ms = delay.as_millis() as u64,
+                throttled,
+                "retry"
+            );
+            if failure == Failure::RateLimited {
+                rate_limited += 1;
+            } else {
+                retries += 1;
+            }
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    async fn attempt<S>(
+        &self,
+        inner: &mut S,
+        request: http::Request<Body>,
+        policy: &MethodPolicy,
+    ) -> Attempt
+    where
+        S: Service<http::Request<Body>, Response = http::Response<Body>> + Send,
+        S::Error: Into<BoxError>,
+    {
+        let ready = std::future::poll_fn(|cx| inner.poll_ready(cx))
+            .await
+            .map_err(Into::into);
+        let response = match ready {
+            Ok(()) => inner.call(request).await.map_err(Into::into),
+            Err(e) => Err(e),
+        };
+        let response = match response {
+            Ok(r) => r,
+            Err(e) => {
+                return Attempt::Failed {
+                    failure: classify::error(&*e),
+                    last: Err(e),
+                    pushback: None,
+                };
+            }
+        };
+        // A status in the headers (trailers-only) is the whole answer.
+        if let Some(status) = tonic::Status::from_header_map(response.headers()) {
+            if status.code() == tonic::Code::Ok {
+                return Attempt::Done(response);
+            }
+            let pushback = classify::pushback(response.headers(), &status);
+            return Attempt::Failed {
+                failure: classify::code(status.code()),
+                last: Ok(response),
+                pushback,
+            };
+        }
+        if policy.server_streaming {
+            return Attempt::Done(response);
+        }
+        // Unary: read it whole so a cut body is seen here.
+        let (parts, body) = response.into_parts();
+        match body.collect().await {
+            Err(e) => Attempt::Failed {
+                failure: Failure::MaybeProcessed,
+                last: Err(Box::new(e)),
+                pushback: None,
+            },
+            Ok(collected) => {
+                let trailers = collected.trailers().cloned();
+                let data = collected.to_bytes();
+                let status = trailers.as_ref().and_then(tonic::Status::from_header_map);
+                let response =
+                    http::Response::from_parts(parts, whole_body(data, trailers.clone()));
+                match status {
+                    Some(s) if s.code() != tonic::Code::Ok => Attempt::Failed {
+                        failure: classify::code(s.code()),
+                        pushback: trailers.as_ref().and_then(|t| classify::pushback(t, &s)),
+                        last: Ok(response),
+                    },
+                    // No trailers at all: the stream ended without a status, cut short.
+                    None => Attempt::Failed {
+                        failure: Failure::MaybeProcessed,
+                        last: Ok(response),
+                        pushback: None,
+                    },
+                    Some(_) => Attempt::Done(response),
+                }
+            }
+        }
+    }
+}
+
+/// A channel every runner client uses: W3C trace context, then this layer's retries.
+pub type RunnerChannel = Retry<runplane_grpc::client::TracedChannel>;
+
+/// A lazily connecting channel to `endpoint` through `layer`. Reuse one layer per
+/// upstream so its clients share the retry throttle.
+pub fn connect_lazy(
+    endpoint: &str,
+    layer: &RetryLayer,
+) -> Result<RunnerChannel, runplane_grpc::client::ClientError> {
+    Ok(layer.layer(runplane_grpc::client::connect_lazy(endpoint)?))
+}
+
+fn runplane_proto_policy_lookup<'a>(
+    table: &'a [MethodPolicy],
+    path: &str,
+) -> Option<&'a MethodPolicy> {
+    table
+        .binary_search_by(|p| p.path.cmp(path))
+        .ok()
+        .map(|i| &table[i])
+}
+
+fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Body> {
+    let mut request = http::Request::new(Body::new(http_body_util::Full::new(body)));
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = parts.version;
+    *request.headers_mut() = parts.headers.clone();
+    request
+}
+
+fn whole_body(data: Bytes, trailers: Option<http::HeaderMap>) -> Body {
+    let mut frames = vec![Ok::<_, std::convert::Infallible>(http_body::Frame::data(
+        data,
+    ))];
+    if let Some(t) = trailers {
+        frames.push(Ok(http_body::Frame::trailers(t)));
+    }
+    Body::new(http_body_util::StreamBody::new(futures::stream::iter(
+        frames,
+    )))
+}

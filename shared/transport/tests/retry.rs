@@ -1,0 +1,474 @@
+//! The retrying transport against real servers on real sockets: every failure here
+//! comes over the wire (a refused connect, a server killed mid-call, a body cut short, a
+//! status with pushback), none is a mocked error.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+use runplane_proto::runstore::v1::runner_service_server::{RunnerService, RunnerServiceServer};
+use runplane_proto::{MethodPolicy, OutageBudget, ReplaySafety};
+use runplane_transport::{Jitter, RetryConfig, RetryLayer, RunnerChannel};
+use tokio::net::TcpListener;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::{Code, Request, Response, Status};
+use tower_service::Service;
+
+/// One scripted answer of the test server.
+#[derive(Clone)]
+enum Answer {
+    Ok,
+    Status(Code, Option<u64>),
+    /// Wait, then answer with the next scripted answer.
+    Stall(Duration),
+}
+
+#[derive(Clone, Default)]
+struct Script {
+    answers: Arc<Mutex<VecDeque<Answer>>>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Script {
+    fn new(answers: impl IntoIterator<Item = Answer>) -> Self {
+        Self {
+            answers: Arc::new(Mutex::new(answers.into_iter().collect())),
+            calls: Arc::default(),
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    async fn answer<T: Default>(&self) -> Result<Response<T>, Status> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        loop {
+            let next = self
+                .answers
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or(Answer::Ok);
+            match next {
+                Answer::Ok => return Ok(Response::new(T::default())),
+                Answer::Stall(d) => tokio::time::sleep(d).await,
+                Answer::Status(code, pushback) => {
+                    let mut status = Status::new(code, "scripted");
+                    if let Some(ms) = pushback {
+                        status
+                            .metadata_mut()
+                            .insert("grpc-retry-pushback-ms", ms.to_string().parse().unwrap());
+                    }
+                    return Err(status);
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl RunnerService for Script {
+    async fn hello(
+        &self,
+        _: Request<pb::HelloRequest>,
+    ) -> Result<Response<pb::HelloResponse>, Status> {
+        self.answer().await
+    }
+    async fn append_events(
+        &self,
+        _: Request<pb::AppendEventsRequest>,
+    ) -> Result<Response<pb::AppendEventsResponse>, Status> {
+        self.answer().await
+    }
+}
+
+/// Cuts the next `n` response bodies after the handler answered.
+#[derive(Clone)]
+struct Cut<S> {
+    inner: S,
+    remaining: Arc<AtomicUsize>,
+}
+
+impl<S: NamedService> NamedService for Cut<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for Cut<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Send
+        + Clone
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let cut = self
+            .remaining
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let future = self.inner.call(request);
+        Box::pin(async move {
+            let response = future.await?;
+            if !cut {
+                return Ok(response);
+            }
+            let (parts, _) = response.into_parts();
+            Ok(http::Response::from_parts(parts, Body::new(Failing)))
+        })
+    }
+}
+
+struct Failing;
+
+impl http_body::Body for Failing {
+    type Data = Bytes;
+    type Error = std::io::Error;
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        Poll::Ready(Some(Err(std::io::ErrorKind::ConnectionReset.into())))
+    }
+}
+
+/// A server on a runtime of its own, so killing it closes its listener and every open
+/// connection at once, as a killed process would.
+struct Server {
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Server {
+    async fn start(listener: TcpListener, script: Script, cuts: usize) -> Self {
+        let service = Cut {
+            inner: RunnerServiceServer::new(script),
+            remaining: Arc::new(AtomicUsize::new(cuts)),
+        };
+        let listener = listener.into_std().unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.spawn(async move {
+            let listener = TcpListener::from_std(listener).unwrap();
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await
+                .unwrap();
+        });
+        Self {
+            runtime: Some(runtime),
+        }
+    }
+
+    fn kill(mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+fn fast() -> RetryConfig {
+    RetryConfig {
+        base: Duration::from_millis(20),
+        cap: Duration::from_millis(100),
+        ordinary_budget: Duration::from_secs(5),
+        terminal_budget: Duration::from_secs(5),
+        ..RetryConfig::default()
+    }
+}
+
+fn client(addr: &str, layer: &RetryLayer) -> RunnerServiceClient<RunnerChannel> {
+    RunnerServiceClient::new(
+        runplane_transport::connect_lazy(&format!("http://{addr}"), layer).unwrap(),
+    )
+}
+
+async fn listener() -> (TcpListener, String) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (l, addr)
+}
+
+async fn append(
+    c: &mut RunnerServiceClient<RunnerChannel>,
+) -> Result<pb::AppendEventsResponse, Status> {
+    c.append_events(pb::AppendEventsRequest::default())
+        .await
+        .map(Response::into_inner)
+}
+
+/// The same runner methods, but Hello classified unsafe: for the unsafe-method cases.
+static UNSAFE_HELLO: &[MethodPolicy] = &[
+    MethodPolicy {
+        path: "/runplane.runstore.v1.RunnerService/AppendEvents",
+        replay_safety: ReplaySafety::Keyed,
+        key_field: Some("batch_key"),
+        outage_budget: OutageBudget::Ordinary,
+        justification: "test",
+        client_streaming: false,
+        server_streaming: false,
+    },
+    MethodPolicy {
+        path: "/runplane.runstore.v1.RunnerService/Hello",
+        replay_safety: ReplaySafety::Unsafe,
+        key_field: None,
+        outage_budget: OutageBudget::Ordinary,
+        justification: "test",
+        client_streaming: false,
+        server_streaming: false,
+    },
+];
+
+#[tokio::test]
+async fn unavailable_twice_then_success() {
+    let (l, addr) = listener().await;
+    let script = Script::new([
+        Answer::Status(Code::Unavailable, None),
+        Answer::Status(Code::Unavailable, None),
+    ]);
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(fast());
+    append(&mut client(&addr, &layer))
+        .await
+        .expect("third attempt succeeds");
+    assert_eq!(script.calls(), 3);
+    assert_eq!(layer.stats().maybe_processed.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn invalid_argument_is_not_retried() {
+    let (l, addr) = listener().await;
+    let script = Script::new([Answer::Status(Code::InvalidArgument, None)]);
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(fast());
+    let err = append(&mut client(&addr, &layer)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(script.calls(), 1);
+    assert_eq!(layer.stats().retries(), 0);
+}
+
+#[tokio::test]
+async fn a_refused_connect_is_retried_until_the_server_listens() {
+    let (l, addr) = listener().await;
+    drop(l); // nothing listens on the port now
+    let layer = RetryLayer::new(fast());
+    // Hello is unsafe here: a refused connect proves nothing was sent, so it retries anyway.
+    let unsafe_layer = RetryLayer::with_table(fast(), UNSAFE_HELLO);
+    let mut c = client(&addr, &unsafe_layer);
+    let call = tokio::spawn(async move {
+        c.hello(pb::HelloRequest::default())
+            .await
+            .map(Response::into_inner)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let script = Script::default();
+    let _server = Server::start(TcpListener::bind(&addr).await.unwrap(), script.clone(), 0).await;
+    call.await.unwrap().expect("succeeds once the port reopens");
+    assert_eq!(script.calls(), 1);
+    assert!(unsafe_layer.stats().proven_not_sent.load(Ordering::SeqCst) >= 1);
+    drop(layer);
+}
+
+#[tokio::test]
+async fn a_server_killed_mid_call_and_relistened_on_the_same_port() {
+    let (l, addr) = listener().await;
+    let first = Script::new([Answer::Stall(Duration::from_secs(30))]);
+    let server = Server::start(l, first.clone(), 0).await;
+    let layer = RetryLayer::new(fast());
+    let mut c = client(&addr, &layer);
+    let call = tokio::spawn(async move { append(&mut c).await });
+    // Wait until the request reached the handler, then kill the server under it.
+    while first.calls() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = Script::default();
+    let _server = Server::start(TcpListener::bind(&addr).await.unwrap(), second.clone(), 0).await;
+    call.await
+        .unwrap()
+        .expect("the replay-safe call survives the restart");
+    assert_eq!(second.calls(), 1);
+    let stats = layer.stats();
+    assert!(
+        stats.maybe_processed.load(Ordering::SeqCst) >= 1,
+        "the kill was ambiguous"
+    );
+}
+
+#[tokio::test]
+async fn a_response_cut_mid_body_is_replayed_for_a_replay_safe_method() {
+    let (l, addr) = listener().await;
+    let script = Script::default();
+    let _server = Server::start(l, script.clone(), 1).await;
+    let layer = RetryLayer::new(fast());
+    append(&mut client(&addr, &layer))
+        .await
+        .expect("the replay succeeds");
+    assert_eq!(script.calls(), 2);
+    assert_eq!(layer.stats().maybe_processed.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn an_ambiguous_failure_is_tried_exactly_once_for_an_unsafe_method() {
+    let (l, addr) = listener().await;
+    let script = Script::default();
+    let _server = Server::start(l, script.clone(), 1).await;
+    let layer = RetryLayer::with_table(fast(), UNSAFE_HELLO);
+    let mut c = client(&addr, &layer);
+    assert!(c.hello(pb::HelloRequest::default()).await.is_err());
+    assert_eq!(script.calls(), 1, "exactly one attempt");
+    assert_eq!(layer.stats().gave_up.load(Ordering::SeqCst), 1);
+
+    let script = Script::new([Answer::Status(Code::Unavailable, None)]);
+    let (l, addr) = listener().await;
+    let _server = Server::start(l, script.clone(), 0).await;
+    let err = client(&addr, &layer)
+        .hello(pb::HelloRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert_eq!(script.calls(), 1);
+}
+
+#[tokio::test]
+async fn pushback_is_honoured_when_large_and_floored_at_the_backoff_when_zero() {
+    let config = RetryConfig {
+        jitter: Jitter::Equal,
+        ..fast()
+    };
+    let (l, addr) = listener().await;
+    let script = Script::new([
+        Answer::Status(Code::Unavailable, Some(700)),
+        Answer::Status(Code::Unavailable, Some(0)),
+    ]);
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(config.clone());
+    append(&mut client(&addr, &layer)).await.unwrap();
+    let delays = layer.stats().delays.lock().unwrap().clone();
+    assert_eq!(delays.len(), 2);
+    assert_eq!(
+        delays[0],
+        Duration::from_millis(700),
+        "a large pushback wins"
+    );
+    // Zero pushback: the backoff of the second retry, at least half its ceiling.
+    assert!(delays[1] >= config.base, "{:?}", delays[1]);
+    assert!(delays[1] <= config.base * 2, "{:?}", delays[1]);
+}
+
+#[tokio::test]
+async fn the_budget_is_spent_then_the_error_surfaces() {
+    let config = RetryConfig {
+        ordinary_budget: Duration::from_millis(400),
+        ..fast()
+    };
+    let (l, addr) = listener().await;
+    let script = Script::new((0..1000).map(|_| Answer::Status(Code::Unavailable, None)));
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(config.clone());
+    let err = append(&mut client(&addr, &layer)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let stats = layer.stats();
+    assert_eq!(stats.gave_up.load(Ordering::SeqCst), 1);
+    // Retried through the budget (not after the first failure), and stopped by it.
+    let delays = stats.delays.lock().unwrap().clone();
+    assert!(script.calls() >= 3, "retried {} times", script.calls());
+    let slept: Duration = delays.iter().sum();
+    assert!(
+        slept <= config.ordinary_budget,
+        "slept {slept:?} beyond the budget"
+    );
+}
+
+#[tokio::test]
+async fn one_retry_is_granted_even_when_the_first_attempt_outlives_the_budget() {
+    let config = RetryConfig {
+        ordinary_budget: Duration::from_millis(200),
+        ..fast()
+    };
+    let (l, addr) = listener().await;
+    let script = Script::new([
+        Answer::Stall(Duration::from_millis(600)),
+        Answer::Status(Code::Unavailable, None),
+        Answer::Status(Code::Unavailable, None),
+    ]);
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(config);
+    let err = append(&mut client(&addr, &layer)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert_eq!(
+        script.calls(),
+        2,
+        "the stalled attempt, then exactly one granted retry"
+    );
+}
+
+#[tokio::test]
+async fn resource_exhausted_has_its_own_counter_outside_the_budget() {
+    let config = RetryConfig {
+        ordinary_budget: Duration::from_millis(50),
+        rate_limit_retries: 4,
+        ..fast()
+    };
+    let (l, addr) = listener().await;
+    let script = Script::new((0..4).map(|_| Answer::Status(Code::ResourceExhausted, Some(40))));
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(config.clone());
+    append(&mut client(&addr, &layer))
+        .await
+        .expect("rate limiting outlasts the outage budget");
+    assert_eq!(script.calls(), 5);
+    assert_eq!(layer.stats().rate_limited.load(Ordering::SeqCst), 4);
+
+    let (l, addr) = listener().await;
+    let always = Script::new((0..100).map(|_| Answer::Status(Code::ResourceExhausted, Some(1))));
+    let _server = Server::start(l, always.clone(), 0).await;
+    let err = append(&mut client(&addr, &RetryLayer::new(config)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert_eq!(always.calls(), 5, "bounded: the first call and 4 retries");
+}
+
+#[tokio::test]
+async fn a_live_server_failing_repeatedly_drains_the_throttle() {
+    let (l, addr) = listener().await;
+    let script = Script::new((0..8).map(|_| Answer::Status(Code::Unavailable, None)));
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(fast());
+    append(&mut client(&addr, &layer)).await.unwrap();
+    let stats = layer.stats();
+    assert!(stats.throttled.load(Ordering::SeqCst) >= 1);
+    // Once drained, every retry waited the cap instead of the short backoff.
+    let delays = stats.delays.lock().unwrap().clone();
+    assert_eq!(delays.last().copied(), Some(fast().cap));
+}
