@@ -42,6 +42,10 @@ pub enum Command {
         #[arg(long, default_value = ".runplane", value_name = "DIR")]
         data_dir: PathBuf,
     },
+    /// Run inside a sandbox: say Hello, start the run's agent command, stream its output,
+    /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and
+    /// RUNPLANE_RUN_KEY from the environment (never from arguments).
+    Runner,
     /// Print every RPC's replay-safety policy, as the proto method options declare it.
     Policies,
     /// Receipts: make a signing key, verify a receipt offline.
@@ -81,6 +85,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dev { listen, data_dir } => {
             crate::dev::dev(cli.config.as_deref(), &listen, &data_dir).await
         }
+        Command::Runner => crate::runner::run(cli.config.as_deref()).await,
         Command::Policies => {
             crate::policies::print(&mut std::io::stdout().lock())?;
             Ok(())

@@ -4,6 +4,7 @@ mod cli;
 mod dev;
 mod policies;
 mod receipt;
+mod runner;
 mod serve;
 
 use std::process::ExitCode;

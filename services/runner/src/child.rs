@@ -1,0 +1,270 @@
+//! The agent command as a child process in its own process group.
+
+use std::collections::VecDeque;
+use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use runplane_proto::runstore::v1 as pb;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::ENV_RUN_KEY;
+
+/// Longest line kept as one event; the rest of a longer line is cut off.
+pub const MAX_LINE_BYTES: usize = 16 << 10;
+/// Output kept for the failure tail.
+const TAIL_BYTES: usize = 64 << 10;
+
+/// A running agent.
+pub struct Agent {
+    child: Child,
+    control: Control,
+    readers: Vec<JoinHandle<()>>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// What steering may do to the agent.
+#[derive(Clone, Debug)]
+pub struct Control {
+    pgid: Option<Pid>,
+    stdin: Arc<tokio::sync::Mutex<Option<ChildStdin>>>,
+    interrupted: Arc<AtomicBool>,
+    exited: Arc<AtomicBool>,
+}
+
+impl Agent {
+    /// Starts `command args…` with piped stdio, in a new process group, without the run
+    /// key in its environment. Its output lines go to `events` (whose bound is the
+    /// backpressure: when it is full, the pipes are not read).
+    pub fn spawn(
+        command: &str,
+        args: &[String],
+        events: mpsc::Sender<pb::EventInput>,
+    ) -> std::io::Result<Self> {
+        let mut child = Command::new(command)
+            .args(args)
+            .env_remove(ENV_RUN_KEY)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()?;
+        let pgid = child.id().map(|id| Pid::from_raw(id as i32));
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let mut readers = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            readers.push(tokio::spawn(read_lines(
+                out,
+                pb::EventKind::Stdout,
+                events.clone(),
+                tail.clone(),
+            )));
+        }
+        if let Some(err) = child.stderr.take() {
+            readers.push(tokio::spawn(read_lines(
+                err,
+                pb::EventKind::Stderr,
+                events.clone(),
+                tail.clone(),
+            )));
+        }
+        let started = lifecycle(
+            "started",
+            format!("pid {}", pgid.map(|p| p.as_raw()).unwrap_or_default()),
+        );
+        let _ = events.try_send(started);
+        Ok(Self {
+            control: Control {
+                pgid,
+                stdin: Arc::new(tokio::sync::Mutex::new(child.stdin.take())),
+                interrupted: Arc::default(),
+                exited: Arc::default(),
+            },
+            child,
+            readers,
+            tail,
+        })
+    }
+
+    pub fn control(&self) -> Control {
+        self.control.clone()
+    }
+
+    /// Waits for the agent to exit.
+    pub async fn wait(&mut self) -> ExitStatus {
+        let status = match self.child.wait().await {
+            Ok(status) => status,
+            Err(e) => {
+                tracing::error!(error = %e, "waiting for the agent failed");
+                std::os::unix::process::ExitStatusExt::from_raw(1 << 8)
+            }
+        };
+        self.control.exited.store(true, Ordering::SeqCst);
+        status
+    }
+
+    /// Waits until both output pipes were read to their end.
+    pub async fn finish_output(&mut self) {
+        for reader in self.readers.drain(..) {
+            let _ = reader.await;
+        }
+    }
+
+    /// The last `max` bytes of output, oldest line first.
+    pub fn tail(&self, max: usize) -> String {
+        let tail = self.tail.lock().expect("tail poisoned");
+        let mut out = Vec::new();
+        let mut size = 0;
+        for line in tail.iter().rev() {
+            if size + line.len() + 1 > max {
+                break;
+            }
+            size += line.len() + 1;
+            out.push(line.as_str());
+        }
+        out.reverse();
+        out.join("\n")
+    }
+}
+
+impl Control {
+    /// Writes one line to the agent's stdin.
+    pub async fn write_line(&self, line: &str) -> std::io::Result<()> {
+        let mut stdin = self.stdin.lock().await;
+        let pipe = stdin.as_mut().ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::BrokenPipe, "stdin is closed")
+        })?;
+        let mut bytes = line.as_bytes().to_vec();
+        bytes.push(b'\n');
+        let written = async {
+            pipe.write_all(&bytes).await?;
+            pipe.flush().await
+        }
+        .await;
+        if written.is_err() {
+            *stdin = None;
+        }
+        written
+    }
+
+    fn signal(&self, signal: Signal) -> bool {
+        match self.pgid {
+            Some(pgid) if !self.exited() => killpg(pgid, signal).is_ok(),
+            _ => false,
+        }
+    }
+
+    /// SIGINT now, then SIGTERM and SIGKILL each after `grace` while the agent lives.
+    /// Returns once SIGINT was sent (or the agent was already gone).
+    pub fn interrupt(&self, grace: Duration) {
+        self.interrupted.store(true, Ordering::SeqCst);
+        self.escalate(Signal::SIGINT, grace);
+    }
+
+    /// SIGTERM now, SIGKILL after `grace`.
+    pub fn abort(&self, grace: Duration) {
+        self.escalate(Signal::SIGTERM, grace);
+    }
+
+    fn escalate(&self, first: Signal, grace: Duration) {
+        self.signal(first);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let rest: &[Signal] = match first {
+                Signal::SIGINT => &[Signal::SIGTERM, Signal::SIGKILL],
+                _ => &[Signal::SIGKILL],
+            };
+            for next in rest {
+                tokio::time::sleep(grace).await;
+                if this.exited() {
+                    return;
+                }
+                tracing::info!(signal = %next, "agent still running after the grace; escalating");
+                this.signal(*next);
+            }
+        });
+    }
+
+    pub fn interrupted(&self) -> bool {
+        self.interrupted.load(Ordering::SeqCst)
+    }
+
+    pub fn exited(&self) -> bool {
+        self.exited.load(Ordering::SeqCst)
+    }
+}
+
+async fn read_lines(
+    pipe: impl AsyncRead + Unpin,
+    kind: pb::EventKind,
+    events: mpsc::Sender<pb::EventInput>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+) {
+    let mut reader = BufReader::new(pipe);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if buf.last() == Some(&b'\n') {
+            buf.pop();
+        }
+        let mut text = String::from_utf8_lossy(&buf).into_owned();
+        if text.len() > MAX_LINE_BYTES {
+            let mut cut = MAX_LINE_BYTES;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+        }
+        {
+            let mut tail = tail.lock().expect("tail poisoned");
+            tail.push_back(text.clone());
+            let mut size: usize = tail.iter().map(String::len).sum();
+            while size > TAIL_BYTES {
+                size -= tail.pop_front().map(|l| l.len()).unwrap_or(size);
+            }
+        }
+        let event = pb::EventInput {
+            kind: kind as i32,
+            text,
+            observed_at: Some(now()),
+            ..Default::default()
+        };
+        // A full queue parks this reader: the pipe fills and the agent waits, nothing
+        // is dropped. A closed queue means the run is over; keep reading so the agent
+        // is never blocked on a full pipe.
+        let _ = events.send(event).await;
+    }
+}
+
+/// A runner life-cycle event.
+pub fn lifecycle(what: &str, detail: String) -> pb::EventInput {
+    pb::EventInput {
+        kind: pb::EventKind::Lifecycle as i32,
+        name: what.to_owned(),
+        text: detail,
+        observed_at: Some(now()),
+        ..Default::default()
+    }
+}
+
+/// Wall-clock time for `observed_at` (informational only; never used for ordering).
+pub fn now() -> prost_types::Timestamp {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    prost_types::Timestamp {
+        seconds: since.as_secs() as i64,
+        nanos: since.subsec_nanos() as i32,
+    }
+}

@@ -1,0 +1,159 @@
+//! The event queue and its single-flight drain.
+//!
+//! Output lines queue in a bounded channel (bounded memory; a full queue parks the pipe
+//! readers, so the agent waits instead of losing output). One drain task takes batches
+//! off it, bounded by count, bytes and time, and appends them one at a time, so order is
+//! kept and a replay (same batch key) is deduplicated by the run store. A batch that
+//! fails for good (the outage outlived the budget) is counted as lost, the drain stops
+//! sending and keeps emptying the queue so the agent can still run to its end, and the
+//! loss is reported as an `events_lost` event once the run store answers again.
+
+use std::time::Duration;
+
+use prost::Message;
+use runplane_proto::runstore::v1 as pb;
+use tokio::sync::mpsc;
+
+use crate::Client;
+
+/// Events the queue holds before the pipe readers are parked.
+pub const QUEUE_EVENTS: usize = 4096;
+/// How long the first event of a batch waits for company.
+pub const FLUSH_AFTER: Duration = Duration::from_millis(200);
+/// While degraded, how often the drain tries to report the loss (and so reconnect).
+pub const PROBE_EVERY: Duration = Duration::from_secs(5);
+
+pub fn channel() -> (mpsc::Sender<pb::EventInput>, mpsc::Receiver<pb::EventInput>) {
+    mpsc::channel(QUEUE_EVENTS)
+}
+
+/// What the drain did.
+#[derive(Debug, Default, Clone)]
+pub struct DrainReport {
+    pub sent: u64,
+    /// Events dropped because they could not be delivered (and not yet reported).
+    pub lost: u64,
+}
+
+/// An `events_lost` event for `count` events.
+pub fn lost_event(count: u64) -> pb::EventInput {
+    pb::EventInput {
+        kind: pb::EventKind::EventsLost as i32,
+        name: "events_lost".into(),
+        text: format!("{count} events could not be delivered during an outage and were dropped"),
+        data: Some(prost_types::Struct {
+            fields: [(
+                "count".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::NumberValue(count as f64)),
+                },
+            )]
+            .into(),
+        }),
+        observed_at: Some(crate::child::now()),
+        ..Default::default()
+    }
+}
+
+/// Drains `queue` until every sender is gone.
+pub async fn drain(
+    client: Client,
+    run_id: String,
+    nonce: String,
+    limits: pb::RunnerLimits,
+    mut queue: mpsc::Receiver<pb::EventInput>,
+) -> DrainReport {
+    let max_events = limits.max_batch_events.clamp(1, 500) as usize;
+    // Leave room for the request's own framing.
+    let max_bytes = (limits.max_batch_bytes.max(64 << 10) as usize) - 4096;
+    let mut report = DrainReport::default();
+    let mut batch_number: u64 = 0;
+    let mut next = queue.recv().await;
+    let mut degraded_since: Option<tokio::time::Instant> = None;
+
+    while let Some(first) = next.take() {
+        let mut batch = vec![first];
+        let mut bytes = batch[0].encoded_len();
+        let deadline = tokio::time::Instant::now() + FLUSH_AFTER;
+        while batch.len() < max_events {
+            tokio::select! {
+                event = queue.recv() => match event {
+                    Some(e) if bytes + e.encoded_len() > max_bytes => { next = Some(e); break; }
+                    Some(e) => { bytes += e.encoded_len(); batch.push(e); }
+                    None => break,
+                },
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+
+        if let Some(since) = degraded_since {
+            // Degraded: do not hold the agent up. Count the batch, and now and then try
+            // to report the loss, which is also how the drain learns the way is clear.
+            report.lost += batch.len() as u64;
+            if since.elapsed() >= PROBE_EVERY {
+                batch_number += 1;
+                let probe = vec![lost_event(report.lost)];
+                match append(&client, &run_id, &format!("{nonce}-{batch_number}"), probe).await {
+                    Ok(()) => {
+                        tracing::warn!(
+                            lost = report.lost,
+                            "run store reachable again; reported lost events"
+                        );
+                        report.lost = 0;
+                        degraded_since = None;
+                    }
+                    Err(Stop::RunTerminal) => return report,
+                    Err(Stop::Failed) => degraded_since = Some(tokio::time::Instant::now()),
+                }
+            }
+        } else {
+            batch_number += 1;
+            let count = batch.len() as u64;
+            match append(&client, &run_id, &format!("{nonce}-{batch_number}"), batch).await {
+                Ok(()) => report.sent += count,
+                Err(Stop::RunTerminal) => return report,
+                Err(Stop::Failed) => {
+                    report.lost += count;
+                    degraded_since = Some(tokio::time::Instant::now());
+                    tracing::error!(
+                        lost = count,
+                        "events could not be delivered; releasing the agent's pipes"
+                    );
+                }
+            }
+        }
+        if next.is_none() {
+            next = queue.recv().await;
+        }
+    }
+    report
+}
+
+enum Stop {
+    RunTerminal,
+    Failed,
+}
+
+async fn append(
+    client: &Client,
+    run_id: &str,
+    batch_key: &str,
+    events: Vec<pb::EventInput>,
+) -> Result<(), Stop> {
+    let result = client
+        .clone()
+        .append_events(pb::AppendEventsRequest {
+            run_id: run_id.to_owned(),
+            batch_key: batch_key.to_owned(),
+            events,
+        })
+        .await;
+    match result {
+        Ok(_) => Ok(()),
+        Err(status) if crate::verdict::is_run_terminal(&status) => Err(Stop::RunTerminal),
+        Err(status) => {
+            tracing::error!(code = ?status.code(), message = status.message(), "append failed for good");
+            Err(Stop::Failed)
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! `runplane runner`: wraps the agent command inside a sandbox and keeps its run alive
+//! across control-plane restarts.
+//!
+//! It says Hello, starts the agent as a child in its own process group, turns its output
+//! lines into events sent in bounded batches behind one single-flight drain, polls
+//! steering and applies it (a steer is a line on the child's stdin, an interrupt is
+//! SIGINT then SIGTERM and SIGKILL after a grace), and submits the verdict. Every call
+//! goes through [`runplane_transport`], whose retries come from the proto method
+//! options; nothing here chooses a retry policy.
+
+pub mod child;
+pub mod events;
+pub mod redact;
+pub mod steering;
+pub mod verdict;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use runplane_config::Secret;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+use runplane_transport::{RetryConfig, RetryLayer, RunnerChannel};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+
+/// Environment variables the runner reads; the run key is never taken from argv.
+pub const ENV_ENDPOINT: &str = "RUNPLANE_ENDPOINT";
+pub const ENV_RUN_ID: &str = "RUNPLANE_RUN_ID";
+pub const ENV_RUN_KEY: &str = "RUNPLANE_RUN_KEY";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunnerError {
+    #[error("{0} is not set")]
+    MissingEnv(&'static str),
+    #[error(transparent)]
+    Endpoint(#[from] runplane_grpc::client::ClientError),
+    #[error("hello failed: {0}")]
+    Hello(String),
+    #[error("could not start the agent command `{command}`: {reason}")]
+    Spawn { command: String, reason: String },
+    #[error("the result could not be recorded: {0}")]
+    Result(String),
+}
+
+/// Where the runner reports, and as which run.
+#[derive(Debug, Clone)]
+pub struct RunnerEnv {
+    pub endpoint: String,
+    pub run_id: String,
+    pub run_key: Secret,
+}
+
+impl RunnerEnv {
+    pub fn from_env() -> Result<Self, RunnerError> {
+        let get = |name: &'static str| {
+            std::env::var(name)
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+                .ok_or(RunnerError::MissingEnv(name))
+        };
+        Ok(Self {
+            endpoint: get(ENV_ENDPOINT)?,
+            run_id: get(ENV_RUN_ID)?,
+            run_key: Secret::new(get(ENV_RUN_KEY)?),
+        })
+    }
+}
+
+/// Adds the run key as the bearer of every call.
+#[derive(Clone)]
+pub struct Bearer(Secret);
+
+impl Interceptor for Bearer {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        let value = format!("Bearer {}", self.0.expose()).parse().map_err(|_| {
+            tonic::Status::unauthenticated("the run key is not a valid header value")
+        })?;
+        request.metadata_mut().insert("authorization", value);
+        Ok(request)
+    }
+}
+
+/// The run store client every runner call goes through.
+pub type Client = RunnerServiceClient<InterceptedService<RunnerChannel, Bearer>>;
+
+/// How the runner ended.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub verdict: pb::Verdict,
+    /// The run store recorded this verdict (or had recorded the same one).
+    pub recorded: bool,
+    /// Events that could not be delivered and were reported lost.
+    pub events_lost: u64,
+}
+
+/// Runs the agent for `env`'s run to the end.
+pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerError> {
+    let layer = RetryLayer::new(retry);
+    let channel = runplane_transport::connect_lazy(&env.endpoint, &layer)?;
+    let client: Client =
+        RunnerServiceClient::with_interceptor(channel, Bearer(env.run_key.clone()))
+            .max_decoding_message_size(16 << 20);
+    let redactor = Arc::new(redact::Redactor::new(env.run_key.expose()));
+
+    let nonce = format!("runner-{}", uuid::Uuid::new_v4().simple());
+    let hello = client
+        .clone()
+        .hello(pb::HelloRequest {
+            run_id: env.run_id.clone(),
+            nonce: nonce.clone(),
+            runner_version: env!("CARGO_PKG_VERSION").into(),
+        })
+        .await
+        .map_err(|s| RunnerError::Hello(format!("{}: {}", s.code(), s.message())))?
+        .into_inner();
+    let run = hello.run.unwrap_or_default();
+    let limits = hello.limits.unwrap_or_default();
+    tracing::info!(run_id = %env.run_id, command = %run.command, "hello accepted; starting the agent");
+
+    let (events_tx, events_rx) = events::channel();
+    let mut agent =
+        child::Agent::spawn(&run.command, &run.args, events_tx.clone()).map_err(|e| {
+            RunnerError::Spawn {
+                command: run.command.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+    let drain = tokio::spawn(events::drain(
+        client.clone(),
+        env.run_id.clone(),
+        nonce.clone(),
+        limits,
+        events_rx,
+    ));
+    let steering = tokio::spawn(steering::poll(
+        client.clone(),
+        env.run_id.clone(),
+        agent.control(),
+        events_tx.clone(),
+    ));
+
+    let status = agent.wait().await;
+    let interrupted = agent.control().interrupted();
+    // The agent is gone: steering has nothing left to act on. Outputs drain to their end.
+    steering.abort();
+    let _ = steering.await;
+    agent.finish_output().await;
+    drop(events_tx);
+    let drained = drain.await.unwrap_or_default();
+
+    let verdict = verdict::of(status, interrupted);
+    let mut final_events = vec![child::lifecycle("exited", verdict::describe(status))];
+    if drained.lost > 0 {
+        final_events.push(events::lost_event(drained.lost));
+    }
+    let failure_tail = if verdict.outcome() == pb::VerdictOutcome::Succeeded {
+        String::new()
+    } else {
+        redactor.redact(&agent.tail(limits.max_failure_tail_bytes.max(1024) as usize))
+    };
+    let result = client
+        .clone()
+        .submit_result(pb::SubmitResultRequest {
+            run_id: env.run_id.clone(),
+            verdict: Some(verdict.clone()),
+            failure_tail,
+            final_batch_key: format!("{nonce}-final"),
+            final_events,
+        })
+        .await;
+    let recorded = match result {
+        Ok(_) => true,
+        Err(status) => verdict::handle_refusal(&status, &env.run_id, &verdict, &redactor)
+            .map_err(|e| RunnerError::Result(redactor.redact(&e)))?,
+    };
+    Ok(Outcome {
+        verdict,
+        recorded,
+        events_lost: drained.lost,
+    })
+}
+
+/// The poll wait the runner asks for; the server caps it.
+pub const POLL_WAIT: Duration = Duration::from_secs(20);

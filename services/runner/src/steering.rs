@@ -1,0 +1,224 @@
+//! The steering loop: poll, apply, acknowledge only what landed.
+//!
+//! - A message is acknowledged (on the next poll) only after its action landed; one
+//!   served again because an acknowledgement was lost is acknowledged again, never
+//!   applied twice.
+//! - An interrupt or abort is never dropped. A steer that fails 3 times is acknowledged
+//!   as dropped; the run store writes its one `steer_undeliverable` event.
+//! - A served batch that yields no new acknowledgement backs the poll off (1 s doubling to
+//!   15 s, jittered), so a message that cannot be applied cannot spin the loop.
+//! - After an outage the loop reports one `steer_poll_degraded` event with the window;
+//!   it stops only on a terminal run.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use runplane_proto::runstore::v1 as pb;
+use tokio::sync::mpsc;
+
+use crate::child::Control;
+use crate::{Client, POLL_WAIT};
+
+/// Attempts before a steer is dropped as undeliverable.
+pub const STEER_MAX_ATTEMPTS: u32 = 3;
+const BACKOFF_START: Duration = Duration::from_secs(1);
+const BACKOFF_CAP: Duration = Duration::from_secs(15);
+/// Grace of an abort between SIGTERM and SIGKILL.
+const ABORT_GRACE: Duration = Duration::from_secs(10);
+
+enum Applied {
+    Yes,
+    Failed(String),
+}
+
+pub async fn poll(
+    client: Client,
+    run_id: String,
+    control: Control,
+    events: mpsc::Sender<pb::EventInput>,
+) {
+    let mut acks: Vec<pb::SteeringAck> = Vec::new();
+    let mut applied: HashSet<String> = HashSet::new();
+    let mut attempts: HashMap<String, u32> = HashMap::new();
+    let mut backoff = BACKOFF_START;
+    let mut degraded: Option<(std::time::SystemTime, u32)> = None;
+
+    loop {
+        let sent_acks = acks.clone();
+        let answer = client
+            .clone()
+            .poll_steering(pb::PollSteeringRequest {
+                run_id: run_id.clone(),
+                acks: sent_acks,
+                wait: Some(prost_types::Duration {
+                    seconds: POLL_WAIT.as_secs() as i64,
+                    nanos: 0,
+                }),
+                max_messages: 0,
+            })
+            .await;
+        let answer = match answer {
+            Ok(a) => a.into_inner(),
+            Err(status) if crate::verdict::is_run_terminal(&status) => return,
+            Err(status) => {
+                // The transport spent its budget. Keep the acknowledgements (resending an
+                // id changes nothing) and keep polling: only a terminal run ends this loop.
+                let (_, failed) = degraded.get_or_insert((std::time::SystemTime::now(), 0));
+                *failed += 1;
+                tracing::warn!(code = ?status.code(), "steering poll failed; will poll again");
+                tokio::time::sleep(jittered(backoff)).await;
+                backoff = (backoff * 2).min(BACKOFF_CAP);
+                continue;
+            }
+        };
+        acks.clear();
+        if let Some((from, failed_polls)) = degraded.take() {
+            let _ = events.send(degraded_event(from, failed_polls)).await;
+        }
+        if is_terminal(answer.run_state()) {
+            return;
+        }
+
+        let mut new_acks = 0;
+        for message in &answer.messages {
+            if applied.contains(&message.id) {
+                acks.push(ack(&message.id, pb::AckOutcome::Applied, 1, ""));
+                continue;
+            }
+            let tries = attempts.entry(message.id.clone()).or_insert(0);
+            *tries += 1;
+            match apply(message, &control).await {
+                Applied::Yes => {
+                    applied.insert(message.id.clone());
+                    acks.push(ack(&message.id, pb::AckOutcome::Applied, *tries, ""));
+                    new_acks += 1;
+                    let _ = events.send(applied_event(message)).await;
+                }
+                Applied::Failed(error)
+                    if message.kind() == pb::SteeringKind::Steer
+                        && *tries >= STEER_MAX_ATTEMPTS =>
+                {
+                    tracing::warn!(message_id = %message.id, "steer undeliverable after {tries} attempts; dropping it");
+                    applied.insert(message.id.clone());
+                    acks.push(ack(
+                        &message.id,
+                        pb::AckOutcome::DroppedUndeliverable,
+                        *tries,
+                        &error,
+                    ));
+                    new_acks += 1;
+                }
+                Applied::Failed(error) => {
+                    tracing::warn!(message_id = %message.id, attempt = *tries, %error, "steering message not applied yet");
+                }
+            }
+        }
+        if !answer.messages.is_empty() && new_acks == 0 {
+            tokio::time::sleep(jittered(backoff)).await;
+            backoff = (backoff * 2).min(BACKOFF_CAP);
+        } else {
+            backoff = BACKOFF_START;
+        }
+    }
+}
+
+async fn apply(message: &pb::SteeringMessage, control: &Control) -> Applied {
+    use pb::steering_message::Payload;
+    match &message.payload {
+        Some(Payload::Steer(steer)) => match control.write_line(&steer.text).await {
+            Ok(()) => Applied::Yes,
+            Err(e) => Applied::Failed(e.to_string()),
+        },
+        Some(Payload::Interrupt(interrupt)) => {
+            let grace = interrupt
+                .grace
+                .as_ref()
+                .map(|g| Duration::new(g.seconds.max(0) as u64, g.nanos.max(0) as u32))
+                .filter(|g| !g.is_zero())
+                .unwrap_or(Duration::from_secs(10));
+            // Sent (or moot because the agent already ended): the interrupt landed.
+            control.interrupt(grace);
+            Applied::Yes
+        }
+        Some(Payload::Abort(abort)) => {
+            tracing::warn!(reason = %abort.reason, "abort: stopping the agent");
+            control.abort(ABORT_GRACE);
+            Applied::Yes
+        }
+        Some(Payload::ResumeStream(resume)) => {
+            tracing::info!(
+                attempt = resume.attempt,
+                next_sequence = resume.next_sequence,
+                "stream recovery claim received"
+            );
+            Applied::Yes
+        }
+        None => Applied::Failed("message has no payload".into()),
+    }
+}
+
+fn ack(id: &str, outcome: pb::AckOutcome, attempts: u32, error: &str) -> pb::SteeringAck {
+    let mut error = error.to_owned();
+    error.truncate(500);
+    pb::SteeringAck {
+        message_id: id.to_owned(),
+        outcome: outcome as i32,
+        attempts,
+        error,
+    }
+}
+
+fn is_terminal(state: pb::RunState) -> bool {
+    matches!(
+        state,
+        pb::RunState::Succeeded
+            | pb::RunState::Failed
+            | pb::RunState::Cancelled
+            | pb::RunState::BackendError
+    )
+}
+
+/// Equal jitter: at least half the step, so backing off always slows the loop.
+fn jittered(step: Duration) -> Duration {
+    let ms = step.as_millis() as u64;
+    Duration::from_millis(rand::random_range(ms / 2..=ms))
+}
+
+fn applied_event(message: &pb::SteeringMessage) -> pb::EventInput {
+    pb::EventInput {
+        kind: pb::EventKind::SteerApplied as i32,
+        name: crate::verdict::kind_name(message.kind()).to_owned(),
+        text: message.id.clone(),
+        observed_at: Some(crate::child::now()),
+        ..Default::default()
+    }
+}
+
+fn degraded_event(from: std::time::SystemTime, failed_polls: u32) -> pb::EventInput {
+    let secs = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64()
+    };
+    let field = |v: f64| prost_types::Value {
+        kind: Some(prost_types::value::Kind::NumberValue(v)),
+    };
+    pb::EventInput {
+        kind: pb::EventKind::SteerPollDegraded as i32,
+        name: "steer_poll_degraded".into(),
+        text: format!("steering polls failed {failed_polls} times during an outage"),
+        data: Some(prost_types::Struct {
+            fields: [
+                ("from_unix".to_owned(), field(secs(from))),
+                (
+                    "to_unix".to_owned(),
+                    field(secs(std::time::SystemTime::now())),
+                ),
+                ("failed_polls".to_owned(), field(failed_polls.into())),
+            ]
+            .into(),
+        }),
+        observed_at: Some(crate::child::now()),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,170 @@
+//! From the agent's exit to the verdict, and what to do when the run store refuses it.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+
+use runplane_grpc::{ErrorReason, error_info};
+use runplane_proto::runstore::v1 as pb;
+
+use crate::redact::Redactor;
+
+/// The stable prefix of the one line written when a different verdict was recorded.
+pub const DISCARDED_PREFIX: &str = "result_discarded_run_terminal";
+
+pub fn of(status: ExitStatus, interrupted: bool) -> pb::Verdict {
+    let (outcome, reason) = match (status.code(), interrupted) {
+        (Some(0), _) => (pb::VerdictOutcome::Succeeded, "exit_zero"),
+        (_, true) => (pb::VerdictOutcome::Cancelled, "interrupted"),
+        (Some(_), false) => (pb::VerdictOutcome::Failed, "exit_nonzero"),
+        (None, false) => (pb::VerdictOutcome::Failed, "killed_by_signal"),
+    };
+    pb::Verdict {
+        outcome: outcome as i32,
+        reason: reason.into(),
+        exit_code: status.code(),
+        signal: status.signal(),
+        message: describe(status),
+    }
+}
+
+pub fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => "ended".into(),
+    }
+}
+
+pub fn is_run_terminal(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::FailedPrecondition
+        && error_info(status).is_some_and(|i| i.reason == ErrorReason::RunTerminal.as_str_name())
+}
+
+pub fn kind_name(kind: pb::SteeringKind) -> &'static str {
+    match kind {
+        pb::SteeringKind::Steer => "steer",
+        pb::SteeringKind::Interrupt => "interrupt",
+        pb::SteeringKind::ResumeStream => "resume_stream",
+        pb::SteeringKind::Abort => "abort",
+        pb::SteeringKind::Unspecified => "unspecified",
+    }
+}
+
+fn outcome_name(outcome: pb::VerdictOutcome) -> &'static str {
+    match outcome {
+        pb::VerdictOutcome::Succeeded => "succeeded",
+        pb::VerdictOutcome::Failed => "failed",
+        pb::VerdictOutcome::Cancelled => "cancelled",
+        pb::VerdictOutcome::Unspecified => "unspecified",
+    }
+}
+
+/// A refused SubmitResult. `RUN_TERMINAL` with the same verdict is success (`true`);
+/// with a different one, one bounded, redacted line goes to stderr and the runner is
+/// done (`false`). Anything else is an error.
+pub fn handle_refusal(
+    status: &tonic::Status,
+    run_id: &str,
+    attempted: &pb::Verdict,
+    redactor: &Redactor,
+) -> Result<bool, String> {
+    if !is_run_terminal(status) {
+        return Err(format!("{:?}: {}", status.code(), status.message()));
+    }
+    let metadata = error_info(status).map(|i| i.metadata).unwrap_or_default();
+    let recorded = |k: &str| metadata.get(k).cloned().unwrap_or_default();
+    let same = recorded("recorded_verdict_outcome") == outcome_name(attempted.outcome())
+        && recorded("recorded_verdict_reason") == attempted.reason
+        && recorded("recorded_exit_code")
+            == attempted
+                .exit_code
+                .map(|c| c.to_string())
+                .unwrap_or_default();
+    if same {
+        return Ok(true);
+    }
+    eprintln!(
+        "{}",
+        breadcrumb(run_id, attempted, status.message(), redactor)
+    );
+    Ok(false)
+}
+
+/// `result_discarded_run_terminal` and an allowlist of scalars, each at most 512
+/// characters, the whole line redacted.
+pub fn breadcrumb(
+    run_id: &str,
+    attempted: &pb::Verdict,
+    error: &str,
+    redactor: &Redactor,
+) -> String {
+    let bounded = |s: &str| -> String {
+        let clean: String = s
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .collect();
+        clean.chars().take(512).collect()
+    };
+    let line = format!(
+        "{DISCARDED_PREFIX} run_id={} attempted_outcome={} attempted_reason={} exit_status={} error={:?}",
+        bounded(run_id),
+        outcome_name(attempted.outcome()),
+        bounded(&attempted.reason),
+        attempted
+            .exit_code
+            .map(|c| c.to_string())
+            .or_else(|| attempted.signal.map(|s| format!("signal {s}")))
+            .unwrap_or_else(|| "none".into()),
+        bounded(error),
+    );
+    redactor.redact(&line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_statuses_become_verdicts() {
+        let ok = of(ExitStatus::from_raw(0), false);
+        assert_eq!(
+            (ok.outcome(), ok.reason.as_str(), ok.exit_code),
+            (pb::VerdictOutcome::Succeeded, "exit_zero", Some(0))
+        );
+        let failed = of(ExitStatus::from_raw(3 << 8), false);
+        assert_eq!(
+            (failed.outcome(), failed.exit_code),
+            (pb::VerdictOutcome::Failed, Some(3))
+        );
+        let killed = of(ExitStatus::from_raw(9), false);
+        assert_eq!(
+            (killed.reason.as_str(), killed.signal),
+            ("killed_by_signal", Some(9))
+        );
+        let interrupted = of(ExitStatus::from_raw(2), true);
+        assert_eq!(interrupted.outcome(), pb::VerdictOutcome::Cancelled);
+    }
+
+    #[test]
+    fn the_breadcrumb_is_bounded_and_redacted() {
+        let redactor = Redactor::new("rk_abcdefghijklmnopqrstuvwxyz");
+        let verdict = pb::Verdict {
+            outcome: pb::VerdictOutcome::Failed as i32,
+            reason: "x".repeat(2000),
+            exit_code: Some(1),
+            ..Default::default()
+        };
+        let line = breadcrumb(
+            "run-1",
+            &verdict,
+            "leaked rk_abcdefghijklmnopqrstuvwxyz\nnext",
+            &redactor,
+        );
+        assert!(
+            line.starts_with("result_discarded_run_terminal run_id=run-1 attempted_outcome=failed")
+        );
+        assert!(!line.contains("abcdefghijklmnop"));
+        assert!(!line.contains('\n'));
+        assert!(!line.contains(&"x".repeat(513)));
+    }
+}
