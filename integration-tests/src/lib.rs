@@ -77,6 +77,12 @@ impl Process {
             .expect("wait for runplane")
     }
 
+    /// SIGKILL: no shutdown, no draining, as a crashed or evicted process.
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+
     /// Everything the process wrote to stderr (its logs); call after it exited.
     pub async fn stderr(&mut self) -> String {
         match self.stderr.take() {

@@ -75,11 +75,7 @@ impl Agent {
                 tail.clone(),
             )));
         }
-        let started = lifecycle(
-            "started",
-            format!("pid {}", pgid.map(|p| p.as_raw()).unwrap_or_default()),
-        );
-        let _ = events.try_send(started);
+        tracing::info!(pid = pgid.map(|p| p.as_raw()), "agent started");
         Ok(Self {
             control: Control {
                 pgid,
@@ -244,17 +240,6 @@ async fn read_lines(
         // is dropped. A closed queue means the run is over; keep reading so the agent
         // is never blocked on a full pipe.
         let _ = events.send(event).await;
-    }
-}
-
-/// A runner life-cycle event.
-pub fn lifecycle(what: &str, detail: String) -> pb::EventInput {
-    pb::EventInput {
-        kind: pb::EventKind::Lifecycle as i32,
-        name: what.to_owned(),
-        text: detail,
-        observed_at: Some(now()),
-        ..Default::default()
     }
 }
 

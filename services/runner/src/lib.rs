@@ -153,7 +153,8 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
     let drained = drain.await.unwrap_or_default();
 
     let verdict = verdict::of(status, interrupted);
-    let mut final_events = vec![child::lifecycle("exited", verdict::describe(status))];
+    // The events are the agent's output and what steering did; the exit is in the verdict.
+    let mut final_events = Vec::new();
     if drained.lost > 0 {
         final_events.push(events::lost_event(drained.lost));
     }
