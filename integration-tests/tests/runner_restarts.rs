@@ -246,3 +246,52 @@ async fn an_interrupt_sent_across_a_restart_is_applied_exactly_once() {
         .count();
     assert_eq!(applied, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steer_the_agent_cannot_take_is_dropped_once_after_three_attempts() {
+    let db = TestDatabase::new().await;
+    let cp = ControlPlane::start(&db).await;
+    // The agent closes its stdin at once, then works for a while.
+    let (run_id, key) = cp
+        .run("steer-drop", "exec 0<&-; echo ready; sleep 8; echo done")
+        .await;
+    let mut runner = runner(&cp.endpoint, &run_id, &key);
+    for _ in 0..200 {
+        if cp.get_run(&run_id).await.last_sequence >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cp.operator()
+        .await
+        .steer(pb::SteerRequest {
+            run_id: run_id.clone(),
+            text: "nobody reads this".into(),
+            idempotency_key: "steer-to-closed-stdin-1".into(),
+        })
+        .await
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), runner.wait())
+        .await
+        .expect("the runner finishes")
+        .unwrap();
+    assert!(status.success());
+    let run = cp.get_run(&run_id).await;
+    assert_eq!(
+        run.state(),
+        pb::RunState::Succeeded,
+        "a dropped steer does not fail the run"
+    );
+    let events = cp.events(&run_id).await;
+    let undeliverable: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind() == pb::EventKind::SteerUndeliverable)
+        .collect();
+    assert_eq!(undeliverable.len(), 1, "{events:#?}");
+    let data = undeliverable[0].data.clone().unwrap();
+    let attempts = match data.fields["attempts"].kind {
+        Some(prost_types::value::Kind::NumberValue(n)) => n,
+        ref other => panic!("attempts: {other:?}"),
+    };
+    assert_eq!(attempts, 3.0);
+}

@@ -71,6 +71,12 @@ impl RunnerEnv {
 #[derive(Clone)]
 pub struct Bearer(Secret);
 
+impl Bearer {
+    pub fn new(run_key: Secret) -> Self {
+        Self(run_key)
+    }
+}
+
 impl Interceptor for Bearer {
     fn call(
         &mut self,

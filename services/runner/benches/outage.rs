@@ -1,0 +1,342 @@
+//! A thousand runners through a 10-second control-plane outage.
+//!
+//! 1,000 simulated runners in this process (each with its own run, key, channel and
+//! retry layer, as separate sandboxes would have) append a batch every 2 s to a real run
+//! store on Postgres. The run store is killed (its runtime shut down: listener and every
+//! connection closed at once), left down for 10 s, and restarted on the same port. For
+//! runplane's policy and, in the same run, for the seed's (500 ms base, 10 s cap, equal
+//! jitter) it prints: resume lag after the port reopens (p50, p99, max), requests sent
+//! during the outage, and the peak request rate in the first second after it.
+//!
+//! Run: `cargo bench -p runplane-runner --bench outage` (needs the local Postgres).
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use runplane_config::{Config, Secret};
+use runplane_grpc::ServiceSet;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+use runplane_run_store::RunStore;
+use runplane_testkit::TestDatabase;
+use runplane_transport::{RetryConfig, RetryLayer, RetryStats};
+use tokio::time::Instant;
+use tonic::body::Body;
+use tonic::metadata::MetadataValue;
+use tonic::server::NamedService;
+use tower_service::Service;
+
+const RUNNERS: usize = 1000;
+const OUTAGE: Duration = Duration::from_secs(10);
+const APPEND_EVERY: Duration = Duration::from_secs(2);
+const TOKEN: &str = "bench-outage-service-token-0123456789abcd";
+
+/// Request arrivals at the server, for the rate after the restart.
+type Arrivals = Arc<Mutex<Vec<Instant>>>;
+
+#[derive(Clone)]
+struct Count<S> {
+    inner: S,
+    arrivals: Arrivals,
+}
+
+impl<S: NamedService> NamedService for Count<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for Count<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>,
+{
+    type Response = S::Response;
+    type Error = Infallible;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        self.arrivals.lock().unwrap().push(Instant::now());
+        self.inner.call(request)
+    }
+}
+
+/// The run store on a runtime of its own, so stopping it drops every connection at once.
+struct Server {
+    runtime: tokio::runtime::Runtime,
+}
+
+/// A fresh run store (its own pool) on its own runtime, as a restarted process would be.
+fn start_server(config: &Config, addr: &str, arrivals: &Arrivals) -> Server {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let config = config.clone();
+    let arrivals = arrivals.clone();
+    let addr = addr.to_owned();
+    runtime.spawn(async move {
+        let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
+            .await
+            .expect("run store");
+        let (runner, run) = store.services();
+        let mut services = ServiceSet::new();
+        services
+            .add(Count {
+                inner: runner,
+                arrivals: arrivals.clone(),
+            })
+            .add(Count {
+                inner: run,
+                arrivals: arrivals.clone(),
+            });
+        let listener = loop {
+            match tokio::net::TcpListener::bind(&addr).await {
+                Ok(l) => break l,
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        };
+        let _ = runplane_grpc::serve(
+            listener,
+            services,
+            std::future::pending(),
+            Duration::from_secs(1),
+        )
+        .await;
+    });
+    Server { runtime }
+}
+
+fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
+    );
+    request
+}
+
+struct Row {
+    lag_p50: Duration,
+    lag_p99: Duration,
+    lag_max: Duration,
+    during_outage: u64,
+    first_second: usize,
+    peak_100ms_rate: usize,
+    gave_up: u64,
+}
+
+async fn scenario(name: &str, config: &Config, addr: &str, retry: RetryConfig) -> Row {
+    let arrivals: Arrivals = Arc::default();
+    let server = start_server(config, addr, &arrivals);
+    let endpoint = format!("http://{addr}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let channel = loop {
+        match tonic::transport::Endpoint::from_shared(endpoint.clone())
+            .unwrap()
+            .connect()
+            .await
+        {
+            Ok(c) => break c,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    let mut op = RunServiceClient::new(channel);
+    let mut runners = Vec::new();
+    for r in 0..RUNNERS {
+        let run = op
+            .create_run(authed(
+                pb::CreateRunRequest {
+                    client_request_id: format!("outage-{name}-{r:05}-request"),
+                    org_id: "bench".into(),
+                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    command: "agent".into(),
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap();
+        let key = op
+            .issue_run_key(authed(
+                pb::IssueRunKeyRequest {
+                    run_id: run.id.clone(),
+                    sandbox_id: "sbx".into(),
+                    sandbox_generation: 1,
+                    idempotency_key: format!("outage-key-{}", run.id),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .run_key;
+        runners.push((run.id, key));
+    }
+
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let mut tasks = Vec::new();
+    let mut all_stats: Vec<Arc<RetryStats>> = Vec::new();
+    for (i, (run_id, key)) in runners.into_iter().enumerate() {
+        let layer = RetryLayer::new(retry.clone());
+        all_stats.push(layer.stats());
+        let channel = runplane_transport::connect_lazy(&endpoint, &layer).unwrap();
+        let mut client = RunnerServiceClient::new(channel);
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            // Spread the runners over the append period, as independent sandboxes are.
+            tokio::time::sleep(APPEND_EVERY * i as u32 / RUNNERS as u32).await;
+            let mut successes = Vec::new();
+            let mut batch = 0u64;
+            loop {
+                batch += 1;
+                let append = client.append_events(authed(
+                    pb::AppendEventsRequest {
+                        run_id: run_id.clone(),
+                        batch_key: format!("outage-batch-{batch:08}"),
+                        events: vec![pb::EventInput {
+                            kind: pb::EventKind::Stdout as i32,
+                            text: format!("line {batch}"),
+                            ..Default::default()
+                        }],
+                    },
+                    &key,
+                ));
+                tokio::select! {
+                    result = append => {
+                        if result.is_ok() {
+                            successes.push(Instant::now());
+                        }
+                    }
+                    () = stop.notified() => return successes,
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(APPEND_EVERY) => {}
+                    () = stop.notified() => return successes,
+                }
+            }
+        }));
+    }
+
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let attempts = || -> u64 {
+        all_stats
+            .iter()
+            .map(|s| s.attempts.load(Ordering::Relaxed))
+            .sum()
+    };
+    let before = attempts();
+    server.runtime.shutdown_background();
+    tokio::time::sleep(OUTAGE).await;
+    let during_outage = attempts() - before;
+    let reopened = Instant::now();
+    let server = start_server(config, addr, &arrivals);
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    stop.notify_waiters();
+    let mut lags = Vec::new();
+    for t in tasks {
+        stop.notify_waiters();
+        let successes = t.await.unwrap();
+        if let Some(first) = successes.iter().find(|s| **s >= reopened) {
+            lags.push(*first - reopened);
+        }
+    }
+    server.runtime.shutdown_background();
+    lags.sort();
+    let at = |q: f64| lags[((lags.len() as f64 - 1.0) * q).round() as usize];
+    let arrivals = arrivals.lock().unwrap().clone();
+    let first_second: Vec<Duration> = arrivals
+        .iter()
+        .filter(|a| **a >= reopened && **a < reopened + Duration::from_secs(1))
+        .map(|a| *a - reopened)
+        .collect();
+    let peak_100ms = (0..10)
+        .map(|w| {
+            let from = Duration::from_millis(w * 100);
+            first_second
+                .iter()
+                .filter(|d| **d >= from && **d < from + Duration::from_millis(100))
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    assert_eq!(lags.len(), RUNNERS, "every runner resumed within 25 s");
+    Row {
+        lag_p50: at(0.5),
+        lag_p99: at(0.99),
+        lag_max: *lags.last().unwrap(),
+        during_outage,
+        first_second: first_second.len(),
+        peak_100ms_rate: peak_100ms * 10,
+        gave_up: all_stats
+            .iter()
+            .map(|s| s.gave_up.load(Ordering::Relaxed))
+            .sum(),
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0}", d.as_secs_f64() * 1000.0)
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let db = TestDatabase::new().await;
+    let mut config = Config::default();
+    config.auth.operator_token = Secret::new(TOKEN);
+    config.run_store.database_url = db.url().to_owned();
+    config.run_store.receipt_signing_key =
+        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+    let addr = runplane_testkit::free_local_addr().to_string();
+
+    let policies = [
+        (
+            "runplane (1s base, 6s cap, full jitter)",
+            RetryConfig::default(),
+        ),
+        (
+            "seed (500ms base, 10s cap, equal jitter)",
+            RetryConfig::seed(),
+        ),
+    ];
+    println!(
+        "{RUNNERS} runners, one append per {}s each, run store down {}s then back on the same port",
+        APPEND_EVERY.as_secs(),
+        OUTAGE.as_secs()
+    );
+    println!(
+        "{:<46} | {:>8} {:>8} {:>8} | {:>16} | {:>14} {:>16} | {:>7}",
+        "policy",
+        "lag p50",
+        "lag p99",
+        "lag max",
+        "reqs in outage",
+        "reqs 1st second",
+        "peak rate (/s)",
+        "gave up"
+    );
+    for (name, retry) in policies {
+        let row = scenario(&name[..4], &config, &addr, retry).await;
+        println!(
+            "{:<46} | {:>6}ms {:>6}ms {:>6}ms | {:>16} | {:>14} {:>16} | {:>7}",
+            name,
+            ms(row.lag_p50),
+            ms(row.lag_p99),
+            ms(row.lag_max),
+            row.during_outage,
+            row.first_second,
+            row.peak_100ms_rate,
+            row.gave_up,
+        );
+    }
+}
