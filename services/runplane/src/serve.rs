@@ -87,7 +87,7 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
             .register(&mut services);
     }
     if selection.sandbox_reconciler {
-        SandboxReconciler::open(config)
+        SandboxReconciler::open(config, runplane_clock::SystemClock::shared())
             .await
             .context("starting the sandbox reconciler")?
             .register(&mut services);

@@ -159,6 +159,12 @@ impl Default for RunStoreConfig {
 pub struct SandboxReconcilerConfig {
     pub database_url: String,
     pub endpoint: String,
+    /// How long a sandbox must stay exited or lost before its run is failed.
+    pub loss_grace_seconds: u32,
+    /// Key that signs route tokens (shared with node agents); the operator token when empty.
+    pub route_token_key: Secret,
+    /// Lifetime of a route token.
+    pub route_token_ttl_seconds: u32,
 }
 
 impl Default for SandboxReconcilerConfig {
@@ -167,6 +173,9 @@ impl Default for SandboxReconcilerConfig {
             database_url: "postgres://postgres@127.0.0.1:5432/runplane_sandbox_reconciler"
                 .to_owned(),
             endpoint: default_endpoint(),
+            loss_grace_seconds: 90,
+            route_token_key: Secret::default(),
+            route_token_ttl_seconds: 60,
         }
     }
 }
@@ -290,6 +299,18 @@ impl Config {
             return Err(ConfigError::invalid(
                 "run_store.max_batch_bytes",
                 "must be between 1024 and 16777216",
+            ));
+        }
+        if !(1..=3600).contains(&self.sandbox_reconciler.loss_grace_seconds) {
+            return Err(ConfigError::invalid(
+                "sandbox_reconciler.loss_grace_seconds",
+                "must be between 1 and 3600",
+            ));
+        }
+        if !(1..=3600).contains(&self.sandbox_reconciler.route_token_ttl_seconds) {
+            return Err(ConfigError::invalid(
+                "sandbox_reconciler.route_token_ttl_seconds",
+                "must be between 1 and 3600",
             ));
         }
         if !(1..=300).contains(&self.run_store.max_poll_wait_seconds) {

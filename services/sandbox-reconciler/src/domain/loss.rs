@@ -1,0 +1,86 @@
+//! Loss grace: one observation never fails a run.
+//!
+//! The first `exited`/`lost` probe only stamps `loss_observed_at`; a later probe that sees
+//! the sandbox alive clears the stamp; the run is failed only when the loss outlives the
+//! grace. Every one of these writes is a compare-and-set against the stamp the tick read
+//! (see `store`), so a tick holding a stale snapshot loses to one that saw more recently.
+
+use std::time::Duration;
+
+/// What a driver's probe said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// Running (or suspended, or being restored): a live observation.
+    Alive,
+    /// The runner process exited with this status (when known).
+    Exited(Option<i32>),
+    /// The driver cannot find it.
+    Lost,
+}
+
+/// What the tick does with one observation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Nothing,
+    /// First loss observation: stamp it, fail nothing.
+    StampLoss,
+    /// The stamp lies in the future (a corrupt or skewed write): it could never confirm,
+    /// so replace it with now.
+    ReplaceStamp,
+    /// Seen alive with a stamp: clear it.
+    ClearLoss,
+    /// The loss outlived the grace: fail the run (once, by compare-and-set on the stamp).
+    ConfirmLoss,
+}
+
+pub fn decide(stamp_us: Option<i64>, probe: &Probe, now_us: i64, grace: Duration) -> Decision {
+    match (probe, stamp_us) {
+        (Probe::Alive, Some(_)) => Decision::ClearLoss,
+        (Probe::Alive, None) => Decision::Nothing,
+        (_, None) => Decision::StampLoss,
+        (_, Some(stamp)) if stamp > now_us => Decision::ReplaceStamp,
+        (_, Some(stamp)) if now_us - stamp >= grace.as_micros() as i64 => Decision::ConfirmLoss,
+        (_, Some(_)) => Decision::Nothing,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GRACE: Duration = Duration::from_secs(90);
+    const S: i64 = 1_000_000_000;
+
+    #[test]
+    fn one_observation_only_stamps() {
+        assert_eq!(decide(None, &Probe::Lost, S, GRACE), Decision::StampLoss);
+        assert_eq!(
+            decide(None, &Probe::Exited(Some(1)), S, GRACE),
+            Decision::StampLoss
+        );
+        assert_eq!(decide(None, &Probe::Alive, S, GRACE), Decision::Nothing);
+    }
+
+    #[test]
+    fn the_loss_must_outlive_the_grace() {
+        let stamp = S;
+        let almost = S + GRACE.as_micros() as i64 - 1;
+        let past = S + GRACE.as_micros() as i64;
+        assert_eq!(
+            decide(Some(stamp), &Probe::Lost, almost, GRACE),
+            Decision::Nothing
+        );
+        assert_eq!(
+            decide(Some(stamp), &Probe::Lost, past, GRACE),
+            Decision::ConfirmLoss
+        );
+        assert_eq!(
+            decide(Some(stamp), &Probe::Alive, past, GRACE),
+            Decision::ClearLoss
+        );
+        assert_eq!(
+            decide(Some(S + 10), &Probe::Lost, S, GRACE),
+            Decision::ReplaceStamp
+        );
+    }
+}

@@ -1,0 +1,5 @@
+//! The reconciler's decisions, without I/O.
+
+pub mod loss;
+pub mod placement;
+pub mod route_token;

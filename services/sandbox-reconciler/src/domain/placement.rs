@@ -1,0 +1,26 @@
+//! Where a sandbox is placed. One rule, used by every read of placement: the direct
+//! route identity counts only while `active_node_id` is set. A node that suspends a
+//! sandbox for idleness publishes it unplaced (clears `active_node_id`) and leaves its
+//! route identity naming the node (seed 003); reading that identity anyway would route a
+//! reattach to a node where the sandbox no longer runs.
+
+use crate::store::entities::{route_identity, sandbox};
+
+/// Statuses after which a sandbox never runs again.
+pub const ENDED: [&str; 3] = ["exited", "lost", "deleted"];
+
+/// The node serving `sandbox`, if it is placed.
+pub fn serving_node(
+    sandbox: &sandbox::Model,
+    route: Option<&route_identity::Model>,
+) -> Option<String> {
+    let active = sandbox.active_node_id.as_ref()?;
+    match (sandbox.substrate.as_str(), route) {
+        ("direct", Some(route)) => Some(route.current_node_id.clone()),
+        _ => Some(active.clone()),
+    }
+}
+
+pub fn is_ended(sandbox: &sandbox::Model) -> bool {
+    ENDED.contains(&sandbox.status.as_str())
+}

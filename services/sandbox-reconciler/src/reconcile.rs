@@ -1,0 +1,267 @@
+//! The reconcile tick and the outbox delivery.
+//!
+//! A tick reads live sandboxes in bounded batches and probes them with bounded
+//! concurrency. It never holds a transaction or lock across a probe; instead every write
+//! it makes afterwards is a compare-and-set on what it read (stamp and generation), so
+//! overlapping ticks and several reconciler replicas are safe by construction: a tick
+//! with a stale snapshot simply loses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use prost::Message;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+
+use crate::domain::loss::{Decision, Probe, decide};
+use crate::drivers::Driver;
+use crate::error::ReconcilerError;
+use crate::store::Store;
+use crate::store::entities::{outbox, sandbox};
+
+/// The tick's numbers.
+#[derive(Debug, Clone)]
+pub struct ReconcileSettings {
+    /// How long a loss must last before the run is failed (default 90 s).
+    pub loss_grace: Duration,
+    /// Probes in flight at once.
+    pub probe_concurrency: usize,
+    /// Rows read per batch.
+    pub batch: u64,
+}
+
+impl Default for ReconcileSettings {
+    fn default() -> Self {
+        Self {
+            loss_grace: Duration::from_secs(90),
+            probe_concurrency: 32,
+            batch: 500,
+        }
+    }
+}
+
+/// What one tick did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct TickReport {
+    pub probed: u64,
+    pub stamped: u64,
+    pub cleared: u64,
+    /// Losses this tick confirmed (it won the compare-and-set and queued the FailRun).
+    pub confirmed: u64,
+    /// Writes whose compare-and-set found the row changed since it was read.
+    pub lost_races: u64,
+}
+
+#[derive(Clone)]
+pub struct Reconciler {
+    store: Store,
+    driver: Arc<dyn Driver>,
+    settings: ReconcileSettings,
+}
+
+impl Reconciler {
+    pub fn new(store: Store, driver: Arc<dyn Driver>, settings: ReconcileSettings) -> Self {
+        Self {
+            store,
+            driver,
+            settings,
+        }
+    }
+
+    /// Probes every live sandbox once.
+    #[tracing::instrument(skip_all, name = "reconcile.tick")]
+    pub async fn tick(&self) -> Result<TickReport, ReconcilerError> {
+        let mut report = TickReport::default();
+        let mut cursor: Option<String> = None;
+        loop {
+            let rows = self
+                .store
+                .probe_candidates(cursor.as_deref(), self.settings.batch)
+                .await?;
+            let Some(last) = rows.last() else { break };
+            cursor = Some(last.id.clone());
+            let full = rows.len() as u64 == self.settings.batch;
+            let outcomes: Vec<Result<TickReport, ReconcilerError>> = futures::stream::iter(rows)
+                .map(|row| self.observe(row))
+                .buffer_unordered(self.settings.probe_concurrency.max(1))
+                .collect()
+                .await;
+            for outcome in outcomes {
+                let o = outcome?;
+                report.probed += o.probed;
+                report.stamped += o.stamped;
+                report.cleared += o.cleared;
+                report.confirmed += o.confirmed;
+                report.lost_races += o.lost_races;
+            }
+            if !full {
+                break;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Probes one sandbox and acts on what it saw, against the row as it was read.
+    pub async fn observe(&self, row: sandbox::Model) -> Result<TickReport, ReconcilerError> {
+        let mut report = TickReport {
+            probed: 1,
+            ..TickReport::default()
+        };
+        let probe = self.driver.status(&row).await;
+        let now = self.store.now_us();
+        let won = match decide(
+            row.loss_observed_at_us,
+            &probe,
+            now,
+            self.settings.loss_grace,
+        ) {
+            Decision::Nothing => return Ok(report),
+            Decision::StampLoss | Decision::ReplaceStamp => {
+                let won = self
+                    .store
+                    .stamp_loss(
+                        &row.id,
+                        row.execution_generation,
+                        row.loss_observed_at_us,
+                        now,
+                    )
+                    .await?;
+                if won {
+                    report.stamped += 1;
+                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, probe = ?probe, "loss observed; waiting out the grace");
+                }
+                won
+            }
+            Decision::ClearLoss => {
+                let stamp = row.loss_observed_at_us.expect("a stamp to clear");
+                let won = self
+                    .store
+                    .clear_loss(&row.id, row.execution_generation, stamp)
+                    .await?;
+                if won {
+                    report.cleared += 1;
+                    tracing::info!(sandbox_id = %row.id, "sandbox seen alive again; loss cleared");
+                }
+                won
+            }
+            Decision::ConfirmLoss => {
+                let stamp = row.loss_observed_at_us.expect("a stamp to confirm");
+                let (status, exit_code, what) = match probe {
+                    Probe::Exited(code) => (
+                        "exited",
+                        code,
+                        code.map_or("exited".to_owned(), |c| format!("exited with status {c}")),
+                    ),
+                    _ => ("lost", None, "lost".to_owned()),
+                };
+                let fail = fail_run_row(&row, &what, self.settings.loss_grace, now);
+                let won = self
+                    .store
+                    .confirm_loss(&row, stamp, status, exit_code, fail)
+                    .await?;
+                if won {
+                    report.confirmed += 1;
+                    tracing::warn!(sandbox_id = %row.id, run_id = %row.run_id, "loss outlived the grace; failing the run");
+                }
+                won
+            }
+        };
+        if !won {
+            report.lost_races += 1;
+        }
+        Ok(report)
+    }
+}
+
+/// The FailRun this reconciler owes the run store for `row`, as an outbox row.
+fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) -> outbox::Model {
+    let request = pb::FailRunRequest {
+        run_id: row.run_id.clone(),
+        reason: "sandbox_lost".into(),
+        message: format!(
+            "sandbox {} {what} for longer than the {} s loss grace",
+            row.id,
+            grace.as_secs()
+        ),
+        idempotency_key: format!("sandbox-lost:{}:{}", row.id, row.execution_generation),
+        // Only the execution this reconciler watched: a run that moved on is left alone.
+        if_sandbox_generation: Some(row.execution_generation as u64),
+    };
+    let mut headers = http::HeaderMap::new();
+    runplane_grpc::trace_context::inject_current_context(&mut headers);
+    outbox::Model {
+        id: uuid::Uuid::new_v4().to_string(),
+        kind: "run_store.fail_run".into(),
+        idempotency_key: request.idempotency_key.clone(),
+        payload: request.encode_to_vec(),
+        traceparent: headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned(),
+        attempts: 0,
+        next_attempt_at_us: now_us,
+        last_error: String::new(),
+        created_at_us: now_us,
+        delivered_at_us: None,
+    }
+}
+
+/// Adds the service token to every run-store call.
+#[derive(Clone)]
+pub struct ServiceToken(pub runplane_config::Secret);
+
+impl Interceptor for ServiceToken {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        let value = format!("Bearer {}", self.0.expose()).parse().map_err(|_| {
+            tonic::Status::unauthenticated("the service token is not a valid header value")
+        })?;
+        request.metadata_mut().insert("authorization", value);
+        Ok(request)
+    }
+}
+
+pub type RunStoreClient =
+    RunServiceClient<InterceptedService<runplane_grpc::client::TracedChannel, ServiceToken>>;
+
+/// Delivers due outbox rows; each stays until the callee answers.
+pub async fn deliver_outbox(
+    store: &Store,
+    client: &RunStoreClient,
+    limit: u64,
+) -> Result<u64, ReconcilerError> {
+    let mut delivered = 0;
+    for row in store.due_outbox(limit).await? {
+        let Ok(request) = pb::FailRunRequest::decode(row.payload.as_slice()) else {
+            store
+                .delivery_failed(&row, 3_600_000_000, "undecodable payload")
+                .await?;
+            continue;
+        };
+        let mut call = tonic::Request::new(request);
+        if let Ok(tp) = row.traceparent.parse() {
+            call.metadata_mut().insert("traceparent", tp);
+        }
+        match client.clone().fail_run(call).await {
+            Ok(answer) => {
+                store.mark_delivered(&row.id).await?;
+                delivered += 1;
+                tracing::info!(key = %row.idempotency_key, outcome = ?answer.into_inner().outcome(), "fail run delivered");
+            }
+            Err(status) => {
+                let backoff_us = (1_000_000i64 << row.attempts.clamp(0, 6)).min(60_000_000);
+                tracing::warn!(key = %row.idempotency_key, code = ?status.code(), "fail run not delivered yet");
+                store
+                    .delivery_failed(&row, backoff_us, status.message())
+                    .await?;
+            }
+        }
+    }
+    Ok(delivered)
+}

@@ -1,0 +1,132 @@
+//! sea-orm entities of the reconciler's tables. Times are microseconds since the epoch.
+
+pub mod sandbox {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "sandboxes")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        pub run_id: String,
+        pub org_id: String,
+        pub client_request_id: String,
+        /// `kubernetes` or `direct`.
+        pub substrate: String,
+        pub status: String,
+        /// The node the sandbox is placed on; NULL when unplaced.
+        pub active_node_id: Option<String>,
+        /// Bumped before any new execution; later writes compare-and-set on it.
+        pub execution_generation: i64,
+        /// First exited/lost observation not yet cleared.
+        pub loss_observed_at_us: Option<i64>,
+        pub idle_timeout_ms: i64,
+        pub exit_code: Option<i32>,
+        /// What the driver needs to find the sandbox again (a pid for `process`).
+        pub driver_handle: String,
+        pub created_at_us: i64,
+        pub updated_at_us: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod route_identity {
+    use sea_orm::entity::prelude::*;
+
+    /// The direct substrate's route identity. Read only while `active_node_id` is set.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "route_identities")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub sandbox_id: String,
+        pub current_node_id: String,
+        pub execution_generation: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod node {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "nodes")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        /// `host:port` where sessions reach the node.
+        pub endpoint: String,
+        pub capacity: i32,
+        pub last_heartbeat_us: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod wake {
+    use sea_orm::entity::prelude::*;
+
+    /// At most one open wake per sandbox (a partial unique index on open rows).
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "wakes")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        pub sandbox_id: String,
+        /// `pending`, `assigned`, `restored` or `failed`.
+        pub state: String,
+        pub node_id: Option<String>,
+        pub attempts: i32,
+        pub last_error: String,
+        pub reason: String,
+        pub requested_at_us: i64,
+        /// NULL while the wake is open.
+        pub settled_at_us: Option<i64>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod outbox {
+    use sea_orm::entity::prelude::*;
+
+    /// A call to another service that must not be lost, written in the transaction that
+    /// decided it and delivered (with its idempotency key) until the callee answers.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "outbox")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        /// What to call: `run_store.fail_run`.
+        pub kind: String,
+        /// The request, protobuf-encoded.
+        pub payload: Vec<u8>,
+        #[sea_orm(unique)]
+        pub idempotency_key: String,
+        /// W3C `traceparent` of the decision, so the delivery joins its trace.
+        pub traceparent: String,
+        pub attempts: i32,
+        pub next_attempt_at_us: i64,
+        pub last_error: String,
+        pub created_at_us: i64,
+        pub delivered_at_us: Option<i64>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

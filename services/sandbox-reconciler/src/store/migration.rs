@@ -1,0 +1,127 @@
+//! The reconciler's schema.
+
+use sea_orm_migration::prelude::*;
+
+/// Applies the reconciler's migrations, oldest first, at every start.
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(CreateReconciler)]
+    }
+}
+
+#[derive(DeriveMigrationName)]
+struct CreateReconciler;
+
+fn col(name: &'static str) -> ColumnDef {
+    ColumnDef::new(Alias::new(name))
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for CreateReconciler {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("sandboxes"))
+                    .col(col("id").text().not_null().primary_key())
+                    .col(col("run_id").text().not_null())
+                    .col(col("org_id").text().not_null())
+                    .col(col("client_request_id").text().not_null().unique_key())
+                    .col(col("substrate").text().not_null())
+                    .col(col("status").text().not_null())
+                    .col(col("active_node_id").text().null())
+                    .col(col("execution_generation").big_integer().not_null())
+                    .col(col("loss_observed_at_us").big_integer().null())
+                    .col(col("idle_timeout_ms").big_integer().not_null())
+                    .col(col("exit_code").integer().null())
+                    .col(col("driver_handle").text().not_null())
+                    .col(col("created_at_us").big_integer().not_null())
+                    .col(col("updated_at_us").big_integer().not_null())
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(
+                Index::create()
+                    .name("sandboxes_status")
+                    .table(Alias::new("sandboxes"))
+                    .col(Alias::new("status"))
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("route_identities"))
+                    .col(col("sandbox_id").text().not_null().primary_key())
+                    .col(col("current_node_id").text().not_null())
+                    .col(col("execution_generation").big_integer().not_null())
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("nodes"))
+                    .col(col("id").text().not_null().primary_key())
+                    .col(col("endpoint").text().not_null())
+                    .col(col("capacity").integer().not_null())
+                    .col(col("last_heartbeat_us").big_integer().not_null())
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("wakes"))
+                    .col(col("id").text().not_null().primary_key())
+                    .col(col("sandbox_id").text().not_null())
+                    .col(col("state").text().not_null())
+                    .col(col("node_id").text().null())
+                    .col(col("attempts").integer().not_null())
+                    .col(col("last_error").text().not_null())
+                    .col(col("reason").text().not_null())
+                    .col(col("requested_at_us").big_integer().not_null())
+                    .col(col("settled_at_us").big_integer().null())
+                    .to_owned(),
+            )
+            .await?;
+        // One open wake per sandbox, on both backends.
+        manager
+            .get_connection()
+            .execute_unprepared(
+                "CREATE UNIQUE INDEX wakes_one_open ON wakes (sandbox_id) WHERE settled_at_us IS NULL",
+            )
+            .await?;
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("outbox"))
+                    .col(col("id").text().not_null().primary_key())
+                    .col(col("kind").text().not_null())
+                    .col(col("payload").blob().not_null())
+                    .col(col("idempotency_key").text().not_null().unique_key())
+                    .col(col("traceparent").text().not_null())
+                    .col(col("attempts").integer().not_null())
+                    .col(col("next_attempt_at_us").big_integer().not_null())
+                    .col(col("last_error").text().not_null())
+                    .col(col("created_at_us").big_integer().not_null())
+                    .col(col("delivered_at_us").big_integer().null())
+                    .to_owned(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        for table in ["outbox", "wakes", "nodes", "route_identities", "sandboxes"] {
+            manager
+                .drop_table(Table::drop().table(Alias::new(table)).to_owned())
+                .await?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,354 @@
+//! The reconciler's persistence.
+//!
+//! What we persist and why:
+//! - `sandboxes`: intent and observation of each sandbox. `execution_generation` is bumped
+//!   before any new execution; `loss_observed_at_us` is the first unconfirmed loss
+//!   observation. Every write the tick makes is a compare-and-set on the values it read.
+//! - `route_identities`: which node serves a direct sandbox's sessions; read only while
+//!   the sandbox has an `active_node_id` (see `domain::placement`).
+//! - `nodes`: registered node agents and their endpoints.
+//! - `wakes`: restore requests, at most one open per sandbox (a partial unique index).
+//! - `outbox`: calls to other services decided in a transaction here (failing a run),
+//!   delivered with an idempotency key until the callee answers.
+
+pub mod entities;
+pub mod migration;
+
+use runplane_clock::SharedClock;
+use sea_orm::sea_query::{Expr, Order};
+use sea_orm::{
+    ColumnTrait, DatabaseConnection, DbErr, EntityTrait, IntoActiveModel, QueryFilter, QueryOrder,
+    QuerySelect, SqlErr, TransactionTrait,
+};
+
+pub use migration::Migrator;
+
+use crate::error::ReconcilerError;
+use entities::{node, outbox, route_identity, sandbox, wake};
+
+type Result<T> = std::result::Result<T, ReconcilerError>;
+
+/// Statuses a sandbox can still leave on its own; only these are probed, stamped or
+/// failed.
+pub const LIVE: [&str; 4] = ["creating", "started", "suspended", "restoring"];
+
+/// A placed sandbox's serving node, as the one placement query reads it.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub sandbox: sandbox::Model,
+    /// The route identity, joined only while `active_node_id` is set.
+    pub route: Option<route_identity::Model>,
+    /// The serving node's row, when the sandbox is placed and the node is registered.
+    pub node: Option<node::Model>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Store {
+    db: DatabaseConnection,
+    clock: SharedClock,
+}
+
+impl Store {
+    pub fn new(db: DatabaseConnection, clock: SharedClock) -> Self {
+        Self { db, clock }
+    }
+
+    pub fn database(&self) -> &DatabaseConnection {
+        &self.db
+    }
+
+    pub fn now_us(&self) -> i64 {
+        self.clock.now().timestamp_micros()
+    }
+
+    pub async fn insert_sandbox(&self, row: sandbox::Model) -> Result<sandbox::Model> {
+        match sandbox::Entity::insert(row.clone().into_active_model())
+            .exec_without_returning(&self.db)
+            .await
+        {
+            Ok(_) => Ok(row),
+            Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => {
+                sandbox::Entity::find()
+                    .filter(sandbox::Column::ClientRequestId.eq(row.client_request_id.as_str()))
+                    .one(&self.db)
+                    .await?
+                    .ok_or(ReconcilerError::Storage(e))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn sandbox(&self, id: &str) -> Result<sandbox::Model> {
+        sandbox::Entity::find_by_id(id.to_owned())
+            .one(&self.db)
+            .await?
+            .ok_or_else(|| ReconcilerError::SandboxNotFound { id: id.to_owned() })
+    }
+
+    /// The one placement query every placement read goes through.
+    pub async fn placement(&self, id: &str) -> Result<Placement> {
+        let sandbox = self.sandbox(id).await?;
+        let route = match (&sandbox.active_node_id, sandbox.substrate.as_str()) {
+            (Some(_), "direct") => {
+                route_identity::Entity::find_by_id(id.to_owned())
+                    .one(&self.db)
+                    .await?
+            }
+            _ => None,
+        };
+        let node = match crate::domain::placement::serving_node(&sandbox, route.as_ref()) {
+            Some(node_id) => node::Entity::find_by_id(node_id).one(&self.db).await?,
+            None => None,
+        };
+        Ok(Placement {
+            sandbox,
+            route,
+            node,
+        })
+    }
+
+    pub async fn upsert_node(&self, row: node::Model) -> Result<()> {
+        node::Entity::insert(row.into_active_model())
+            .on_conflict(
+                sea_orm::sea_query::OnConflict::column(node::Column::Id)
+                    .update_columns([
+                        node::Column::Endpoint,
+                        node::Column::Capacity,
+                        node::Column::LastHeartbeatUs,
+                    ])
+                    .to_owned(),
+            )
+            .exec_without_returning(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    /// Writes a route identity (what a node's start or restore writes with placement).
+    pub async fn set_route_identity(&self, row: route_identity::Model) -> Result<()> {
+        route_identity::Entity::insert(row.into_active_model())
+            .on_conflict(
+                sea_orm::sea_query::OnConflict::column(route_identity::Column::SandboxId)
+                    .update_columns([
+                        route_identity::Column::CurrentNodeId,
+                        route_identity::Column::ExecutionGeneration,
+                    ])
+                    .to_owned(),
+            )
+            .exec_without_returning(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    /// Sets status and placement, compare-and-set on the generation (what a node's
+    /// publication writes; an idle suspend publishes `suspended` with no node).
+    pub async fn publish(
+        &self,
+        id: &str,
+        generation: i64,
+        status: &str,
+        active_node_id: Option<&str>,
+    ) -> Result<bool> {
+        let done = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::Status, Expr::value(status))
+            .col_expr(
+                sandbox::Column::ActiveNodeId,
+                Expr::value(active_node_id.map(str::to_owned)),
+            )
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
+            .filter(sandbox::Column::Id.eq(id))
+            .filter(sandbox::Column::ExecutionGeneration.eq(generation))
+            .exec(&self.db)
+            .await?;
+        Ok(done.rows_affected == 1)
+    }
+
+    /// The open wake of `sandbox_id`, queued now if there is none (one per sandbox).
+    pub async fn queue_wake(&self, sandbox_id: &str, reason: &str) -> Result<wake::Model> {
+        if let Some(open) = self.open_wake(sandbox_id).await? {
+            return Ok(open);
+        }
+        let row = wake::Model {
+            id: uuid::Uuid::new_v4().to_string(),
+            sandbox_id: sandbox_id.to_owned(),
+            state: "pending".into(),
+            node_id: None,
+            attempts: 0,
+            last_error: String::new(),
+            reason: reason.to_owned(),
+            requested_at_us: self.now_us(),
+            settled_at_us: None,
+        };
+        match wake::Entity::insert(row.clone().into_active_model())
+            .exec_without_returning(&self.db)
+            .await
+        {
+            Ok(_) => Ok(row),
+            // A concurrent request queued it first.
+            Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => self
+                .open_wake(sandbox_id)
+                .await?
+                .ok_or(ReconcilerError::Storage(e)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn open_wake(&self, sandbox_id: &str) -> Result<Option<wake::Model>> {
+        Ok(wake::Entity::find()
+            .filter(wake::Column::SandboxId.eq(sandbox_id))
+            .filter(wake::Column::SettledAtUs.is_null())
+            .one(&self.db)
+            .await?)
+    }
+
+    /// Live sandboxes to probe, oldest first, after `after` (an id cursor), at most `limit`.
+    pub async fn probe_candidates(
+        &self,
+        after: Option<&str>,
+        limit: u64,
+    ) -> Result<Vec<sandbox::Model>> {
+        let mut query = sandbox::Entity::find().filter(sandbox::Column::Status.is_in(LIVE));
+        if let Some(after) = after {
+            query = query.filter(sandbox::Column::Id.gt(after));
+        }
+        Ok(query
+            .order_by(sandbox::Column::Id, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    fn loss_guard(id: &str, generation: i64, read_stamp: Option<i64>) -> sea_orm::Condition {
+        let stamp = match read_stamp {
+            None => sandbox::Column::LossObservedAtUs.is_null(),
+            Some(s) => sandbox::Column::LossObservedAtUs.eq(s),
+        };
+        sea_orm::Condition::all()
+            .add(sandbox::Column::Id.eq(id))
+            .add(sandbox::Column::ExecutionGeneration.eq(generation))
+            .add(sandbox::Column::Status.is_in(LIVE))
+            .add(stamp)
+    }
+
+    /// Stamps the first loss observation, compare-and-set against the stamp the tick read
+    /// (none, or a corrupt one being replaced) and guarded to live statuses.
+    pub async fn stamp_loss(
+        &self,
+        id: &str,
+        generation: i64,
+        read_stamp: Option<i64>,
+        now_us: i64,
+    ) -> Result<bool> {
+        let done = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::LossObservedAtUs, Expr::value(now_us))
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(now_us))
+            .filter(Self::loss_guard(id, generation, read_stamp))
+            .exec(&self.db)
+            .await?;
+        Ok(done.rows_affected == 1)
+    }
+
+    /// Clears a stamp the tick read, only if it is still that stamp: a stale snapshot
+    /// cannot delete a stamp written after it was read.
+    pub async fn clear_loss(&self, id: &str, generation: i64, read_stamp: i64) -> Result<bool> {
+        let done = sandbox::Entity::update_many()
+            .col_expr(
+                sandbox::Column::LossObservedAtUs,
+                Expr::value(Option::<i64>::None),
+            )
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
+            .filter(Self::loss_guard(id, generation, Some(read_stamp)))
+            .exec(&self.db)
+            .await?;
+        Ok(done.rows_affected == 1)
+    }
+
+    /// Confirms a loss that outlived the grace: one compare-and-set on the stamp the tick
+    /// read, and the FailRun for the run store in the same transaction. Only the winner
+    /// gets `true` (and its outbox row).
+    pub async fn confirm_loss(
+        &self,
+        row: &sandbox::Model,
+        read_stamp: i64,
+        final_status: &str,
+        exit_code: Option<i32>,
+        fail_run: outbox::Model,
+    ) -> Result<bool> {
+        let txn = self.db.begin().await?;
+        let done = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::Status, Expr::value(final_status))
+            .col_expr(sandbox::Column::ExitCode, Expr::value(exit_code))
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
+            .filter(Self::loss_guard(
+                &row.id,
+                row.execution_generation,
+                Some(read_stamp),
+            ))
+            .exec(&txn)
+            .await?;
+        if done.rows_affected != 1 {
+            txn.rollback().await?;
+            return Ok(false);
+        }
+        outbox::Entity::insert(fail_run.into_active_model())
+            .exec_without_returning(&txn)
+            .await?;
+        txn.commit().await?;
+        Ok(true)
+    }
+
+    /// Outbox rows due for delivery, oldest first.
+    pub async fn due_outbox(&self, limit: u64) -> Result<Vec<outbox::Model>> {
+        Ok(outbox::Entity::find()
+            .filter(outbox::Column::DeliveredAtUs.is_null())
+            .filter(outbox::Column::NextAttemptAtUs.lte(self.now_us()))
+            .order_by(outbox::Column::CreatedAtUs, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    pub async fn outbox(&self) -> Result<Vec<outbox::Model>> {
+        Ok(outbox::Entity::find()
+            .order_by(outbox::Column::CreatedAtUs, Order::Asc)
+            .all(&self.db)
+            .await?)
+    }
+
+    pub async fn mark_delivered(&self, id: &str) -> Result<()> {
+        outbox::Entity::update_many()
+            .col_expr(outbox::Column::DeliveredAtUs, Expr::value(self.now_us()))
+            .filter(outbox::Column::Id.eq(id))
+            .filter(outbox::Column::DeliveredAtUs.is_null())
+            .exec(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn delivery_failed(
+        &self,
+        row: &outbox::Model,
+        retry_in_us: i64,
+        error: &str,
+    ) -> Result<()> {
+        let mut error = error.to_owned();
+        error.truncate(512);
+        outbox::Entity::update_many()
+            .col_expr(outbox::Column::Attempts, Expr::value(row.attempts + 1))
+            .col_expr(
+                outbox::Column::NextAttemptAtUs,
+                Expr::value(self.now_us() + retry_in_us),
+            )
+            .col_expr(outbox::Column::LastError, Expr::value(error))
+            .filter(outbox::Column::Id.eq(row.id.as_str()))
+            .filter(outbox::Column::DeliveredAtUs.is_null())
+            .exec(&self.db)
+            .await?;
+        Ok(())
+    }
+}
+
+impl From<DbErr> for ReconcilerError {
+    fn from(e: DbErr) -> Self {
+        ReconcilerError::Storage(e)
+    }
+}

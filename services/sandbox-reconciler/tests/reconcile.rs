@@ -1,0 +1,603 @@
+//! Loss grace and placement against real Postgres, a real run store on a real socket,
+//! and a fake driver whose probes reproduce the interleavings deterministically.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use runplane_clock::{Clock, ManualClock};
+use runplane_config::{Config, Secret};
+use runplane_grpc::{ErrorReason, ServiceSet, error_info};
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+use runplane_run_store::RunStore;
+use runplane_sandbox_reconciler::SandboxReconciler;
+use runplane_sandbox_reconciler::domain::loss::Probe;
+use runplane_sandbox_reconciler::domain::route_token;
+use runplane_sandbox_reconciler::drivers::FakeDriver;
+use runplane_sandbox_reconciler::reconcile::{
+    ReconcileSettings, Reconciler, RunStoreClient, ServiceToken, deliver_outbox,
+};
+use runplane_sandbox_reconciler::store::Store;
+use runplane_sandbox_reconciler::store::entities::{node, route_identity, sandbox};
+use runplane_testkit::TestDatabase;
+use tonic::Code;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tower_service::Service;
+
+const TOKEN: &str = "reconciler-test-service-token-0123456789ab";
+const GRACE: Duration = Duration::from_secs(90);
+
+/// Counts FailRun calls reaching the run store.
+#[derive(Clone)]
+struct CountFailRun<S> {
+    inner: S,
+    calls: Arc<AtomicUsize>,
+}
+
+impl<S: NamedService> NamedService for CountFailRun<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for CountFailRun<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>,
+{
+    type Response = S::Response;
+    type Error = Infallible;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        if request.uri().path().ends_with("/FailRun") {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.call(request)
+    }
+}
+
+struct World {
+    clock: ManualClock,
+    store: Store,
+    reconciler_endpoint: String,
+    run_store_endpoint: String,
+    fail_run_calls: Arc<AtomicUsize>,
+    _dbs: (TestDatabase, TestDatabase),
+}
+
+fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    r
+}
+
+async fn serve(services: ServiceSet) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(runplane_grpc::serve(
+        listener,
+        services,
+        std::future::pending(),
+        Duration::from_secs(1),
+    ));
+    endpoint
+}
+
+impl World {
+    async fn new() -> Self {
+        let run_db = TestDatabase::new().await;
+        let reconciler_db = TestDatabase::new().await;
+        let mut config = Config::default();
+        config.auth.operator_token = Secret::new(TOKEN);
+        config.run_store.database_url = run_db.url().to_owned();
+        config.run_store.receipt_signing_key =
+            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+        config.sandbox_reconciler.database_url = reconciler_db.url().to_owned();
+
+        let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
+            .await
+            .unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (runner, run) = run_store.services();
+        let mut services = ServiceSet::new();
+        services.add(runner).add(CountFailRun {
+            inner: run,
+            calls: calls.clone(),
+        });
+        let run_store_endpoint = serve(services).await;
+
+        let clock = ManualClock::new(chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap());
+        let reconciler = SandboxReconciler::open(&config, Arc::new(clock.clone()))
+            .await
+            .unwrap();
+        let mut services = ServiceSet::new();
+        reconciler.register(&mut services);
+        let reconciler_endpoint = serve(services).await;
+        Self {
+            store: reconciler.store().clone(),
+            clock,
+            reconciler_endpoint,
+            run_store_endpoint,
+            fail_run_calls: calls,
+            _dbs: (run_db, reconciler_db),
+        }
+    }
+
+    async fn run_store(&self) -> RunServiceClient<tonic::transport::Channel> {
+        RunServiceClient::connect(self.run_store_endpoint.clone())
+            .await
+            .unwrap()
+    }
+
+    fn reconciler(&self, driver: FakeDriver) -> Reconciler {
+        Reconciler::new(
+            self.store.clone(),
+            Arc::new(driver),
+            ReconcileSettings {
+                loss_grace: GRACE,
+                ..ReconcileSettings::default()
+            },
+        )
+    }
+
+    async fn outbox_client(&self) -> RunStoreClient {
+        RunServiceClient::with_interceptor(
+            runplane_grpc::client::connect(&self.run_store_endpoint)
+                .await
+                .unwrap(),
+            ServiceToken(Secret::new(TOKEN)),
+        )
+    }
+
+    /// A running run (a runner said Hello with generation 1's key) and its sandbox row.
+    async fn running_sandbox(&self, name: &str) -> (sandbox::Model, String) {
+        let mut op = self.run_store().await;
+        let run = op
+            .create_run(authed(
+                pb::CreateRunRequest {
+                    client_request_id: format!("{name}-request-00000001"),
+                    org_id: "acme".into(),
+                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    command: "agent".into(),
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap();
+        let sandbox_id = uuid::Uuid::new_v4().to_string();
+        let key = op
+            .issue_run_key(authed(
+                pb::IssueRunKeyRequest {
+                    run_id: run.id.clone(),
+                    sandbox_id: sandbox_id.clone(),
+                    sandbox_generation: 1,
+                    idempotency_key: format!("{sandbox_id}:1"),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .run_key;
+        let mut runner = RunnerServiceClient::connect(self.run_store_endpoint.clone())
+            .await
+            .unwrap();
+        runner
+            .hello(authed(
+                pb::HelloRequest {
+                    run_id: run.id.clone(),
+                    nonce: "reconciler-test-nonce-1".into(),
+                    runner_version: String::new(),
+                },
+                &key,
+            ))
+            .await
+            .unwrap();
+        let row = self
+            .store
+            .insert_sandbox(self.row(&sandbox_id, &run.id, "direct", "started", Some("node-a")))
+            .await
+            .unwrap();
+        (row, key)
+    }
+
+    fn row(
+        &self,
+        id: &str,
+        run_id: &str,
+        substrate: &str,
+        status: &str,
+        node: Option<&str>,
+    ) -> sandbox::Model {
+        let now = self.clock.now().timestamp_micros();
+        sandbox::Model {
+            id: id.to_owned(),
+            run_id: run_id.to_owned(),
+            org_id: "acme".into(),
+            client_request_id: format!("create-{id}"),
+            substrate: substrate.into(),
+            status: status.into(),
+            active_node_id: node.map(str::to_owned),
+            execution_generation: 1,
+            loss_observed_at_us: None,
+            idle_timeout_ms: 600_000,
+            exit_code: None,
+            driver_handle: String::new(),
+            created_at_us: now,
+            updated_at_us: now,
+        }
+    }
+
+    async fn run_state(&self, run_id: &str) -> pb::Run {
+        self.run_store()
+            .await
+            .get_run(authed(
+                pb::GetRunRequest {
+                    run_id: run_id.into(),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap()
+    }
+
+    async fn key_works(&self, run_id: &str, key: &str, batch: &str) -> Result<(), tonic::Status> {
+        RunnerServiceClient::connect(self.run_store_endpoint.clone())
+            .await
+            .unwrap()
+            .append_events(authed(
+                pb::AppendEventsRequest {
+                    run_id: run_id.into(),
+                    batch_key: batch.into(),
+                    events: vec![pb::EventInput {
+                        kind: pb::EventKind::Stdout as i32,
+                        text: "still here".into(),
+                        ..Default::default()
+                    }],
+                },
+                key,
+            ))
+            .await
+            .map(|_| ())
+    }
+
+    /// Stamps a first loss observation now, as an earlier tick would have.
+    async fn stamp(&self, row: &sandbox::Model) -> sandbox::Model {
+        let now = self.clock.now().timestamp_micros();
+        assert!(self.store.stamp_loss(&row.id, 1, None, now).await.unwrap());
+        self.store.sandbox(&row.id).await.unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace() {
+    let w = World::new().await;
+    let (row, key) = w.running_sandbox("grace").await;
+    let lost = w.reconciler(FakeDriver::always(Probe::Exited(Some(137))));
+
+    let first = lost.tick().await.unwrap();
+    assert_eq!(first.stamped, 1);
+    assert!(
+        w.store
+            .sandbox(&row.id)
+            .await
+            .unwrap()
+            .loss_observed_at_us
+            .is_some()
+    );
+    w.clock.advance(GRACE - Duration::from_secs(1));
+    assert_eq!(
+        lost.tick().await.unwrap().confirmed,
+        0,
+        "still within the grace"
+    );
+    assert!(w.store.outbox().await.unwrap().is_empty());
+    w.key_works(&row.run_id, &key, "batch-within-grace-1")
+        .await
+        .unwrap();
+
+    w.clock.advance(Duration::from_secs(1));
+    assert_eq!(lost.tick().await.unwrap().confirmed, 1);
+    let sandbox = w.store.sandbox(&row.id).await.unwrap();
+    assert_eq!(
+        (sandbox.status.as_str(), sandbox.exit_code),
+        ("exited", Some(137))
+    );
+    assert_eq!(
+        deliver_outbox(&w.store, &w.outbox_client().await, 10)
+            .await
+            .unwrap(),
+        1
+    );
+    let run = w.run_state(&row.run_id).await;
+    assert_eq!(run.state(), pb::RunState::Failed);
+    assert_eq!(run.failure_reason, "sandbox_lost");
+    // A sandbox seen alive again before the grace ends clears the stamp instead.
+    let (row2, _) = w.running_sandbox("grace-recovers").await;
+    lost.observe(row2.clone()).await.unwrap();
+    let alive = w.reconciler(FakeDriver::always(Probe::Alive));
+    assert_eq!(alive.tick().await.unwrap().cleared, 1);
+    assert!(
+        w.store
+            .sandbox(&row2.id)
+            .await
+            .unwrap()
+            .loss_observed_at_us
+            .is_none()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive() {
+    let w = World::new().await;
+    let (row, key) = w.running_sandbox("cleared-mid-probe").await;
+    let stamped = w.stamp(&row).await;
+    w.clock.advance(GRACE + Duration::from_secs(30));
+
+    // Tick B saw the sandbox alive and clears the stamp while tick A's probe is in flight;
+    // A's probe then reports the sandbox lost, from before B's observation.
+    let b = w.reconciler(FakeDriver::always(Probe::Alive));
+    let store = w.store.clone();
+    let a = w.reconciler(FakeDriver::new(move |row| {
+        let b = b.clone();
+        let store = store.clone();
+        Box::pin(async move {
+            let fresh = store.sandbox(&row.id).await.unwrap();
+            assert_eq!(b.observe(fresh).await.unwrap().cleared, 1);
+            Probe::Lost
+        })
+    }));
+    let report = a.observe(stamped).await.unwrap();
+    assert_eq!((report.confirmed, report.lost_races), (0, 1));
+
+    let now = w.store.sandbox(&row.id).await.unwrap();
+    assert_eq!(now.status, "started");
+    assert!(now.loss_observed_at_us.is_none());
+    assert!(
+        w.store.outbox().await.unwrap().is_empty(),
+        "no FailRun was queued"
+    );
+    assert_eq!(
+        w.run_state(&row.run_id).await.state(),
+        pb::RunState::Running
+    );
+    w.key_works(&row.run_id, &key, "batch-after-the-race-1")
+        .await
+        .expect("the key still works");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read() {
+    let w = World::new().await;
+    let (row, _) = w.running_sandbox("stale-clear").await;
+    let stamped = w.stamp(&row).await;
+
+    // While tick A (which read the old stamp) probes, B clears it and C stamps a new loss.
+    let b = w.reconciler(FakeDriver::always(Probe::Alive));
+    let c = w.reconciler(FakeDriver::always(Probe::Lost));
+    let store = w.store.clone();
+    let clock = w.clock.clone();
+    let a = w.reconciler(FakeDriver::new(move |row| {
+        let (b, c, store, clock) = (b.clone(), c.clone(), store.clone(), clock.clone());
+        Box::pin(async move {
+            b.observe(store.sandbox(&row.id).await.unwrap())
+                .await
+                .unwrap();
+            clock.advance(Duration::from_secs(5));
+            c.observe(store.sandbox(&row.id).await.unwrap())
+                .await
+                .unwrap();
+            Probe::Alive
+        })
+    }));
+    let report = a.observe(stamped.clone()).await.unwrap();
+    assert_eq!((report.cleared, report.lost_races), (0, 1));
+    let now = w.store.sandbox(&row.id).await.unwrap();
+    let newer = stamped.loss_observed_at_us.unwrap() + 5_000_000;
+    assert_eq!(
+        now.loss_observed_at_us,
+        Some(newer),
+        "C's stamp survives A's stale clear"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once() {
+    let w = World::new().await;
+    let (row, key) = w.running_sandbox("three-ticks").await;
+    let stamped = w.stamp(&row).await;
+    w.clock.advance(GRACE + Duration::from_secs(1));
+
+    // All three read the row, then all three probes answer at once.
+    let barrier = Arc::new(tokio::sync::Barrier::new(3));
+    let driver = FakeDriver::new(move |_| {
+        let barrier = barrier.clone();
+        Box::pin(async move {
+            barrier.wait().await;
+            Probe::Lost
+        })
+    });
+    let ticks: Vec<_> = (0..3).map(|_| w.reconciler(driver.clone())).collect();
+    let (r1, r2, r3) = tokio::join!(
+        ticks[0].observe(stamped.clone()),
+        ticks[1].observe(stamped.clone()),
+        ticks[2].observe(stamped.clone()),
+    );
+    let confirmed: u64 = [r1, r2, r3].into_iter().map(|r| r.unwrap().confirmed).sum();
+    assert_eq!(confirmed, 1, "exactly one tick wins the compare-and-set");
+    assert_eq!(w.store.outbox().await.unwrap().len(), 1);
+
+    let client = w.outbox_client().await;
+    assert_eq!(deliver_outbox(&w.store, &client, 10).await.unwrap(), 1);
+    assert_eq!(deliver_outbox(&w.store, &client, 10).await.unwrap(), 0);
+    assert_eq!(
+        w.fail_run_calls.load(Ordering::SeqCst),
+        1,
+        "FailRun called once"
+    );
+    assert_eq!(w.run_state(&row.run_id).await.state(), pb::RunState::Failed);
+    let err = w
+        .key_works(&row.run_id, &key, "batch-after-failure-1")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names() {
+    let w = World::new().await;
+    let now = w.clock.now().timestamp_micros();
+    w.store
+        .upsert_node(node::Model {
+            id: "node-a".into(),
+            endpoint: "127.0.0.1:7443".into(),
+            capacity: 8,
+            last_heartbeat_us: now,
+        })
+        .await
+        .unwrap();
+    let kubernetes = w
+        .store
+        .insert_sandbox(w.row(
+            &uuid::Uuid::new_v4().to_string(),
+            "run-k",
+            "kubernetes",
+            "suspended",
+            None,
+        ))
+        .await
+        .unwrap();
+    let placed = w
+        .store
+        .insert_sandbox(w.row(
+            &uuid::Uuid::new_v4().to_string(),
+            "run-p",
+            "direct",
+            "started",
+            Some("node-a"),
+        ))
+        .await
+        .unwrap();
+    let idle = w
+        .store
+        .insert_sandbox(w.row(
+            &uuid::Uuid::new_v4().to_string(),
+            "run-i",
+            "direct",
+            "started",
+            Some("node-a"),
+        ))
+        .await
+        .unwrap();
+    for row in [&placed, &idle] {
+        w.store
+            .set_route_identity(route_identity::Model {
+                sandbox_id: row.id.clone(),
+                current_node_id: "node-a".into(),
+                execution_generation: 1,
+            })
+            .await
+            .unwrap();
+    }
+    // node-a suspends `idle` for idleness and publishes it unplaced; its route identity
+    // still names node-a.
+    assert!(
+        w.store
+            .publish(&idle.id, 1, "suspended", None)
+            .await
+            .unwrap()
+    );
+
+    let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
+        .await
+        .unwrap();
+    let resolve = |id: &str| {
+        authed(
+            rpb::ResolveRouteRequest {
+                sandbox_id: id.into(),
+                session_id: "session-1".into(),
+            },
+            TOKEN,
+        )
+    };
+
+    for unplaced in [&kubernetes, &idle] {
+        let err = api.resolve_route(resolve(&unplaced.id)).await.unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::FailedPrecondition,
+            "{}",
+            unplaced.substrate
+        );
+        let info = error_info(&err).unwrap();
+        assert_eq!(info.reason, ErrorReason::NotPlaced.as_str_name());
+        let wake = w
+            .store
+            .open_wake(&unplaced.id)
+            .await
+            .unwrap()
+            .expect("a wake is queued");
+        assert_eq!(info.metadata["wake_id"], wake.id);
+        // Asking again reuses the one pending wake.
+        let again = api.resolve_route(resolve(&unplaced.id)).await.unwrap_err();
+        assert_eq!(error_info(&again).unwrap().metadata["wake_id"], wake.id);
+        let shown = api
+            .get_sandbox(authed(
+                rpb::GetSandboxRequest {
+                    sandbox_id: unplaced.id.clone(),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .sandbox
+            .unwrap();
+        assert!(
+            shown.route_identity.is_none(),
+            "placement reads share the rule"
+        );
+        assert_eq!(shown.pending_wake.unwrap().id, wake.id);
+    }
+
+    let route = api
+        .resolve_route(resolve(&placed.id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (route.node_id.as_str(), route.endpoint.as_str()),
+        ("node-a", "127.0.0.1:7443")
+    );
+    let claims = route_token::verify(
+        TOKEN.as_bytes(),
+        &route.route_token,
+        w.clock.now().timestamp(),
+    )
+    .expect("a valid route token");
+    assert_eq!(
+        (claims.sandbox_id, claims.node_id),
+        (placed.id.clone(), "node-a".to_owned())
+    );
+    assert!(
+        w.store.open_wake(&placed.id).await.unwrap().is_none(),
+        "no wake for a placed row"
+    );
+}
