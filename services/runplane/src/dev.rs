@@ -43,6 +43,8 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     config.run_store.endpoint = endpoint.clone();
     config.sandbox_reconciler.database_url = sqlite("sandbox-reconciler.sqlite");
     config.sandbox_reconciler.endpoint = endpoint.clone();
+    config.sandbox_reconciler.state_dir = data_dir.join("sandboxes").display().to_string();
+    config.sandbox_reconciler.tick_interval_ms = 500;
     config.stream_recovery.endpoint = endpoint.clone();
     config.credential_health.database_url = sqlite("credential-health.sqlite");
     config.credential_health.endpoint = endpoint;

@@ -4,6 +4,7 @@ mod cli;
 mod dev;
 mod policies;
 mod receipt;
+mod run;
 mod runner;
 mod serve;
 

@@ -87,10 +87,14 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
             .register(&mut services);
     }
     if selection.sandbox_reconciler {
-        SandboxReconciler::open(config, runplane_clock::SystemClock::shared())
+        let reconciler = SandboxReconciler::open(config, runplane_clock::SystemClock::shared())
             .await
-            .context("starting the sandbox reconciler")?
-            .register(&mut services);
+            .context("starting the sandbox reconciler")?;
+        reconciler.register(&mut services);
+        // Until node agents exist, the reconciler runs sandboxes on its own machine.
+        let binary =
+            std::env::current_exe().context("locating the runplane binary for sandboxes")?;
+        reconciler.spawn_local(binary, std::future::pending())?;
     }
     if selection.stream_recovery {
         StreamRecovery::new().register(&mut services);

@@ -29,6 +29,11 @@ pub use error::ReconcilerError;
 #[derive(Debug, Clone)]
 pub struct SandboxReconciler {
     shared: Arc<grpc::Shared>,
+    settings: reconcile::ReconcileSettings,
+    operator_token: runplane_config::Secret,
+    run_store_endpoint: String,
+    tick_interval: Duration,
+    state_dir: std::path::PathBuf,
 }
 
 impl SandboxReconciler {
@@ -56,7 +61,51 @@ impl SandboxReconciler {
                     config.sandbox_reconciler.route_token_ttl_seconds.into(),
                 ),
             }),
+            settings: reconcile::ReconcileSettings {
+                loss_grace: Duration::from_secs(
+                    config.sandbox_reconciler.loss_grace_seconds.into(),
+                ),
+                ..reconcile::ReconcileSettings::default()
+            },
+            operator_token: token.clone(),
+            run_store_endpoint: config.run_store.endpoint.clone(),
+            tick_interval: Duration::from_millis(config.sandbox_reconciler.tick_interval_ms.into()),
+            state_dir: config.sandbox_reconciler.state_dir.clone().into(),
         })
+    }
+
+    /// Starts dispatch, the reconcile tick and outbox delivery in the background, running
+    /// sandboxes on this machine with the process driver, until `shutdown`.
+    pub fn spawn_local(
+        &self,
+        runplane_binary: std::path::PathBuf,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<tokio::task::JoinHandle<()>, ReconcilerError> {
+        let driver = Arc::new(drivers::ProcessDriver::new(
+            &self.state_dir,
+            runplane_binary,
+        ));
+        let reconciler =
+            reconcile::Reconciler::new(self.shared.store.clone(), driver, self.settings.clone());
+        let channel =
+            runplane_grpc::client::connect_lazy(&self.run_store_endpoint).map_err(|e| {
+                ReconcilerError::InvalidField {
+                    field: "run_store.endpoint",
+                    reason: e.to_string(),
+                }
+            })?;
+        let client =
+            runplane_proto::runstore::v1::run_service_client::RunServiceClient::with_interceptor(
+                channel,
+                reconcile::ServiceToken(self.operator_token.clone()),
+            );
+        Ok(tokio::spawn(reconcile::run_loop(
+            reconciler,
+            client,
+            self.run_store_endpoint.clone(),
+            self.tick_interval,
+            shutdown,
+        )))
     }
 
     pub fn store(&self) -> &store::Store {

@@ -17,7 +17,7 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::domain::loss::{Decision, Probe, decide};
-use crate::drivers::Driver;
+use crate::drivers::{Driver, Launch};
 use crate::error::ReconcilerError;
 use crate::store::Store;
 use crate::store::entities::{outbox, sandbox};
@@ -264,4 +264,137 @@ pub async fn deliver_outbox(
         }
     }
     Ok(delivered)
+}
+
+/// Where the reconciler runs sandboxes itself (single-machine mode and `runplane dev`):
+/// every sandbox is direct, placed on this node.
+pub const LOCAL_NODE: &str = "local";
+
+/// Gives queued runs a sandbox and starts sandboxes that were decided but not started.
+///
+/// The run key is asked of the run store per sandbox generation (a replay before the
+/// runner's Hello rotates the never-used secret), handed to the driver for the runner's
+/// environment, and dropped: it is never stored here.
+pub async fn dispatch(
+    store: &Store,
+    driver: &dyn Driver,
+    run_store: &RunStoreClient,
+    runner_endpoint: &str,
+) -> Result<u64, ReconcilerError> {
+    use runplane_grpc::{ErrorReason, error_info};
+
+    let queued = run_store
+        .clone()
+        .list_runs(pb::ListRunsRequest {
+            states: vec![pb::RunState::Queued as i32],
+            page_size: 100,
+            ..Default::default()
+        })
+        .await;
+    if let Ok(queued) = queued {
+        for run in queued.into_inner().runs {
+            let now = store.now_us();
+            store
+                .insert_sandbox(sandbox::Model {
+                    id: uuid::Uuid::new_v4().to_string(),
+                    client_request_id: format!("dispatch:{}", run.id),
+                    run_id: run.id.clone(),
+                    org_id: run.org_id.clone(),
+                    substrate: "direct".into(),
+                    status: "creating".into(),
+                    active_node_id: Some(LOCAL_NODE.into()),
+                    execution_generation: 1,
+                    loss_observed_at_us: None,
+                    idle_timeout_ms: 0,
+                    exit_code: None,
+                    driver_handle: String::new(),
+                    created_at_us: now,
+                    updated_at_us: now,
+                })
+                .await?;
+        }
+    }
+
+    let mut started = 0;
+    for row in store.creating(50).await? {
+        let issued = run_store
+            .clone()
+            .issue_run_key(pb::IssueRunKeyRequest {
+                run_id: row.run_id.clone(),
+                sandbox_id: row.id.clone(),
+                sandbox_generation: row.execution_generation as u64,
+                idempotency_key: format!("{}:{}", row.id, row.execution_generation),
+            })
+            .await;
+        let key = match issued {
+            Ok(answer) => Some(answer.into_inner().run_key),
+            Err(status) => {
+                let reason = error_info(&status).map(|i| i.reason).unwrap_or_default();
+                if reason == ErrorReason::RunTerminal.as_str_name() {
+                    store
+                        .mark_deleted(&row.id, row.execution_generation)
+                        .await?;
+                    continue;
+                }
+                if reason != ErrorReason::RunKeyClaimed.as_str_name() {
+                    tracing::warn!(sandbox_id = %row.id, code = ?status.code(), "run key not issued yet");
+                    continue;
+                }
+                // A runner of this generation already said Hello: adopt it, start nothing.
+                None
+            }
+        };
+        let launch = Launch {
+            endpoint: runner_endpoint.to_owned(),
+            run_id: row.run_id.clone(),
+            run_key: runplane_config::Secret::new(key.unwrap_or_default()),
+        };
+        match driver.create(&row, launch).await {
+            Ok(handle) => {
+                if store
+                    .mark_started(&row.id, row.execution_generation, &handle)
+                    .await?
+                {
+                    started += 1;
+                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, %handle, "sandbox started");
+                }
+            }
+            Err(e) => tracing::error!(sandbox_id = %row.id, error = %e, "sandbox not started"),
+        }
+    }
+    Ok(started)
+}
+
+/// The reconciler's background work: dispatch, a reconcile tick and outbox delivery,
+/// every `interval`, until `shutdown`.
+pub async fn run_loop(
+    reconciler: Reconciler,
+    run_store: RunStoreClient,
+    runner_endpoint: String,
+    interval: Duration,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+        if let Err(e) = dispatch(
+            &reconciler.store,
+            reconciler.driver.as_ref(),
+            &run_store,
+            &runner_endpoint,
+        )
+        .await
+        {
+            tracing::warn!(error = %e, "dispatch failed; next round retries");
+        }
+        if let Err(e) = reconciler.tick().await {
+            tracing::warn!(error = %e, "reconcile tick failed; next round retries");
+        }
+        if let Err(e) = deliver_outbox(&reconciler.store, &run_store, 100).await {
+            tracing::warn!(error = %e, "outbox delivery failed; next round retries");
+        }
+    }
 }

@@ -165,6 +165,10 @@ pub struct SandboxReconcilerConfig {
     pub route_token_key: Secret,
     /// Lifetime of a route token.
     pub route_token_ttl_seconds: u32,
+    /// Where the process driver keeps each local sandbox's pid, exit status and log.
+    pub state_dir: String,
+    /// How often dispatch, the reconcile tick and outbox delivery run, in milliseconds.
+    pub tick_interval_ms: u32,
 }
 
 impl Default for SandboxReconcilerConfig {
@@ -176,6 +180,8 @@ impl Default for SandboxReconcilerConfig {
             loss_grace_seconds: 90,
             route_token_key: Secret::default(),
             route_token_ttl_seconds: 60,
+            state_dir: ".runplane/sandboxes".to_owned(),
+            tick_interval_ms: 2000,
         }
     }
 }
@@ -305,6 +311,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "sandbox_reconciler.loss_grace_seconds",
                 "must be between 1 and 3600",
+            ));
+        }
+        if !(100..=600_000).contains(&self.sandbox_reconciler.tick_interval_ms) {
+            return Err(ConfigError::invalid(
+                "sandbox_reconciler.tick_interval_ms",
+                "must be between 100 and 600000",
             ));
         }
         if !(1..=3600).contains(&self.sandbox_reconciler.route_token_ttl_seconds) {

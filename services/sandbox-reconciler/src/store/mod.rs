@@ -296,6 +296,43 @@ impl Store {
         Ok(true)
     }
 
+    /// Sandboxes decided but not started yet, oldest first.
+    pub async fn creating(&self, limit: u64) -> Result<Vec<sandbox::Model>> {
+        Ok(sandbox::Entity::find()
+            .filter(sandbox::Column::Status.eq("creating"))
+            .order_by(sandbox::Column::CreatedAtUs, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    /// Records a started sandbox's handle: creating → started, compare-and-set on the
+    /// generation.
+    pub async fn mark_started(&self, id: &str, generation: i64, handle: &str) -> Result<bool> {
+        let done = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::Status, Expr::value("started"))
+            .col_expr(sandbox::Column::DriverHandle, Expr::value(handle))
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
+            .filter(sandbox::Column::Id.eq(id))
+            .filter(sandbox::Column::ExecutionGeneration.eq(generation))
+            .filter(sandbox::Column::Status.eq("creating"))
+            .exec(&self.db)
+            .await?;
+        Ok(done.rows_affected == 1)
+    }
+
+    /// Ends a sandbox that will never run (its run ended before it started).
+    pub async fn mark_deleted(&self, id: &str, generation: i64) -> Result<bool> {
+        let done = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::Status, Expr::value("deleted"))
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
+            .filter(sandbox::Column::Id.eq(id))
+            .filter(sandbox::Column::ExecutionGeneration.eq(generation))
+            .exec(&self.db)
+            .await?;
+        Ok(done.rows_affected == 1)
+    }
+
     /// Outbox rows due for delivery, oldest first.
     pub async fn due_outbox(&self, limit: u64) -> Result<Vec<outbox::Model>> {
         Ok(outbox::Entity::find()

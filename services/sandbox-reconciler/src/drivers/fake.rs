@@ -1,0 +1,63 @@
+//! A driver whose probes are a script.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+
+use super::{Driver, DriverError, Launch};
+use crate::domain::loss::Probe;
+use crate::store::entities::sandbox;
+
+type Script = dyn Fn(sandbox::Model) -> BoxFuture<'static, Probe> + Send + Sync;
+
+/// A test decides what each probe answers and what happens while it is in flight.
+/// Creating, suspending, resuming and destroying always succeed.
+#[derive(Clone)]
+pub struct FakeDriver {
+    script: Arc<Script>,
+}
+
+impl FakeDriver {
+    pub fn new(
+        script: impl Fn(sandbox::Model) -> BoxFuture<'static, Probe> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            script: Arc::new(script),
+        }
+    }
+
+    /// Every probe answers `probe` at once.
+    pub fn always(probe: Probe) -> Self {
+        Self::new(move |_| {
+            let probe = probe.clone();
+            Box::pin(async move { probe })
+        })
+    }
+}
+
+impl Driver for FakeDriver {
+    fn create(
+        &self,
+        sandbox: &sandbox::Model,
+        _: Launch,
+    ) -> BoxFuture<'static, Result<String, DriverError>> {
+        let handle = format!("fake:{}", sandbox.id);
+        Box::pin(async move { Ok(handle) })
+    }
+
+    fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe> {
+        (self.script)(sandbox.clone())
+    }
+
+    fn suspend(&self, _: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn resume(&self, _: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn destroy(&self, _: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+        Box::pin(async { Ok(()) })
+    }
+}

@@ -1,0 +1,48 @@
+//! Sandbox drivers behind one trait: `process` (local processes that outlive the
+//! control plane) and a fake whose probes tests script, including changing the database
+//! while a probe is in flight.
+
+pub mod fake;
+pub mod process;
+
+use futures::future::BoxFuture;
+use runplane_config::Secret;
+
+use crate::domain::loss::Probe;
+use crate::store::entities::sandbox;
+
+pub use fake::FakeDriver;
+pub use process::ProcessDriver;
+
+/// What a sandbox needs to start its runner. The key travels only here and into the
+/// runner's environment; it is never stored or logged.
+#[derive(Clone)]
+pub struct Launch {
+    pub endpoint: String,
+    pub run_id: String,
+    pub run_key: Secret,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    #[error("could not start the sandbox: {0}")]
+    Start(String),
+    #[error("could not signal the sandbox: {0}")]
+    Signal(String),
+}
+
+/// Starts, observes, suspends, resumes and destroys sandboxes.
+pub trait Driver: Send + Sync + 'static {
+    /// Starts `sandbox` (idempotently: a sandbox already running is adopted) and returns
+    /// the handle that finds it again.
+    fn create(
+        &self,
+        sandbox: &sandbox::Model,
+        launch: Launch,
+    ) -> BoxFuture<'static, Result<String, DriverError>>;
+    /// Probes one sandbox. May take a while; the tick holds no transaction or lock across it.
+    fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe>;
+    fn suspend(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
+    fn resume(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
+    fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
+}

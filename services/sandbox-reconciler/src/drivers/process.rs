@@ -1,0 +1,171 @@
+//! The `process` driver: a sandbox is a local `runplane runner` process.
+//!
+//! Each sandbox runs as `sh -c '<runplane> runner; echo $? > <dir>/exit' runplane-sandbox-<id>`
+//! in a process group of its own, so it outlives the control plane that started it: a
+//! restarted reconciler re-adopts it by pid (checking the pid still names this sandbox,
+//! since pids are reused) and learns its end from the exit file the shell writes. The
+//! reconciler never waits on a process it did not start in this life; the ones it did
+//! start are reaped by a waiter task.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use futures::future::BoxFuture;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+
+use super::{Driver, DriverError, Launch};
+use crate::domain::loss::Probe;
+use crate::store::entities::sandbox;
+
+#[derive(Debug, Clone)]
+pub struct ProcessDriver {
+    /// Where each sandbox keeps its pid, exit status and logs.
+    state_dir: PathBuf,
+    /// The `runplane` binary the runner runs from.
+    runplane: PathBuf,
+}
+
+/// The label a sandbox's shell carries as `$0`, by which its pid is recognised.
+fn label(sandbox_id: &str) -> String {
+    format!("runplane-sandbox-{sandbox_id}")
+}
+
+impl ProcessDriver {
+    pub fn new(state_dir: impl Into<PathBuf>, runplane: impl Into<PathBuf>) -> Self {
+        Self {
+            state_dir: state_dir.into(),
+            runplane: runplane.into(),
+        }
+    }
+
+    fn dir(&self, sandbox_id: &str) -> PathBuf {
+        self.state_dir.join(sandbox_id)
+    }
+
+    /// The pid in `handle` if that process is alive and still this sandbox's.
+    fn live_pid(handle: &str, sandbox_id: &str) -> Option<i32> {
+        let pid: i32 = handle.strip_prefix("pid:")?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Field 3, after the parenthesised command name: Z is a zombie, gone in all but name.
+        let state = stat.rsplit_once(')')?.1.split_whitespace().next()?;
+        if state == "Z" || state == "X" {
+            return None;
+        }
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        String::from_utf8_lossy(&cmdline)
+            .split('\0')
+            .any(|arg| arg == label(sandbox_id))
+            .then_some(pid)
+    }
+
+    fn exit_code(dir: &Path) -> Option<i32> {
+        std::fs::read_to_string(dir.join("exit"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    fn signal(sandbox: &sandbox::Model, signal: Signal) -> Result<(), DriverError> {
+        match Self::live_pid(&sandbox.driver_handle, &sandbox.id) {
+            Some(pid) => {
+                killpg(Pid::from_raw(pid), signal).map_err(|e| DriverError::Signal(e.to_string()))
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl Driver for ProcessDriver {
+    fn create(
+        &self,
+        sandbox: &sandbox::Model,
+        launch: Launch,
+    ) -> BoxFuture<'static, Result<String, DriverError>> {
+        let dir = self.dir(&sandbox.id);
+        let runplane = self.runplane.clone();
+        let id = sandbox.id.clone();
+        let existing = sandbox.driver_handle.clone();
+        Box::pin(async move {
+            // Idempotent: a sandbox whose process lives is adopted, not started twice.
+            if let Some(pid) = Self::live_pid(&existing, &id) {
+                return Ok(format!("pid:{pid}"));
+            }
+            if let Ok(pid) = std::fs::read_to_string(dir.join("pid")) {
+                let handle = format!("pid:{}", pid.trim());
+                if Self::live_pid(&handle, &id).is_some() {
+                    return Ok(handle);
+                }
+            }
+            std::fs::create_dir_all(&dir).map_err(|e| DriverError::Start(e.to_string()))?;
+            let log = std::fs::File::create(dir.join("runner.log"))
+                .map_err(|e| DriverError::Start(e.to_string()))?;
+            let log_err = log
+                .try_clone()
+                .map_err(|e| DriverError::Start(e.to_string()))?;
+            let mut child = tokio::process::Command::new("sh")
+                .arg("-c")
+                .arg(r#""$RUNPLANE_BIN" runner; echo $? > "$RUNPLANE_SANDBOX_DIR/exit""#)
+                .arg(label(&id))
+                .env("RUNPLANE_BIN", &runplane)
+                .env("RUNPLANE_SANDBOX_DIR", &dir)
+                .env("RUNPLANE_ENDPOINT", &launch.endpoint)
+                .env("RUNPLANE_RUN_ID", &launch.run_id)
+                .env("RUNPLANE_RUN_KEY", launch.run_key.expose())
+                .env_remove("RUNPLANE_CONFIG")
+                .stdin(Stdio::null())
+                .stdout(log)
+                .stderr(log_err)
+                .process_group(0)
+                .kill_on_drop(false)
+                .spawn()
+                .map_err(|e| DriverError::Start(e.to_string()))?;
+            let pid = child
+                .id()
+                .ok_or_else(|| DriverError::Start("the sandbox exited at once".into()))?;
+            std::fs::write(dir.join("pid"), pid.to_string())
+                .map_err(|e| DriverError::Start(e.to_string()))?;
+            // Reap it when it ends, while this process lives; after a restart init does.
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
+            Ok(format!("pid:{pid}"))
+        })
+    }
+
+    fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe> {
+        let dir = self.dir(&sandbox.id);
+        let handle = sandbox.driver_handle.clone();
+        let id = sandbox.id.clone();
+        Box::pin(async move {
+            if let Some(code) = Self::exit_code(&dir) {
+                return Probe::Exited(Some(code));
+            }
+            if Self::live_pid(&handle, &id).is_some() {
+                return Probe::Alive;
+            }
+            // Gone without an exit record: killed, or the machine restarted.
+            Probe::Lost
+        })
+    }
+
+    fn suspend(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+        let result = Self::signal(sandbox, Signal::SIGSTOP);
+        Box::pin(async move { result })
+    }
+
+    fn resume(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+        let result = Self::signal(sandbox, Signal::SIGCONT);
+        Box::pin(async move { result })
+    }
+
+    fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+        let sandbox = sandbox.clone();
+        Box::pin(async move {
+            Self::signal(&sandbox, Signal::SIGTERM)?;
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            Self::signal(&sandbox, Signal::SIGKILL)
+        })
+    }
+}
