@@ -15,6 +15,7 @@ pub const RECHECK: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct Changes {
     tx: broadcast::Sender<String>,
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 impl Default for Changes {
@@ -27,7 +28,18 @@ impl Changes {
     pub fn new() -> Self {
         Self {
             tx: broadcast::channel(1024).0,
+            closing: tokio::sync::watch::channel(false).0,
         }
+    }
+
+    /// The server is shutting down: every waiter returns now and does not wait again, so
+    /// long polls answer and watches end instead of holding the shutdown up.
+    pub fn close(&self) {
+        self.closing.send_replace(true);
+    }
+
+    pub fn is_closing(&self) -> bool {
+        *self.closing.borrow()
     }
 
     /// Wakes whoever waits on `run_id` in this process.
@@ -39,6 +51,7 @@ impl Changes {
     pub fn subscribe(&self) -> Subscription {
         Subscription {
             rx: self.tx.subscribe(),
+            closing: self.closing.subscribe(),
         }
     }
 }
@@ -46,25 +59,36 @@ impl Changes {
 #[derive(Debug)]
 pub struct Subscription {
     rx: broadcast::Receiver<String>,
+    closing: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Subscription {
     /// Returns when `run_id` changed here, at the next re-check, or at `deadline`.
     pub async fn wait_for(&mut self, run_id: &str, deadline: Instant) {
+        if *self.closing.borrow() {
+            return;
+        }
         let until = deadline.min(Instant::now() + RECHECK);
+        let closing = &mut self.closing;
+        let rx = &mut self.rx;
         let _ = tokio::time::timeout_at(until, async {
-            loop {
-                match self.rx.recv().await {
-                    Ok(changed) if changed == run_id => return,
-                    Ok(_) => {}
-                    // Lagged: something may have been missed; re-read now.
-                    Err(broadcast::error::RecvError::Lagged(_)) => return,
-                    Err(broadcast::error::RecvError::Closed) => {
-                        std::future::pending::<()>().await;
-                    }
-                }
+            tokio::select! {
+                _ = closing.wait_for(|c| *c) => {}
+                () = next_change(rx, run_id) => {}
             }
         })
         .await;
+    }
+}
+
+async fn next_change(rx: &mut broadcast::Receiver<String>, run_id: &str) {
+    loop {
+        match rx.recv().await {
+            Ok(changed) if changed == run_id => return,
+            Ok(_) => {}
+            // Lagged: something may have been missed; re-read now.
+            Err(broadcast::error::RecvError::Lagged(_)) => return,
+            Err(broadcast::error::RecvError::Closed) => std::future::pending::<()>().await,
+        }
     }
 }

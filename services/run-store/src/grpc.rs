@@ -194,6 +194,7 @@ impl RunnerService for RunnerApi {
             if !pending.is_empty()
                 || state::is_terminal(&run.state)
                 || tokio::time::Instant::now() >= deadline
+                || s.changes.is_closing()
             {
                 return Ok(Response::new(pb::PollSteeringResponse {
                     messages: pending.iter().map(convert::message).collect(),
@@ -856,6 +857,12 @@ async fn watch(
         if state::is_terminal(&run.state) && (req.states_only || cursor >= run.last_sequence as u64)
         {
             return Ok(());
+        }
+        if s.changes.is_closing() {
+            // Shutting down: end the stream; the watcher resumes from its last sequence.
+            return Err(Status::unavailable(
+                "the run store is shutting down; resume the watch from the last sequence",
+            ));
         }
         changes
             .wait_for(

@@ -77,6 +77,16 @@ impl RunStore {
     /// Adds the run store's gRPC services to `services`.
     pub fn register(&self, services: &mut ServiceSet) {
         let (runner, run) = self.services();
-        services.add(runner).add(run);
+        let store = self.clone();
+        services
+            .add(runner)
+            .add(run)
+            .on_shutdown(move || store.begin_shutdown());
+    }
+
+    /// Ends long polls and watches now instead of letting them hold the shutdown up:
+    /// polls answer with what is pending, watches end so their clients resume elsewhere.
+    pub fn begin_shutdown(&self) {
+        self.shared.changes.close();
     }
 }

@@ -54,6 +54,7 @@ suite!(
     list_runs_filters_and_pages,
     an_interrupt_on_a_queued_run_cancels_it,
     mark_backend_error_is_durable_from_running_and_from_done,
+    shutdown_answers_long_polls_instead_of_cutting_them,
 );
 
 async fn append(
@@ -1060,4 +1061,29 @@ async fn mark_backend_error_is_durable_from_running_and_from_done(h: Harness) {
         .unwrap()
         .into_inner();
     assert_eq!(listed.runs.len(), 2);
+}
+
+async fn shutdown_answers_long_polls_instead_of_cutting_them(mut h: Harness) {
+    let (run_id, key) = h.running_run("shutdown-poll").await;
+    let mut runner = h.runner(&key).await;
+    let poller = tokio::spawn(async move {
+        runner
+            .poll_steering(pb::PollSteeringRequest {
+                run_id,
+                acks: vec![],
+                wait: Some(prost_types::Duration {
+                    seconds: 25,
+                    nanos: 0,
+                }),
+                max_messages: 0,
+            })
+            .await
+    });
+    // Let the poll reach its wait, then begin the shutdown (1 s grace in this harness).
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // The poll is answered at once, so the shutdown drains instead of waiting out the grace.
+    assert_eq!(h.shut_down().await, runplane_grpc::Stopped::Drained);
+    let answer = poller.await.unwrap();
+    let answer = answer.expect("the long poll is answered, not cut");
+    assert!(answer.into_inner().messages.is_empty());
 }

@@ -114,7 +114,8 @@ pub async fn run_until(
     config: &Config,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    runplane_grpc::serve(listener, services, shutdown, config.shutdown_grace()).await?;
-    tracing::info!("stopped");
+    let stopped =
+        runplane_grpc::serve(listener, services, shutdown, config.shutdown_grace()).await?;
+    tracing::info!(?stopped, "stopped");
     Ok(())
 }

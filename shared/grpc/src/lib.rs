@@ -13,7 +13,7 @@ pub mod server;
 pub mod trace_context;
 
 pub use error::{ErrorReason, error_info, status_with_reason};
-pub use server::{ServiceSet, serve};
+pub use server::{ServiceSet, Stopped, serve};
 
 /// Resolves on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
 ///

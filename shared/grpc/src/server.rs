@@ -29,6 +29,7 @@ pub enum ServeError {
 pub struct ServiceSet {
     routes: RoutesBuilder,
     names: Vec<&'static str>,
+    on_shutdown: Vec<Box<dyn FnOnce() + Send>>,
 }
 
 impl ServiceSet {
@@ -52,10 +53,26 @@ impl ServiceSet {
         self
     }
 
+    /// Runs `hook` as soon as shutdown begins, before in-flight calls get their grace: a
+    /// service ends its long polls and streams there so clients move on at once.
+    pub fn on_shutdown(&mut self, hook: impl FnOnce() + Send + 'static) -> &mut Self {
+        self.on_shutdown.push(Box::new(hook));
+        self
+    }
+
     /// Full names of the services added so far.
     pub fn names(&self) -> &[&'static str] {
         &self.names
     }
+}
+
+/// How a shutdown went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Every in-flight call finished within the grace (or the server stopped on its own).
+    Drained,
+    /// Calls were still running when the grace ran out; they were dropped.
+    GraceExpired,
 }
 
 /// Serves `services` on `listener` until `shutdown` resolves.
@@ -68,8 +85,12 @@ pub async fn serve(
     services: ServiceSet,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
-) -> Result<(), ServeError> {
-    let ServiceSet { mut routes, names } = services;
+) -> Result<Stopped, ServeError> {
+    let ServiceSet {
+        mut routes,
+        names,
+        on_shutdown,
+    } = services;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;
@@ -129,6 +150,9 @@ pub async fn serve(
             .set_service_status(*name, ServingStatus::NotServing)
             .await;
     }
+    for hook in on_shutdown {
+        hook();
+    }
     let _ = stop_tx.send(());
     match tokio::time::timeout(grace, &mut server).await {
         Ok(finished) => flatten(finished),
@@ -138,16 +162,16 @@ pub async fn serve(
                 "in-flight calls outlived the shutdown grace; dropping them"
             );
             server.abort();
-            Ok(())
+            Ok(Stopped::GraceExpired)
         }
     }
 }
 
 fn flatten(
     joined: Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>,
-) -> Result<(), ServeError> {
+) -> Result<Stopped, ServeError> {
     match joined {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(())) => Ok(Stopped::Drained),
         Ok(Err(e)) => Err(ServeError::Transport(e.to_string())),
         Err(e) => Err(ServeError::Transport(e.to_string())),
     }

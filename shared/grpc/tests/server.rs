@@ -22,7 +22,8 @@ mod tokio_stream_shim {
 struct Running {
     addr: String,
     stop: Option<oneshot::Sender<()>>,
-    done: tokio::task::JoinHandle<Result<(), runplane_grpc::server::ServeError>>,
+    done:
+        tokio::task::JoinHandle<Result<runplane_grpc::Stopped, runplane_grpc::server::ServeError>>,
 }
 
 async fn start(services: ServiceSet, grace: Duration) -> Running {

@@ -59,6 +59,9 @@ pub struct Harness {
     pub store: RunStore,
     cuts: Cuts,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
+    served: Option<
+        tokio::task::JoinHandle<Result<runplane_grpc::Stopped, runplane_grpc::server::ServeError>>,
+    >,
     _backend: Backend,
 }
 
@@ -116,10 +119,12 @@ impl Harness {
                 inner: run,
                 cuts: cuts.clone(),
             });
+        let closing = store.clone();
+        services.on_shutdown(move || closing.begin_shutdown());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(runplane_grpc::serve(
+        let served = tokio::spawn(runplane_grpc::serve(
             listener,
             services,
             async {
@@ -132,8 +137,19 @@ impl Harness {
             store,
             cuts,
             stop: Some(stop),
+            served: Some(served),
             _backend: backend,
         }
+    }
+
+    /// Shuts the server down (as SIGTERM would) and waits until `serve` returned: once
+    /// in-flight calls finished, or when the 1 s grace ran out.
+    pub async fn shut_down(&mut self) -> runplane_grpc::Stopped {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let served = self.served.take().expect("not shut down yet");
+        served.await.unwrap().unwrap()
     }
 
     /// The next `n` responses of `method` (e.g. "AppendEvents") are cut after the handler
