@@ -106,9 +106,14 @@ pub async fn start_dev(data_dir: &Path) -> Process {
 
 /// [`start_dev`] with extra environment variables.
 pub async fn start_dev_with_env(data_dir: &Path, env: &[(&str, &str)]) -> Process {
+    start_dev_on(data_dir, "127.0.0.1:0", env).await
+}
+
+/// `runplane dev` on `listen` (a fixed address lets a restart keep its clients).
+pub async fn start_dev_on(data_dir: &Path, listen: &str, env: &[(&str, &str)]) -> Process {
     let mut command = Command::new(runplane_bin());
     command
-        .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
+        .args(["dev", "--listen", listen, "--data-dir"])
         .arg(data_dir)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("RUNPLANE_CONFIG");

@@ -1,0 +1,87 @@
+//! `runplane run` against `runplane dev`: output live, the verdict, and a run that
+//! survives a restart of the whole control plane (its sandbox is re-adopted).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use runplane_integration_tests::{runplane_bin, start_dev_on};
+use runplane_testkit::free_local_addr;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+fn run_cli(addr: &str, data: &std::path::Path, script: &str) -> tokio::process::Child {
+    Command::new(runplane_bin())
+        .args(["run", "--endpoint", &format!("http://{addr}"), "--token-file"])
+        .arg(data.join("operator-token"))
+        .args(["--", "sh", "-c", script])
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start runplane run")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_prints_live_survives_a_dev_restart_and_ends_succeeded() {
+    let data = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let mut dev = start_dev_on(data.path(), &addr, &[]).await;
+
+    let mut cli = run_cli(
+        &addr,
+        data.path(),
+        "for i in $(seq 1 50); do echo $i; sleep 0.1; done",
+    );
+    let mut out = BufReader::new(cli.stdout.take().unwrap()).lines();
+    let mut lines = Vec::new();
+    // Lines arrive while the run is going, not at its end.
+    while lines.len() < 10 {
+        let line = tokio::time::timeout(Duration::from_secs(30), out.next_line())
+            .await
+            .expect("output arrives live")
+            .unwrap()
+            .expect("more output");
+        lines.push(line);
+    }
+
+    // Restart the whole control plane under the running agent.
+    assert!(dev.terminate().await.success());
+    let _dev = start_dev_on(data.path(), &addr, &[]).await;
+
+    while let Some(line) = tokio::time::timeout(Duration::from_secs(60), out.next_line())
+        .await
+        .expect("the run keeps printing after the restart")
+        .unwrap()
+    {
+        lines.push(line);
+    }
+    let status = cli.wait().await.unwrap();
+    let mut err = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut cli.stderr.take().unwrap(), &mut err)
+        .await
+        .unwrap();
+    assert!(status.success(), "runplane run exit {status:?}: {err}");
+    let expected: Vec<String> = (1..=50).map(|i| i.to_string()).collect();
+    assert_eq!(lines, expected, "every line once, in order");
+    assert!(err.contains("succeeded (exit_zero, exit code 0)"), "{err}");
+    assert!(err.contains("receipt: 50 events"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_command_ends_with_its_exit_code() {
+    let data = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let _dev = start_dev_on(data.path(), &addr, &[]).await;
+    let cli = run_cli(&addr, data.path(), "echo broken >&2; exit 7");
+    let output = tokio::time::timeout(Duration::from_secs(60), cli.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(7));
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("broken"), "{err}");
+    assert!(err.contains("failed (exit_nonzero, exit code 7)"), "{err}");
+}
