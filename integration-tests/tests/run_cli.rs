@@ -11,7 +11,12 @@ use tokio::process::Command;
 
 fn run_cli(addr: &str, data: &std::path::Path, script: &str) -> tokio::process::Child {
     Command::new(runplane_bin())
-        .args(["run", "--endpoint", &format!("http://{addr}"), "--token-file"])
+        .args([
+            "run",
+            "--endpoint",
+            &format!("http://{addr}"),
+            "--token-file",
+        ])
         .arg(data.join("operator-token"))
         .args(["--", "sh", "-c", script])
         .env_remove("RUNPLANE_CONFIG")
