@@ -21,7 +21,6 @@ use runplane_config::Secret;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_transport::{RetryConfig, RetryLayer, RunnerChannel};
-use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 
 /// Environment variables the runner reads; the run key is never taken from argv.
@@ -67,28 +66,7 @@ impl RunnerEnv {
     }
 }
 
-/// Adds the run key as the bearer of every call.
-#[derive(Clone)]
-pub struct Bearer(Secret);
-
-impl Bearer {
-    pub fn new(run_key: Secret) -> Self {
-        Self(run_key)
-    }
-}
-
-impl Interceptor for Bearer {
-    fn call(
-        &mut self,
-        mut request: tonic::Request<()>,
-    ) -> Result<tonic::Request<()>, tonic::Status> {
-        let value = format!("Bearer {}", self.0.expose()).parse().map_err(|_| {
-            tonic::Status::unauthenticated("the run key is not a valid header value")
-        })?;
-        request.metadata_mut().insert("authorization", value);
-        Ok(request)
-    }
-}
+pub use runplane_grpc::client::Bearer;
 
 /// The run store client every runner call goes through.
 pub type Client = RunnerServiceClient<InterceptedService<RunnerChannel, Bearer>>;
@@ -108,7 +86,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
     let layer = RetryLayer::new(retry);
     let channel = runplane_transport::connect_lazy(&env.endpoint, &layer)?;
     let client: Client =
-        RunnerServiceClient::with_interceptor(channel, Bearer(env.run_key.clone()))
+        RunnerServiceClient::with_interceptor(channel, Bearer::new(env.run_key.expose()))
             .max_decoding_message_size(16 << 20);
     let redactor = Arc::new(redact::Redactor::new(env.run_key.expose()));
 

@@ -75,7 +75,7 @@ pub async fn poll(
         if let Some((from, failed_polls)) = degraded.take() {
             let _ = events.send(degraded_event(from, failed_polls)).await;
         }
-        if is_terminal(answer.run_state()) {
+        if answer.run_state().is_terminal() {
             return;
         }
 
@@ -166,16 +166,6 @@ fn ack(id: &str, outcome: pb::AckOutcome, attempts: u32, error: &str) -> pb::Ste
         attempts,
         error,
     }
-}
-
-fn is_terminal(state: pb::RunState) -> bool {
-    matches!(
-        state,
-        pb::RunState::Succeeded
-            | pb::RunState::Failed
-            | pb::RunState::Cancelled
-            | pb::RunState::BackendError
-    )
 }
 
 /// Equal jitter: at least half the step, so backing off always slows the loop.

@@ -111,7 +111,7 @@ async fn a_drain_that_fails_for_good_releases_the_pipes_and_reports_the_loss() {
     });
     let client = RunnerServiceClient::with_interceptor(
         runplane_transport::connect_lazy(&endpoint, &layer).unwrap(),
-        Bearer::new(Secret::new(key)),
+        Bearer::new(key),
     );
     let (tx, rx) = events::channel();
     let drain = tokio::spawn(events::drain(

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use runplane_config::Config;
+use runplane_grpc::client::Bearer;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_transport::{RetryConfig, RetryLayer};
-use tonic::service::Interceptor;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -34,22 +34,6 @@ pub struct RunArgs {
     /// The agent command and its arguments.
     #[arg(required = true, last = true, value_name = "CMD")]
     command: Vec<String>,
-}
-
-#[derive(Clone)]
-struct Bearer(String);
-
-impl Interceptor for Bearer {
-    fn call(
-        &mut self,
-        mut request: tonic::Request<()>,
-    ) -> Result<tonic::Request<()>, tonic::Status> {
-        let value = format!("Bearer {}", self.0)
-            .parse()
-            .map_err(|_| tonic::Status::unauthenticated("the token is not a valid header value"))?;
-        request.metadata_mut().insert("authorization", value);
-        Ok(request)
-    }
 }
 
 fn token(file: &Path, config: &Config) -> anyhow::Result<String> {
@@ -81,7 +65,7 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
     // The CLI rides out a control-plane restart like the runner does.
     let layer = RetryLayer::new(RetryConfig::default());
     let channel = runplane_transport::connect_lazy(&endpoint, &layer)?;
-    let mut client = RunServiceClient::with_interceptor(channel, Bearer(token));
+    let mut client = RunServiceClient::with_interceptor(channel, Bearer::new(token));
 
     let (command, rest) = args
         .command
@@ -238,7 +222,7 @@ where
                 }
                 // The stream ends after the terminal snapshot and every event before it.
                 Ok(None) => {
-                    if let Some(run) = last_run.as_ref().filter(|r| is_terminal(r.state())) {
+                    if let Some(run) = last_run.as_ref().filter(|r| r.state().is_terminal()) {
                         return Ok(run.clone());
                     }
                     break;
@@ -252,14 +236,4 @@ where
             }
         }
     }
-}
-
-fn is_terminal(state: pb::RunState) -> bool {
-    matches!(
-        state,
-        pb::RunState::Succeeded
-            | pb::RunState::Failed
-            | pb::RunState::Cancelled
-            | pb::RunState::BackendError
-    )
 }

@@ -35,6 +35,18 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    /// The placement of a sandbox that has not ended (SANDBOX_ENDED otherwise).
+    async fn live_placement(&self, id: &str) -> Result<Placement, ReconcilerError> {
+        let p = self.store.placement(id).await?;
+        if placement::is_ended(&p.sandbox) {
+            return Err(ReconcilerError::SandboxEnded {
+                id: p.sandbox.id.clone(),
+                status: p.sandbox.status.clone(),
+            });
+        }
+        Ok(p)
+    }
+
     fn authenticate<T>(&self, request: &Request<T>) -> Result<(), ReconcilerError> {
         let token = request
             .metadata()
@@ -176,14 +188,7 @@ impl SandboxService for SandboxApi {
             }
             .into());
         }
-        let p = s.store.placement(&req.sandbox_id).await?;
-        if placement::is_ended(&p.sandbox) {
-            return Err(ReconcilerError::SandboxEnded {
-                id: p.sandbox.id.clone(),
-                status: p.sandbox.status.clone(),
-            }
-            .into());
-        }
+        let p = s.live_placement(&req.sandbox_id).await?;
         let Some(node_id) = placement::serving_node(&p.sandbox, p.route.as_ref()) else {
             let wake = s
                 .store
@@ -240,14 +245,7 @@ impl SandboxService for SandboxApi {
             }
             .into());
         }
-        let p = s.store.placement(&req.sandbox_id).await?;
-        if placement::is_ended(&p.sandbox) {
-            return Err(ReconcilerError::SandboxEnded {
-                id: p.sandbox.id.clone(),
-                status: p.sandbox.status.clone(),
-            }
-            .into());
-        }
+        let p = s.live_placement(&req.sandbox_id).await?;
         if placement::serving_node(&p.sandbox, p.route.as_ref()).is_some() {
             return Ok(Response::new(pb::RequestWakeResponse {
                 placed: true,

@@ -97,7 +97,7 @@ impl SandboxReconciler {
         let client =
             runplane_proto::runstore::v1::run_service_client::RunServiceClient::with_interceptor(
                 channel,
-                reconcile::ServiceToken(self.operator_token.clone()),
+                runplane_grpc::client::Bearer::new(self.operator_token.expose()),
             );
         Ok(tokio::spawn(reconcile::run_loop(
             reconciler,

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use prost::Message;
+use runplane_grpc::client::Bearer;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
-use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::domain::loss::{Decision, Probe, decide};
@@ -210,25 +210,9 @@ fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) 
     }
 }
 
-/// Adds the service token to every run-store call.
-#[derive(Clone)]
-pub struct ServiceToken(pub runplane_config::Secret);
-
-impl Interceptor for ServiceToken {
-    fn call(
-        &mut self,
-        mut request: tonic::Request<()>,
-    ) -> Result<tonic::Request<()>, tonic::Status> {
-        let value = format!("Bearer {}", self.0.expose()).parse().map_err(|_| {
-            tonic::Status::unauthenticated("the service token is not a valid header value")
-        })?;
-        request.metadata_mut().insert("authorization", value);
-        Ok(request)
-    }
-}
-
+/// The run store, called with the service token.
 pub type RunStoreClient =
-    RunServiceClient<InterceptedService<runplane_grpc::client::TracedChannel, ServiceToken>>;
+    RunServiceClient<InterceptedService<runplane_grpc::client::TracedChannel, Bearer>>;
 
 /// Delivers due outbox rows; each stays until the callee answers.
 pub async fn deliver_outbox(

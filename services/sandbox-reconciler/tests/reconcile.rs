@@ -21,7 +21,7 @@ use runplane_sandbox_reconciler::domain::loss::Probe;
 use runplane_sandbox_reconciler::domain::route_token;
 use runplane_sandbox_reconciler::drivers::FakeDriver;
 use runplane_sandbox_reconciler::reconcile::{
-    ReconcileSettings, Reconciler, RunStoreClient, ServiceToken, deliver_outbox,
+    ReconcileSettings, Reconciler, RunStoreClient, deliver_outbox,
 };
 use runplane_sandbox_reconciler::store::Store;
 use runplane_sandbox_reconciler::store::entities::{node, route_identity, sandbox};
@@ -155,7 +155,7 @@ impl World {
             runplane_grpc::client::connect(&self.run_store_endpoint)
                 .await
                 .unwrap(),
-            ServiceToken(Secret::new(TOKEN)),
+            runplane_grpc::client::Bearer::new(TOKEN),
         )
     }
 

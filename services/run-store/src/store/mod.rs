@@ -893,10 +893,8 @@ impl Store {
             .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
             .await?
         {
-            let outcome = pb::FailRunOutcome::try_from(i32::from_be_bytes(
-                answer[..4].try_into().unwrap_or_default(),
-            ))
-            .unwrap_or(pb::FailRunOutcome::Unspecified);
+            let outcome = pb::FailRunOutcome::try_from(stored_outcome(&answer))
+                .unwrap_or(pb::FailRunOutcome::Unspecified);
             txn.commit().await?;
             return Ok((outcome, run));
         }
@@ -973,10 +971,8 @@ impl Store {
             .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
             .await?
         {
-            let outcome = pb::MarkBackendErrorOutcome::try_from(i32::from_be_bytes(
-                answer[..4].try_into().unwrap_or_default(),
-            ))
-            .unwrap_or(pb::MarkBackendErrorOutcome::Unspecified);
+            let outcome = pb::MarkBackendErrorOutcome::try_from(stored_outcome(&answer))
+                .unwrap_or(pb::MarkBackendErrorOutcome::Unspecified);
             txn.commit().await?;
             return Ok((outcome, run));
         }
@@ -1173,6 +1169,15 @@ impl Store {
                 key_id: r.key_id,
             }))
     }
+}
+
+/// The outcome enum number a keyed answer was stored as (4 bytes, big-endian).
+fn stored_outcome(answer: &[u8]) -> i32 {
+    answer
+        .get(..4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(i32::from_be_bytes)
+        .unwrap_or_default()
 }
 
 fn same_request(existing: run::Model, digest: &str) -> Result<run::Model> {

@@ -21,7 +21,6 @@ use runplane_run_store::RunStore;
 use runplane_testkit::{TestDatabase, TestSqlite};
 use tonic::body::Body;
 use tonic::server::NamedService;
-use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tower_service::Service;
@@ -73,21 +72,7 @@ impl Drop for Harness {
     }
 }
 
-#[derive(Clone)]
-pub struct Bearer(pub String);
-
-impl Interceptor for Bearer {
-    fn call(
-        &mut self,
-        mut request: tonic::Request<()>,
-    ) -> Result<tonic::Request<()>, tonic::Status> {
-        request.metadata_mut().insert(
-            "authorization",
-            format!("Bearer {}", self.0).parse().expect("ascii token"),
-        );
-        Ok(request)
-    }
-}
+pub use runplane_grpc::client::Bearer;
 
 pub type RunClient = RunServiceClient<InterceptedService<Channel, Bearer>>;
 pub type RunnerClient = RunnerServiceClient<InterceptedService<Channel, Bearer>>;
@@ -171,11 +156,11 @@ impl Harness {
     }
 
     pub async fn operator_with(&self, token: &str) -> RunClient {
-        RunServiceClient::with_interceptor(self.channel().await, Bearer(token.to_owned()))
+        RunServiceClient::with_interceptor(self.channel().await, Bearer::new(token))
     }
 
     pub async fn runner(&self, key: &str) -> RunnerClient {
-        RunnerServiceClient::with_interceptor(self.channel().await, Bearer(key.to_owned()))
+        RunnerServiceClient::with_interceptor(self.channel().await, Bearer::new(key))
     }
 
     /// A queued run in org `acme`.
