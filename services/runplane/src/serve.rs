@@ -91,10 +91,10 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
             .await
             .context("starting the sandbox reconciler")?;
         reconciler.register(&mut services);
-        // Until node agents exist, the reconciler runs sandboxes on its own machine.
+        // Sandboxes go to registered node agents, or run here when none is ready.
         let binary =
             std::env::current_exe().context("locating the runplane binary for sandboxes")?;
-        reconciler.spawn_local(binary, std::future::pending())?;
+        reconciler.spawn_loop(binary, std::future::pending());
     }
     if selection.stream_recovery {
         StreamRecovery::new().register(&mut services);

@@ -77,6 +77,8 @@ async fn main() {
                 idle_timeout_ms: 0,
                 exit_code: None,
                 driver_handle: String::new(),
+                observation_seq: 0,
+                observed_status: String::new(),
                 created_at_us: now,
                 updated_at_us: now,
             })

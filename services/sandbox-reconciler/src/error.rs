@@ -25,6 +25,23 @@ pub enum ReconcilerError {
     },
     #[error("sandbox {id}'s node {node_id} is not registered")]
     NodeNotRegistered { id: String, node_id: String },
+    #[error("node {node_id} is not registered")]
+    NodeUnknown { node_id: String },
+    #[error("node {node_id} has registered again since (current epoch {epoch}); re-register")]
+    NodeEpochStale { node_id: String, epoch: i64 },
+    #[error("node {node_id} may not publish for sandbox {sandbox_id}: it is not placed there")]
+    NodeNotOwner { node_id: String, sandbox_id: String },
+    #[error("wake {wake_id} is settled or assigned elsewhere")]
+    WakeSettled { wake_id: String },
+    /// The run store's answer, passed on as it came (its reason included).
+    #[error("run store: {}", .0.message())]
+    Upstream(Status),
+}
+
+impl From<Status> for ReconcilerError {
+    fn from(status: Status) -> Self {
+        ReconcilerError::Upstream(status)
+    }
 }
 
 impl From<ReconcilerError> for Status {
@@ -32,6 +49,7 @@ impl From<ReconcilerError> for Status {
         use ReconcilerError as E;
         let message = error.to_string();
         let (code, reason, metadata): (Code, ErrorReason, Vec<(String, String)>) = match error {
+            E::Upstream(status) => return status,
             E::Database(_) | E::Storage(_) => {
                 tracing::error!(error = %message, "reconciler storage error");
                 return status_with_reason(
@@ -74,6 +92,32 @@ impl From<ReconcilerError> for Status {
                 Code::FailedPrecondition,
                 ErrorReason::NodeNotRegistered,
                 vec![("sandbox_id".into(), id), ("node_id".into(), node_id)],
+            ),
+            E::NodeUnknown { node_id } => (
+                Code::FailedPrecondition,
+                ErrorReason::NodeNotRegistered,
+                vec![("node_id".into(), node_id)],
+            ),
+            E::NodeEpochStale { node_id, .. } => (
+                Code::FailedPrecondition,
+                ErrorReason::NodeEpochStale,
+                vec![("node_id".into(), node_id)],
+            ),
+            E::NodeNotOwner {
+                node_id,
+                sandbox_id,
+            } => (
+                Code::PermissionDenied,
+                ErrorReason::NodeNotOwner,
+                vec![
+                    ("node_id".into(), node_id),
+                    ("sandbox_id".into(), sandbox_id),
+                ],
+            ),
+            E::WakeSettled { wake_id } => (
+                Code::FailedPrecondition,
+                ErrorReason::WakeSettled,
+                vec![("wake_id".into(), wake_id)],
             ),
         };
         status_with_reason(code, reason, message, metadata)

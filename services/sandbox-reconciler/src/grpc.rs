@@ -13,7 +13,8 @@ use tonic::{Request, Response, Status};
 use crate::domain::placement;
 use crate::domain::route_token::{self, RouteClaims};
 use crate::error::ReconcilerError;
-use crate::store::entities::{sandbox, wake};
+use crate::store::entities::{node, sandbox, wake};
+use crate::store::nodes::{Assigned, Observation};
 use crate::store::{Placement, Store};
 
 /// How soon a client told NOT_PLACED should try again.
@@ -22,6 +23,10 @@ pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// What the services share.
 pub struct Shared {
     pub store: Store,
+    /// The run store, for the run keys node agents claim.
+    pub run_store: crate::reconcile::RunStoreClient,
+    pub run_store_endpoint: String,
+    pub recovery_endpoint: String,
     /// SHA-256 of the service/operator token.
     pub token_hash: Option<[u8; 32]>,
     pub route_key: Vec<u8>,
@@ -70,10 +75,332 @@ pub struct SandboxApi {
     pub shared: Arc<Shared>,
 }
 
+/// `runplane.reconciler.v1.NodeService`: node agents register, heartbeat, take their
+/// assignments and publish what they observe.
 #[derive(Debug, Clone)]
-pub struct NodeApi;
+pub struct NodeApi {
+    pub shared: Arc<Shared>,
+}
 
-impl NodeService for NodeApi {}
+/// How often nodes are asked to heartbeat.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+
+fn node_of(n: &node::Model) -> pb::Node {
+    pb::Node {
+        id: n.id.clone(),
+        endpoint: n.endpoint.clone(),
+        capacity: n.capacity as u32,
+        used: n.used as u32,
+        labels: Default::default(),
+        epoch: n.epoch as u64,
+        state: pb::NodeState::Ready as i32,
+        registered_at: Some(timestamp(n.registered_at_us)),
+        last_heartbeat_at: Some(timestamp(n.last_heartbeat_us)),
+    }
+}
+
+fn node_name(field: &'static str, value: &str) -> Result<(), ReconcilerError> {
+    if value.is_empty()
+        || value.len() > 128
+        || !value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+    {
+        return Err(ReconcilerError::InvalidField {
+            field,
+            reason: "1 to 128 bytes of letters, digits, '.', '_', ':' and '-'".into(),
+        });
+    }
+    Ok(())
+}
+
+fn assignment_of(a: &Assigned) -> pb::Assignment {
+    let (row, intent, wake) = match a {
+        Assigned::Run(row) => (row, pb::AssignmentIntent::Run, None),
+        Assigned::Restore(row, wake) => (row, pb::AssignmentIntent::Restore, Some(wake)),
+    };
+    pb::Assignment {
+        sandbox_id: row.id.clone(),
+        run_id: row.run_id.clone(),
+        intent: intent as i32,
+        execution_generation: row.execution_generation as u64,
+        wake_id: wake.map(|w| w.id.clone()).unwrap_or_default(),
+        wake_attempt: wake.map(|w| w.attempts as u32).unwrap_or_default(),
+        idle_timeout: Some(prost_types::Duration {
+            seconds: row.idle_timeout_ms / 1000,
+            nanos: ((row.idle_timeout_ms % 1000) * 1_000_000) as i32,
+        }),
+    }
+}
+
+/// A revision that changes whenever the assignment list does.
+fn revision(assignments: &[pb::Assignment]) -> u64 {
+    let mut h = Sha256::new();
+    for a in assignments {
+        h.update(a.sandbox_id.as_bytes());
+        h.update(a.intent.to_be_bytes());
+        h.update(a.execution_generation.to_be_bytes());
+        h.update(a.wake_id.as_bytes());
+        h.update(a.wake_attempt.to_be_bytes());
+    }
+    u64::from_be_bytes(h.finalize()[..8].try_into().expect("8 bytes")).max(1)
+}
+
+#[tonic::async_trait]
+impl NodeService for NodeApi {
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
+    async fn register_node(
+        &self,
+        request: Request<pb::RegisterNodeRequest>,
+    ) -> Result<Response<pb::RegisterNodeResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        if !(16..=128).contains(&req.boot_id.len()) {
+            return Err(ReconcilerError::InvalidField {
+                field: "boot_id",
+                reason: "must be 16 to 128 bytes".into(),
+            }
+            .into());
+        }
+        if req.endpoint.is_empty() || req.endpoint.len() > 256 {
+            return Err(ReconcilerError::InvalidField {
+                field: "endpoint",
+                reason: "must be 1 to 256 bytes".into(),
+            }
+            .into());
+        }
+        if !(1..=10_000).contains(&req.capacity) {
+            return Err(ReconcilerError::InvalidField {
+                field: "capacity",
+                reason: "must be 1 to 10000".into(),
+            }
+            .into());
+        }
+        let node = s
+            .store
+            .register_node(
+                &req.node_id,
+                &req.boot_id,
+                &req.endpoint,
+                req.capacity as i32,
+            )
+            .await?;
+        tracing::info!(epoch = node.epoch, endpoint = %node.endpoint, "node registered");
+        Ok(Response::new(pb::RegisterNodeResponse {
+            epoch: node.epoch as u64,
+            node: Some(node_of(&node)),
+            heartbeat_interval: Some(prost_types::Duration {
+                seconds: HEARTBEAT_EVERY.as_secs() as i64,
+                nanos: 0,
+            }),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        s.store
+            .heartbeat(
+                &req.node_id,
+                req.epoch as i64,
+                req.used.min(i32::MAX as u32) as i32,
+            )
+            .await?;
+        Ok(Response::new(pb::HeartbeatResponse {
+            next_heartbeat_in: Some(prost_types::Duration {
+                seconds: HEARTBEAT_EVERY.as_secs() as i64,
+                nanos: 0,
+            }),
+        }))
+    }
+
+    async fn list_assigned_sandboxes(
+        &self,
+        request: Request<pb::ListAssignedSandboxesRequest>,
+    ) -> Result<Response<pb::ListAssignedSandboxesResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        let wait = req
+            .wait
+            .as_ref()
+            .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32))
+            .unwrap_or_default()
+            .min(Duration::from_secs(30));
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            s.store
+                .node_at_epoch(&req.node_id, req.epoch as i64)
+                .await?;
+            let assignments: Vec<pb::Assignment> = s
+                .store
+                .assignments(&req.node_id)
+                .await?
+                .iter()
+                .map(assignment_of)
+                .collect();
+            let revision = revision(&assignments);
+            if revision != req.known_revision || tokio::time::Instant::now() >= deadline {
+                return Ok(Response::new(pb::ListAssignedSandboxesResponse {
+                    assignments,
+                    revision,
+                }));
+            }
+            tokio::time::sleep(
+                Duration::from_millis(250).min(deadline - tokio::time::Instant::now()),
+            )
+            .await;
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id, sandbox_id = %request.get_ref().sandbox_id))]
+    async fn claim_launch(
+        &self,
+        request: Request<pb::ClaimLaunchRequest>,
+    ) -> Result<Response<pb::ClaimLaunchResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        sandbox_id(&req.sandbox_id)?;
+        s.store
+            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .await?;
+        let row = s.store.sandbox(&req.sandbox_id).await?;
+        if row.active_node_id.as_deref() != Some(req.node_id.as_str())
+            || row.execution_generation as u64 != req.execution_generation
+        {
+            return Err(ReconcilerError::NodeNotOwner {
+                node_id: req.node_id.clone(),
+                sandbox_id: row.id,
+            }
+            .into());
+        }
+        // The run store dedupes on the same key the local dispatch uses for this
+        // generation, so a replay maps to the same key record.
+        let issued = s
+            .run_store
+            .clone()
+            .issue_run_key(runplane_proto::runstore::v1::IssueRunKeyRequest {
+                run_id: row.run_id.clone(),
+                sandbox_id: row.id.clone(),
+                sandbox_generation: row.execution_generation as u64,
+                idempotency_key: format!("{}:{}", row.id, row.execution_generation),
+            })
+            .await?
+            .into_inner();
+        Ok(Response::new(pb::ClaimLaunchResponse {
+            run_id: row.run_id,
+            run_key: issued.run_key,
+            key_id: issued.key_id,
+            run_store_endpoint: s.run_store_endpoint.clone(),
+            recovery_endpoint: s.recovery_endpoint.clone(),
+        }))
+    }
+
+    async fn publish_sandbox_state(
+        &self,
+        request: Request<pb::PublishSandboxStateRequest>,
+    ) -> Result<Response<pb::PublishSandboxStateResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        sandbox_id(&req.sandbox_id)?;
+        s.store
+            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .await?;
+        let status = match req.status() {
+            pb::SandboxStatus::Started => "started",
+            pb::SandboxStatus::Suspended => "suspended",
+            pb::SandboxStatus::Restoring => "restoring",
+            pb::SandboxStatus::Exited => "exited",
+            pb::SandboxStatus::Lost => "lost",
+            _ => {
+                return Err(ReconcilerError::InvalidField {
+                    field: "status",
+                    reason: "must be started, suspended, restoring, exited or lost".into(),
+                }
+                .into());
+            }
+        };
+        let (applied, row) = s
+            .store
+            .publish_observation(
+                &req.node_id,
+                &Observation {
+                    sandbox_id: &req.sandbox_id,
+                    generation: req.execution_generation as i64,
+                    seq: req.observation_seq.min(i64::MAX as u64) as i64,
+                    status,
+                    placed: req.placed,
+                    exit_code: req.exit_code,
+                },
+            )
+            .await?;
+        let placement = s.store.placement(&row.id).await?;
+        Ok(Response::new(pb::PublishSandboxStateResponse {
+            applied,
+            sandbox: Some(sandbox_of(&placement, None)),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id, wake_id = %request.get_ref().wake_id))]
+    async fn report_restored(
+        &self,
+        request: Request<pb::ReportRestoredRequest>,
+    ) -> Result<Response<pb::ReportRestoredResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        s.store
+            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .await?;
+        let row = s
+            .store
+            .report_restored(&req.node_id, &req.wake_id, req.wake_attempt as i32)
+            .await?;
+        tracing::info!(sandbox_id = %row.id, "wake restored; placement and route identity written");
+        let placement = s.store.placement(&row.id).await?;
+        Ok(Response::new(pb::ReportRestoredResponse {
+            sandbox: Some(sandbox_of(&placement, None)),
+        }))
+    }
+
+    async fn report_wake_failed(
+        &self,
+        request: Request<pb::ReportWakeFailedRequest>,
+    ) -> Result<Response<pb::ReportWakeFailedResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        s.store
+            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .await?;
+        let wake = s
+            .store
+            .report_wake_failed(
+                &req.node_id,
+                &req.wake_id,
+                req.wake_attempt as i32,
+                &req.error,
+            )
+            .await?;
+        Ok(Response::new(pb::ReportWakeFailedResponse {
+            wake: Some(wake_of(&wake)),
+        }))
+    }
+}
 
 fn sandbox_id(id: &str) -> Result<(), ReconcilerError> {
     if uuid::Uuid::parse_str(id).is_err() {

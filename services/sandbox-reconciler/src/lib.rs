@@ -30,7 +30,6 @@ pub use error::ReconcilerError;
 pub struct SandboxReconciler {
     shared: Arc<grpc::Shared>,
     settings: reconcile::ReconcileSettings,
-    operator_token: runplane_config::Secret,
     run_store_endpoint: String,
     tick_interval: Duration,
     state_dir: std::path::PathBuf,
@@ -51,9 +50,24 @@ impl SandboxReconciler {
             "" => token.expose().as_bytes().to_vec(),
             key => key.as_bytes().to_vec(),
         };
+        let channel =
+            runplane_grpc::client::connect_lazy(&config.run_store.endpoint).map_err(|e| {
+                ReconcilerError::InvalidField {
+                    field: "run_store.endpoint",
+                    reason: e.to_string(),
+                }
+            })?;
+        let run_store =
+            runplane_proto::runstore::v1::run_service_client::RunServiceClient::with_interceptor(
+                channel,
+                runplane_grpc::client::Bearer::new(token.expose()),
+            );
         Ok(Self {
             shared: Arc::new(grpc::Shared {
                 store: store::Store::new(db, clock),
+                run_store,
+                run_store_endpoint: config.run_store.endpoint.clone(),
+                recovery_endpoint: config.stream_recovery.endpoint.clone(),
                 token_hash: (!token.is_empty())
                     .then(|| Sha256::digest(token.expose().as_bytes()).into()),
                 route_key,
@@ -67,45 +81,31 @@ impl SandboxReconciler {
                 ),
                 ..reconcile::ReconcileSettings::default()
             },
-            operator_token: token.clone(),
             run_store_endpoint: config.run_store.endpoint.clone(),
             tick_interval: Duration::from_millis(config.sandbox_reconciler.tick_interval_ms.into()),
             state_dir: config.sandbox_reconciler.state_dir.clone().into(),
         })
     }
 
-    /// Starts dispatch, the reconcile tick and outbox delivery in the background, running
-    /// sandboxes on this machine with the process driver, until `shutdown`.
-    pub fn spawn_local(
+    /// Starts dispatch, wake assignment, the reconcile tick and outbox delivery in the
+    /// background until `shutdown`. Sandboxes go to registered node agents; with none
+    /// ready, the reconciler runs them on its own machine with the process driver.
+    pub fn spawn_loop(
         &self,
         runplane_binary: std::path::PathBuf,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Result<tokio::task::JoinHandle<()>, ReconcilerError> {
-        let driver = Arc::new(drivers::ProcessDriver::new(
-            &self.state_dir,
-            runplane_binary,
-        ));
-        let reconciler =
-            reconcile::Reconciler::new(self.shared.store.clone(), driver, self.settings.clone());
-        let channel =
-            runplane_grpc::client::connect_lazy(&self.run_store_endpoint).map_err(|e| {
-                ReconcilerError::InvalidField {
-                    field: "run_store.endpoint",
-                    reason: e.to_string(),
-                }
-            })?;
-        let client =
-            runplane_proto::runstore::v1::run_service_client::RunServiceClient::with_interceptor(
-                channel,
-                runplane_grpc::client::Bearer::new(self.operator_token.expose()),
-            );
-        Ok(tokio::spawn(reconcile::run_loop(
+    ) -> tokio::task::JoinHandle<()> {
+        let store = self.shared.store.clone();
+        let local = drivers::ProcessDriver::new(&self.state_dir, runplane_binary);
+        let driver = Arc::new(drivers::RoutedDriver::new(local, store.clone()));
+        let reconciler = reconcile::Reconciler::new(store, driver, self.settings.clone());
+        tokio::spawn(reconcile::run_loop(
             reconciler,
-            client,
+            self.shared.run_store.clone(),
             self.run_store_endpoint.clone(),
             self.tick_interval,
             shutdown,
-        )))
+        ))
     }
 
     pub fn store(&self) -> &store::Store {
@@ -118,6 +118,8 @@ impl SandboxReconciler {
             .add(SandboxServiceServer::new(grpc::SandboxApi {
                 shared: self.shared.clone(),
             }))
-            .add(NodeServiceServer::new(grpc::NodeApi));
+            .add(NodeServiceServer::new(grpc::NodeApi {
+                shared: self.shared.clone(),
+            }));
     }
 }

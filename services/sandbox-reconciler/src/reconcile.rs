@@ -276,9 +276,15 @@ pub async fn dispatch(
         })
         .await;
     if let Ok(queued) = queued {
-        for run in queued.into_inner().runs {
+        let silent_since = store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
+        let nodes = store.ready_nodes(silent_since).await?;
+        for (i, run) in queued.into_inner().runs.into_iter().enumerate() {
             let now = store.now_us();
-            store
+            // Spread over ready node agents; with none, run it here.
+            let node_id = nodes
+                .get(i % nodes.len().max(1))
+                .map_or_else(|| LOCAL_NODE.to_owned(), |n| n.id.clone());
+            let row = store
                 .insert_sandbox(sandbox::Model {
                     id: uuid::Uuid::new_v4().to_string(),
                     client_request_id: format!("dispatch:{}", run.id),
@@ -286,21 +292,42 @@ pub async fn dispatch(
                     org_id: run.org_id.clone(),
                     substrate: "direct".into(),
                     status: "creating".into(),
-                    active_node_id: Some(LOCAL_NODE.into()),
+                    active_node_id: Some(node_id.clone()),
                     execution_generation: 1,
                     loss_observed_at_us: None,
                     idle_timeout_ms: 0,
                     exit_code: None,
                     driver_handle: String::new(),
+                    observation_seq: 0,
+                    observed_status: String::new(),
                     created_at_us: now,
                     updated_at_us: now,
                 })
                 .await?;
+            if let Some(node) = row
+                .active_node_id
+                .as_ref()
+                .filter(|n| n.as_str() != LOCAL_NODE)
+            {
+                store
+                    .set_route_identity(crate::store::entities::route_identity::Model {
+                        sandbox_id: row.id.clone(),
+                        current_node_id: node.clone(),
+                        execution_generation: row.execution_generation,
+                    })
+                    .await?;
+            }
         }
     }
 
     let mut started = 0;
-    for row in store.creating(50).await? {
+    // Node agents launch their own sandboxes (ClaimLaunch); this launches the local ones.
+    for row in store
+        .creating(50)
+        .await?
+        .into_iter()
+        .filter(|r| r.active_node_id.as_deref() == Some(LOCAL_NODE))
+    {
         let issued = run_store
             .clone()
             .issue_run_key(pb::IssueRunKeyRequest {
@@ -373,6 +400,11 @@ pub async fn run_loop(
         .await
         {
             tracing::warn!(error = %e, "dispatch failed; next round retries");
+        }
+        let silent_since =
+            reconciler.store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
+        if let Err(e) = reconciler.store.assign_wakes(silent_since).await {
+            tracing::warn!(error = %e, "wake assignment failed; next round retries");
         }
         if let Err(e) = reconciler.tick().await {
             tracing::warn!(error = %e, "reconcile tick failed; next round retries");

@@ -237,6 +237,8 @@ impl World {
             idle_timeout_ms: 600_000,
             exit_code: None,
             driver_handle: String::new(),
+            observation_seq: 0,
+            observed_status: String::new(),
             created_at_us: now,
             updated_at_us: now,
         }
@@ -470,6 +472,10 @@ async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names() 
             endpoint: "127.0.0.1:7443".into(),
             capacity: 8,
             last_heartbeat_us: now,
+            boot_id: "boot-a".into(),
+            epoch: 1,
+            used: 0,
+            registered_at_us: now,
         })
         .await
         .unwrap();

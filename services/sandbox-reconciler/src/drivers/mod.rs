@@ -4,6 +4,7 @@
 
 pub mod fake;
 pub mod process;
+pub mod routed;
 
 use futures::future::BoxFuture;
 use runplane_config::Secret;
@@ -13,6 +14,7 @@ use crate::store::entities::sandbox;
 
 pub use fake::FakeDriver;
 pub use process::ProcessDriver;
+pub use routed::RoutedDriver;
 
 /// What a sandbox needs to start its runner. The key travels only here and into the
 /// runner's environment; it is never stored or logged.

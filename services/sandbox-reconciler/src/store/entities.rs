@@ -24,6 +24,11 @@ pub mod sandbox {
         pub exit_code: Option<i32>,
         /// What the driver needs to find the sandbox again (a pid for `process`).
         pub driver_handle: String,
+        /// The newest node observation applied; older ones are ignored.
+        pub observation_seq: i64,
+        /// What the node last reported (`started`, `suspended`, `exited`, …). An exit is
+        /// only an observation: the loss grace decides what it means for the run.
+        pub observed_status: String,
         pub created_at_us: i64,
         pub updated_at_us: i64,
     }
@@ -65,6 +70,13 @@ pub mod node {
         pub endpoint: String,
         pub capacity: i32,
         pub last_heartbeat_us: i64,
+        /// The agent process that registered; a new one bumps the epoch.
+        pub boot_id: String,
+        /// Fences calls from a previous boot of the node.
+        pub epoch: i64,
+        /// Sandbox slots in use, as the node last reported.
+        pub used: i32,
+        pub registered_at_us: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

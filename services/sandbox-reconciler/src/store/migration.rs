@@ -38,6 +38,8 @@ impl MigrationTrait for CreateReconciler {
                     .col(col("idle_timeout_ms").big_integer().not_null())
                     .col(col("exit_code").integer().null())
                     .col(col("driver_handle").text().not_null())
+                    .col(col("observation_seq").big_integer().not_null())
+                    .col(col("observed_status").text().not_null())
                     .col(col("created_at_us").big_integer().not_null())
                     .col(col("updated_at_us").big_integer().not_null())
                     .to_owned(),
@@ -70,6 +72,10 @@ impl MigrationTrait for CreateReconciler {
                     .col(col("endpoint").text().not_null())
                     .col(col("capacity").integer().not_null())
                     .col(col("last_heartbeat_us").big_integer().not_null())
+                    .col(col("boot_id").text().not_null())
+                    .col(col("epoch").big_integer().not_null())
+                    .col(col("used").integer().not_null())
+                    .col(col("registered_at_us").big_integer().not_null())
                     .to_owned(),
             )
             .await?;

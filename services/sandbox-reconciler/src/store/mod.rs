@@ -13,6 +13,7 @@
 
 pub mod entities;
 pub mod migration;
+pub mod nodes;
 
 use runplane_clock::SharedClock;
 use sea_orm::sea_query::{Expr, Order};
@@ -44,7 +45,7 @@ pub struct Placement {
 
 #[derive(Debug, Clone)]
 pub struct Store {
-    db: DatabaseConnection,
+    pub(crate) db: DatabaseConnection,
     clock: SharedClock,
 }
 

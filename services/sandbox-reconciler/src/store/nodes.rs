@@ -1,0 +1,342 @@
+//! What node agents write: registration, heartbeats, state publications, restores.
+
+use sea_orm::sea_query::Expr;
+use sea_orm::{
+    ActiveModelTrait, ColumnTrait, EntityTrait, IntoActiveModel, QueryFilter, QueryOrder,
+    TransactionTrait,
+};
+
+use super::Store;
+use super::entities::{node, route_identity, sandbox, wake};
+use crate::error::ReconcilerError;
+
+type Result<T> = std::result::Result<T, ReconcilerError>;
+
+/// What a node is asked to do with one sandbox.
+#[derive(Debug, Clone)]
+pub enum Assigned {
+    /// Run (or keep running) this sandbox generation.
+    Run(sandbox::Model),
+    /// Restore this unplaced sandbox: the wake and its attempt number.
+    Restore(sandbox::Model, wake::Model),
+}
+
+/// A node's observation of one sandbox.
+#[derive(Debug, Clone)]
+pub struct Observation<'a> {
+    pub sandbox_id: &'a str,
+    pub generation: i64,
+    pub seq: i64,
+    pub status: &'a str,
+    /// False for an idle suspend: the node gives up the placement.
+    pub placed: bool,
+    pub exit_code: Option<i32>,
+}
+
+/// How many failed restores before a wake gives up.
+pub const WAKE_ATTEMPTS: i32 = 3;
+
+impl Store {
+    /// Registers a node. The same boot again keeps its epoch; a new boot bumps it, which
+    /// fences every call the previous boot still makes.
+    pub async fn register_node(
+        &self,
+        id: &str,
+        boot_id: &str,
+        endpoint: &str,
+        capacity: i32,
+    ) -> Result<node::Model> {
+        let txn = self.db.begin().await?;
+        let now = self.now_us();
+        let node = match node::Entity::find_by_id(id.to_owned()).one(&txn).await? {
+            None => {
+                let row = node::Model {
+                    id: id.to_owned(),
+                    endpoint: endpoint.to_owned(),
+                    capacity,
+                    last_heartbeat_us: now,
+                    boot_id: boot_id.to_owned(),
+                    epoch: 1,
+                    used: 0,
+                    registered_at_us: now,
+                };
+                node::Entity::insert(row.clone().into_active_model())
+                    .exec_without_returning(&txn)
+                    .await?;
+                row
+            }
+            Some(existing) => {
+                let epoch = if existing.boot_id == boot_id {
+                    existing.epoch
+                } else {
+                    existing.epoch + 1
+                };
+                let mut active = existing.into_active_model();
+                active.endpoint = sea_orm::Set(endpoint.to_owned());
+                active.capacity = sea_orm::Set(capacity);
+                active.boot_id = sea_orm::Set(boot_id.to_owned());
+                active.epoch = sea_orm::Set(epoch);
+                active.last_heartbeat_us = sea_orm::Set(now);
+                active.update(&txn).await?
+            }
+        };
+        txn.commit().await?;
+        Ok(node)
+    }
+
+    /// The node, if `epoch` is its current one.
+    pub async fn node_at_epoch(&self, id: &str, epoch: i64) -> Result<node::Model> {
+        let node = node::Entity::find_by_id(id.to_owned())
+            .one(&self.db)
+            .await?
+            .ok_or_else(|| ReconcilerError::NodeUnknown {
+                node_id: id.to_owned(),
+            })?;
+        if node.epoch != epoch {
+            return Err(ReconcilerError::NodeEpochStale {
+                node_id: id.to_owned(),
+                epoch: node.epoch,
+            });
+        }
+        Ok(node)
+    }
+
+    pub async fn heartbeat(&self, id: &str, epoch: i64, used: i32) -> Result<()> {
+        let done = node::Entity::update_many()
+            .col_expr(node::Column::LastHeartbeatUs, Expr::value(self.now_us()))
+            .col_expr(node::Column::Used, Expr::value(used))
+            .filter(node::Column::Id.eq(id))
+            .filter(node::Column::Epoch.eq(epoch))
+            .exec(&self.db)
+            .await?;
+        if done.rows_affected == 0 {
+            self.node_at_epoch(id, epoch).await?;
+        }
+        Ok(())
+    }
+
+    /// Nodes that heartbeat since `since_us`, least used first.
+    pub async fn ready_nodes(&self, since_us: i64) -> Result<Vec<node::Model>> {
+        Ok(node::Entity::find()
+            .filter(node::Column::LastHeartbeatUs.gte(since_us))
+            .order_by_asc(node::Column::Used)
+            .order_by_asc(node::Column::Id)
+            .all(&self.db)
+            .await?)
+    }
+
+    /// What `node_id` should be doing.
+    pub async fn assignments(&self, node_id: &str) -> Result<Vec<Assigned>> {
+        let mut out: Vec<Assigned> = sandbox::Entity::find()
+            .filter(sandbox::Column::ActiveNodeId.eq(node_id))
+            .filter(sandbox::Column::Status.is_in(["creating", "started", "restoring"]))
+            .order_by_asc(sandbox::Column::Id)
+            .all(&self.db)
+            .await?
+            .into_iter()
+            .map(Assigned::Run)
+            .collect();
+        let wakes = wake::Entity::find()
+            .filter(wake::Column::NodeId.eq(node_id))
+            .filter(wake::Column::State.eq("assigned"))
+            .filter(wake::Column::SettledAtUs.is_null())
+            .all(&self.db)
+            .await?;
+        for w in wakes {
+            if let Some(s) = sandbox::Entity::find_by_id(w.sandbox_id.clone())
+                .one(&self.db)
+                .await?
+            {
+                out.push(Assigned::Restore(s, w));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Applies a node's observation. A node may publish only for rows placed on it, or
+    /// unplaced rows whose route identity names it at the same generation (its own idle
+    /// suspend). Older observations (by sequence) and other generations change nothing.
+    pub async fn publish_observation(
+        &self,
+        node_id: &str,
+        o: &Observation<'_>,
+    ) -> Result<(bool, sandbox::Model)> {
+        let row = self.sandbox(o.sandbox_id).await?;
+        let owns = match &row.active_node_id {
+            Some(active) => active == node_id,
+            None => route_identity::Entity::find_by_id(row.id.clone())
+                .one(&self.db)
+                .await?
+                .is_some_and(|r| {
+                    r.current_node_id == node_id && r.execution_generation == o.generation
+                }),
+        };
+        if !owns {
+            return Err(ReconcilerError::NodeNotOwner {
+                node_id: node_id.to_owned(),
+                sandbox_id: row.id.clone(),
+            });
+        }
+        let mut update = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::ObservedStatus, Expr::value(o.status))
+            .col_expr(sandbox::Column::ObservationSeq, Expr::value(o.seq))
+            .col_expr(sandbox::Column::ExitCode, Expr::value(o.exit_code))
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()));
+        // A live status is taken as is; an exit or loss stays an observation until the
+        // loss grace confirms it.
+        if super::LIVE.contains(&o.status) {
+            update = update.col_expr(sandbox::Column::Status, Expr::value(o.status));
+        }
+        // Giving up the placement clears active_node_id and leaves the route identity.
+        update = update.col_expr(
+            sandbox::Column::ActiveNodeId,
+            Expr::value(o.placed.then(|| node_id.to_owned())),
+        );
+        let done = update
+            .filter(sandbox::Column::Id.eq(o.sandbox_id))
+            .filter(sandbox::Column::ExecutionGeneration.eq(o.generation))
+            .filter(sandbox::Column::ObservationSeq.lt(o.seq))
+            .filter(sandbox::Column::Status.is_in(super::LIVE))
+            .exec(&self.db)
+            .await?;
+        Ok((done.rows_affected == 1, self.sandbox(o.sandbox_id).await?))
+    }
+
+    /// Gives pending wakes to ready nodes, least used first; returns how many.
+    pub async fn assign_wakes(&self, ready_since_us: i64) -> Result<u64> {
+        let nodes = self.ready_nodes(ready_since_us).await?;
+        if nodes.is_empty() {
+            return Ok(0);
+        }
+        let pending = wake::Entity::find()
+            .filter(wake::Column::State.eq("pending"))
+            .filter(wake::Column::SettledAtUs.is_null())
+            .order_by_asc(wake::Column::RequestedAtUs)
+            .all(&self.db)
+            .await?;
+        let mut assigned = 0;
+        for (i, w) in pending.iter().enumerate() {
+            let node = &nodes[i % nodes.len()];
+            let done = wake::Entity::update_many()
+                .col_expr(wake::Column::State, Expr::value("assigned"))
+                .col_expr(wake::Column::NodeId, Expr::value(node.id.clone()))
+                .col_expr(wake::Column::Attempts, Expr::value(w.attempts + 1))
+                .filter(wake::Column::Id.eq(w.id.as_str()))
+                .filter(wake::Column::State.eq("pending"))
+                .exec(&self.db)
+                .await?;
+            assigned += done.rows_affected;
+        }
+        Ok(assigned)
+    }
+
+    /// A wake restored its sandbox on `node_id`: placement and route identity are written
+    /// with the wake's settlement in one transaction.
+    pub async fn report_restored(
+        &self,
+        node_id: &str,
+        wake_id: &str,
+        attempt: i32,
+    ) -> Result<sandbox::Model> {
+        let txn = self.db.begin().await?;
+        let now = self.now_us();
+        let settled = wake::Entity::update_many()
+            .col_expr(wake::Column::State, Expr::value("restored"))
+            .col_expr(wake::Column::SettledAtUs, Expr::value(now))
+            .filter(wake::Column::Id.eq(wake_id))
+            .filter(wake::Column::NodeId.eq(node_id))
+            .filter(wake::Column::Attempts.eq(attempt))
+            .filter(wake::Column::State.eq("assigned"))
+            .exec(&txn)
+            .await?;
+        if settled.rows_affected != 1 {
+            return Err(ReconcilerError::WakeSettled {
+                wake_id: wake_id.to_owned(),
+            });
+        }
+        let wake = wake::Entity::find_by_id(wake_id.to_owned())
+            .one(&txn)
+            .await?
+            .ok_or_else(|| ReconcilerError::WakeSettled {
+                wake_id: wake_id.to_owned(),
+            })?;
+        let row = sandbox::Entity::find_by_id(wake.sandbox_id.clone())
+            .one(&txn)
+            .await?
+            .ok_or_else(|| ReconcilerError::SandboxNotFound {
+                id: wake.sandbox_id.clone(),
+            })?;
+        sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::ActiveNodeId, Expr::value(node_id))
+            .col_expr(sandbox::Column::Status, Expr::value("started"))
+            .col_expr(
+                sandbox::Column::LossObservedAtUs,
+                Expr::value(Option::<i64>::None),
+            )
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(now))
+            .filter(sandbox::Column::Id.eq(row.id.as_str()))
+            .filter(sandbox::Column::ExecutionGeneration.eq(row.execution_generation))
+            .exec(&txn)
+            .await?;
+        route_identity::Entity::insert(
+            route_identity::Model {
+                sandbox_id: row.id.clone(),
+                current_node_id: node_id.to_owned(),
+                execution_generation: row.execution_generation,
+            }
+            .into_active_model(),
+        )
+        .on_conflict(
+            sea_orm::sea_query::OnConflict::column(route_identity::Column::SandboxId)
+                .update_columns([
+                    route_identity::Column::CurrentNodeId,
+                    route_identity::Column::ExecutionGeneration,
+                ])
+                .to_owned(),
+        )
+        .exec_without_returning(&txn)
+        .await?;
+        txn.commit().await?;
+        self.sandbox(&row.id).await
+    }
+
+    /// A wake could not restore here: back to the queue, or failed after its attempts.
+    pub async fn report_wake_failed(
+        &self,
+        node_id: &str,
+        wake_id: &str,
+        attempt: i32,
+        error: &str,
+    ) -> Result<wake::Model> {
+        let mut error = error.to_owned();
+        error.truncate(512);
+        let current = wake::Entity::find_by_id(wake_id.to_owned())
+            .one(&self.db)
+            .await?
+            .ok_or_else(|| ReconcilerError::WakeSettled {
+                wake_id: wake_id.to_owned(),
+            })?;
+        let give_up = current.attempts >= WAKE_ATTEMPTS;
+        let mut update = wake::Entity::update_many()
+            .col_expr(
+                wake::Column::State,
+                Expr::value(if give_up { "failed" } else { "pending" }),
+            )
+            .col_expr(wake::Column::LastError, Expr::value(error))
+            .col_expr(wake::Column::NodeId, Expr::value(Option::<String>::None));
+        if give_up {
+            update = update.col_expr(wake::Column::SettledAtUs, Expr::value(self.now_us()));
+        }
+        update
+            .filter(wake::Column::Id.eq(wake_id))
+            .filter(wake::Column::NodeId.eq(node_id))
+            .filter(wake::Column::Attempts.eq(attempt))
+            .filter(wake::Column::State.eq("assigned"))
+            .exec(&self.db)
+            .await?;
+        Ok(wake::Entity::find_by_id(wake_id.to_owned())
+            .one(&self.db)
+            .await?
+            .unwrap_or(current))
+    }
+}
