@@ -45,6 +45,9 @@ pub enum Command {
     /// Create a run of CMD, follow its output live, print its verdict and receipt, and
     /// exit with its status (0 succeeded, the agent's exit code when it failed).
     Run(crate::run::RunArgs),
+    /// Run a node agent of the direct substrate ([node] config): register with the
+    /// reconciler at [sandbox_reconciler].endpoint, run, suspend and restore sandboxes.
+    Node,
     /// Run inside a sandbox: say Hello, start the run's agent command, stream its output,
     /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and
     /// RUNPLANE_RUN_KEY from the environment (never from arguments).
@@ -89,6 +92,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             crate::dev::dev(cli.config.as_deref(), &listen, &data_dir).await
         }
         Command::Runner => crate::runner::run(cli.config.as_deref()).await,
+        Command::Node => crate::node::run(cli.config.as_deref()).await,
         Command::Run(args) => {
             let code = crate::run::run(cli.config.as_deref(), args).await?;
             if code != 0 {

@@ -2,6 +2,7 @@
 
 mod cli;
 mod dev;
+mod node;
 mod policies;
 mod receipt;
 mod run;

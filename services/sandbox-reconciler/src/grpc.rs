@@ -432,6 +432,19 @@ fn status_of(name: &str) -> pb::SandboxStatus {
     }
 }
 
+fn status_name(status: pb::SandboxStatus) -> &'static str {
+    match status {
+        pb::SandboxStatus::Creating => "creating",
+        pb::SandboxStatus::Started => "started",
+        pb::SandboxStatus::Suspended => "suspended",
+        pb::SandboxStatus::Restoring => "restoring",
+        pb::SandboxStatus::Exited => "exited",
+        pb::SandboxStatus::Lost => "lost",
+        pb::SandboxStatus::Deleted => "deleted",
+        pb::SandboxStatus::Unspecified => "",
+    }
+}
+
 fn wake_of(w: &wake::Model) -> pb::Wake {
     pb::Wake {
         id: w.id.clone(),
@@ -484,6 +497,109 @@ pub fn sandbox_of(p: &Placement, pending_wake: Option<&wake::Model>) -> pb::Sand
 
 #[tonic::async_trait]
 impl SandboxService for SandboxApi {
+    async fn list_nodes(
+        &self,
+        request: Request<pb::ListNodesRequest>,
+    ) -> Result<Response<pb::ListNodesResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        let limit = match req.page_size {
+            0 => 100,
+            n @ 1..=500 => n,
+            _ => {
+                return Err(ReconcilerError::InvalidField {
+                    field: "page_size",
+                    reason: "must be 0 to 500".into(),
+                }
+                .into());
+            }
+        };
+        let nodes = s
+            .store
+            .list_nodes(
+                (!req.page_token.is_empty()).then_some(req.page_token.as_str()),
+                u64::from(limit),
+            )
+            .await?;
+        let silent_since =
+            s.store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
+        let next_page_token = if nodes.len() == limit as usize {
+            nodes.last().map(|n| n.id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListNodesResponse {
+            nodes: nodes
+                .iter()
+                .map(|n| {
+                    let mut shown = node_of(n);
+                    if n.last_heartbeat_us < silent_since {
+                        shown.state = pb::NodeState::Unresponsive as i32;
+                    }
+                    shown
+                })
+                .collect(),
+            next_page_token,
+        }))
+    }
+
+    async fn list_sandboxes(
+        &self,
+        request: Request<pb::ListSandboxesRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        let limit = match req.page_size {
+            0 => 100,
+            n @ 1..=500 => n,
+            _ => {
+                return Err(ReconcilerError::InvalidField {
+                    field: "page_size",
+                    reason: "must be 0 to 500".into(),
+                }
+                .into());
+            }
+        };
+        if !req.page_token.is_empty() {
+            sandbox_id(&req.page_token)?;
+        }
+        let wanted: Vec<&str> = req
+            .statuses
+            .iter()
+            .filter_map(|st| pb::SandboxStatus::try_from(*st).ok())
+            .map(status_name)
+            .collect();
+        let rows = s
+            .store
+            .list_sandboxes(
+                (!req.run_id.is_empty()).then_some(req.run_id.as_str()),
+                (!req.node_id.is_empty()).then_some(req.node_id.as_str()),
+                (!req.page_token.is_empty()).then_some(req.page_token.as_str()),
+                u64::from(limit),
+            )
+            .await?;
+        let next_page_token = if rows.len() == limit as usize {
+            rows.last().map(|r| r.id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let mut sandboxes = Vec::new();
+        for row in rows {
+            if !wanted.is_empty() && !wanted.contains(&row.status.as_str()) {
+                continue;
+            }
+            let placement = s.store.placement(&row.id).await?;
+            let wake = s.store.open_wake(&row.id).await?;
+            sandboxes.push(sandbox_of(&placement, wake.as_ref()));
+        }
+        Ok(Response::new(pb::ListSandboxesResponse {
+            sandboxes,
+            next_page_token,
+        }))
+    }
+
     async fn get_sandbox(
         &self,
         request: Request<pb::GetSandboxRequest>,

@@ -7,6 +7,7 @@
 //! process driver, node agents, dispatch and `runplane run` are still to come; their
 //! methods answer `UNIMPLEMENTED`.
 
+pub mod agent;
 pub mod domain;
 pub mod drivers;
 pub mod error;
@@ -78,6 +79,9 @@ impl SandboxReconciler {
             settings: reconcile::ReconcileSettings {
                 loss_grace: Duration::from_secs(
                     config.sandbox_reconciler.loss_grace_seconds.into(),
+                ),
+                idle_timeout: Duration::from_secs(
+                    config.sandbox_reconciler.idle_timeout_seconds.into(),
                 ),
                 ..reconcile::ReconcileSettings::default()
             },

@@ -31,6 +31,8 @@ pub struct ReconcileSettings {
     pub probe_concurrency: usize,
     /// Rows read per batch.
     pub batch: u64,
+    /// Idle time after which a node agent suspends a sandbox; zero for never.
+    pub idle_timeout: Duration,
 }
 
 impl Default for ReconcileSettings {
@@ -39,6 +41,7 @@ impl Default for ReconcileSettings {
             loss_grace: Duration::from_secs(90),
             probe_concurrency: 32,
             batch: 500,
+            idle_timeout: Duration::ZERO,
         }
     }
 }
@@ -264,6 +267,7 @@ pub async fn dispatch(
     driver: &dyn Driver,
     run_store: &RunStoreClient,
     runner_endpoint: &str,
+    idle_timeout: Duration,
 ) -> Result<u64, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
@@ -295,7 +299,7 @@ pub async fn dispatch(
                     active_node_id: Some(node_id.clone()),
                     execution_generation: 1,
                     loss_observed_at_us: None,
-                    idle_timeout_ms: 0,
+                    idle_timeout_ms: idle_timeout.as_millis() as i64,
                     exit_code: None,
                     driver_handle: String::new(),
                     observation_seq: 0,
@@ -396,6 +400,7 @@ pub async fn run_loop(
             reconciler.driver.as_ref(),
             &run_store,
             &runner_endpoint,
+            reconciler.settings.idle_timeout,
         )
         .await
         {

@@ -77,6 +77,32 @@ pub struct Config {
     pub sandbox_reconciler: SandboxReconcilerConfig,
     pub stream_recovery: StreamRecoveryConfig,
     pub credential_health: CredentialHealthConfig,
+    pub node: NodeConfig,
+}
+
+/// A node agent (`runplane node`) of the direct substrate.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// The node's id; stable across restarts.
+    pub id: String,
+    /// `host:port` where sessions reach this node, as registered.
+    pub endpoint: String,
+    /// Sandboxes this node runs at once.
+    pub capacity: u32,
+    /// Where the node keeps its sandboxes' pid, exit status and runner log.
+    pub state_dir: String,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            id: "node-1".to_owned(),
+            endpoint: "127.0.0.1:7443".to_owned(),
+            capacity: 8,
+            state_dir: ".runplane/node-sandboxes".to_owned(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -169,6 +195,8 @@ pub struct SandboxReconcilerConfig {
     pub state_dir: String,
     /// How often dispatch, the reconcile tick and outbox delivery run, in milliseconds.
     pub tick_interval_ms: u32,
+    /// Idle time after which a node agent suspends a sandbox (0: never).
+    pub idle_timeout_seconds: u32,
 }
 
 impl Default for SandboxReconcilerConfig {
@@ -182,6 +210,7 @@ impl Default for SandboxReconcilerConfig {
             route_token_ttl_seconds: 60,
             state_dir: ".runplane/sandboxes".to_owned(),
             tick_interval_ms: 2000,
+            idle_timeout_seconds: 0,
         }
     }
 }

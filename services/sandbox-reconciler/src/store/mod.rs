@@ -86,6 +86,31 @@ impl Store {
             .ok_or_else(|| ReconcilerError::SandboxNotFound { id: id.to_owned() })
     }
 
+    /// Sandboxes by id order after `after`, filtered by run and by active node.
+    pub async fn list_sandboxes(
+        &self,
+        run_id: Option<&str>,
+        node_id: Option<&str>,
+        after: Option<&str>,
+        limit: u64,
+    ) -> Result<Vec<sandbox::Model>> {
+        let mut query = sandbox::Entity::find();
+        if let Some(run) = run_id {
+            query = query.filter(sandbox::Column::RunId.eq(run));
+        }
+        if let Some(node) = node_id {
+            query = query.filter(sandbox::Column::ActiveNodeId.eq(node));
+        }
+        if let Some(after) = after {
+            query = query.filter(sandbox::Column::Id.gt(after));
+        }
+        Ok(query
+            .order_by(sandbox::Column::Id, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
     /// The one placement query every placement read goes through.
     pub async fn placement(&self, id: &str) -> Result<Placement> {
         let sandbox = self.sandbox(id).await?;

@@ -3,7 +3,7 @@
 use sea_orm::sea_query::Expr;
 use sea_orm::{
     ActiveModelTrait, ColumnTrait, EntityTrait, IntoActiveModel, QueryFilter, QueryOrder,
-    TransactionTrait,
+    QuerySelect, TransactionTrait,
 };
 
 use super::Store;
@@ -113,6 +113,19 @@ impl Store {
             self.node_at_epoch(id, epoch).await?;
         }
         Ok(())
+    }
+
+    /// Registered nodes by id after `after`.
+    pub async fn list_nodes(&self, after: Option<&str>, limit: u64) -> Result<Vec<node::Model>> {
+        let mut query = node::Entity::find();
+        if let Some(after) = after {
+            query = query.filter(node::Column::Id.gt(after));
+        }
+        Ok(query
+            .order_by_asc(node::Column::Id)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
     }
 
     /// Nodes that heartbeat since `since_us`, least used first.

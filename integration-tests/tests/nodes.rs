@@ -1,0 +1,227 @@
+//! Two real node agents: a sandbox is launched on one, suspended for idleness and
+//! published unplaced; a reattach answers NOT_PLACED and queues a wake; a node restores
+//! it, and the next reattach routes to the node that restored it (seed 003 end to end).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::{TestDatabase, free_local_addr};
+use tokio::process::{Child, Command};
+
+const TOKEN: &str = "node-test-operator-token-0123456789abcdefg";
+const RECEIPT_KEY: &str = "2f2e3d4c5b6a79887766554433221100ffeeddccbbaa99887766554433221100";
+
+fn authed<T>(message: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    r
+}
+
+fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path) -> Child {
+    Command::new(runplane_bin())
+        .arg("node")
+        .env("RUNPLANE_NODE__ID", id)
+        .env("RUNPLANE_NODE__ENDPOINT", endpoint)
+        .env("RUNPLANE_NODE__STATE_DIR", state_dir)
+        .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start runplane node")
+}
+
+/// Polls `check` every 100 ms until it answers, for at most `limit`.
+async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored_it() {
+    let run_db = TestDatabase::new().await;
+    let reconciler_db = TestDatabase::new().await;
+    let state = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let endpoint = format!("http://{addr}");
+    let local_dir = state.path().join("reconciler");
+    let env = [
+        ("RUNPLANE_SERVER__LISTEN", addr.clone()),
+        ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN.to_owned()),
+        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
+        (
+            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
+            RECEIPT_KEY.to_owned(),
+        ),
+        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
+            reconciler_db.url().to_owned(),
+        ),
+        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS",
+            "3".to_owned(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
+            "300".to_owned(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
+            local_dir.display().to_string(),
+        ),
+    ];
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let _control_plane: Process =
+        start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
+
+    // Both nodes share one state directory: they stand for two agents on one host, so
+    // either can resume a process the other suspended.
+    let sandboxes = state.path().join("nodes");
+    let _a = node("node-a", "127.0.0.1:17001", &endpoint, &sandboxes);
+    let _b = node("node-b", "127.0.0.1:17002", &endpoint, &sandboxes);
+    let mut api = SandboxServiceClient::new(channel(&endpoint).await);
+    eventually(Duration::from_secs(30), "two registered nodes", || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api
+                .list_nodes(authed(rpb::ListNodesRequest::default()))
+                .await
+                .ok()?;
+            (nodes.into_inner().nodes.len() == 2).then_some(())
+        }
+    })
+    .await;
+
+    let run = RunServiceClient::new(channel(&endpoint).await)
+        .create_run(authed(pb::CreateRunRequest {
+            client_request_id: "idle-wake-request-0001".into(),
+            org_id: "acme".into(),
+            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            command: "sh".into(),
+            args: vec!["-c".into(), "exec sleep 20".into()],
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+
+    // Dispatched to a node, launched, then suspended for idleness and published unplaced.
+    let sandbox = eventually(
+        Duration::from_secs(30),
+        "the sandbox to start on a node",
+        || {
+            let mut api = api.clone();
+            let run_id = run.id.clone();
+            async move {
+                let list = api
+                    .list_sandboxes(authed(rpb::ListSandboxesRequest {
+                        run_id,
+                        ..Default::default()
+                    }))
+                    .await
+                    .ok()?
+                    .into_inner();
+                list.sandboxes.into_iter().find(|s| {
+                    s.status() == rpb::SandboxStatus::Started
+                        && s.active_node_id.starts_with("node-")
+                })
+            }
+        },
+    )
+    .await;
+    let launched_on = sandbox.active_node_id.clone();
+    eventually(Duration::from_secs(30), "the idle suspend", || {
+        let mut api = api.clone();
+        let id = sandbox.id.clone();
+        async move {
+            let s = api
+                .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id: id }))
+                .await
+                .ok()?
+                .into_inner()
+                .sandbox?;
+            (s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
+                .then_some(())
+        }
+    })
+    .await;
+
+    // The reattach: not placed, a wake is queued.
+    let resolve = || {
+        authed(rpb::ResolveRouteRequest {
+            sandbox_id: sandbox.id.clone(),
+            session_id: "session-1".into(),
+        })
+    };
+    let refused = api.resolve_route(resolve()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    let info = runplane_grpc::error_info(&refused).unwrap();
+    assert_eq!(
+        info.reason, "NOT_PLACED",
+        "not routed to {launched_on}'s stale identity"
+    );
+
+    // A node restores it; the next reattach routes to that node.
+    let restored_on = eventually(Duration::from_secs(30), "the wake to restore it", || {
+        let mut api = api.clone();
+        let id = sandbox.id.clone();
+        async move {
+            let s = api
+                .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id: id }))
+                .await
+                .ok()?
+                .into_inner()
+                .sandbox?;
+            (s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty())
+                .then_some(s.active_node_id)
+        }
+    })
+    .await;
+    let route = api
+        .resolve_route(resolve())
+        .await
+        .expect("routed after the wake")
+        .into_inner();
+    assert_eq!(route.node_id, restored_on);
+    let expected = if restored_on == "node-a" {
+        "127.0.0.1:17001"
+    } else {
+        "127.0.0.1:17002"
+    };
+    assert_eq!(route.endpoint, expected);
+
+    // A sandbox outlives its nodes and control plane by design; end its runner here (the
+    // agent's `sleep` ends on its own).
+    if let Ok(pid) = std::fs::read_to_string(sandboxes.join(&sandbox.id).join("pid")) {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", pid.trim())])
+            .status();
+    }
+}

@@ -1,0 +1,30 @@
+//! `runplane node`.
+
+use std::path::Path;
+
+use anyhow::Context;
+use runplane_config::Config;
+use runplane_sandbox_reconciler::agent::{AgentConfig, run as run_agent};
+
+pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
+    let config = Config::load(config_file)?;
+    let token = config.require_operator_token()?.clone();
+    let _telemetry = crate::serve::init_telemetry(&config, "runplane-node")?;
+    let shutdown = runplane_grpc::shutdown_signal();
+    run_agent(
+        AgentConfig {
+            node_id: config.node.id.clone(),
+            endpoint: config.node.endpoint.clone(),
+            capacity: config.node.capacity,
+            reconciler_endpoint: config.sandbox_reconciler.endpoint.clone(),
+            token,
+            state_dir: config.node.state_dir.clone().into(),
+            runplane_binary: std::env::current_exe()
+                .context("locating the runplane binary for sandboxes")?,
+        },
+        shutdown,
+    )
+    .await?;
+    tracing::info!("node agent stopped");
+    Ok(())
+}

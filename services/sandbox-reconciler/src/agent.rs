@@ -1,0 +1,357 @@
+//! `runplane node`: a node agent of the direct substrate.
+//!
+//! It registers (endpoint, capacity; a new boot gets a new epoch), heartbeats, long-polls
+//! its assignments and acts on them with the process driver: it launches sandboxes
+//! placed on it (claiming their run key), restores the ones a wake assigned to it and
+//! reports the restore, suspends a sandbox idle longer than its idle timeout and
+//! publishes it unplaced (its route identity still names this node: seed 003's exact
+//! situation), and publishes exits. runplane has no session traffic of its own yet, so a
+//! sandbox's idle clock starts at its launch or restore.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use runplane_config::Secret;
+use runplane_proto::reconciler::v1 as pb;
+use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
+use tokio::time::Instant;
+use tonic::service::interceptor::InterceptedService;
+
+use crate::domain::loss::Probe;
+use crate::drivers::{Driver, Launch, ProcessDriver};
+use crate::store::entities::sandbox;
+
+/// What a node agent needs.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub node_id: String,
+    pub endpoint: String,
+    pub capacity: u32,
+    pub reconciler_endpoint: String,
+    pub token: Secret,
+    pub state_dir: PathBuf,
+    pub runplane_binary: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Endpoint(#[from] runplane_grpc::client::ClientError),
+    #[error("registering with the reconciler failed: {0}")]
+    Register(String),
+}
+
+type Client = NodeServiceClient<
+    InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
+>;
+
+/// A sandbox this node runs.
+struct Local {
+    row: sandbox::Model,
+    /// When its idle clock started (launch or restore).
+    active_since: Instant,
+    suspended: bool,
+}
+
+/// Runs the agent until `shutdown`.
+pub async fn run(
+    config: AgentConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AgentError> {
+    // The agent rides out reconciler restarts like the runner does.
+    let layer = runplane_transport::RetryLayer::new(runplane_transport::RetryConfig::default());
+    let channel = runplane_transport::connect_lazy(&config.reconciler_endpoint, &layer)?;
+    let client: Client = NodeServiceClient::with_interceptor(
+        channel,
+        runplane_grpc::client::Bearer::new(config.token.expose()),
+    );
+    let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary);
+    let boot_id = format!("boot-{}", uuid::Uuid::new_v4().simple());
+
+    let registered = client
+        .clone()
+        .register_node(pb::RegisterNodeRequest {
+            node_id: config.node_id.clone(),
+            boot_id,
+            endpoint: config.endpoint.clone(),
+            capacity: config.capacity,
+            labels: Default::default(),
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+        })
+        .await
+        .map_err(|s| AgentError::Register(format!("{}: {}", s.code(), s.message())))?
+        .into_inner();
+    let epoch = registered.epoch;
+    tracing::info!(node_id = %config.node_id, epoch, "node registered");
+
+    let mut locals: HashMap<String, Local> = HashMap::new();
+    let mut revision = 0;
+    let mut last_heartbeat = Instant::now();
+    tokio::pin!(shutdown);
+    loop {
+        let mut poller = client.clone();
+        let request = pb::ListAssignedSandboxesRequest {
+            node_id: config.node_id.clone(),
+            epoch,
+            known_revision: revision,
+            wait: Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+        };
+        let assigned = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            answer = poller.list_assigned_sandboxes(request) => answer,
+        };
+        match assigned {
+            Ok(answer) => {
+                let answer = answer.into_inner();
+                revision = answer.revision;
+                for a in answer.assignments {
+                    act(&client, &config, epoch, &driver, &mut locals, a).await;
+                }
+            }
+            Err(status) => {
+                tracing::warn!(code = ?status.code(), "assignments unavailable; retrying")
+            }
+        }
+        look_after(&client, &config, epoch, &driver, &mut locals).await;
+        if last_heartbeat.elapsed() >= Duration::from_secs(2) {
+            let used = locals.values().filter(|l| !l.suspended).count() as u32;
+            if let Err(status) = client
+                .clone()
+                .heartbeat(pb::HeartbeatRequest {
+                    node_id: config.node_id.clone(),
+                    epoch,
+                    used,
+                })
+                .await
+            {
+                tracing::warn!(code = ?status.code(), "heartbeat failed");
+            }
+            last_heartbeat = Instant::now();
+        }
+    }
+}
+
+fn observation_seq() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros() as u64
+}
+
+async fn publish(
+    client: &Client,
+    config: &AgentConfig,
+    epoch: u64,
+    row: &sandbox::Model,
+    status: pb::SandboxStatus,
+    placed: bool,
+    exit_code: Option<i32>,
+) {
+    let result = client
+        .clone()
+        .publish_sandbox_state(pb::PublishSandboxStateRequest {
+            node_id: config.node_id.clone(),
+            epoch,
+            sandbox_id: row.id.clone(),
+            execution_generation: row.execution_generation as u64,
+            observation_seq: observation_seq(),
+            status: status as i32,
+            placed,
+            exit_code,
+            observed_at: None,
+        })
+        .await;
+    if let Err(s) = result {
+        tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "publication refused");
+    }
+}
+
+fn row_of(a: &pb::Assignment, handle: String) -> sandbox::Model {
+    sandbox::Model {
+        id: a.sandbox_id.clone(),
+        run_id: a.run_id.clone(),
+        org_id: String::new(),
+        client_request_id: String::new(),
+        substrate: "direct".into(),
+        status: "started".into(),
+        active_node_id: None,
+        execution_generation: a.execution_generation as i64,
+        loss_observed_at_us: None,
+        idle_timeout_ms: a
+            .idle_timeout
+            .as_ref()
+            .map(|d| d.seconds * 1000 + i64::from(d.nanos / 1_000_000))
+            .unwrap_or_default(),
+        exit_code: None,
+        driver_handle: handle,
+        observation_seq: 0,
+        observed_status: String::new(),
+        created_at_us: 0,
+        updated_at_us: 0,
+    }
+}
+
+async fn act(
+    client: &Client,
+    config: &AgentConfig,
+    epoch: u64,
+    driver: &ProcessDriver,
+    locals: &mut HashMap<String, Local>,
+    a: pb::Assignment,
+) {
+    match a.intent() {
+        pb::AssignmentIntent::Run if !locals.contains_key(&a.sandbox_id) => {
+            let claim = client
+                .clone()
+                .claim_launch(pb::ClaimLaunchRequest {
+                    node_id: config.node_id.clone(),
+                    epoch,
+                    sandbox_id: a.sandbox_id.clone(),
+                    execution_generation: a.execution_generation,
+                    idempotency_key: format!("{}:{}", a.sandbox_id, a.execution_generation),
+                })
+                .await;
+            let launch = match claim {
+                Ok(c) => {
+                    let c = c.into_inner();
+                    Launch {
+                        endpoint: c.run_store_endpoint,
+                        run_id: c.run_id,
+                        run_key: Secret::new(c.run_key),
+                    }
+                }
+                Err(s) => {
+                    tracing::warn!(sandbox_id = %a.sandbox_id, code = ?s.code(), "launch not claimed");
+                    return;
+                }
+            };
+            match driver.create(&row_of(&a, String::new()), launch).await {
+                Ok(handle) => {
+                    let row = row_of(&a, handle);
+                    publish(
+                        client,
+                        config,
+                        epoch,
+                        &row,
+                        pb::SandboxStatus::Started,
+                        true,
+                        None,
+                    )
+                    .await;
+                    tracing::info!(sandbox_id = %row.id, "sandbox launched");
+                    locals.insert(
+                        row.id.clone(),
+                        Local {
+                            row,
+                            active_since: Instant::now(),
+                            suspended: false,
+                        },
+                    );
+                }
+                Err(e) => {
+                    tracing::error!(sandbox_id = %a.sandbox_id, error = %e, "sandbox not started")
+                }
+            }
+        }
+        pb::AssignmentIntent::Restore => {
+            // The sandbox's process is found by its label wherever this node can see it.
+            let handle = std::fs::read_to_string(config.state_dir.join(&a.sandbox_id).join("pid"))
+                .map(|pid| format!("pid:{}", pid.trim()))
+                .unwrap_or_default();
+            let row = row_of(&a, handle);
+            let restored =
+                driver.resume(&row).await.is_ok() && driver.status(&row).await == Probe::Alive;
+            if restored {
+                let report = client
+                    .clone()
+                    .report_restored(pb::ReportRestoredRequest {
+                        node_id: config.node_id.clone(),
+                        epoch,
+                        wake_id: a.wake_id.clone(),
+                        sandbox_id: a.sandbox_id.clone(),
+                        execution_generation: a.execution_generation,
+                        wake_attempt: a.wake_attempt,
+                    })
+                    .await;
+                if report.is_ok() {
+                    tracing::info!(sandbox_id = %row.id, "sandbox restored");
+                    locals.insert(
+                        row.id.clone(),
+                        Local {
+                            row,
+                            active_since: Instant::now(),
+                            suspended: false,
+                        },
+                    );
+                }
+            } else {
+                let _ = client
+                    .clone()
+                    .report_wake_failed(pb::ReportWakeFailedRequest {
+                        node_id: config.node_id.clone(),
+                        epoch,
+                        wake_id: a.wake_id.clone(),
+                        wake_attempt: a.wake_attempt,
+                        error: "the sandbox cannot be restored on this node".into(),
+                    })
+                    .await;
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Suspends sandboxes idle past their timeout and publishes exits.
+async fn look_after(
+    client: &Client,
+    config: &AgentConfig,
+    epoch: u64,
+    driver: &ProcessDriver,
+    locals: &mut HashMap<String, Local>,
+) {
+    let mut ended = Vec::new();
+    for local in locals.values_mut() {
+        if local.suspended {
+            continue;
+        }
+        if let Probe::Exited(code) = driver.status(&local.row).await {
+            publish(
+                client,
+                config,
+                epoch,
+                &local.row,
+                pb::SandboxStatus::Exited,
+                true,
+                code,
+            )
+            .await;
+            ended.push(local.row.id.clone());
+            continue;
+        }
+        let idle = Duration::from_millis(local.row.idle_timeout_ms.max(0) as u64);
+        if !idle.is_zero()
+            && local.active_since.elapsed() >= idle
+            && driver.suspend(&local.row).await.is_ok()
+        {
+            local.suspended = true;
+            publish(
+                client,
+                config,
+                epoch,
+                &local.row,
+                pb::SandboxStatus::Suspended,
+                false,
+                None,
+            )
+            .await;
+            tracing::info!(sandbox_id = %local.row.id, "idle: suspended and published unplaced");
+        }
+    }
+    for id in ended {
+        locals.remove(&id);
+    }
+}
