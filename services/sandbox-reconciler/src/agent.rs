@@ -108,6 +108,23 @@ pub async fn run(
             Ok(answer) => {
                 let answer = answer.into_inner();
                 revision = answer.revision;
+                // A running sandbox no longer assigned here was destroyed (or moved).
+                let kept: std::collections::HashSet<String> = answer
+                    .assignments
+                    .iter()
+                    .map(|a| a.sandbox_id.clone())
+                    .collect();
+                let gone: Vec<String> = locals
+                    .iter()
+                    .filter(|(id, l)| !l.suspended && !kept.contains(*id))
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in gone {
+                    if let Some(local) = locals.remove(&id) {
+                        tracing::info!(sandbox_id = %id, "no longer assigned here; stopping it");
+                        tokio::spawn(driver.destroy(&local.row));
+                    }
+                }
                 for a in answer.assignments {
                     act(&client, &config, epoch, &driver, &mut locals, a).await;
                 }

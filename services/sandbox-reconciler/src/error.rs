@@ -33,6 +33,8 @@ pub enum ReconcilerError {
     NodeNotOwner { node_id: String, sandbox_id: String },
     #[error("wake {wake_id} is settled or assigned elsewhere")]
     WakeSettled { wake_id: String },
+    #[error("run {run_id} already has a live sandbox {sandbox_id}")]
+    SandboxExists { run_id: String, sandbox_id: String },
     /// The run store's answer, passed on as it came (its reason included).
     #[error("run store: {}", .0.message())]
     Upstream(Status),
@@ -113,6 +115,11 @@ impl From<ReconcilerError> for Status {
                     ("node_id".into(), node_id),
                     ("sandbox_id".into(), sandbox_id),
                 ],
+            ),
+            E::SandboxExists { sandbox_id, .. } => (
+                Code::AlreadyExists,
+                ErrorReason::SandboxExists,
+                vec![("sandbox_id".into(), sandbox_id)],
             ),
             E::WakeSettled { wake_id } => (
                 Code::FailedPrecondition,

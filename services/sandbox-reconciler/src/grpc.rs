@@ -27,6 +27,8 @@ pub struct Shared {
     pub run_store: crate::reconcile::RunStoreClient,
     pub run_store_endpoint: String,
     pub recovery_endpoint: String,
+    /// Where this reconciler's own (local) sandboxes live.
+    pub local_state_dir: std::path::PathBuf,
     /// SHA-256 of the service/operator token.
     pub token_hash: Option<[u8; 32]>,
     pub route_key: Vec<u8>,
@@ -497,6 +499,127 @@ pub fn sandbox_of(p: &Placement, pending_wake: Option<&wake::Model>) -> pb::Sand
 
 #[tonic::async_trait]
 impl SandboxService for SandboxApi {
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn create_sandbox(
+        &self,
+        request: Request<pb::CreateSandboxRequest>,
+    ) -> Result<Response<pb::CreateSandboxResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        if !(16..=128).contains(&req.client_request_id.len())
+            || !req.client_request_id.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(ReconcilerError::InvalidField {
+                field: "client_request_id",
+                reason: "must be 16 to 128 printable ASCII bytes".into(),
+            }
+            .into());
+        }
+        if req.substrate() != pb::Substrate::Direct {
+            return Err(ReconcilerError::InvalidField {
+                field: "substrate",
+                reason: "only SUBSTRATE_DIRECT has a driver so far".into(),
+            }
+            .into());
+        }
+        if !req.node_id.is_empty() {
+            node_name("node_id", &req.node_id)?;
+        }
+        let idle_timeout_ms = req
+            .idle_timeout
+            .as_ref()
+            .map(|d| d.seconds.max(0) * 1000 + i64::from(d.nanos.max(0) / 1_000_000))
+            .unwrap_or(15 * 60 * 1000);
+        // The run's org comes from the run store, which also proves the run exists.
+        let run = s
+            .run_store
+            .clone()
+            .get_run(runplane_proto::runstore::v1::GetRunRequest {
+                run_id: req.run_id.clone(),
+            })
+            .await?
+            .into_inner()
+            .run
+            .unwrap_or_default();
+        let node_id = if req.node_id.is_empty() {
+            let since = s.store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
+            s.store
+                .ready_nodes(since)
+                .await?
+                .first()
+                .map_or_else(|| crate::reconcile::LOCAL_NODE.to_owned(), |n| n.id.clone())
+        } else {
+            req.node_id.clone()
+        };
+        let now = s.store.now_us();
+        let candidate = sandbox::Model {
+            id: uuid::Uuid::new_v4().to_string(),
+            run_id: run.id.clone(),
+            org_id: run.org_id.clone(),
+            client_request_id: req.client_request_id.clone(),
+            substrate: "direct".into(),
+            status: "creating".into(),
+            active_node_id: Some(node_id.clone()),
+            execution_generation: 1,
+            loss_observed_at_us: None,
+            idle_timeout_ms,
+            exit_code: None,
+            driver_handle: String::new(),
+            observation_seq: 0,
+            observed_status: String::new(),
+            created_at_us: now,
+            updated_at_us: now,
+        };
+        if let Some(live) = s.store.live_sandbox_of(&run.id).await?
+            && live.client_request_id != req.client_request_id
+        {
+            return Err(ReconcilerError::SandboxExists {
+                run_id: run.id,
+                sandbox_id: live.id,
+            }
+            .into());
+        }
+        let row = s.store.insert_sandbox(candidate).await?;
+        if row.active_node_id.as_deref() != Some(crate::reconcile::LOCAL_NODE) {
+            s.store
+                .set_route_identity(crate::store::entities::route_identity::Model {
+                    sandbox_id: row.id.clone(),
+                    current_node_id: node_id,
+                    execution_generation: row.execution_generation,
+                })
+                .await?;
+        }
+        let placement = s.store.placement(&row.id).await?;
+        Ok(Response::new(pb::CreateSandboxResponse {
+            sandbox: Some(sandbox_of(&placement, None)),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
+    async fn destroy_sandbox(
+        &self,
+        request: Request<pb::DestroySandboxRequest>,
+    ) -> Result<Response<pb::DestroySandboxResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        sandbox_id(&req.sandbox_id)?;
+        let row = s.store.sandbox(&req.sandbox_id).await?;
+        if row.status != "deleted" {
+            // The row leaves every node's assignments; the node (or the local loop) stops
+            // the process. The run is not failed here: the run store decides that.
+            s.store
+                .mark_deleted(&row.id, row.execution_generation)
+                .await?;
+            tracing::info!(reason = %req.reason, "sandbox destroyed");
+        }
+        let placement = s.store.placement(&row.id).await?;
+        Ok(Response::new(pb::DestroySandboxResponse {
+            sandbox: Some(sandbox_of(&placement, None)),
+        }))
+    }
+
     async fn list_nodes(
         &self,
         request: Request<pb::ListNodesRequest>,

@@ -69,6 +69,7 @@ impl SandboxReconciler {
                 run_store,
                 run_store_endpoint: config.run_store.endpoint.clone(),
                 recovery_endpoint: config.stream_recovery.endpoint.clone(),
+                local_state_dir: config.sandbox_reconciler.state_dir.clone().into(),
                 token_hash: (!token.is_empty())
                     .then(|| Sha256::digest(token.expose().as_bytes()).into()),
                 route_key,

@@ -115,6 +115,7 @@ impl World {
             calls: calls.clone(),
         });
         let run_store_endpoint = serve(services).await;
+        config.run_store.endpoint = run_store_endpoint.clone();
 
         let clock = ManualClock::new(chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap());
         let reconciler = SandboxReconciler::open(&config, Arc::new(clock.clone()))
@@ -606,4 +607,375 @@ async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names() 
         w.store.open_wake(&placed.id).await.unwrap().is_none(),
         "no wake for a placed row"
     );
+}
+
+mod node_protocol {
+    use super::*;
+    use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
+
+    async fn nodes(w: &World) -> NodeServiceClient<tonic::transport::Channel> {
+        NodeServiceClient::connect(w.reconciler_endpoint.clone())
+            .await
+            .unwrap()
+    }
+
+    async fn register(w: &World, id: &str, boot: &str) -> u64 {
+        nodes(w)
+            .await
+            .register_node(authed(
+                rpb::RegisterNodeRequest {
+                    node_id: id.into(),
+                    boot_id: format!("{boot}-boot-id-0000000"),
+                    endpoint: format!("{id}.local:7443"),
+                    capacity: 4,
+                    labels: Default::default(),
+                    agent_version: "test".into(),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .epoch
+    }
+
+    fn publish(
+        node: &str,
+        epoch: u64,
+        row: &sandbox::Model,
+        seq: u64,
+        status: rpb::SandboxStatus,
+        placed: bool,
+    ) -> tonic::Request<rpb::PublishSandboxStateRequest> {
+        authed(
+            rpb::PublishSandboxStateRequest {
+                node_id: node.into(),
+                epoch,
+                sandbox_id: row.id.clone(),
+                execution_generation: 1,
+                observation_seq: seq,
+                status: status as i32,
+                placed,
+                exit_code: None,
+                observed_at: None,
+            },
+            TOKEN,
+        )
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_boot_fences_the_old_epoch() {
+        let w = World::new().await;
+        let first = register(&w, "node-a", "one").await;
+        assert_eq!(
+            register(&w, "node-a", "one").await,
+            first,
+            "the same boot keeps its epoch"
+        );
+        let second = register(&w, "node-a", "two").await;
+        assert_eq!(second, first + 1);
+        let err = nodes(&w)
+            .await
+            .heartbeat(authed(
+                rpb::HeartbeatRequest {
+                    node_id: "node-a".into(),
+                    epoch: first,
+                    used: 0,
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error_info(&err).unwrap().reason,
+            ErrorReason::NodeEpochStale.as_str_name()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_publishes_only_for_rows_it_owns_and_never_an_older_observation() {
+        let w = World::new().await;
+        let a = register(&w, "node-a", "a").await;
+        let b = register(&w, "node-b", "b").await;
+        let row = w
+            .store
+            .insert_sandbox(w.row(
+                &uuid::Uuid::new_v4().to_string(),
+                "run-o",
+                "direct",
+                "started",
+                Some("node-a"),
+            ))
+            .await
+            .unwrap();
+        w.store
+            .set_route_identity(route_identity::Model {
+                sandbox_id: row.id.clone(),
+                current_node_id: "node-a".into(),
+                execution_generation: 1,
+            })
+            .await
+            .unwrap();
+        let mut client = nodes(&w).await;
+
+        let err = client
+            .publish_sandbox_state(publish(
+                "node-b",
+                b,
+                &row,
+                10,
+                rpb::SandboxStatus::Exited,
+                true,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::PermissionDenied);
+        assert_eq!(
+            error_info(&err).unwrap().reason,
+            ErrorReason::NodeNotOwner.as_str_name()
+        );
+
+        // node-a suspends for idleness and gives up the placement; its route identity stays.
+        let answer = client
+            .publish_sandbox_state(publish(
+                "node-a",
+                a,
+                &row,
+                10,
+                rpb::SandboxStatus::Suspended,
+                false,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(answer.applied);
+        let now = w.store.sandbox(&row.id).await.unwrap();
+        assert_eq!(
+            (now.status.as_str(), now.active_node_id),
+            ("suspended", None)
+        );
+        // Still node-a's to publish for (its route identity, same generation); not node-b's.
+        let older = client
+            .publish_sandbox_state(publish(
+                "node-a",
+                a,
+                &row,
+                9,
+                rpb::SandboxStatus::Started,
+                true,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!older.applied, "an older observation changes nothing");
+        assert!(
+            client
+                .publish_sandbox_state(publish(
+                    "node-b",
+                    b,
+                    &row,
+                    11,
+                    rpb::SandboxStatus::Started,
+                    true
+                ))
+                .await
+                .is_err()
+        );
+
+        // An exit is an observation: the row stays live until the loss grace decides.
+        client
+            .publish_sandbox_state(publish(
+                "node-a",
+                a,
+                &row,
+                12,
+                rpb::SandboxStatus::Started,
+                true,
+            ))
+            .await
+            .unwrap();
+        client
+            .publish_sandbox_state(publish(
+                "node-a",
+                a,
+                &row,
+                13,
+                rpb::SandboxStatus::Exited,
+                true,
+            ))
+            .await
+            .unwrap();
+        let now = w.store.sandbox(&row.id).await.unwrap();
+        assert_eq!(
+            (now.status.as_str(), now.observed_status.as_str()),
+            ("started", "exited")
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restore_writes_placement_and_route_identity_and_settles_the_wake() {
+        let w = World::new().await;
+        let b = register(&w, "node-b", "b").await;
+        let row = w
+            .store
+            .insert_sandbox(w.row(
+                &uuid::Uuid::new_v4().to_string(),
+                "run-w",
+                "direct",
+                "suspended",
+                None,
+            ))
+            .await
+            .unwrap();
+        let wake = w.store.queue_wake(&row.id, "test").await.unwrap();
+        assert_eq!(w.store.assign_wakes(0).await.unwrap(), 1);
+        let mut client = nodes(&w).await;
+        let assigned = client
+            .list_assigned_sandboxes(authed(
+                rpb::ListAssignedSandboxesRequest {
+                    node_id: "node-b".into(),
+                    epoch: b,
+                    known_revision: 0,
+                    wait: None,
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let restore = assigned
+            .assignments
+            .iter()
+            .find(|a| a.intent() == rpb::AssignmentIntent::Restore)
+            .expect("a restore assignment");
+        assert_eq!(
+            (restore.wake_id.as_str(), restore.wake_attempt),
+            (wake.id.as_str(), 1)
+        );
+
+        let restored = client
+            .report_restored(authed(
+                rpb::ReportRestoredRequest {
+                    node_id: "node-b".into(),
+                    epoch: b,
+                    wake_id: wake.id.clone(),
+                    sandbox_id: row.id.clone(),
+                    execution_generation: 1,
+                    wake_attempt: 1,
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .sandbox
+            .unwrap();
+        assert_eq!(restored.active_node_id, "node-b");
+        assert_eq!(restored.route_identity.unwrap().current_node_id, "node-b");
+        assert!(
+            w.store.open_wake(&row.id).await.unwrap().is_none(),
+            "the wake is settled"
+        );
+        // The same report again finds the wake settled.
+        let again = client
+            .report_restored(authed(
+                rpb::ReportRestoredRequest {
+                    node_id: "node-b".into(),
+                    epoch: b,
+                    wake_id: wake.id.clone(),
+                    sandbox_id: row.id.clone(),
+                    execution_generation: 1,
+                    wake_attempt: 1,
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error_info(&again).unwrap().reason,
+            ErrorReason::WakeSettled.as_str_name()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn create_is_keyed_and_destroy_ends_the_sandbox() {
+        let w = World::new().await;
+        let (existing, _) = w.running_sandbox("create-keyed").await;
+        let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
+            .await
+            .unwrap();
+        let create = |key: &str, substrate: rpb::Substrate| {
+            authed(
+                rpb::CreateSandboxRequest {
+                    client_request_id: key.into(),
+                    run_id: existing.run_id.clone(),
+                    substrate: substrate as i32,
+                    idle_timeout: None,
+                    node_id: String::new(),
+                },
+                TOKEN,
+            )
+        };
+        let err = api
+            .create_sandbox(create("another-request-0001", rpb::Substrate::Direct))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::AlreadyExists);
+        assert_eq!(
+            error_info(&err).unwrap().metadata["sandbox_id"],
+            existing.id
+        );
+        let err = api
+            .create_sandbox(create("kubernetes-request-01", rpb::Substrate::Kubernetes))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+
+        let destroyed = api
+            .destroy_sandbox(authed(
+                rpb::DestroySandboxRequest {
+                    sandbox_id: existing.id.clone(),
+                    reason: "test".into(),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .sandbox
+            .unwrap();
+        assert_eq!(destroyed.status(), rpb::SandboxStatus::Deleted);
+        let err = api
+            .resolve_route(authed(
+                rpb::ResolveRouteRequest {
+                    sandbox_id: existing.id.clone(),
+                    session_id: String::new(),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error_info(&err).unwrap().reason,
+            ErrorReason::SandboxEnded.as_str_name()
+        );
+
+        // With the old one gone, a new sandbox for the run can be created, once per key.
+        let first = api
+            .create_sandbox(create("replacement-request-1", rpb::Substrate::Direct))
+            .await
+            .unwrap()
+            .into_inner()
+            .sandbox
+            .unwrap();
+        let again = api
+            .create_sandbox(create("replacement-request-1", rpb::Substrate::Direct))
+            .await
+            .unwrap()
+            .into_inner()
+            .sandbox
+            .unwrap();
+        assert_eq!(first.id, again.id);
+        assert_eq!(first.status(), rpb::SandboxStatus::Creating);
+    }
 }

@@ -347,6 +347,15 @@ impl Store {
         Ok(done.rows_affected == 1)
     }
 
+    /// A live sandbox of `run_id`, if one exists.
+    pub async fn live_sandbox_of(&self, run_id: &str) -> Result<Option<sandbox::Model>> {
+        Ok(sandbox::Entity::find()
+            .filter(sandbox::Column::RunId.eq(run_id))
+            .filter(sandbox::Column::Status.is_in(LIVE))
+            .one(&self.db)
+            .await?)
+    }
+
     /// Ends a sandbox that will never run (its run ended before it started).
     pub async fn mark_deleted(&self, id: &str, generation: i64) -> Result<bool> {
         let done = sandbox::Entity::update_many()
