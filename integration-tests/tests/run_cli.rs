@@ -4,7 +4,9 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use runplane_integration_tests::{runplane_bin, start_dev_on};
+use runplane_integration_tests::{channel, runplane_bin, start_dev_on};
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_testkit::free_local_addr;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
@@ -55,6 +57,28 @@ async fn a_run_prints_live_survives_a_dev_restart_and_ends_succeeded() {
     // Restart the whole control plane under the running agent.
     assert!(dev.terminate().await.success());
     let _dev = start_dev_on(data.path(), &addr, &[]).await;
+
+    // The restarted reconciler re-adopts the sandbox by pid: its ticks see it alive, so
+    // no loss is stamped.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
+    let mut request = tonic::Request::new(rpb::ListSandboxesRequest::default());
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", token.trim()).parse().unwrap(),
+    );
+    let sandboxes = SandboxServiceClient::new(channel(&format!("http://{addr}")).await)
+        .list_sandboxes(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes;
+    assert_eq!(sandboxes.len(), 1);
+    assert_eq!(sandboxes[0].status(), rpb::SandboxStatus::Started);
+    assert!(
+        sandboxes[0].loss_observed_at.is_none(),
+        "re-adopted, not presumed lost"
+    );
 
     while let Some(line) = tokio::time::timeout(Duration::from_secs(60), out.next_line())
         .await

@@ -1,7 +1,8 @@
 //! The `process` driver: a sandbox is a local `runplane runner` process.
 //!
 //! Each sandbox runs as `sh -c '<runplane> runner; echo $? > <dir>/exit' runplane-sandbox-<id>`
-//! in a process group of its own, so it outlives the control plane that started it: a
+//! in a session (and so a process group) of its own, so it outlives the control plane that
+//! started it: a
 //! restarted reconciler re-adopts it by pid (checking the pid still names this sandbox,
 //! since pids are reused) and learns its end from the exit file the shell writes. The
 //! reconciler never waits on a process it did not start in this life; the ones it did
@@ -104,7 +105,19 @@ impl Driver for ProcessDriver {
             let log_err = log
                 .try_clone()
                 .map_err(|e| DriverError::Start(e.to_string()))?;
-            let mut child = tokio::process::Command::new("sh")
+            // A session of its own (setsid, from util-linux) detaches it from the control
+            // plane's terminal and signals; without setsid, a process group of its own.
+            let setsid = std::path::Path::new("/usr/bin/setsid").exists();
+            let mut command = if setsid {
+                let mut c = tokio::process::Command::new("/usr/bin/setsid");
+                c.arg("sh");
+                c
+            } else {
+                let mut c = tokio::process::Command::new("sh");
+                c.process_group(0);
+                c
+            };
+            let mut child = command
                 .arg("-c")
                 .arg(r#""$RUNPLANE_BIN" runner; echo $? > "$RUNPLANE_SANDBOX_DIR/exit""#)
                 .arg(label(&id))
@@ -117,7 +130,6 @@ impl Driver for ProcessDriver {
                 .stdin(Stdio::null())
                 .stdout(log)
                 .stderr(log_err)
-                .process_group(0)
                 .kill_on_drop(false)
                 .spawn()
                 .map_err(|e| DriverError::Start(e.to_string()))?;
