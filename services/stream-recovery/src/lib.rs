@@ -6,6 +6,8 @@
 //! answers `UNIMPLEMENTED`.
 
 pub mod grpc;
+pub mod policy;
+pub mod store;
 
 use runplane_grpc::ServiceSet;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryServiceServer;

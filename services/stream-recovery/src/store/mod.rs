@@ -1,0 +1,146 @@
+//! Where leases, replay buffers and restart budgets live: Redis in production, memory
+//! for `runplane dev`, one trait and one conformance suite for both.
+//!
+//! Time comes from the injected clock, passed into every operation (and every Lua
+//! script) as milliseconds: one time source whether the store is Redis or memory, a
+//! clock tests can move by hand, and no dependence on the Redis server's clock agreeing
+//! with the coordinators'. Redis key expiries are only garbage collection; every decision
+//! compares the stored times with the caller's `now`.
+
+pub mod memory;
+pub mod redis;
+
+use async_trait::async_trait;
+
+use crate::policy::BufferLimits;
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum StoreError {
+    /// The token no longer holds the lease.
+    #[error("the lease is held by a newer controller")]
+    Fenced,
+    #[error("the lease is held by controller {controller}")]
+    Held { controller: String },
+    /// The run had a first controller already; later ones come through a claim.
+    #[error("the run's first controller was already granted; a takeover goes through recovery")]
+    TakeoverRequired,
+    #[error("the batch starts past the next expected sequence {next}")]
+    Gap { next: u64 },
+    #[error("the stream's replay budget is spent")]
+    BudgetExceeded,
+    #[error("the recovery store is unavailable: {0}")]
+    Backend(String),
+}
+
+impl From<::redis::RedisError> for StoreError {
+    fn from(e: ::redis::RedisError) -> Self {
+        StoreError::Backend(e.to_string())
+    }
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// A lease granted to a run's first controller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acquired {
+    pub token: String,
+    pub expires_ms: i64,
+    pub next_sequence: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Appended {
+    pub next_sequence: u64,
+    pub stored: u32,
+    pub stream_bytes_remaining: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredFrame {
+    pub sequence: u64,
+    pub data: Vec<u8>,
+    pub appended_ms: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replay {
+    /// The first sequence still kept (1 when nothing was trimmed).
+    pub first_available: u64,
+    pub next_sequence: u64,
+    pub frames: Vec<StoredFrame>,
+}
+
+/// A run's restart budget and lease, as read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BudgetState {
+    pub attempts: u32,
+    pub claimed_ms: Option<i64>,
+    pub not_before_ms: Option<i64>,
+    pub exhausted: bool,
+    /// The lease holder and expiry, when held (unexpired at the read's `now`).
+    pub lease: Option<(String, i64)>,
+    pub next_sequence: u64,
+}
+
+/// What one claim attempt decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// A controller holds the lease (live or parked): never taken over.
+    LeaseHeld,
+    /// The backoff runs until then.
+    Wait { not_before_ms: i64 },
+    /// The takeover is claimed: new token, budget updated, in one step.
+    Claimed {
+        attempt: u32,
+        next_sequence: u64,
+        not_before_ms: i64,
+    },
+    /// The budget is spent. `newly` is true for the one claim that spent it.
+    Exhausted { newly: bool },
+}
+
+/// The arguments of a claim, fixed by the caller so the store stays deterministic.
+#[derive(Debug, Clone)]
+pub struct ClaimArgs<'a> {
+    pub now_ms: i64,
+    pub token: &'a str,
+    pub controller: &'a str,
+    pub lease_ttl_ms: i64,
+    /// A draw from `[0, 1)` for the backoff's jitter.
+    pub jitter: f64,
+}
+
+#[async_trait]
+pub trait RecoveryStore: Send + Sync + 'static {
+    /// Grants the lease to a run's first controller; the same controller again gets its
+    /// token back (and a fresh expiry).
+    async fn acquire(
+        &self,
+        run: &str,
+        controller: &str,
+        token: &str,
+        ttl_ms: i64,
+        now_ms: i64,
+    ) -> Result<Acquired>;
+    async fn renew(&self, run: &str, token: &str, ttl_ms: i64, now_ms: i64) -> Result<i64>;
+    /// Removes the lease if `token` holds it.
+    async fn release(&self, run: &str, token: &str) -> Result<bool>;
+    /// Appends frames fenced by `token`, idempotent by sequence, charged to the stream's
+    /// byte budget, trimmed to the buffer's length.
+    async fn append(
+        &self,
+        run: &str,
+        token: &str,
+        frames: &[(u64, Vec<u8>)],
+        now_ms: i64,
+        limits: &BufferLimits,
+    ) -> Result<Appended>;
+    async fn read(&self, run: &str, from: u64, max: usize) -> Result<Replay>;
+    async fn budget(&self, run: &str, now_ms: i64) -> Result<BudgetState>;
+    /// Plans and, when allowed, claims a takeover, all in one atomic step.
+    async fn claim(&self, run: &str, args: &ClaimArgs<'_>) -> Result<ClaimOutcome>;
+    /// Forgets everything about a run (the orphan sweep).
+    async fn forget(&self, run: &str) -> Result<()>;
+    /// Runs with state, in id order after `cursor`, at most `limit`.
+    async fn runs(&self, cursor: &str, limit: usize) -> Result<Vec<String>>;
+}

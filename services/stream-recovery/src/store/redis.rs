@@ -1,0 +1,495 @@
+//! The Redis store. Every change that touches more than one key, or reads then writes, is
+//! one Lua script, loaded once and re-loaded on `NOSCRIPT` (the `redis` crate's
+//! `Script` does both). A run's keys share the hash tag `{run:<id>}`, so every script
+//! touches one slot and Redis Cluster works; the index of runs (for the sweep) is a
+//! separate key written outside the scripts, and only ever read as a hint.
+
+use std::sync::LazyLock;
+
+use async_trait::async_trait;
+use redis::aio::ConnectionManager;
+use redis::{Script, Value};
+
+use super::{
+    Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
+    StoreError, StoredFrame,
+};
+use crate::policy::{BACKOFF_BASE, BACKOFF_CAP, BufferLimits, MAX_ATTEMPTS, RESET_AFTER};
+
+/// How much longer than the lease a lease key lives: a late renewal by the holder is still
+/// fenced by the token, and the key is garbage collected eventually.
+const LEASE_GC_FACTOR: i64 = 4;
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local now = tonumber(ARGV[4])
+local ttl = tonumber(ARGV[3])
+local holder = redis.call('HGET', KEYS[1], 'controller')
+local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
+if holder and expires > now then
+  if holder == ARGV[1] then
+    redis.call('HSET', KEYS[1], 'expires', now + ttl)
+    redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[5]))
+    return {'ok', redis.call('HGET', KEYS[1], 'token'), now + ttl, tonumber(redis.call('HGET', KEYS[2], 'next') or '1')}
+  end
+  return {'held', holder}
+end
+if redis.call('HGET', KEYS[2], 'granted') == '1' then
+  return {'takeover'}
+end
+redis.call('HSET', KEYS[1], 'controller', ARGV[1], 'token', ARGV[2], 'expires', now + ttl)
+redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[5]))
+redis.call('HSETNX', KEYS[2], 'next', 1)
+redis.call('HSETNX', KEYS[2], 'first', 1)
+redis.call('HSETNX', KEYS[2], 'bytes', 0)
+redis.call('HSET', KEYS[2], 'granted', '1')
+return {'ok', ARGV[2], now + ttl, tonumber(redis.call('HGET', KEYS[2], 'next'))}
+"#,
+    )
+});
+
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {'fenced'} end
+local expires = tonumber(ARGV[3]) + tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'expires', expires)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * tonumber(ARGV[4]))
+return {'ok', expires}
+"#,
+    )
+});
+
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"#,
+    )
+});
+
+static APPEND: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {'fenced'} end
+local now = ARGV[2]
+local max_frames = tonumber(ARGV[3])
+local budget = tonumber(ARGV[4])
+local ttl = ARGV[5]
+local next = tonumber(redis.call('HGET', KEYS[2], 'next') or '1')
+local first = tonumber(redis.call('HGET', KEYS[2], 'first') or '1')
+local bytes = tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0')
+local n = (#ARGV - 5) / 2
+if tonumber(ARGV[6]) > next then return {'gap', next} end
+local add = 0
+for i = 0, n - 1 do
+  if tonumber(ARGV[6 + 2 * i]) >= next then add = add + string.len(ARGV[7 + 2 * i]) end
+end
+if bytes + add > budget then return {'budget'} end
+local stored = 0
+for i = 0, n - 1 do
+  if tonumber(ARGV[6 + 2 * i]) == next then
+    redis.call('HSET', KEYS[3], next, ARGV[7 + 2 * i])
+    redis.call('HSET', KEYS[4], next, now)
+    next = next + 1
+    stored = stored + 1
+  end
+end
+while next - first > max_frames do
+  redis.call('HDEL', KEYS[3], first)
+  redis.call('HDEL', KEYS[4], first)
+  first = first + 1
+end
+redis.call('HSET', KEYS[2], 'next', next, 'first', first, 'bytes', bytes + add)
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('PEXPIRE', KEYS[3], ttl)
+redis.call('PEXPIRE', KEYS[4], ttl)
+return {'ok', next, stored, budget - bytes - add}
+"#,
+    )
+});
+
+static READ: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local next = tonumber(redis.call('HGET', KEYS[1], 'next') or '1')
+local first = tonumber(redis.call('HGET', KEYS[1], 'first') or '1')
+local from = math.max(tonumber(ARGV[1]), first)
+local last = math.min(next - 1, from + tonumber(ARGV[2]) - 1)
+local out = {first, next}
+for s = from, last do
+  table.insert(out, s)
+  table.insert(out, redis.call('HGET', KEYS[2], s) or '')
+  table.insert(out, tonumber(redis.call('HGET', KEYS[3], s) or '0'))
+end
+return out
+"#,
+    )
+});
+
+static BUDGET: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local now = tonumber(ARGV[1])
+local holder = redis.call('HGET', KEYS[1], 'controller') or ''
+local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
+if expires <= now then holder = ''; expires = 0 end
+local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
+return {holder, expires, tonumber(b[1] or '0'), tonumber(b[2] or '-1'), tonumber(b[3] or '-1'),
+        b[4] or '0', tonumber(redis.call('HGET', KEYS[3], 'next') or '1')}
+"#,
+    )
+});
+
+/// Plan and claim in one step: lease free, not exhausted, budget window, not_before, then
+/// the new token and `{attempts, claimed, not_before}` together.
+static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local now = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[4])
+local base, cap = tonumber(ARGV[5]), tonumber(ARGV[6])
+local jitter = tonumber(ARGV[7])
+local reset_after, max_attempts = tonumber(ARGV[8]), tonumber(ARGV[9])
+local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
+if redis.call('HGET', KEYS[1], 'controller') and expires > now then return {'held'} end
+local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
+if b[4] == '1' then return {'exhausted', 0} end
+local attempts = tonumber(b[1] or '0')
+local claimed = tonumber(b[2] or '0')
+if attempts > 0 and now - claimed > reset_after then attempts = 0 end
+if attempts >= max_attempts then
+  redis.call('HSET', KEYS[2], 'exhausted', '1')
+  return {'exhausted', 1}
+end
+if attempts > 0 and now < tonumber(b[3] or '0') then return {'wait', tonumber(b[3])} end
+attempts = attempts + 1
+local d = math.min(cap, base * math.pow(2, attempts - 1))
+local not_before = now + math.floor(math.min(cap, d + d * jitter))
+redis.call('HSET', KEYS[2], 'attempts', attempts, 'claimed', now, 'not_before', not_before)
+redis.call('HSET', KEYS[1], 'controller', ARGV[3], 'token', ARGV[2], 'expires', now + ttl)
+redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[10]))
+redis.call('HSETNX', KEYS[3], 'next', 1)
+redis.call('HSET', KEYS[3], 'granted', '1')
+return {'claimed', attempts, tonumber(redis.call('HGET', KEYS[3], 'next')), not_before}
+"#,
+    )
+});
+
+/// The Redis-backed store; cheap to clone (one multiplexed, reconnecting connection).
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+struct Keys {
+    lease: String,
+    meta: String,
+    frames: String,
+    times: String,
+    budget: String,
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        _ => String::new(),
+    }
+}
+
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::Int(i) => *i,
+        other => text(other).parse().unwrap_or_default(),
+    }
+}
+
+fn bytes(v: &Value) -> Vec<u8> {
+    match v {
+        Value::BulkString(b) => b.clone(),
+        other => text(other).into_bytes(),
+    }
+}
+
+impl RedisStore {
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
+        let client = redis::Client::open(url)?;
+        let conn = ConnectionManager::new(client).await?;
+        Ok(Self {
+            conn,
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    fn keys(&self, run: &str) -> Keys {
+        let tag = format!("{}{{run:{run}}}", self.prefix);
+        Keys {
+            lease: format!("{tag}:lease"),
+            meta: format!("{tag}:meta"),
+            frames: format!("{tag}:frames"),
+            times: format!("{tag}:times"),
+            budget: format!("{tag}:budget"),
+        }
+    }
+
+    fn index(&self) -> String {
+        format!("{}runs", self.prefix)
+    }
+
+    async fn remember(&self, run: &str) -> Result<()> {
+        let mut conn = self.conn.clone();
+        let _: i64 = redis::cmd("ZADD")
+            .arg(self.index())
+            .arg(0)
+            .arg(run)
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl RecoveryStore for RedisStore {
+    async fn acquire(
+        &self,
+        run: &str,
+        controller: &str,
+        token: &str,
+        ttl_ms: i64,
+        now_ms: i64,
+    ) -> Result<Acquired> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let out: Vec<Value> = ACQUIRE
+            .key(&k.lease)
+            .key(&k.meta)
+            .arg(controller)
+            .arg(token)
+            .arg(ttl_ms)
+            .arg(now_ms)
+            .arg(LEASE_GC_FACTOR)
+            .invoke_async(&mut conn)
+            .await?;
+        match text(&out[0]).as_str() {
+            "ok" => {
+                self.remember(run).await?;
+                Ok(Acquired {
+                    token: text(&out[1]),
+                    expires_ms: int(&out[2]),
+                    next_sequence: int(&out[3]) as u64,
+                })
+            }
+            "held" => Err(StoreError::Held {
+                controller: text(&out[1]),
+            }),
+            _ => Err(StoreError::TakeoverRequired),
+        }
+    }
+
+    async fn renew(&self, run: &str, token: &str, ttl_ms: i64, now_ms: i64) -> Result<i64> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let out: Vec<Value> = RENEW
+            .key(&k.lease)
+            .arg(token)
+            .arg(ttl_ms)
+            .arg(now_ms)
+            .arg(LEASE_GC_FACTOR)
+            .invoke_async(&mut conn)
+            .await?;
+        match text(&out[0]).as_str() {
+            "ok" => Ok(int(&out[1])),
+            _ => Err(StoreError::Fenced),
+        }
+    }
+
+    async fn release(&self, run: &str, token: &str) -> Result<bool> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let released: i64 = RELEASE
+            .key(&k.lease)
+            .arg(token)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(released == 1)
+    }
+
+    async fn append(
+        &self,
+        run: &str,
+        token: &str,
+        frames: &[(u64, Vec<u8>)],
+        now_ms: i64,
+        limits: &BufferLimits,
+    ) -> Result<Appended> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let mut invocation = APPEND.prepare_invoke();
+        invocation
+            .key(&k.lease)
+            .key(&k.meta)
+            .key(&k.frames)
+            .key(&k.times)
+            .arg(token)
+            .arg(now_ms)
+            .arg(limits.max_frames)
+            .arg(limits.stream_bytes)
+            .arg(limits.ttl.as_millis() as u64);
+        for (sequence, data) in frames {
+            invocation.arg(*sequence).arg(data.as_slice());
+        }
+        let out: Vec<Value> = invocation.invoke_async(&mut conn).await?;
+        match text(&out[0]).as_str() {
+            "ok" => Ok(Appended {
+                next_sequence: int(&out[1]) as u64,
+                stored: int(&out[2]) as u32,
+                stream_bytes_remaining: int(&out[3]).max(0) as u64,
+            }),
+            "gap" => Err(StoreError::Gap {
+                next: int(&out[1]) as u64,
+            }),
+            "budget" => Err(StoreError::BudgetExceeded),
+            _ => Err(StoreError::Fenced),
+        }
+    }
+
+    async fn read(&self, run: &str, from: u64, max: usize) -> Result<Replay> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let out: Vec<Value> = READ
+            .key(&k.meta)
+            .key(&k.frames)
+            .key(&k.times)
+            .arg(from)
+            .arg(max)
+            .invoke_async(&mut conn)
+            .await?;
+        let frames = out[2..]
+            .chunks(3)
+            .map(|c| StoredFrame {
+                sequence: int(&c[0]) as u64,
+                data: bytes(&c[1]),
+                appended_ms: int(&c[2]),
+            })
+            .collect();
+        Ok(Replay {
+            first_available: int(&out[0]) as u64,
+            next_sequence: int(&out[1]) as u64,
+            frames,
+        })
+    }
+
+    async fn budget(&self, run: &str, now_ms: i64) -> Result<BudgetState> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let out: Vec<Value> = BUDGET
+            .key(&k.lease)
+            .key(&k.budget)
+            .key(&k.meta)
+            .arg(now_ms)
+            .invoke_async(&mut conn)
+            .await?;
+        let holder = text(&out[0]);
+        let optional = |v: i64| (v >= 0).then_some(v);
+        Ok(BudgetState {
+            lease: (!holder.is_empty()).then(|| (holder, int(&out[1]))),
+            attempts: int(&out[2]) as u32,
+            claimed_ms: optional(int(&out[3])),
+            not_before_ms: optional(int(&out[4])),
+            exhausted: text(&out[5]) == "1",
+            next_sequence: int(&out[6]) as u64,
+        })
+    }
+
+    async fn claim(&self, run: &str, a: &ClaimArgs<'_>) -> Result<ClaimOutcome> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let out: Vec<Value> = CLAIM
+            .key(&k.lease)
+            .key(&k.budget)
+            .key(&k.meta)
+            .arg(a.now_ms)
+            .arg(a.token)
+            .arg(a.controller)
+            .arg(a.lease_ttl_ms)
+            .arg(BACKOFF_BASE.as_millis() as u64)
+            .arg(BACKOFF_CAP.as_millis() as u64)
+            .arg(a.jitter)
+            .arg(RESET_AFTER.as_millis() as u64)
+            .arg(MAX_ATTEMPTS)
+            .arg(LEASE_GC_FACTOR)
+            .invoke_async(&mut conn)
+            .await?;
+        let outcome = match text(&out[0]).as_str() {
+            "held" => ClaimOutcome::LeaseHeld,
+            "wait" => ClaimOutcome::Wait {
+                not_before_ms: int(&out[1]),
+            },
+            "exhausted" => ClaimOutcome::Exhausted {
+                newly: int(&out[1]) == 1,
+            },
+            _ => ClaimOutcome::Claimed {
+                attempt: int(&out[1]) as u32,
+                next_sequence: int(&out[2]) as u64,
+                not_before_ms: int(&out[3]),
+            },
+        };
+        if matches!(outcome, ClaimOutcome::Claimed { .. }) {
+            self.remember(run).await?;
+        }
+        Ok(outcome)
+    }
+
+    async fn forget(&self, run: &str) -> Result<()> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let _: i64 = redis::cmd("DEL")
+            .arg(&k.lease)
+            .arg(&k.meta)
+            .arg(&k.frames)
+            .arg(&k.times)
+            .arg(&k.budget)
+            .query_async(&mut conn)
+            .await?;
+        let _: i64 = redis::cmd("ZREM")
+            .arg(self.index())
+            .arg(run)
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn runs(&self, cursor: &str, limit: usize) -> Result<Vec<String>> {
+        let mut conn = self.conn.clone();
+        let from = if cursor.is_empty() {
+            "-".to_owned()
+        } else {
+            format!("({cursor}")
+        };
+        Ok(redis::cmd("ZRANGEBYLEX")
+            .arg(self.index())
+            .arg(from)
+            .arg("+")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut conn)
+            .await?)
+    }
+}
