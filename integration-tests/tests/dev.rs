@@ -145,13 +145,11 @@ async fn a_method_not_built_yet_answers_unimplemented() {
     let data = tempfile::tempdir().unwrap();
     let dev = start_dev(data.path()).await;
     let mut client =
-        runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient::connect(
-            dev.endpoint(),
-        )
-        .await
-        .unwrap();
+        runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient::new(
+            channel(&dev.endpoint()).await,
+        );
     let err = client
-        .get_recovery_budget(runplane_proto::recovery::v1::GetRecoveryBudgetRequest::default())
+        .get_fleet(runplane_proto::credentials::v1::GetFleetRequest::default())
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unimplemented);

@@ -46,6 +46,7 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     config.sandbox_reconciler.state_dir = data_dir.join("sandboxes").display().to_string();
     config.sandbox_reconciler.tick_interval_ms = 500;
     config.stream_recovery.endpoint = endpoint.clone();
+    config.stream_recovery.redis_url = crate::serve::EMBEDDED_STORE.to_owned();
     config.credential_health.database_url = sqlite("credential-health.sqlite");
     config.credential_health.endpoint = endpoint;
     config.validate()?;

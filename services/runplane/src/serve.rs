@@ -13,6 +13,9 @@ use tokio::net::TcpListener;
 
 use crate::cli::ServiceName;
 
+/// `[stream_recovery].redis_url` of `runplane dev`: the in-process store.
+pub const EMBEDDED_STORE: &str = "memory://";
+
 /// The services one process hosts.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Selection {
@@ -97,7 +100,14 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
         reconciler.spawn_loop(binary, std::future::pending());
     }
     if selection.stream_recovery {
-        StreamRecovery::new().register(&mut services);
+        let coordinator = if config.stream_recovery.redis_url == EMBEDDED_STORE {
+            StreamRecovery::embedded(config, runplane_clock::SystemClock::shared())?
+        } else {
+            StreamRecovery::open(config, runplane_clock::SystemClock::shared())
+                .await
+                .context("starting the stream recovery coordinator")?
+        };
+        coordinator.register(&mut services);
     }
     if selection.credential_health {
         CredentialHealth::open(config)

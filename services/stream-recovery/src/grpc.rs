@@ -1,10 +1,757 @@
-//! The tonic side of the coordinator. Every method still has the generated default body,
-//! which answers `UNIMPLEMENTED`.
+//! The tonic side of the coordinator: authenticate, validate, call the store and the run
+//! store, map errors.
 
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use rand::RngCore;
+use runplane_clock::SharedClock;
+use runplane_grpc::client::Bearer;
+use runplane_grpc::{ErrorReason, error_info, status_with_reason};
+use runplane_proto::recovery::v1 as pb;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryService;
+use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use sha2::{Digest, Sha256};
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Code, Request, Response, Status};
 
-/// `runplane.recovery.v1.StreamRecoveryService`.
+use crate::policy::{BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER};
+use crate::store::{ClaimArgs, ClaimOutcome, RecoveryStore, StoreError};
+
+/// The run store, called with the service token.
+pub type RunStoreClient =
+    RunServiceClient<InterceptedService<runplane_grpc::client::TracedChannel, Bearer>>;
+
+/// What the coordinator's handlers share.
+pub struct Shared {
+    pub store: Arc<dyn RecoveryStore>,
+    pub clock: SharedClock,
+    pub run_store: RunStoreClient,
+    pub limits: BufferLimits,
+    /// SHA-256 of the operator/service token.
+    pub token_hash: Option<[u8; 32]>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
+}
+
 #[derive(Debug, Clone)]
-pub struct StreamRecoveryApi;
+pub struct StreamRecoveryApi {
+    pub shared: Arc<Shared>,
+}
 
-impl StreamRecoveryService for StreamRecoveryApi {}
+fn reason(
+    code: Code,
+    reason: ErrorReason,
+    message: impl Into<String>,
+    meta: Vec<(&str, String)>,
+) -> Status {
+    status_with_reason(
+        code,
+        reason,
+        message,
+        meta.into_iter().map(|(k, v)| (k.to_owned(), v)),
+    )
+}
+
+fn store_error(e: StoreError) -> Status {
+    let message = e.to_string();
+    match e {
+        StoreError::Fenced => reason(
+            Code::FailedPrecondition,
+            ErrorReason::LeaseFenced,
+            message,
+            vec![],
+        ),
+        StoreError::Held { controller } => reason(
+            Code::FailedPrecondition,
+            ErrorReason::LeaseHeld,
+            message,
+            vec![("controller_id", controller)],
+        ),
+        StoreError::TakeoverRequired => reason(
+            Code::FailedPrecondition,
+            ErrorReason::LeaseTakeoverRequired,
+            message,
+            vec![],
+        ),
+        StoreError::Gap { next } => reason(
+            Code::FailedPrecondition,
+            ErrorReason::FrameSequenceGap,
+            message,
+            vec![("next_sequence", next.to_string())],
+        ),
+        StoreError::BudgetExceeded => reason(
+            Code::ResourceExhausted,
+            ErrorReason::BudgetExceeded,
+            message,
+            vec![("budget_scope", "stream".into())],
+        ),
+        StoreError::Backend(cause) => {
+            tracing::error!(%cause, "recovery store unavailable");
+            reason(
+                Code::Unavailable,
+                ErrorReason::StoreUnavailable,
+                "the recovery store is unavailable; nothing was changed",
+                vec![],
+            )
+        }
+    }
+}
+
+fn invalid(field: &str, why: &str) -> Status {
+    reason(
+        Code::InvalidArgument,
+        ErrorReason::InvalidField,
+        format!("{field}: {why}"),
+        vec![("field", field.to_owned())],
+    )
+}
+
+fn upstream(status: &Status) -> Status {
+    reason(
+        Code::Unavailable,
+        ErrorReason::UpstreamUnavailable,
+        format!(
+            "the run store did not answer ({:?}); nothing was changed",
+            status.code()
+        ),
+        vec![],
+    )
+}
+
+fn timestamp(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: ms.div_euclid(1000),
+        nanos: (ms.rem_euclid(1000) * 1_000_000) as i32,
+    }
+}
+
+fn new_token() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rng().fill_bytes(&mut bytes);
+    format!(
+        "ct_{}",
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    )
+}
+
+fn ttl_ms(ttl: Option<&prost_types::Duration>) -> Result<i64, Status> {
+    let ms = match ttl {
+        None => DEFAULT_LEASE_TTL.as_millis() as i64,
+        Some(d) if d.seconds == 0 && d.nanos == 0 => DEFAULT_LEASE_TTL.as_millis() as i64,
+        Some(d) => d.seconds * 1000 + i64::from(d.nanos / 1_000_000),
+    };
+    if !(5_000..=120_000).contains(&ms) {
+        return Err(invalid("ttl", "must be 5 s to 120 s"));
+    }
+    Ok(ms)
+}
+
+fn budget_of(b: &crate::store::BudgetState) -> pb::RecoveryBudget {
+    pb::RecoveryBudget {
+        attempts: b.attempts,
+        max_attempts: MAX_ATTEMPTS,
+        claimed_at: b.claimed_ms.map(timestamp),
+        not_before: b.not_before_ms.filter(|_| b.attempts > 0).map(timestamp),
+        reset_after: Some(prost_types::Duration {
+            seconds: RESET_AFTER.as_secs() as i64,
+            nanos: 0,
+        }),
+        exhausted: b.exhausted,
+    }
+}
+
+impl Shared {
+    fn now_ms(&self) -> i64 {
+        self.clock.now().timestamp_millis()
+    }
+
+    fn operator<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let token = bearer(request).ok_or_else(unauthenticated)?;
+        let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        match self.token_hash {
+            Some(expected) if expected == hash => Ok(()),
+            _ => Err(unauthenticated()),
+        }
+    }
+
+    /// The runner's key, checked by the run store by its hash: the key never leaves here.
+    async fn runner<T>(&self, request: &Request<T>, run_id: &str) -> Result<(), Status> {
+        let key = bearer(request).ok_or_else(unauthenticated)?;
+        let check = self
+            .run_store
+            .clone()
+            .check_run_key(rs::CheckRunKeyRequest {
+                run_id: run_id.to_owned(),
+                key_sha256: Sha256::digest(key.as_bytes()).to_vec(),
+            })
+            .await;
+        match check {
+            Ok(_) => Ok(()),
+            // The run store's refusal (invalid, revoked, other run, terminal) stands as is.
+            Err(status) if error_info(&status).is_some() && status.code() != Code::Unavailable => {
+                Err(status)
+            }
+            Err(status) => Err(upstream(&status)),
+        }
+    }
+
+    /// The run's state, from the run store.
+    async fn run(&self, run_id: &str) -> Result<rs::Run, Status> {
+        match self
+            .run_store
+            .clone()
+            .get_run(rs::GetRunRequest {
+                run_id: run_id.to_owned(),
+            })
+            .await
+        {
+            Ok(answer) => Ok(answer.into_inner().run.unwrap_or_default()),
+            Err(status) if status.code() == Code::NotFound => Err(status),
+            Err(status) => Err(upstream(&status)),
+        }
+    }
+
+    /// Ends an exhausted run through the run store's terminal path and sends its one
+    /// abort. Both calls are keyed, so repeating them (a later claim, the sweep) changes
+    /// nothing and the runner never gets a second abort.
+    async fn end_exhausted(&self, run_id: &str) -> Result<(), Status> {
+        let failed = self
+            .run_store
+            .clone()
+            .fail_run(rs::FailRunRequest {
+                run_id: run_id.to_owned(),
+                reason: "stream_recovery_exhausted".into(),
+                message: format!(
+                    "the run's stream was taken over {MAX_ATTEMPTS} times and kept failing"
+                ),
+                idempotency_key: format!("{run_id}:recovery-exhausted"),
+                if_sandbox_generation: None,
+            })
+            .await
+            .map_err(|s| upstream(&s))?;
+        tracing::warn!(run_id, outcome = ?failed.into_inner().outcome(), "stream recovery exhausted; run ended");
+        self.run_store
+            .clone()
+            .enqueue_control(rs::EnqueueControlRequest {
+                run_id: run_id.to_owned(),
+                idempotency_key: format!("{run_id}:abort"),
+                control: Some(rs::enqueue_control_request::Control::Abort(
+                    rs::AbortPayload {
+                        reason: "stream_recovery_exhausted".into(),
+                    },
+                )),
+            })
+            .await
+            .map_err(|s| upstream(&s))?;
+        Ok(())
+    }
+
+    /// Plans a recovery and, when allowed, claims it: the run store's state is read
+    /// first (a failure there spends nothing), the claim is one atomic store step, and
+    /// the claim is handed to the runner as `resume_stream`.
+    pub async fn plan(
+        &self,
+        run_id: &str,
+        why: &str,
+    ) -> Result<(pb::RecoveryDecision, Option<(String, u64)>), Status> {
+        let run = self.run(run_id).await?;
+        if run.state().is_terminal() {
+            return Ok((pb::RecoveryDecision::RunTerminal, None));
+        }
+        let token = new_token();
+        let now = self.now_ms();
+        let outcome = self
+            .store
+            .claim(
+                run_id,
+                &ClaimArgs {
+                    now_ms: now,
+                    token: &token,
+                    controller: "recovery",
+                    lease_ttl_ms: DEFAULT_LEASE_TTL.as_millis() as i64,
+                    jitter: rand::random::<f64>(),
+                },
+            )
+            .await
+            .map_err(store_error)?;
+        match outcome {
+            ClaimOutcome::LeaseHeld => Ok((pb::RecoveryDecision::LeaseHeld, None)),
+            ClaimOutcome::Wait { not_before_ms } => Err(reason(
+                Code::FailedPrecondition,
+                ErrorReason::RecoveryNotBefore,
+                "a recent takeover's backoff runs; retry after not_before",
+                vec![
+                    ("not_before", not_before_ms.to_string()),
+                    ("retry_after_ms", (not_before_ms - now).max(0).to_string()),
+                ],
+            )),
+            ClaimOutcome::Exhausted { .. } => {
+                self.end_exhausted(run_id).await?;
+                Err(reason(
+                    Code::FailedPrecondition,
+                    ErrorReason::RecoveryExhausted,
+                    format!("the run's stream recovery budget ({MAX_ATTEMPTS} takeovers) is spent"),
+                    vec![("max_attempts", MAX_ATTEMPTS.to_string())],
+                ))
+            }
+            ClaimOutcome::Claimed {
+                attempt,
+                next_sequence,
+                ..
+            } => {
+                tracing::info!(
+                    run_id,
+                    attempt,
+                    next_sequence,
+                    why,
+                    "claimed stream run for recovery"
+                );
+                let message = self
+                    .run_store
+                    .clone()
+                    .enqueue_control(rs::EnqueueControlRequest {
+                        run_id: run_id.to_owned(),
+                        idempotency_key: format!("{run_id}:resume:{attempt}"),
+                        control: Some(rs::enqueue_control_request::Control::ResumeStream(
+                            rs::ResumeStreamPayload {
+                                controller_token: token,
+                                next_sequence,
+                                attempt,
+                                lease_expires_at: Some(timestamp(
+                                    now + DEFAULT_LEASE_TTL.as_millis() as i64,
+                                )),
+                            },
+                        )),
+                    })
+                    .await
+                    .map_err(|s| upstream(&s))?
+                    .into_inner()
+                    .message
+                    .map(|m| m.id)
+                    .unwrap_or_default();
+                Ok((
+                    pb::RecoveryDecision::Claimed,
+                    Some((message, next_sequence)),
+                ))
+            }
+        }
+    }
+}
+
+fn bearer<T>(request: &Request<T>) -> Option<String> {
+    let value = request.metadata().get("authorization")?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim().to_owned())
+}
+
+fn unauthenticated() -> Status {
+    reason(
+        Code::Unauthenticated,
+        ErrorReason::Unauthenticated,
+        "missing or unknown bearer token",
+        vec![],
+    )
+}
+
+fn run_id_of(id: &str) -> Result<(), Status> {
+    if id.is_empty() || id.len() > 64 {
+        return Err(invalid("run_id", "must be a run id"));
+    }
+    Ok(())
+}
+
+type TailStream = Pin<Box<dyn Stream<Item = Result<pb::TailResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl StreamRecoveryService for StreamRecoveryApi {
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn acquire_lease(
+        &self,
+        request: Request<pb::AcquireLeaseRequest>,
+    ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        if !(16..=128).contains(&req.controller_id.len())
+            || !req.controller_id.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(invalid(
+                "controller_id",
+                "must be 16 to 128 printable ASCII bytes",
+            ));
+        }
+        let ttl = ttl_ms(req.ttl.as_ref())?;
+        s.runner(&request, &req.run_id).await?;
+        let acquired = s
+            .store
+            .acquire(
+                &req.run_id,
+                &req.controller_id,
+                &new_token(),
+                ttl,
+                s.now_ms(),
+            )
+            .await
+            .map_err(store_error)?;
+        Ok(Response::new(pb::AcquireLeaseResponse {
+            controller_token: acquired.token,
+            expires_at: Some(timestamp(acquired.expires_ms)),
+            next_sequence: acquired.next_sequence,
+        }))
+    }
+
+    async fn renew_lease(
+        &self,
+        request: Request<pb::RenewLeaseRequest>,
+    ) -> Result<Response<pb::RenewLeaseResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        let ttl = ttl_ms(req.ttl.as_ref())?;
+        s.runner(&request, &req.run_id).await?;
+        let expires = s
+            .store
+            .renew(&req.run_id, &req.controller_token, ttl, s.now_ms())
+            .await
+            .map_err(store_error)?;
+        Ok(Response::new(pb::RenewLeaseResponse {
+            expires_at: Some(timestamp(expires)),
+        }))
+    }
+
+    async fn release_lease(
+        &self,
+        request: Request<pb::ReleaseLeaseRequest>,
+    ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        s.runner(&request, &req.run_id).await?;
+        let released = s
+            .store
+            .release(&req.run_id, &req.controller_token)
+            .await
+            .map_err(store_error)?;
+        Ok(Response::new(pb::ReleaseLeaseResponse { released }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, frames = request.get_ref().frames.len()))]
+    async fn append_frames(
+        &self,
+        request: Request<pb::AppendFramesRequest>,
+    ) -> Result<Response<pb::AppendFramesResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        if req.frames.is_empty() || req.frames.len() > 256 {
+            return Err(invalid("frames", "1 to 256 frames"));
+        }
+        let total: usize = req.frames.iter().map(|f| f.data.len()).sum();
+        if total > 1 << 20 {
+            return Err(reason(
+                Code::InvalidArgument,
+                ErrorReason::BatchTooLarge,
+                "a batch holds at most 1 MiB of frames",
+                vec![
+                    ("limit", (1u32 << 20).to_string()),
+                    ("actual", total.to_string()),
+                ],
+            ));
+        }
+        for (i, f) in req.frames.iter().enumerate() {
+            if f.data.is_empty() || f.data.len() > 64 << 10 {
+                return Err(invalid("frames", "each frame is 1 byte to 64 KiB"));
+            }
+            if f.sequence == 0 || (i > 0 && f.sequence != req.frames[i - 1].sequence + 1) {
+                return Err(invalid(
+                    "frames",
+                    "sequences start at 1 and are contiguous and ascending",
+                ));
+            }
+        }
+        s.runner(&request, &req.run_id).await?;
+        let frames: Vec<(u64, Vec<u8>)> = req
+            .frames
+            .iter()
+            .map(|f| (f.sequence, f.data.clone()))
+            .collect();
+        let appended = s
+            .store
+            .append(
+                &req.run_id,
+                &req.controller_token,
+                &frames,
+                s.now_ms(),
+                &s.limits,
+            )
+            .await
+            .map_err(store_error)?;
+        Ok(Response::new(pb::AppendFramesResponse {
+            next_sequence: appended.next_sequence,
+            stored_count: appended.stored,
+            budget: Some(pb::ReplayBudget {
+                stream_bytes_remaining: appended.stream_bytes_remaining,
+                org_hour_bytes_remaining: appended.stream_bytes_remaining,
+            }),
+        }))
+    }
+
+    async fn tail(
+        &self,
+        request: Request<pb::TailRequest>,
+    ) -> Result<Response<TailStream>, Status> {
+        let s = self.shared.clone();
+        s.operator(&request)?;
+        let req = request.into_inner();
+        run_id_of(&req.run_id)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            if let Err(status) = tail(&s, &req, &tx).await {
+                let _ = tx.send(Err(status)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn get_recovery_budget(
+        &self,
+        request: Request<pb::GetRecoveryBudgetRequest>,
+    ) -> Result<Response<pb::GetRecoveryBudgetResponse>, Status> {
+        let s = &self.shared;
+        s.operator(&request)?;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        let b = s
+            .store
+            .budget(&req.run_id, s.now_ms())
+            .await
+            .map_err(store_error)?;
+        Ok(Response::new(pb::GetRecoveryBudgetResponse {
+            budget: Some(budget_of(&b)),
+            lease: Some(match &b.lease {
+                Some((controller, expires)) => pb::LeaseInfo {
+                    state: pb::LeaseState::Held as i32,
+                    controller_id: controller.clone(),
+                    expires_at: Some(timestamp(*expires)),
+                },
+                None => pb::LeaseInfo {
+                    state: pb::LeaseState::Free as i32,
+                    ..Default::default()
+                },
+            }),
+            next_sequence: b.next_sequence,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn plan_recovery(
+        &self,
+        request: Request<pb::PlanRecoveryRequest>,
+    ) -> Result<Response<pb::PlanRecoveryResponse>, Status> {
+        let s = &self.shared;
+        s.operator(&request)?;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        if req.reason.len() > 256 {
+            return Err(invalid("reason", "at most 256 bytes"));
+        }
+        let (decision, claim) = s.plan(&req.run_id, &req.reason).await?;
+        let b = s
+            .store
+            .budget(&req.run_id, s.now_ms())
+            .await
+            .map_err(store_error)?;
+        let (resume_message_id, next_sequence) = claim.unwrap_or_default();
+        Ok(Response::new(pb::PlanRecoveryResponse {
+            decision: decision as i32,
+            budget: Some(budget_of(&b)),
+            resume_message_id,
+            next_sequence,
+        }))
+    }
+
+    async fn sweep_orphans(
+        &self,
+        request: Request<pb::SweepOrphansRequest>,
+    ) -> Result<Response<pb::SweepOrphansResponse>, Status> {
+        let s = &self.shared;
+        s.operator(&request)?;
+        let req = request.get_ref();
+        let limit = match req.limit {
+            0 => 100,
+            n @ 1..=500 => n as usize,
+            _ => return Err(invalid("limit", "must be 0 to 500")),
+        };
+        let runs = s
+            .store
+            .runs(&req.cursor, limit)
+            .await
+            .map_err(store_error)?;
+        let mut results = Vec::new();
+        for run_id in &runs {
+            let now = s.now_ms();
+            let state = s.run(run_id).await;
+            let action = match state {
+                Err(status) if status.code() == Code::NotFound => pb::OrphanAction::KeysDeleted,
+                Err(status) => return Err(status),
+                Ok(run) if run.state().is_terminal() => pb::OrphanAction::KeysDeleted,
+                Ok(_) => {
+                    let b = s.store.budget(run_id, now).await.map_err(store_error)?;
+                    if b.lease.is_none() && (b.exhausted || b.attempts >= MAX_ATTEMPTS) {
+                        pb::OrphanAction::RunEnded
+                    } else {
+                        pb::OrphanAction::Skipped
+                    }
+                }
+            };
+            if !req.dry_run {
+                match action {
+                    pb::OrphanAction::KeysDeleted => {
+                        s.store.forget(run_id).await.map_err(store_error)?
+                    }
+                    pb::OrphanAction::RunEnded => s.end_exhausted(run_id).await?,
+                    _ => {}
+                }
+            }
+            results.push(pb::OrphanResult {
+                run_id: run_id.clone(),
+                action: action as i32,
+            });
+        }
+        Ok(Response::new(pb::SweepOrphansResponse {
+            next_cursor: if runs.len() == limit {
+                runs.last().cloned().unwrap_or_default()
+            } else {
+                String::new()
+            },
+            results,
+        }))
+    }
+}
+
+/// How often a following tail looks for new frames (and plans a recovery).
+const TAIL_POLL: Duration = Duration::from_millis(250);
+
+async fn tail(
+    s: &Shared,
+    req: &pb::TailRequest,
+    tx: &tokio::sync::mpsc::Sender<Result<pb::TailResponse, Status>>,
+) -> Result<(), Status> {
+    use pb::tail_response::Item;
+    let send = |item: Item| async move {
+        tx.send(Ok(pb::TailResponse { item: Some(item) }))
+            .await
+            .is_ok()
+    };
+    let mut next = req.from_sequence.max(1);
+    let first = s
+        .store
+        .read(&req.run_id, next, 0)
+        .await
+        .map_err(store_error)?;
+    if req.from_sequence > 0 && req.from_sequence < first.first_available
+        || (req.from_sequence == 0 && first.first_available > 1)
+    {
+        if !send(Item::ReplayGap(pb::ReplayGap {
+            requested_from: req.from_sequence,
+            first_available: first.first_available,
+        }))
+        .await
+        {
+            return Ok(());
+        }
+        next = first.first_available;
+    }
+    let mut caught_up = false;
+    let mut last_plan = tokio::time::Instant::now() - Duration::from_secs(60);
+    loop {
+        let replay = s
+            .store
+            .read(&req.run_id, next, 256)
+            .await
+            .map_err(store_error)?;
+        for f in &replay.frames {
+            next = f.sequence + 1;
+            if !send(Item::Frame(pb::Frame {
+                sequence: f.sequence,
+                data: f.data.clone(),
+                appended_at: Some(timestamp(f.appended_ms)),
+            }))
+            .await
+            {
+                return Ok(());
+            }
+        }
+        if replay.frames.len() == 256 {
+            continue;
+        }
+        if !caught_up {
+            caught_up = true;
+            if !send(Item::CaughtUp(pb::CaughtUp {
+                next_sequence: next,
+            }))
+            .await
+                || !req.follow
+            {
+                return Ok(());
+            }
+        }
+        let run = s.run(&req.run_id).await?;
+        if run.state().is_terminal() {
+            let reason = run.verdict.map(|v| v.reason).unwrap_or_default();
+            send(Item::Ended(pb::StreamEnded { reason })).await;
+            return Ok(());
+        }
+        // A tail of a live run whose lease is free plans a recovery, at most once a second.
+        if last_plan.elapsed() >= Duration::from_secs(1) {
+            last_plan = tokio::time::Instant::now();
+            let b = s
+                .store
+                .budget(&req.run_id, s.now_ms())
+                .await
+                .map_err(store_error)?;
+            if b.lease.is_none() {
+                let decision = match s.plan(&req.run_id, "tail").await {
+                    Ok((decision, _)) => Some(decision),
+                    Err(status) => match error_info(&status).map(|i| i.reason) {
+                        Some(r) if r == ErrorReason::RecoveryNotBefore.as_str_name() => {
+                            Some(pb::RecoveryDecision::Wait)
+                        }
+                        Some(r) if r == ErrorReason::RecoveryExhausted.as_str_name() => {
+                            Some(pb::RecoveryDecision::Exhausted)
+                        }
+                        _ => None,
+                    },
+                };
+                if let Some(decision) = decision.filter(|d| *d != pb::RecoveryDecision::LeaseHeld) {
+                    let b = s
+                        .store
+                        .budget(&req.run_id, s.now_ms())
+                        .await
+                        .map_err(store_error)?;
+                    if !send(Item::Recovery(pb::RecoveryNotice {
+                        decision: decision as i32,
+                        budget: Some(budget_of(&b)),
+                    }))
+                    .await
+                    {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(TAIL_POLL).await;
+    }
+}

@@ -1,28 +1,92 @@
 //! The stream recovery coordinator: stream leases, per-run restart budgets and replay
 //! buffers, in Redis (or in process for `runplane dev`).
 //!
-//! DESIGN.md "Stream recovery coordinator" is the contract. The gRPC surface is
-//! `runplane.recovery.v1.StreamRecoveryService`. Until the coordinator issue lands it
-//! answers `UNIMPLEMENTED`.
+//! DESIGN.md "Stream recovery coordinator" is the contract and seed 001 the behaviour:
+//! only a run's first controller acquires its lease directly; every later one comes
+//! through a recovery claim that spends the run's restart budget (immediate first, then
+//! growing waits, five at most within five minutes), is handed to the runner as a
+//! `resume_stream` steering message, and after five ends the run with exactly one abort.
 
 pub mod grpc;
 pub mod policy;
 pub mod store;
 
+use std::sync::Arc;
+
+use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryServiceServer;
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    #[error("the recovery store at {url} is unreachable: {reason}")]
+    Store { url: String, reason: String },
+    #[error("invalid run store endpoint: {0}")]
+    Endpoint(String),
+}
 
 /// The coordinator, ready to be registered on a server.
-#[derive(Debug, Default)]
-pub struct StreamRecovery;
+#[derive(Debug, Clone)]
+pub struct StreamRecovery {
+    shared: Arc<grpc::Shared>,
+}
 
 impl StreamRecovery {
-    pub fn new() -> Self {
-        Self
+    /// Over Redis (`[stream_recovery].redis_url`, keys under `key_prefix`).
+    pub async fn open(
+        config: &runplane_config::Config,
+        clock: SharedClock,
+    ) -> Result<Self, RecoveryError> {
+        let store = store::redis::RedisStore::connect(
+            &config.stream_recovery.redis_url,
+            &config.stream_recovery.key_prefix,
+        )
+        .await
+        .map_err(|e| RecoveryError::Store {
+            url: config.stream_recovery.redis_url.clone(),
+            reason: e.to_string(),
+        })?;
+        Self::with_store(Arc::new(store), config, clock)
+    }
+
+    /// Over the in-process store (`runplane dev`).
+    pub fn embedded(
+        config: &runplane_config::Config,
+        clock: SharedClock,
+    ) -> Result<Self, RecoveryError> {
+        Self::with_store(Arc::new(store::memory::MemoryStore::new()), config, clock)
+    }
+
+    pub fn with_store(
+        store: Arc<dyn store::RecoveryStore>,
+        config: &runplane_config::Config,
+        clock: SharedClock,
+    ) -> Result<Self, RecoveryError> {
+        let token = &config.auth.operator_token;
+        let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
+            .map_err(|e| RecoveryError::Endpoint(e.to_string()))?;
+        let run_store =
+            runplane_proto::runstore::v1::run_service_client::RunServiceClient::with_interceptor(
+                channel,
+                runplane_grpc::client::Bearer::new(token.expose()),
+            );
+        Ok(Self {
+            shared: Arc::new(grpc::Shared {
+                store,
+                clock,
+                run_store,
+                limits: policy::BufferLimits::default(),
+                token_hash: (!token.is_empty())
+                    .then(|| Sha256::digest(token.expose().as_bytes()).into()),
+            }),
+        })
     }
 
     /// Adds the coordinator's gRPC service to `services`.
     pub fn register(&self, services: &mut ServiceSet) {
-        services.add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi));
+        services.add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
+            shared: self.shared.clone(),
+        }));
     }
 }

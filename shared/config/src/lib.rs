@@ -381,10 +381,12 @@ impl Config {
                 ));
             }
         }
-        if !self.stream_recovery.redis_url.starts_with("redis://") {
+        if !(self.stream_recovery.redis_url.starts_with("redis://")
+            || self.stream_recovery.redis_url == "memory://")
+        {
             return Err(ConfigError::invalid(
                 "stream_recovery.redis_url",
-                "must start with redis://",
+                "must start with redis:// (or be memory:// for the in-process store)",
             ));
         }
         for (field, endpoint) in [

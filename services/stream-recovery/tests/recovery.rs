@@ -1,0 +1,541 @@
+//! Stream recovery over real gRPC, real Redis and a real run store on Postgres, with a
+//! manual clock for the gaps: takeovers are bounded, handed to the runner as
+//! resume_stream, and end the run with exactly one abort.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use runplane_clock::{Clock, ManualClock};
+use runplane_config::{Config, Secret};
+use runplane_grpc::client::Bearer;
+use runplane_grpc::{ErrorReason, ServiceSet, error_info};
+use runplane_proto::recovery::v1 as pb;
+use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
+use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+use runplane_run_store::RunStore;
+use runplane_stream_recovery::StreamRecovery;
+use runplane_stream_recovery::store::redis::RedisStore;
+use runplane_testkit::{TestDatabase, TestRedis};
+use tonic::Code;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+const TOKEN: &str = "recovery-test-service-token-0123456789ab";
+
+type Coordinator = StreamRecoveryServiceClient<InterceptedService<Channel, Bearer>>;
+
+struct World {
+    clock: ManualClock,
+    run_store: RunStore,
+    run_store_endpoint: String,
+    coordinator_endpoint: String,
+    _db: TestDatabase,
+    _redis: TestRedis,
+}
+
+async fn serve(services: ServiceSet) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(runplane_grpc::serve(
+        listener,
+        services,
+        std::future::pending(),
+        Duration::from_secs(1),
+    ));
+    endpoint
+}
+
+impl World {
+    /// `dead_run_store`: the coordinator is pointed at a run store that is not there.
+    async fn new(dead_run_store: bool) -> Self {
+        let db = TestDatabase::new().await;
+        let redis = TestRedis::new().await;
+        let mut config = Config::default();
+        config.auth.operator_token = Secret::new(TOKEN);
+        config.run_store.database_url = db.url().to_owned();
+        config.run_store.receipt_signing_key =
+            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+        let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
+            .await
+            .unwrap();
+        let mut services = ServiceSet::new();
+        run_store.register(&mut services);
+        let run_store_endpoint = serve(services).await;
+
+        config.run_store.endpoint = if dead_run_store {
+            format!("http://{}", runplane_testkit::free_local_addr())
+        } else {
+            run_store_endpoint.clone()
+        };
+        let clock = ManualClock::new(chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap());
+        let store = RedisStore::connect(redis.url(), redis.prefix())
+            .await
+            .unwrap();
+        let coordinator =
+            StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone())).unwrap();
+        let mut services = ServiceSet::new();
+        coordinator.register(&mut services);
+        let coordinator_endpoint = serve(services).await;
+        Self {
+            clock,
+            run_store,
+            run_store_endpoint,
+            coordinator_endpoint,
+            _db: db,
+            _redis: redis,
+        }
+    }
+
+    async fn channel(endpoint: &str) -> Channel {
+        tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    async fn operator(&self) -> Coordinator {
+        StreamRecoveryServiceClient::with_interceptor(
+            Self::channel(&self.coordinator_endpoint).await,
+            Bearer::new(TOKEN),
+        )
+    }
+
+    async fn runner(&self, key: &str) -> Coordinator {
+        StreamRecoveryServiceClient::with_interceptor(
+            Self::channel(&self.coordinator_endpoint).await,
+            Bearer::new(key),
+        )
+    }
+
+    /// A running run and its key.
+    async fn running_run(&self) -> (String, String) {
+        let mut op = RunServiceClient::with_interceptor(
+            Self::channel(&self.run_store_endpoint).await,
+            Bearer::new(TOKEN),
+        );
+        let run = op
+            .create_run(rs::CreateRunRequest {
+                client_request_id: "recovery-test-request-1".into(),
+                org_id: "acme".into(),
+                target: Some(rs::create_run_request::Target::CredentialId("c".into())),
+                command: "agent".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap();
+        let key = op
+            .issue_run_key(rs::IssueRunKeyRequest {
+                run_id: run.id.clone(),
+                sandbox_id: "sbx".into(),
+                sandbox_generation: 1,
+                idempotency_key: "recovery-test-key-0001".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .run_key;
+        RunnerServiceClient::with_interceptor(
+            Self::channel(&self.run_store_endpoint).await,
+            Bearer::new(key.clone()),
+        )
+        .hello(rs::HelloRequest {
+            run_id: run.id.clone(),
+            nonce: "recovery-runner-nonce-1".into(),
+            runner_version: String::new(),
+        })
+        .await
+        .unwrap();
+        (run.id, key)
+    }
+
+    /// The run's steering messages of `kind` (acknowledged or not).
+    async fn messages(&self, run_id: &str, kind: rs::SteeringKind) -> Vec<rs::SteeringMessage> {
+        self.run_store
+            .store()
+            .pending_messages(run_id, 100)
+            .await
+            .unwrap()
+            .iter()
+            .map(runplane_run_store::convert::message)
+            .filter(|m| m.kind() == kind)
+            .collect()
+    }
+
+    async fn run_state(&self, run_id: &str) -> rs::Run {
+        RunServiceClient::with_interceptor(
+            Self::channel(&self.run_store_endpoint).await,
+            Bearer::new(TOKEN),
+        )
+        .get_run(rs::GetRunRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap()
+    }
+
+    async fn budget(&self, run_id: &str) -> pb::GetRecoveryBudgetResponse {
+        self.operator()
+            .await
+            .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+                run_id: run_id.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+}
+
+fn frames(range: std::ops::RangeInclusive<u64>) -> Vec<pb::FrameInput> {
+    range
+        .map(|s| pb::FrameInput {
+            sequence: s,
+            data: format!("frame {s}").into_bytes(),
+        })
+        .collect()
+}
+
+fn plan(run_id: &str) -> pb::PlanRecoveryRequest {
+    pb::PlanRecoveryRequest {
+        run_id: run_id.into(),
+        reason: "tail".into(),
+    }
+}
+
+/// Controllers keep dying: each takeover's lease lapses. `tails` planners ask at once at
+/// every step, as several tabs or pods tailing one run would.
+async fn exhausts_after_five_takeovers_with_one_abort(tails: usize) {
+    let w = World::new(false).await;
+    let (run_id, key) = w.running_run().await;
+    let mut runner = w.runner(&key).await;
+    let first = runner
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id: "runner-first-controller".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    runner
+        .append_frames(pb::AppendFramesRequest {
+            run_id: run_id.clone(),
+            controller_token: first.controller_token.clone(),
+            frames: frames(1..=3),
+        })
+        .await
+        .unwrap();
+
+    let mut waits = Vec::new();
+    for attempt in 1..=5u32 {
+        // The controller died: its lease lapses, and any backoff runs out.
+        w.clock.advance(Duration::from_secs(61));
+        let calls: Vec<_> = (0..tails)
+            .map(|_| {
+                let run_id = run_id.clone();
+                let w = &w;
+                async move { w.operator().await.plan_recovery(plan(&run_id)).await }
+            })
+            .collect();
+        let answers = futures::future::join_all(calls).await;
+        let claimed: Vec<_> = answers
+            .iter()
+            .filter_map(|a| a.as_ref().ok())
+            .filter(|a| a.get_ref().decision() == pb::RecoveryDecision::Claimed)
+            .collect();
+        assert_eq!(
+            claimed.len(),
+            1,
+            "attempt {attempt}: one claim among {tails} planners"
+        );
+        let budget = w.budget(&run_id).await.budget.unwrap();
+        assert_eq!(budget.attempts, attempt);
+        waits.push(budget.not_before.unwrap().seconds - budget.claimed_at.unwrap().seconds);
+    }
+    assert!(
+        waits.windows(2).all(|p| p[1] >= p[0]),
+        "the waits grow: {waits:?}"
+    );
+    assert!(waits.last() > waits.first(), "the waits grow: {waits:?}");
+
+    let resumes = w.messages(&run_id, rs::SteeringKind::ResumeStream).await;
+    assert_eq!(resumes.len(), 5, "exactly five resume_stream messages");
+    for (i, m) in resumes.iter().enumerate() {
+        let Some(rs::steering_message::Payload::ResumeStream(p)) = &m.payload else {
+            panic!("not a resume_stream payload");
+        };
+        assert_eq!((p.attempt, p.next_sequence), (i as u32 + 1, 4));
+    }
+
+    w.clock.advance(Duration::from_secs(61));
+    let err = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error_info(&err).unwrap().reason,
+        ErrorReason::RecoveryExhausted.as_str_name()
+    );
+    let run = w.run_state(&run_id).await;
+    assert_eq!(run.state(), rs::RunState::Failed);
+    assert_eq!(run.failure_reason, "stream_recovery_exhausted");
+
+    // Later tails find the run terminal; nothing more reaches the runner.
+    for _ in 0..3 {
+        w.clock.advance(Duration::from_secs(61));
+        let later = w
+            .operator()
+            .await
+            .plan_recovery(plan(&run_id))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(later.decision(), pb::RecoveryDecision::RunTerminal);
+    }
+    assert_eq!(
+        w.messages(&run_id, rs::SteeringKind::Abort).await.len(),
+        1,
+        "exactly one abort"
+    );
+    assert_eq!(
+        w.messages(&run_id, rs::SteeringKind::ResumeStream)
+            .await
+            .len(),
+        5
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_controllers_keep_dying_ends_after_five_takeovers_with_one_tail() {
+    exhausts_after_five_takeovers_with_one_abort(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_controllers_keep_dying_ends_after_five_takeovers_with_three_tails() {
+    exhausts_after_five_takeovers_with_one_abort(3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_takeover_is_immediate_and_completes_what_the_old_controller_could_not() {
+    let w = World::new(false).await;
+    let (run_id, key) = w.running_run().await;
+    let mut runner = w.runner(&key).await;
+    let old = runner
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id: "runner-first-controller".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .controller_token;
+    runner
+        .append_frames(pb::AppendFramesRequest {
+            run_id: run_id.clone(),
+            controller_token: old.clone(),
+            frames: frames(1..=2),
+        })
+        .await
+        .unwrap();
+    // The old controller's next append never lands; its lease lapses.
+    w.clock.advance(Duration::from_secs(31));
+    let claim = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        claim.decision(),
+        pb::RecoveryDecision::Claimed,
+        "immediate: no backoff before the first"
+    );
+    assert_eq!(claim.next_sequence, 3);
+
+    let fenced = runner
+        .append_frames(pb::AppendFramesRequest {
+            run_id: run_id.clone(),
+            controller_token: old,
+            frames: frames(3..=3),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error_info(&fenced).unwrap().reason,
+        ErrorReason::LeaseFenced.as_str_name()
+    );
+
+    let resume = w.messages(&run_id, rs::SteeringKind::ResumeStream).await;
+    let Some(rs::steering_message::Payload::ResumeStream(p)) = &resume[0].payload else {
+        panic!("a resume_stream message");
+    };
+    let appended = runner
+        .append_frames(pb::AppendFramesRequest {
+            run_id: run_id.clone(),
+            controller_token: p.controller_token.clone(),
+            frames: frames(3..=4),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        appended.next_sequence, 5,
+        "the next controller completed the stream"
+    );
+
+    // The new controller fails too and hands off at once (releases its lease): the next
+    // takeover waits out the backoff instead of following straight away.
+    let released = runner
+        .release_lease(pb::ReleaseLeaseRequest {
+            run_id: run_id.clone(),
+            controller_token: p.controller_token.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(released.released);
+    let wait = w.operator().await.plan_recovery(plan(&run_id)).await;
+    match wait {
+        Err(e) => assert_eq!(
+            error_info(&e).unwrap().reason,
+            ErrorReason::RecoveryNotBefore.as_str_name()
+        ),
+        Ok(a) => panic!("claimed again inside the backoff: {:?}", a.into_inner()),
+    }
+    assert_eq!(w.budget(&run_id).await.budget.unwrap().attempts, 1);
+    w.clock.advance(Duration::from_secs(2));
+    let second = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(second.decision(), pb::RecoveryDecision::Claimed);
+    assert_eq!(second.budget.unwrap().attempts, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_that_fails_before_it_starts_spends_nothing() {
+    let w = World::new(true).await;
+    let err = w
+        .operator()
+        .await
+        .plan_recovery(plan("01a22b9d-7bd7-76e7-a072-4dd6efe3ec58"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert_eq!(
+        error_info(&err).unwrap().reason,
+        ErrorReason::UpstreamUnavailable.as_str_name()
+    );
+    let budget = w.budget("01a22b9d-7bd7-76e7-a072-4dd6efe3ec58").await;
+    assert_eq!(budget.budget.unwrap().attempts, 0);
+    assert_eq!(budget.lease.unwrap().state(), pb::LeaseState::Free);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_run_is_never_taken_over() {
+    let w = World::new(false).await;
+    let (run_id, key) = w.running_run().await;
+    let mut runner = w.runner(&key).await;
+    let token = runner
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id: "parked-controller-0001".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .controller_token;
+    for _ in 0..10 {
+        w.clock.advance(Duration::from_secs(20));
+        runner
+            .renew_lease(pb::RenewLeaseRequest {
+                run_id: run_id.clone(),
+                controller_token: token.clone(),
+                ttl: None,
+            })
+            .await
+            .unwrap();
+        let answer = w
+            .operator()
+            .await
+            .plan_recovery(plan(&run_id))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(answer.decision(), pb::RecoveryDecision::LeaseHeld);
+    }
+    assert!(
+        w.messages(&run_id, rs::SteeringKind::ResumeStream)
+            .await
+            .is_empty()
+    );
+    assert_eq!(w.budget(&run_id).await.budget.unwrap().attempts, 0);
+    let _ = w.clock.now();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_controller_must_come_through_a_claim_and_keys_are_checked() {
+    let w = World::new(false).await;
+    let (run_id, key) = w.running_run().await;
+    let mut runner = w.runner(&key).await;
+    runner
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id: "runner-first-controller".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap();
+    let held = runner
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id: "a-second-controller-01".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error_info(&held).unwrap().reason,
+        ErrorReason::LeaseHeld.as_str_name()
+    );
+    w.clock.advance(Duration::from_secs(31));
+    let takeover = runner
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id: "a-second-controller-01".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error_info(&takeover).unwrap().reason,
+        ErrorReason::LeaseTakeoverRequired.as_str_name()
+    );
+
+    let mut stranger = w.runner("rk_not-a-key-anyone-was-given").await;
+    let refused = stranger
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id,
+            controller_id: "stranger-controller-01".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated);
+}
