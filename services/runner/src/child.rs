@@ -46,6 +46,7 @@ impl Agent {
         command: &str,
         args: &[String],
         events: mpsc::Sender<pb::EventInput>,
+        frames: Option<crate::frames::Frames>,
     ) -> std::io::Result<Self> {
         let mut child = Command::new(command)
             .args(args)
@@ -65,6 +66,7 @@ impl Agent {
                 pb::EventKind::Stdout,
                 events.clone(),
                 tail.clone(),
+                frames.clone(),
             )));
         }
         if let Some(err) = child.stderr.take() {
@@ -73,6 +75,7 @@ impl Agent {
                 pb::EventKind::Stderr,
                 events.clone(),
                 tail.clone(),
+                frames.clone(),
             )));
         }
         tracing::info!(pid = pgid.map(|p| p.as_raw()), "agent started");
@@ -202,6 +205,7 @@ async fn read_lines(
     kind: pb::EventKind,
     events: mpsc::Sender<pb::EventInput>,
     tail: Arc<Mutex<VecDeque<String>>>,
+    frames: Option<crate::frames::Frames>,
 ) {
     let mut reader = BufReader::new(pipe);
     let mut buf = Vec::new();
@@ -229,6 +233,11 @@ async fn read_lines(
             while size > TAIL_BYTES {
                 size -= tail.pop_front().map(|l| l.len()).unwrap_or(size);
             }
+        }
+        if let Some(frames) = &frames
+            && !text.is_empty()
+        {
+            frames.push(text.clone().into_bytes());
         }
         let event = pb::EventInput {
             kind: kind as i32,

@@ -10,6 +10,7 @@
 
 pub mod child;
 pub mod events;
+pub mod frames;
 pub mod redact;
 pub mod steering;
 pub mod verdict;
@@ -27,6 +28,8 @@ use tonic::service::interceptor::InterceptedService;
 pub const ENV_ENDPOINT: &str = "RUNPLANE_ENDPOINT";
 pub const ENV_RUN_ID: &str = "RUNPLANE_RUN_ID";
 pub const ENV_RUN_KEY: &str = "RUNPLANE_RUN_KEY";
+/// Where the stream recovery coordinator is; the run store's endpoint when unset.
+pub const ENV_RECOVERY_ENDPOINT: &str = "RUNPLANE_RECOVERY_ENDPOINT";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {
@@ -46,6 +49,7 @@ pub enum RunnerError {
 #[derive(Debug, Clone)]
 pub struct RunnerEnv {
     pub endpoint: String,
+    pub recovery_endpoint: String,
     pub run_id: String,
     pub run_key: Secret,
 }
@@ -58,8 +62,10 @@ impl RunnerEnv {
                 .filter(|v| !v.trim().is_empty())
                 .ok_or(RunnerError::MissingEnv(name))
         };
+        let endpoint = get(ENV_ENDPOINT)?;
         Ok(Self {
-            endpoint: get(ENV_ENDPOINT)?,
+            recovery_endpoint: get(ENV_RECOVERY_ENDPOINT).unwrap_or_else(|_| endpoint.clone()),
+            endpoint,
             run_id: get(ENV_RUN_ID)?,
             run_key: Secret::new(get(ENV_RUN_KEY)?),
         })
@@ -83,7 +89,7 @@ pub struct Outcome {
 
 /// Runs the agent for `env`'s run to the end.
 pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerError> {
-    let layer = RetryLayer::new(retry);
+    let layer = RetryLayer::new(retry.clone());
     let channel = runplane_transport::connect_lazy(&env.endpoint, &layer)?;
     let client: Client =
         RunnerServiceClient::with_interceptor(channel, Bearer::new(env.run_key.expose()))
@@ -105,14 +111,32 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
     let limits = hello.limits.unwrap_or_default();
     tracing::info!(run_id = %env.run_id, command = %run.command, "hello accepted; starting the agent");
 
+    // The live stream, under the run's stream lease; its own upstream, its own throttle.
+    let recovery_layer = RetryLayer::new(retry);
+    let recovery: frames::RecoveryClient =
+        runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient::with_interceptor(
+            runplane_transport::connect_lazy(&env.recovery_endpoint, &recovery_layer)?,
+            Bearer::new(env.run_key.expose()),
+        );
+    let live = frames::Frames::new();
+    let streaming = tokio::spawn(frames::stream(
+        recovery,
+        env.run_id.clone(),
+        nonce.clone(),
+        live.clone(),
+    ));
+
     let (events_tx, events_rx) = events::channel();
-    let mut agent =
-        child::Agent::spawn(&run.command, &run.args, events_tx.clone()).map_err(|e| {
-            RunnerError::Spawn {
-                command: run.command.clone(),
-                reason: e.to_string(),
-            }
-        })?;
+    let mut agent = child::Agent::spawn(
+        &run.command,
+        &run.args,
+        events_tx.clone(),
+        Some(live.clone()),
+    )
+    .map_err(|e| RunnerError::Spawn {
+        command: run.command.clone(),
+        reason: e.to_string(),
+    })?;
     let drain = tokio::spawn(events::drain(
         client.clone(),
         env.run_id.clone(),
@@ -125,6 +149,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
         env.run_id.clone(),
         agent.control(),
         events_tx.clone(),
+        live.clone(),
     ));
 
     let status = agent.wait().await;
@@ -133,6 +158,9 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
     steering.abort();
     let _ = steering.await;
     agent.finish_output().await;
+    // Frames go before the result: once the run is terminal its key stops working.
+    live.finish();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(10), streaming).await;
     drop(events_tx);
     let drained = drain.await.unwrap_or_default();
 

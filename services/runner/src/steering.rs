@@ -36,6 +36,7 @@ pub async fn poll(
     run_id: String,
     control: Control,
     events: mpsc::Sender<pb::EventInput>,
+    frames: crate::frames::Frames,
 ) {
     let mut acks: Vec<pb::SteeringAck> = Vec::new();
     let mut applied: HashSet<String> = HashSet::new();
@@ -87,7 +88,7 @@ pub async fn poll(
             }
             let tries = attempts.entry(message.id.clone()).or_insert(0);
             *tries += 1;
-            match apply(message, &control).await {
+            match apply(message, &control, &frames).await {
                 Applied::Yes => {
                     applied.insert(message.id.clone());
                     acks.push(ack(&message.id, pb::AckOutcome::Applied, *tries, ""));
@@ -122,7 +123,11 @@ pub async fn poll(
     }
 }
 
-async fn apply(message: &pb::SteeringMessage, control: &Control) -> Applied {
+async fn apply(
+    message: &pb::SteeringMessage,
+    control: &Control,
+    frames: &crate::frames::Frames,
+) -> Applied {
     use pb::steering_message::Payload;
     match &message.payload {
         Some(Payload::Steer(steer)) => match control.write_line(&steer.text).await {
@@ -149,8 +154,9 @@ async fn apply(message: &pb::SteeringMessage, control: &Control) -> Applied {
             tracing::info!(
                 attempt = resume.attempt,
                 next_sequence = resume.next_sequence,
-                "stream recovery claim received"
+                "stream recovery claim received; resuming the stream"
             );
+            frames.resume(resume.controller_token.clone(), resume.next_sequence);
             Applied::Yes
         }
         None => Applied::Failed("message has no payload".into()),

@@ -1,0 +1,225 @@
+//! The live stream: the agent's output as frames in the coordinator's replay buffer.
+//!
+//! The runner is its run's first stream controller: it acquires the lease, renews it,
+//! and appends frames fenced by its token. Events stay the durable record; frames are
+//! what a tail replays and follows. When the lease is lost (fenced), the runner stops
+//! appending and waits for a `resume_stream` claim, then continues with the claim's
+//! token from the claim's sequence, re-sending what it still holds.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use runplane_grpc::{ErrorReason, error_info};
+use runplane_proto::recovery::v1 as pb;
+use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
+use tokio::sync::Notify;
+use tonic::service::interceptor::InterceptedService;
+
+/// Frames kept for re-sending after a takeover.
+const RING: usize = 10_000;
+const RENEW_EVERY: Duration = Duration::from_secs(10);
+const LEASE_TTL: Duration = Duration::from_secs(30);
+
+pub type RecoveryClient = StreamRecoveryServiceClient<
+    InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
+>;
+
+#[derive(Debug, Default)]
+struct State {
+    token: Option<String>,
+    /// The next sequence the coordinator expects from us.
+    next_to_send: u64,
+    /// The sequence the next pushed frame gets.
+    next_sequence: u64,
+    ring: VecDeque<(u64, Vec<u8>)>,
+    finished: bool,
+}
+
+/// The runner's handle on its stream.
+#[derive(Debug, Clone)]
+pub struct Frames {
+    state: Arc<Mutex<State>>,
+    wake: Arc<Notify>,
+}
+
+impl Default for Frames {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Frames {
+    pub fn new() -> Self {
+        Self {
+            state: Arc::new(Mutex::new(State {
+                next_to_send: 1,
+                next_sequence: 1,
+                ..State::default()
+            })),
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Queues one output frame.
+    pub fn push(&self, data: Vec<u8>) {
+        let mut s = self.state.lock().expect("frames poisoned");
+        let sequence = s.next_sequence;
+        s.next_sequence += 1;
+        s.ring.push_back((sequence, data));
+        if s.ring.len() > RING {
+            s.ring.pop_front();
+        }
+        drop(s);
+        self.wake.notify_one();
+    }
+
+    /// A recovery claim reached the runner: continue with its token from its sequence.
+    pub fn resume(&self, token: String, next_sequence: u64) {
+        let mut s = self.state.lock().expect("frames poisoned");
+        s.token = Some(token);
+        s.next_to_send = next_sequence;
+        drop(s);
+        self.wake.notify_one();
+    }
+
+    /// No more frames will come; the stream task releases the lease once it sent all.
+    pub fn finish(&self) {
+        self.state.lock().expect("frames poisoned").finished = true;
+        self.wake.notify_one();
+    }
+
+    fn pending(&self) -> (Option<String>, Vec<pb::FrameInput>, bool) {
+        let s = self.state.lock().expect("frames poisoned");
+        let mut size = 0;
+        let batch: Vec<pb::FrameInput> = s
+            .ring
+            .iter()
+            .filter(|(seq, _)| *seq >= s.next_to_send)
+            .take(256)
+            .take_while(|(_, d)| {
+                size += d.len();
+                size <= 1 << 20
+            })
+            .map(|(sequence, data)| pb::FrameInput {
+                sequence: *sequence,
+                data: data.clone(),
+            })
+            .collect();
+        (s.token.clone(), batch, s.finished)
+    }
+
+    fn fenced(&self, token: &str) {
+        let mut s = self.state.lock().expect("frames poisoned");
+        if s.token.as_deref() == Some(token) {
+            s.token = None;
+        }
+    }
+
+    fn sent(&self, token: &str, next: u64) {
+        let mut s = self.state.lock().expect("frames poisoned");
+        if s.token.as_deref() == Some(token) {
+            s.next_to_send = next;
+        }
+    }
+}
+
+fn reason_is(status: &tonic::Status, reason: ErrorReason) -> bool {
+    error_info(status).is_some_and(|i| i.reason == reason.as_str_name())
+}
+
+fn ttl() -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: LEASE_TTL.as_secs() as i64,
+        nanos: 0,
+    }
+}
+
+/// Streams frames until `frames` is finished and everything was sent (or the stream
+/// cannot continue).
+pub async fn stream(client: RecoveryClient, run_id: String, controller_id: String, frames: Frames) {
+    match client
+        .clone()
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id,
+            ttl: Some(ttl()),
+        })
+        .await
+    {
+        Ok(lease) => {
+            let lease = lease.into_inner();
+            frames.resume(lease.controller_token, lease.next_sequence);
+        }
+        // Another controller, or one was already granted: wait for a claim.
+        Err(status) => {
+            tracing::warn!(code = ?status.code(), "stream lease not acquired; waiting for a recovery claim")
+        }
+    }
+    let mut last_renewal = tokio::time::Instant::now();
+    loop {
+        let (token, batch, finished) = frames.pending();
+        if let Some(token) = &token {
+            if !batch.is_empty() {
+                match client
+                    .clone()
+                    .append_frames(pb::AppendFramesRequest {
+                        run_id: run_id.clone(),
+                        controller_token: token.clone(),
+                        frames: batch,
+                    })
+                    .await
+                {
+                    Ok(a) => {
+                        frames.sent(token, a.into_inner().next_sequence);
+                        continue;
+                    }
+                    Err(s) if reason_is(&s, ErrorReason::LeaseFenced) => {
+                        tracing::warn!("stream lease lost; waiting for a recovery claim");
+                        frames.fenced(token);
+                    }
+                    Err(s) if reason_is(&s, ErrorReason::FrameSequenceGap) => {
+                        let next = error_info(&s)
+                            .and_then(|i| {
+                                i.metadata.get("next_sequence").and_then(|n| n.parse().ok())
+                            })
+                            .unwrap_or(1);
+                        frames.sent(token, next);
+                    }
+                    Err(s) if reason_is(&s, ErrorReason::RunTerminal) => return,
+                    // Unreadable outcome (the transport spent its budget): that proves
+                    // nothing about the lease; try again later, fenced writes decide.
+                    Err(s) => tracing::warn!(code = ?s.code(), "frames not appended yet"),
+                }
+            } else if finished {
+                let _ = client
+                    .clone()
+                    .release_lease(pb::ReleaseLeaseRequest {
+                        run_id: run_id.clone(),
+                        controller_token: token.clone(),
+                    })
+                    .await;
+                return;
+            }
+            if last_renewal.elapsed() >= RENEW_EVERY {
+                last_renewal = tokio::time::Instant::now();
+                if let Err(s) = client
+                    .clone()
+                    .renew_lease(pb::RenewLeaseRequest {
+                        run_id: run_id.clone(),
+                        controller_token: token.clone(),
+                        ttl: Some(ttl()),
+                    })
+                    .await
+                    && reason_is(&s, ErrorReason::LeaseFenced)
+                {
+                    frames.fenced(token);
+                }
+            }
+        } else if finished {
+            // No lease and nothing more will come: a claim would find nothing to resume.
+            return;
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), frames.wake.notified()).await;
+    }
+}
