@@ -1,6 +1,7 @@
 //! A real runner streams its output as frames under its lease; the coordinator takes the
-//! stream over (the lease lapsed), the claim reaches the runner as resume_stream, and the
-//! runner continues with the new token: a tail sees every line once, in order.
+//! stream over (the lease lapsed, or Redis lost it), the claim reaches the runner as
+//! resume_stream, and the runner continues with the new token: a tail sees every line
+//! once, in order.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +19,13 @@ use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_testkit::{TestDatabase, TestRedis};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
 
 const TOKEN: &str = "takeover-test-service-token-0123456789ab";
+const SCRIPT: &str = "for i in $(seq 1 10); do echo line $i; done; sleep 4; for i in $(seq 11 20); do echo line $i; done";
+
+type Recovery = StreamRecoveryServiceClient<InterceptedService<Channel, Bearer>>;
 
 async fn serve(services: ServiceSet) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -33,159 +39,293 @@ async fn serve(services: ServiceSet) -> String {
     endpoint
 }
 
+async fn channel(endpoint: &str) -> Channel {
+    tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+struct World {
+    clock: ManualClock,
+    run_store_endpoint: String,
+    coordinator_endpoint: String,
+    _db: TestDatabase,
+}
+
+impl World {
+    async fn new(redis_url: &str, prefix: &str) -> Self {
+        let db = TestDatabase::new().await;
+        let mut config = Config::default();
+        config.auth.operator_token = Secret::new(TOKEN);
+        config.run_store.database_url = db.url().to_owned();
+        config.run_store.receipt_signing_key =
+            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+        let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
+            .await
+            .unwrap();
+        let mut services = ServiceSet::new();
+        run_store.register(&mut services);
+        let run_store_endpoint = serve(services).await;
+        config.run_store.endpoint = run_store_endpoint.clone();
+
+        let clock = ManualClock::new(chrono::Utc::now());
+        let store = RedisStore::connect(redis_url, prefix).await.unwrap();
+        let coordinator =
+            StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone())).unwrap();
+        let mut services = ServiceSet::new();
+        coordinator.register(&mut services);
+        let coordinator_endpoint = serve(services).await;
+        Self {
+            clock,
+            run_store_endpoint,
+            coordinator_endpoint,
+            _db: db,
+        }
+    }
+
+    async fn recovery(&self) -> Recovery {
+        StreamRecoveryServiceClient::with_interceptor(
+            channel(&self.coordinator_endpoint).await,
+            Bearer::new(TOKEN),
+        )
+    }
+
+    /// A run of the two-part script and its real runner process.
+    async fn start_run(&self) -> (String, tokio::process::Child) {
+        let mut op = RunServiceClient::with_interceptor(
+            channel(&self.run_store_endpoint).await,
+            Bearer::new(TOKEN),
+        );
+        let run = op
+            .create_run(rs::CreateRunRequest {
+                client_request_id: "takeover-request-000001".into(),
+                org_id: "acme".into(),
+                target: Some(rs::create_run_request::Target::CredentialId("c".into())),
+                command: "sh".into(),
+                args: vec!["-c".into(), SCRIPT.into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap();
+        let key = op
+            .issue_run_key(rs::IssueRunKeyRequest {
+                run_id: run.id.clone(),
+                sandbox_id: "sbx".into(),
+                sandbox_generation: 1,
+                idempotency_key: "takeover-sandbox-key-1".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .run_key;
+        let runner = tokio::process::Command::new(runplane_bin())
+            .arg("runner")
+            .env("RUNPLANE_ENDPOINT", &self.run_store_endpoint)
+            .env("RUNPLANE_RECOVERY_ENDPOINT", &self.coordinator_endpoint)
+            .env("RUNPLANE_RUN_ID", &run.id)
+            .env("RUNPLANE_RUN_KEY", &key)
+            .env_remove("RUNPLANE_CONFIG")
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        (run.id, runner)
+    }
+
+    /// Waits until the first ten frames are in the buffer.
+    async fn first_frames(&self, run_id: &str) {
+        let mut recovery = self.recovery().await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let b = recovery
+                .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+                    run_id: run_id.to_owned(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            if b.next_sequence >= 11 {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the first frames arrive"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Presumes the controller dead (its lease lapses on the coordinator's clock) and plans
+    /// recoveries until one claims the stream. A renewal racing the jump can keep the
+    /// lease for a moment; the next jump takes it.
+    async fn claim(&self, run_id: &str) -> pb::PlanRecoveryResponse {
+        let mut recovery = self.recovery().await;
+        for _ in 0..20 {
+            self.clock.advance(Duration::from_secs(31));
+            if let Ok(plan) = recovery
+                .plan_recovery(pb::PlanRecoveryRequest {
+                    run_id: run_id.to_owned(),
+                    reason: "test".into(),
+                })
+                .await
+                && plan.get_ref().decision() == pb::RecoveryDecision::Claimed
+            {
+                return plan.into_inner();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the stream was never claimed");
+    }
+
+    /// Every frame of the run's buffer, as text.
+    async fn lines(&self, run_id: &str) -> Vec<String> {
+        let mut tail = self
+            .recovery()
+            .await
+            .tail(pb::TailRequest {
+                run_id: run_id.to_owned(),
+                from_sequence: 0,
+                follow: false,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut lines = Vec::new();
+        while let Some(item) = tail.message().await.unwrap() {
+            if let Some(pb::tail_response::Item::Frame(f)) = item.item {
+                lines.push(String::from_utf8(f.data).unwrap());
+            }
+        }
+        lines
+    }
+}
+
+fn expected() -> Vec<String> {
+    (1..=20).map(|i| format!("line {i}")).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taken_over_stream_continues_with_the_new_token() {
-    let db = TestDatabase::new().await;
     let redis = TestRedis::new().await;
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.run_store.database_url = db.url().to_owned();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
-        .await
-        .unwrap();
-    let mut services = ServiceSet::new();
-    run_store.register(&mut services);
-    let run_store_endpoint = serve(services).await;
-    config.run_store.endpoint = run_store_endpoint.clone();
-
-    let clock = ManualClock::new(chrono::Utc::now());
-    let store = RedisStore::connect(redis.url(), redis.prefix())
-        .await
-        .unwrap();
-    let coordinator =
-        StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone())).unwrap();
-    let mut services = ServiceSet::new();
-    coordinator.register(&mut services);
-    let coordinator_endpoint = serve(services).await;
-
-    let channel = |e: String| async move {
-        tonic::transport::Endpoint::from_shared(e)
-            .unwrap()
-            .connect()
-            .await
-            .unwrap()
-    };
-    let mut op = RunServiceClient::with_interceptor(
-        channel(run_store_endpoint.clone()).await,
-        Bearer::new(TOKEN),
-    );
-    let run = op
-        .create_run(rs::CreateRunRequest {
-            client_request_id: "takeover-request-000001".into(),
-            org_id: "acme".into(),
-            target: Some(rs::create_run_request::Target::CredentialId("c".into())),
-            command: "sh".into(),
-            args: vec![
-                "-c".into(),
-                "for i in $(seq 1 10); do echo line $i; done; sleep 4; for i in $(seq 11 20); do echo line $i; done".into(),
-            ],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
-    let key = op
-        .issue_run_key(rs::IssueRunKeyRequest {
-            run_id: run.id.clone(),
-            sandbox_id: "sbx".into(),
-            sandbox_generation: 1,
-            idempotency_key: "takeover-sandbox-key-1".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .run_key;
-    let mut runner = tokio::process::Command::new(runplane_bin())
-        .arg("runner")
-        .env("RUNPLANE_ENDPOINT", &run_store_endpoint)
-        .env("RUNPLANE_RECOVERY_ENDPOINT", &coordinator_endpoint)
-        .env("RUNPLANE_RUN_ID", &run.id)
-        .env("RUNPLANE_RUN_KEY", &key)
-        .env_remove("RUNPLANE_CONFIG")
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-
-    let mut recovery = StreamRecoveryServiceClient::with_interceptor(
-        channel(coordinator_endpoint.clone()).await,
-        Bearer::new(TOKEN),
-    );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let b = recovery
-            .get_recovery_budget(pb::GetRecoveryBudgetRequest {
-                run_id: run.id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        if b.next_sequence >= 11 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the first frames arrive"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-
-    // The controller is presumed dead: its lease lapses (on the coordinator's clock), and a
-    // tail's recovery plan claims the stream. A renewal racing the jump can keep the
-    // lease once; jump again then.
-    let mut claimed = None;
-    for _ in 0..3 {
-        clock.advance(Duration::from_secs(31));
-        let plan = recovery
-            .plan_recovery(pb::PlanRecoveryRequest {
-                run_id: run.id.clone(),
-                reason: "test".into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        if plan.decision() == pb::RecoveryDecision::Claimed {
-            claimed = Some(plan);
-            break;
-        }
-    }
-    let claimed = claimed.expect("the stream was claimed");
+    let w = World::new(redis.url(), redis.prefix()).await;
+    let (run_id, mut runner) = w.start_run().await;
+    w.first_frames(&run_id).await;
+    let claimed = w.claim(&run_id).await;
     assert_eq!(claimed.next_sequence, 11);
-
     let status = tokio::time::timeout(Duration::from_secs(60), runner.wait())
         .await
         .unwrap()
         .unwrap();
     assert!(status.success());
-    let mut tail = recovery
-        .tail(pb::TailRequest {
-            run_id: run.id.clone(),
-            from_sequence: 0,
-            follow: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut lines = Vec::new();
-    while let Some(item) = tail.message().await.unwrap() {
-        if let Some(pb::tail_response::Item::Frame(f)) = item.item {
-            lines.push(String::from_utf8(f.data).unwrap());
-        }
-    }
-    let expected: Vec<String> = (1..=20).map(|i| format!("line {i}")).collect();
     assert_eq!(
-        lines, expected,
+        w.lines(&run_id).await,
+        expected(),
         "every line once, in order, across the takeover"
     );
-    let budget = recovery
+    let budget = w
+        .recovery()
+        .await
         .get_recovery_budget(pb::GetRecoveryBudgetRequest {
-            run_id: run.id.clone(),
+            run_id: run_id.clone(),
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(budget.budget.unwrap().attempts, 1);
+}
+
+/// A Redis of this test's own, so it can be killed and restarted without touching
+/// anyone else's keys.
+struct PrivateRedis {
+    port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateRedis {
+    fn start(port: u16) -> Self {
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (see scripts/test)");
+        Self {
+            port,
+            child: Some(child),
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    async fn wait_ready(&self) {
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("redis-server did not start on port {}", self.port);
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinator_serves_again_when_redis_returns_and_the_run_finishes() {
+    let port = runplane_testkit::free_local_addr().port();
+    let mut redis = PrivateRedis::start(port);
+    redis.wait_ready().await;
+    let w = World::new(&format!("redis://127.0.0.1:{port}"), "restart:").await;
+    let (run_id, mut runner) = w.start_run().await;
+    w.first_frames(&run_id).await;
+
+    // Redis dies (and, without persistence, forgets everything).
+    redis.kill();
+    let down = w
+        .recovery()
+        .await
+        .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(down.code(), tonic::Code::Unavailable);
+    let mut redis = PrivateRedis::start(port);
+    redis.wait_ready().await;
+
+    // Served again; the lost lease is recovered like a dead controller's, and the runner
+    // re-sends what it holds from the claim's sequence.
+    let claimed = w.claim(&run_id).await;
+    assert_eq!(claimed.next_sequence, 1, "the buffer was lost with Redis");
+    let status = tokio::time::timeout(Duration::from_secs(60), runner.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "the run finishes");
+    assert_eq!(w.lines(&run_id).await, expected());
+    redis.kill();
 }
