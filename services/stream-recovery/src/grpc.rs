@@ -87,11 +87,11 @@ fn store_error(e: StoreError) -> Status {
             message,
             vec![("next_sequence", next.to_string())],
         ),
-        StoreError::BudgetExceeded => reason(
+        StoreError::BudgetExceeded { scope } => reason(
             Code::ResourceExhausted,
             ErrorReason::BudgetExceeded,
             message,
-            vec![("budget_scope", "stream".into())],
+            vec![("budget_scope", scope.into())],
         ),
         StoreError::Backend(cause) => {
             tracing::error!(%cause, "recovery store unavailable");
@@ -183,7 +183,7 @@ impl Shared {
     }
 
     /// The runner's key, checked by the run store by its hash: the key never leaves here.
-    async fn runner<T>(&self, request: &Request<T>, run_id: &str) -> Result<(), Status> {
+    async fn runner<T>(&self, request: &Request<T>, run_id: &str) -> Result<String, Status> {
         let key = bearer(request).ok_or_else(unauthenticated)?;
         let check = self
             .run_store
@@ -194,7 +194,7 @@ impl Shared {
             })
             .await;
         match check {
-            Ok(_) => Ok(()),
+            Ok(answer) => Ok(answer.into_inner().org_id),
             // The run store's refusal (invalid, revoked, other run, terminal) stands as is.
             Err(status) if error_info(&status).is_some() && status.code() != Code::Unavailable => {
                 Err(status)
@@ -479,29 +479,42 @@ impl StreamRecoveryService for StreamRecoveryApi {
                 ));
             }
         }
-        s.runner(&request, &req.run_id).await?;
+        let org = s.runner(&request, &req.run_id).await?;
         let frames: Vec<(u64, Vec<u8>)> = req
             .frames
             .iter()
             .map(|f| (f.sequence, f.data.clone()))
             .collect();
-        let appended = s
+        // The org's hourly budget is reserved for the whole batch first (its own key, so
+        // Redis Cluster keeps working), then what the append did not store is given back:
+        // a replay costs nothing, a refusal writes nothing.
+        let now = s.now_ms();
+        let hour = now.div_euclid(3_600_000);
+        let reserved = total as u64;
+        let org_left = s
             .store
-            .append(
-                &req.run_id,
-                &req.controller_token,
-                &frames,
-                s.now_ms(),
-                &s.limits,
-            )
+            .charge_org(&org, hour, reserved, s.limits.org_hour_bytes)
             .await
             .map_err(store_error)?;
+        let appended = match s
+            .store
+            .append(&req.run_id, &req.controller_token, &frames, now, &s.limits)
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = s.store.refund_org(&org, hour, reserved).await;
+                return Err(store_error(e));
+            }
+        };
+        let unused = reserved - appended.stored_bytes.min(reserved);
+        let _ = s.store.refund_org(&org, hour, unused).await;
         Ok(Response::new(pb::AppendFramesResponse {
             next_sequence: appended.next_sequence,
             stored_count: appended.stored,
             budget: Some(pb::ReplayBudget {
                 stream_bytes_remaining: appended.stream_bytes_remaining,
-                org_hour_bytes_remaining: appended.stream_bytes_remaining,
+                org_hour_bytes_remaining: org_left + unused,
             }),
         }))
     }

@@ -25,6 +25,8 @@ pub struct BufferLimits {
     pub max_frames: u64,
     /// Bytes one stream may append over its life.
     pub stream_bytes: u64,
+    /// Bytes one org's streams may append in one clock hour.
+    pub org_hour_bytes: u64,
     /// How long an idle buffer is kept.
     pub ttl: Duration,
 }
@@ -34,6 +36,7 @@ impl Default for BufferLimits {
         Self {
             max_frames: 10_000,
             stream_bytes: 64 << 20,
+            org_hour_bytes: 1 << 30,
             ttl: Duration::from_secs(24 * 3600),
         }
     }

@@ -210,9 +210,18 @@ fn plan(run_id: &str) -> pb::PlanRecoveryRequest {
     }
 }
 
-/// Controllers keep dying: each takeover's lease lapses. `tails` planners ask at once at
-/// every step, as several tabs or pods tailing one run would.
-async fn exhausts_after_five_takeovers_with_one_abort(tails: usize) {
+/// How each controller fails.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// It dies (a thrown error, a killed process): its lease lapses.
+    LeaseLapses,
+    /// Its append keeps failing and it hands off: it releases its lease at once.
+    HandsOff,
+}
+
+/// Controllers keep failing. `tails` planners ask at once at every step, as several tabs
+/// or pods tailing one run would.
+async fn exhausts_after_five_takeovers_with_one_abort(tails: usize, failure: Failure) {
     let w = World::new(false).await;
     let (run_id, key) = w.running_run().await;
     let mut runner = w.runner(&key).await;
@@ -235,9 +244,32 @@ async fn exhausts_after_five_takeovers_with_one_abort(tails: usize) {
         .unwrap();
 
     let mut waits = Vec::new();
+    let mut current = first.controller_token.clone();
     for attempt in 1..=5u32 {
-        // The controller died: its lease lapses, and any backoff runs out.
-        w.clock.advance(Duration::from_secs(61));
+        match failure {
+            // The controller died: its lease lapses, and any backoff runs out.
+            Failure::LeaseLapses => w.clock.advance(Duration::from_secs(61)),
+            // The controller gives up: it releases, and the planners wait out the backoff.
+            Failure::HandsOff => {
+                let released = runner
+                    .release_lease(pb::ReleaseLeaseRequest {
+                        run_id: run_id.clone(),
+                        controller_token: current.clone(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert!(released.released);
+                let budget = w.budget(&run_id).await.budget.unwrap();
+                let now = w.clock.now().timestamp_millis();
+                let wait_ms = budget
+                    .not_before
+                    .map(|t| t.seconds * 1000 + i64::from(t.nanos / 1_000_000) - now + 1)
+                    .unwrap_or(0)
+                    .max(0);
+                w.clock.advance(Duration::from_millis(wait_ms as u64));
+            }
+        }
         let calls: Vec<_> = (0..tails)
             .map(|_| {
                 let run_id = run_id.clone();
@@ -259,6 +291,12 @@ async fn exhausts_after_five_takeovers_with_one_abort(tails: usize) {
         let budget = w.budget(&run_id).await.budget.unwrap();
         assert_eq!(budget.attempts, attempt);
         waits.push(budget.not_before.unwrap().seconds - budget.claimed_at.unwrap().seconds);
+        let resumes = w.messages(&run_id, rs::SteeringKind::ResumeStream).await;
+        if let Some(rs::steering_message::Payload::ResumeStream(p)) =
+            &resumes.last().unwrap().payload
+        {
+            current = p.controller_token.clone();
+        }
     }
     assert!(
         waits.windows(2).all(|p| p[1] >= p[0]),
@@ -317,12 +355,22 @@ async fn exhausts_after_five_takeovers_with_one_abort(tails: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_controllers_keep_dying_ends_after_five_takeovers_with_one_tail() {
-    exhausts_after_five_takeovers_with_one_abort(1).await;
+    exhausts_after_five_takeovers_with_one_abort(1, Failure::LeaseLapses).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_controllers_keep_dying_ends_after_five_takeovers_with_three_tails() {
-    exhausts_after_five_takeovers_with_one_abort(3).await;
+    exhausts_after_five_takeovers_with_one_abort(3, Failure::LeaseLapses).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_appends_keep_failing_ends_after_five_hand_offs_with_one_tail() {
+    exhausts_after_five_takeovers_with_one_abort(1, Failure::HandsOff).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_appends_keep_failing_ends_after_five_hand_offs_with_three_tails() {
+    exhausts_after_five_takeovers_with_one_abort(3, Failure::HandsOff).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,6 +44,7 @@ conformance!(
     a_parked_run_is_never_taken_over,
     concurrent_claims_claim_once,
     a_claim_fences_the_previous_controller,
+    an_orgs_hourly_budget_is_reserved_refused_and_refunded,
 );
 
 fn claim(now_ms: i64, token: &str) -> ClaimArgs<'_> {
@@ -135,7 +136,7 @@ async fn appends_are_fenced_idempotent_contiguous_and_budgeted(s: Arc<dyn Recove
     // 4 frames of 7 bytes are charged; 8 more would pass the 64-byte budget.
     assert_eq!(
         s.append("run-2", "tok", &frames(5..=12), T0, &limits).await,
-        Err(StoreError::BudgetExceeded)
+        Err(StoreError::BudgetExceeded { scope: "stream" })
     );
     let after = s.read("run-2", 1, 100).await.unwrap();
     assert_eq!(after.next_sequence, 5, "a refused batch writes nothing");
@@ -315,4 +316,18 @@ async fn a_claim_fences_the_previous_controller(s: Arc<dyn RecoveryStore>) {
     )
     .await
     .unwrap();
+}
+
+async fn an_orgs_hourly_budget_is_reserved_refused_and_refunded(s: Arc<dyn RecoveryStore>) {
+    assert_eq!(s.charge_org("acme", 7, 60, 100).await.unwrap(), 40);
+    assert_eq!(
+        s.charge_org("acme", 7, 50, 100).await,
+        Err(StoreError::BudgetExceeded { scope: "org_hour" }),
+        "a refusal charges nothing"
+    );
+    s.refund_org("acme", 7, 20).await.unwrap();
+    assert_eq!(s.charge_org("acme", 7, 60, 100).await.unwrap(), 0);
+    // Another hour, another org: budgets of their own.
+    assert_eq!(s.charge_org("acme", 8, 10, 100).await.unwrap(), 90);
+    assert_eq!(s.charge_org("globex", 7, 10, 100).await.unwrap(), 90);
 }

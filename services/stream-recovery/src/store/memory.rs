@@ -51,6 +51,7 @@ impl Run {
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     runs: Mutex<HashMap<String, Run>>,
+    org_hours: Mutex<HashMap<(String, i64), u64>>,
 }
 
 impl MemoryStore {
@@ -148,7 +149,7 @@ impl RecoveryStore for MemoryStore {
                 .map(|(_, d)| d.len() as u64)
                 .sum();
             if r.bytes + add > limits.stream_bytes {
-                return Err(StoreError::BudgetExceeded);
+                return Err(StoreError::BudgetExceeded { scope: "stream" });
             }
             let mut stored = 0;
             for (sequence, data) in frames {
@@ -166,6 +167,7 @@ impl RecoveryStore for MemoryStore {
             Ok(Appended {
                 next_sequence: r.next,
                 stored,
+                stored_bytes: add,
                 stream_bytes_remaining: limits.stream_bytes - r.bytes,
             })
         })
@@ -250,6 +252,24 @@ impl RecoveryStore for MemoryStore {
                 not_before_ms: not_before,
             })
         })
+    }
+
+    async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64> {
+        let mut hours = self.org_hours.lock().expect("memory store poisoned");
+        let used = hours.entry((org.to_owned(), hour)).or_default();
+        if *used + bytes > limit {
+            return Err(StoreError::BudgetExceeded { scope: "org_hour" });
+        }
+        *used += bytes;
+        Ok(limit - *used)
+    }
+
+    async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()> {
+        let mut hours = self.org_hours.lock().expect("memory store poisoned");
+        if let Some(used) = hours.get_mut(&(org.to_owned(), hour)) {
+            *used = used.saturating_sub(bytes);
+        }
+        Ok(())
     }
 
     async fn forget(&self, run: &str) -> Result<()> {

@@ -26,8 +26,9 @@ pub enum StoreError {
     TakeoverRequired,
     #[error("the batch starts past the next expected sequence {next}")]
     Gap { next: u64 },
-    #[error("the stream's replay budget is spent")]
-    BudgetExceeded,
+    /// `scope` is `stream` or `org_hour`.
+    #[error("the {scope} replay budget is spent")]
+    BudgetExceeded { scope: &'static str },
     #[error("the recovery store is unavailable: {0}")]
     Backend(String),
 }
@@ -52,6 +53,8 @@ pub struct Acquired {
 pub struct Appended {
     pub next_sequence: u64,
     pub stored: u32,
+    /// Bytes of the frames this call stored (a replay stores none).
+    pub stored_bytes: u64,
     pub stream_bytes_remaining: u64,
 }
 
@@ -139,6 +142,11 @@ pub trait RecoveryStore: Send + Sync + 'static {
     async fn budget(&self, run: &str, now_ms: i64) -> Result<BudgetState>;
     /// Plans and, when allowed, claims a takeover, all in one atomic step.
     async fn claim(&self, run: &str, args: &ClaimArgs<'_>) -> Result<ClaimOutcome>;
+    /// Reserves `bytes` of an org's budget for the hour `hour` (ms epoch / 3.6e6);
+    /// returns what is left, or refuses without charging.
+    async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64>;
+    /// Gives back bytes a reservation did not use.
+    async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()>;
     /// Forgets everything about a run (the orphan sweep).
     async fn forget(&self, run: &str) -> Result<()>;
     /// Runs with state, in id order after `cursor`, at most `limit`.

@@ -109,7 +109,21 @@ redis.call('HSET', KEYS[2], 'next', next, 'first', first, 'bytes', bytes + add)
 redis.call('PEXPIRE', KEYS[2], ttl)
 redis.call('PEXPIRE', KEYS[3], ttl)
 redis.call('PEXPIRE', KEYS[4], ttl)
-return {'ok', next, stored, budget - bytes - add}
+return {'ok', next, stored, budget - bytes - add, add}
+"#,
+    )
+});
+
+/// Reserve against an org's hourly byte budget (its own key and slot: cluster-safe).
+static CHARGE_ORG: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local bytes, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+if used + bytes > limit then return -1 end
+used = redis.call('INCRBY', KEYS[1], bytes)
+redis.call('PEXPIRE', KEYS[1], 7200000)
+return limit - used
 "#,
     )
 });
@@ -360,11 +374,12 @@ impl RecoveryStore for RedisStore {
                 next_sequence: int(&out[1]) as u64,
                 stored: int(&out[2]) as u32,
                 stream_bytes_remaining: int(&out[3]).max(0) as u64,
+                stored_bytes: int(&out[4]).max(0) as u64,
             }),
             "gap" => Err(StoreError::Gap {
                 next: int(&out[1]) as u64,
             }),
-            "budget" => Err(StoreError::BudgetExceeded),
+            "budget" => Err(StoreError::BudgetExceeded { scope: "stream" }),
             _ => Err(StoreError::Fenced),
         }
     }
@@ -454,6 +469,35 @@ impl RecoveryStore for RedisStore {
             self.remember(run).await?;
         }
         Ok(outcome)
+    }
+
+    async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64> {
+        let mut conn = self.conn.clone();
+        let key = format!("{}{{org:{org}}}:bytes:{hour}", self.prefix);
+        let left: i64 = CHARGE_ORG
+            .key(key)
+            .arg(bytes)
+            .arg(limit)
+            .invoke_async(&mut conn)
+            .await?;
+        if left < 0 {
+            return Err(StoreError::BudgetExceeded { scope: "org_hour" });
+        }
+        Ok(left as u64)
+    }
+
+    async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let mut conn = self.conn.clone();
+        let key = format!("{}{{org:{org}}}:bytes:{hour}", self.prefix);
+        let _: i64 = redis::cmd("DECRBY")
+            .arg(key)
+            .arg(bytes)
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
     }
 
     async fn forget(&self, run: &str) -> Result<()> {
