@@ -115,6 +115,10 @@ fn invalid(field: &str, why: &str) -> Status {
 }
 
 fn upstream(status: &Status) -> Status {
+    // A definite refusal from the run store stands as it came; only silence is "unavailable".
+    if status.code() != Code::Unavailable && error_info(status).is_some() {
+        return status.clone();
+    }
     reason(
         Code::Unavailable,
         ErrorReason::UpstreamUnavailable,
@@ -319,7 +323,9 @@ impl Shared {
                     .clone()
                     .enqueue_control(rs::EnqueueControlRequest {
                         run_id: run_id.to_owned(),
-                        idempotency_key: format!("{run_id}:resume:{attempt}"),
+                        // The claim's time makes the key unique per claim: a fresh budget
+                        // counts from 1 again, and must not replay an old claim's message.
+                        idempotency_key: format!("{run_id}:resume:{attempt}:{now}"),
                         control: Some(rs::enqueue_control_request::Control::ResumeStream(
                             rs::ResumeStreamPayload {
                                 controller_token: token,

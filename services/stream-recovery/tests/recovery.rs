@@ -587,3 +587,108 @@ async fn a_second_controller_must_come_through_a_claim_and_keys_are_checked() {
         .unwrap_err();
     assert_eq!(refused.code(), Code::Unauthenticated);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_window_starts_a_fresh_budget() {
+    let w = World::new(false).await;
+    let (run_id, _) = w.running_run().await;
+    for attempt in 1..=2 {
+        w.clock.advance(Duration::from_secs(61));
+        let claim = w
+            .operator()
+            .await
+            .plan_recovery(plan(&run_id))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(claim.budget.unwrap().attempts, attempt);
+    }
+    w.clock.advance(Duration::from_secs(5 * 60 + 1));
+    let fresh = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fresh.decision(), pb::RecoveryDecision::Claimed);
+    assert_eq!(
+        fresh.budget.unwrap().attempts,
+        1,
+        "a takeover after 5 quiet minutes starts over"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_settles_runs_nobody_can_own_and_leaves_parked_ones() {
+    let w = World::new(false).await;
+    let (run_id, key) = w.running_run().await;
+    // Spend the budget without a successor ever starting.
+    for _ in 0..5 {
+        w.clock.advance(Duration::from_secs(61));
+        w.operator()
+            .await
+            .plan_recovery(plan(&run_id))
+            .await
+            .unwrap();
+    }
+    w.clock.advance(Duration::from_secs(61));
+    // An unknown run with state left behind, and a parked one.
+    let mut stranger = w.runner(&key).await;
+    let _ = stranger
+        .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+            run_id: run_id.clone(),
+        })
+        .await;
+
+    let mut op = w.operator().await;
+    let dry = op
+        .sweep_orphans(pb::SweepOrphansRequest {
+            cursor: String::new(),
+            limit: 10,
+            dry_run: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let action = |r: &pb::SweepOrphansResponse| {
+        r.results
+            .iter()
+            .find(|x| x.run_id == run_id)
+            .map(|x| x.action())
+            .unwrap()
+    };
+    assert_eq!(action(&dry), pb::OrphanAction::RunEnded);
+    assert_eq!(
+        w.run_state(&run_id).await.state(),
+        rs::RunState::Running,
+        "a dry run changes nothing"
+    );
+
+    let swept = op
+        .sweep_orphans(pb::SweepOrphansRequest {
+            cursor: String::new(),
+            limit: 10,
+            dry_run: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(action(&swept), pb::OrphanAction::RunEnded);
+    assert_eq!(
+        w.run_state(&run_id).await.failure_reason,
+        "stream_recovery_exhausted"
+    );
+    assert_eq!(w.messages(&run_id, rs::SteeringKind::Abort).await.len(), 1);
+    // The run is terminal now: the next pass deletes its keys.
+    let next = op
+        .sweep_orphans(pb::SweepOrphansRequest {
+            cursor: String::new(),
+            limit: 10,
+            dry_run: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(action(&next), pb::OrphanAction::KeysDeleted);
+}
