@@ -103,14 +103,32 @@ async fn a_run_prints_live_survives_a_dev_restart_and_ends_succeeded() {
 async fn a_failing_command_ends_with_its_exit_code() {
     let data = tempfile::tempdir().unwrap();
     let addr = free_local_addr().to_string();
-    let _dev = start_dev_on(data.path(), &addr, &[]).await;
-    let cli = run_cli(&addr, data.path(), "echo broken >&2; exit 7");
-    let output = tokio::time::timeout(Duration::from_secs(60), cli.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(output.status.code(), Some(7));
-    let err = String::from_utf8_lossy(&output.stderr);
+    let mut dev = start_dev_on(data.path(), &addr, &[]).await;
+    let mut cli = run_cli(&addr, data.path(), "echo broken >&2; exit 7");
+    let stderr = cli.stderr.take().unwrap();
+    let cli_err = tokio::spawn(async move {
+        let mut text = String::new();
+        let mut lines = BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    });
+    let status = match tokio::time::timeout(Duration::from_secs(60), cli.wait()).await {
+        Ok(status) => status.unwrap(),
+        Err(_) => {
+            let _ = cli.start_kill();
+            dev.kill().await;
+            panic!(
+                "runplane run did not end within 60 s\n--- run stderr\n{}\n--- dev logs\n{}",
+                cli_err.await.unwrap(),
+                dev.stderr().await
+            );
+        }
+    };
+    let err = cli_err.await.unwrap();
+    assert_eq!(status.code(), Some(7), "{err}");
     assert!(err.contains("broken"), "{err}");
     assert!(err.contains("failed (exit_nonzero, exit code 7)"), "{err}");
 }

@@ -84,6 +84,7 @@ impl SandboxReconciler {
                 idle_timeout: Duration::from_secs(
                     config.sandbox_reconciler.idle_timeout_seconds.into(),
                 ),
+                dispatch: config.sandbox_reconciler.dispatch,
                 ..reconcile::ReconcileSettings::default()
             },
             run_store_endpoint: config.run_store.endpoint.clone(),

@@ -33,6 +33,8 @@ pub struct ReconcileSettings {
     pub batch: u64,
     /// Idle time after which a node agent suspends a sandbox; zero for never.
     pub idle_timeout: Duration,
+    /// Whether queued runs get sandboxes.
+    pub dispatch: bool,
 }
 
 impl Default for ReconcileSettings {
@@ -42,6 +44,7 @@ impl Default for ReconcileSettings {
             probe_concurrency: 32,
             batch: 500,
             idle_timeout: Duration::ZERO,
+            dispatch: true,
         }
     }
 }
@@ -395,14 +398,15 @@ pub async fn run_loop(
             () = &mut shutdown => return,
             () = tokio::time::sleep(interval) => {}
         }
-        if let Err(e) = dispatch(
-            &reconciler.store,
-            reconciler.driver.as_ref(),
-            &run_store,
-            &runner_endpoint,
-            reconciler.settings.idle_timeout,
-        )
-        .await
+        if reconciler.settings.dispatch
+            && let Err(e) = dispatch(
+                &reconciler.store,
+                reconciler.driver.as_ref(),
+                &run_store,
+                &runner_endpoint,
+                reconciler.settings.idle_timeout,
+            )
+            .await
         {
             tracing::warn!(error = %e, "dispatch failed; next round retries");
         }

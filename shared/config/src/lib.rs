@@ -197,6 +197,9 @@ pub struct SandboxReconcilerConfig {
     pub tick_interval_ms: u32,
     /// Idle time after which a node agent suspends a sandbox (0: never).
     pub idle_timeout_seconds: u32,
+    /// Give queued runs sandboxes. Off for a reconciler that only serves routes and
+    /// nodes, or to drive a run's runner protocol by hand.
+    pub dispatch: bool,
 }
 
 impl Default for SandboxReconcilerConfig {
@@ -211,6 +214,7 @@ impl Default for SandboxReconcilerConfig {
             state_dir: ".runplane/sandboxes".to_owned(),
             tick_interval_ms: 2000,
             idle_timeout_seconds: 0,
+            dispatch: true,
         }
     }
 }
