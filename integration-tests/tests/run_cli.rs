@@ -120,8 +120,17 @@ async fn a_failing_command_ends_with_its_exit_code() {
         Err(_) => {
             let _ = cli.start_kill();
             dev.kill().await;
+            let mut runners = String::new();
+            for entry in std::fs::read_dir(data.path().join("sandboxes"))
+                .into_iter()
+                .flatten()
+            {
+                let path = entry.unwrap().path().join("runner.log");
+                runners += &format!("{}:\n", path.display());
+                runners += &std::fs::read_to_string(&path).unwrap_or_default();
+            }
             panic!(
-                "runplane run did not end within 60 s\n--- run stderr\n{}\n--- dev logs\n{}",
+                "runplane run did not end within 60 s\n--- run stderr\n{}\n--- dev logs\n{}\n--- runner logs\n{runners}",
                 cli_err.await.unwrap(),
                 dev.stderr().await
             );
