@@ -7,6 +7,7 @@ use std::time::Duration;
 use base64::Engine;
 use futures::Stream;
 use prost::Message;
+use runplane_grpc::proto_duration as duration;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_server::RunService;
 use runplane_proto::runstore::v1::runner_service_server::RunnerService;
@@ -85,13 +86,6 @@ impl Shared {
             max_poll_wait: Some(duration(l.max_poll_wait)),
             max_failure_tail_bytes: l.max_failure_tail_bytes,
         }
-    }
-}
-
-fn duration(d: Duration) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
     }
 }
 

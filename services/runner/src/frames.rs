@@ -129,10 +129,7 @@ fn reason_is(status: &tonic::Status, reason: ErrorReason) -> bool {
 }
 
 fn ttl() -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: LEASE_TTL.as_secs() as i64,
-        nanos: 0,
-    }
+    runplane_grpc::proto_duration(LEASE_TTL)
 }
 
 /// Streams frames until `frames` is finished and everything was sent (or the stream

@@ -51,10 +51,7 @@ pub async fn poll(
             .poll_steering(pb::PollSteeringRequest {
                 run_id: run_id.clone(),
                 acks: sent_acks,
-                wait: Some(prost_types::Duration {
-                    seconds: POLL_WAIT.as_secs() as i64,
-                    nanos: 0,
-                }),
+                wait: Some(runplane_grpc::proto_duration(POLL_WAIT)),
                 max_messages: 0,
             })
             .await;

@@ -193,10 +193,7 @@ impl NodeService for NodeApi {
         Ok(Response::new(pb::RegisterNodeResponse {
             epoch: node.epoch as u64,
             node: Some(node_of(&node)),
-            heartbeat_interval: Some(prost_types::Duration {
-                seconds: HEARTBEAT_EVERY.as_secs() as i64,
-                nanos: 0,
-            }),
+            heartbeat_interval: Some(runplane_grpc::proto_duration(HEARTBEAT_EVERY)),
         }))
     }
 
@@ -216,10 +213,7 @@ impl NodeService for NodeApi {
             )
             .await?;
         Ok(Response::new(pb::HeartbeatResponse {
-            next_heartbeat_in: Some(prost_types::Duration {
-                seconds: HEARTBEAT_EVERY.as_secs() as i64,
-                nanos: 0,
-            }),
+            next_heartbeat_in: Some(runplane_grpc::proto_duration(HEARTBEAT_EVERY)),
         }))
     }
 

@@ -164,10 +164,7 @@ fn budget_of(b: &crate::store::BudgetState) -> pb::RecoveryBudget {
         max_attempts: MAX_ATTEMPTS,
         claimed_at: b.claimed_ms.map(timestamp),
         not_before: b.not_before_ms.filter(|_| b.attempts > 0).map(timestamp),
-        reset_after: Some(prost_types::Duration {
-            seconds: RESET_AFTER.as_secs() as i64,
-            nanos: 0,
-        }),
+        reset_after: Some(runplane_grpc::proto_duration(RESET_AFTER)),
         exhausted: b.exhausted,
     }
 }

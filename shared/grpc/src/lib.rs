@@ -15,6 +15,14 @@ pub mod trace_context;
 pub use error::{ErrorReason, error_info, status_with_reason};
 pub use server::{ServiceSet, Stopped, serve};
 
+/// A `std::time::Duration` as the protobuf `Duration` the contract carries.
+pub fn proto_duration(d: std::time::Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs().min(i64::MAX as u64) as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
 /// Resolves on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
 ///
 /// The handlers are installed when this is called, not when the future is first polled,
