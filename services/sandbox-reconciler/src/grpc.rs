@@ -101,6 +101,18 @@ fn node_of(n: &node::Model) -> pb::Node {
     }
 }
 
+/// A list's page size: 0 means 100, at most 500.
+fn page_size(requested: u32) -> Result<u32, ReconcilerError> {
+    match requested {
+        0 => Ok(100),
+        n @ 1..=500 => Ok(n),
+        _ => Err(ReconcilerError::InvalidField {
+            field: "page_size",
+            reason: "must be 0 to 500".into(),
+        }),
+    }
+}
+
 fn node_name(field: &'static str, value: &str) -> Result<(), ReconcilerError> {
     if value.is_empty()
         || value.len() > 128
@@ -621,17 +633,7 @@ impl SandboxService for SandboxApi {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
-        let limit = match req.page_size {
-            0 => 100,
-            n @ 1..=500 => n,
-            _ => {
-                return Err(ReconcilerError::InvalidField {
-                    field: "page_size",
-                    reason: "must be 0 to 500".into(),
-                }
-                .into());
-            }
-        };
+        let limit = page_size(req.page_size)?;
         let nodes = s
             .store
             .list_nodes(
@@ -668,17 +670,7 @@ impl SandboxService for SandboxApi {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
-        let limit = match req.page_size {
-            0 => 100,
-            n @ 1..=500 => n,
-            _ => {
-                return Err(ReconcilerError::InvalidField {
-                    field: "page_size",
-                    reason: "must be 0 to 500".into(),
-                }
-                .into());
-            }
-        };
+        let limit = page_size(req.page_size)?;
         if !req.page_token.is_empty() {
             sandbox_id(&req.page_token)?;
         }

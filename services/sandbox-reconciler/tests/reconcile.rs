@@ -898,6 +898,50 @@ mod node_protocol {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oversized_page_is_refused_by_both_lists() {
+        let w = World::new().await;
+        let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
+            .await
+            .unwrap();
+        let sandboxes = api
+            .list_sandboxes(authed(
+                rpb::ListSandboxesRequest {
+                    page_size: 501,
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        let nodes = api
+            .list_nodes(authed(
+                rpb::ListNodesRequest {
+                    page_size: 501,
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        for err in [sandboxes, nodes] {
+            assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+            let info = error_info(&err).unwrap();
+            assert_eq!(info.reason, ErrorReason::InvalidField.as_str_name());
+            assert_eq!(info.metadata["field"], "page_size");
+        }
+        // The boundary is accepted.
+        api.list_nodes(authed(
+            rpb::ListNodesRequest {
+                page_size: 500,
+                ..Default::default()
+            },
+            TOKEN,
+        ))
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn create_is_keyed_and_destroy_ends_the_sandbox() {
         let w = World::new().await;
         let (existing, _) = w.running_sandbox("create-keyed").await;
