@@ -549,33 +549,13 @@ impl SandboxService for SandboxApi {
             .run
             .unwrap_or_default();
         let node_id = if req.node_id.is_empty() {
-            let since = s.store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
             s.store
-                .ready_nodes(since)
+                .ready_nodes(s.store.silent_since())
                 .await?
                 .first()
                 .map_or_else(|| crate::reconcile::LOCAL_NODE.to_owned(), |n| n.id.clone())
         } else {
             req.node_id.clone()
-        };
-        let now = s.store.now_us();
-        let candidate = sandbox::Model {
-            id: uuid::Uuid::new_v4().to_string(),
-            run_id: run.id.clone(),
-            org_id: run.org_id.clone(),
-            client_request_id: req.client_request_id.clone(),
-            substrate: "direct".into(),
-            status: "creating".into(),
-            active_node_id: Some(node_id.clone()),
-            execution_generation: 1,
-            loss_observed_at_us: None,
-            idle_timeout_ms,
-            exit_code: None,
-            driver_handle: String::new(),
-            observation_seq: 0,
-            observed_status: String::new(),
-            created_at_us: now,
-            updated_at_us: now,
         };
         if let Some(live) = s.store.live_sandbox_of(&run.id).await?
             && live.client_request_id != req.client_request_id
@@ -586,16 +566,16 @@ impl SandboxService for SandboxApi {
             }
             .into());
         }
-        let row = s.store.insert_sandbox(candidate).await?;
-        if row.active_node_id.as_deref() != Some(crate::reconcile::LOCAL_NODE) {
-            s.store
-                .set_route_identity(crate::store::entities::route_identity::Model {
-                    sandbox_id: row.id.clone(),
-                    current_node_id: node_id,
-                    execution_generation: row.execution_generation,
-                })
-                .await?;
-        }
+        let row = s
+            .store
+            .create_placed(
+                req.client_request_id.clone(),
+                run.id,
+                run.org_id,
+                node_id,
+                idle_timeout_ms,
+            )
+            .await?;
         let placement = s.store.placement(&row.id).await?;
         Ok(Response::new(pb::CreateSandboxResponse {
             sandbox: Some(sandbox_of(&placement, None)),
@@ -641,8 +621,7 @@ impl SandboxService for SandboxApi {
                 u64::from(limit),
             )
             .await?;
-        let silent_since =
-            s.store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
+        let silent_since = s.store.silent_since();
         let next_page_token = if nodes.len() == limit as usize {
             nodes.last().map(|n| n.id.clone()).unwrap_or_default()
         } else {

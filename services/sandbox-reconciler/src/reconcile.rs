@@ -283,47 +283,21 @@ pub async fn dispatch(
         })
         .await;
     if let Ok(queued) = queued {
-        let silent_since = store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
-        let nodes = store.ready_nodes(silent_since).await?;
+        let nodes = store.ready_nodes(store.silent_since()).await?;
         for (i, run) in queued.into_inner().runs.into_iter().enumerate() {
-            let now = store.now_us();
             // Spread over ready node agents; with none, run it here.
             let node_id = nodes
                 .get(i % nodes.len().max(1))
                 .map_or_else(|| LOCAL_NODE.to_owned(), |n| n.id.clone());
-            let row = store
-                .insert_sandbox(sandbox::Model {
-                    id: uuid::Uuid::new_v4().to_string(),
-                    client_request_id: format!("dispatch:{}", run.id),
-                    run_id: run.id.clone(),
-                    org_id: run.org_id.clone(),
-                    substrate: "direct".into(),
-                    status: "creating".into(),
-                    active_node_id: Some(node_id.clone()),
-                    execution_generation: 1,
-                    loss_observed_at_us: None,
-                    idle_timeout_ms: idle_timeout.as_millis() as i64,
-                    exit_code: None,
-                    driver_handle: String::new(),
-                    observation_seq: 0,
-                    observed_status: String::new(),
-                    created_at_us: now,
-                    updated_at_us: now,
-                })
+            store
+                .create_placed(
+                    format!("dispatch:{}", run.id),
+                    run.id,
+                    run.org_id,
+                    node_id,
+                    idle_timeout.as_millis() as i64,
+                )
                 .await?;
-            if let Some(node) = row
-                .active_node_id
-                .as_ref()
-                .filter(|n| n.as_str() != LOCAL_NODE)
-            {
-                store
-                    .set_route_identity(crate::store::entities::route_identity::Model {
-                        sandbox_id: row.id.clone(),
-                        current_node_id: node.clone(),
-                        execution_generation: row.execution_generation,
-                    })
-                    .await?;
-            }
         }
     }
 
@@ -410,9 +384,11 @@ pub async fn run_loop(
         {
             tracing::warn!(error = %e, "dispatch failed; next round retries");
         }
-        let silent_since =
-            reconciler.store.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64;
-        if let Err(e) = reconciler.store.assign_wakes(silent_since).await {
+        if let Err(e) = reconciler
+            .store
+            .assign_wakes(reconciler.store.silent_since())
+            .await
+        {
             tracing::warn!(error = %e, "wake assignment failed; next round retries");
         }
         if let Err(e) = reconciler.tick().await {

@@ -58,8 +58,7 @@ impl Driver for RoutedDriver {
                 // Suspended for idleness and unplaced: it waits on its node for a wake.
                 return Probe::Alive;
             };
-            let silent_since = store.now_us() - NODE_SILENCE.as_micros() as i64;
-            match store.ready_nodes(silent_since).await {
+            match store.ready_nodes(store.silent_since()).await {
                 Ok(nodes) if nodes.iter().any(|n| n.id == node_id) => {}
                 Ok(_) => return Probe::Lost,
                 // The database is what failed; that says nothing about the sandbox.

@@ -62,6 +62,58 @@ impl Store {
         self.clock.now().timestamp_micros()
     }
 
+    /// Heartbeats at or after this instant make a node ready; older ones, silent.
+    pub fn silent_since(&self) -> i64 {
+        self.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64
+    }
+
+    /// A new sandbox of `run` in `creating` on `node_id`, keyed by `client_request_id`
+    /// (a replay returns the row the first call wrote). A sandbox placed on a node agent
+    /// gets its route identity now; a local one is routed by the local loop.
+    pub async fn create_placed(
+        &self,
+        client_request_id: String,
+        run_id: String,
+        org_id: String,
+        node_id: String,
+        idle_timeout_ms: i64,
+    ) -> Result<sandbox::Model> {
+        let now = self.now_us();
+        let row = self
+            .insert_sandbox(sandbox::Model {
+                id: uuid::Uuid::new_v4().to_string(),
+                client_request_id,
+                run_id,
+                org_id,
+                substrate: "direct".into(),
+                status: "creating".into(),
+                active_node_id: Some(node_id),
+                execution_generation: 1,
+                loss_observed_at_us: None,
+                idle_timeout_ms,
+                exit_code: None,
+                driver_handle: String::new(),
+                observation_seq: 0,
+                observed_status: String::new(),
+                created_at_us: now,
+                updated_at_us: now,
+            })
+            .await?;
+        if let Some(node) = row
+            .active_node_id
+            .as_ref()
+            .filter(|n| n.as_str() != crate::reconcile::LOCAL_NODE)
+        {
+            self.set_route_identity(route_identity::Model {
+                sandbox_id: row.id.clone(),
+                current_node_id: node.clone(),
+                execution_generation: row.execution_generation,
+            })
+            .await?;
+        }
+        Ok(row)
+    }
+
     pub async fn insert_sandbox(&self, row: sandbox::Model) -> Result<sandbox::Model> {
         match sandbox::Entity::insert(row.clone().into_active_model())
             .exec_without_returning(&self.db)
