@@ -103,14 +103,10 @@ fn node_of(n: &node::Model) -> pb::Node {
 
 /// A list's page size: 0 means 100, at most 500.
 fn page_size(requested: u32) -> Result<u32, ReconcilerError> {
-    match requested {
-        0 => Ok(100),
-        n @ 1..=500 => Ok(n),
-        _ => Err(ReconcilerError::InvalidField {
-            field: "page_size",
-            reason: "must be 0 to 500".into(),
-        }),
-    }
+    runplane_grpc::page_size(requested, 100).map_err(|reason| ReconcilerError::InvalidField {
+        field: "page_size",
+        reason: reason.into(),
+    })
 }
 
 fn node_name(field: &'static str, value: &str) -> Result<(), ReconcilerError> {

@@ -196,18 +196,12 @@ fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) 
         // Only the execution this reconciler watched: a run that moved on is left alone.
         if_sandbox_generation: Some(row.execution_generation as u64),
     };
-    let mut headers = http::HeaderMap::new();
-    runplane_grpc::trace_context::inject_current_context(&mut headers);
     outbox::Model {
         id: uuid::Uuid::new_v4().to_string(),
         kind: "run_store.fail_run".into(),
         idempotency_key: request.idempotency_key.clone(),
         payload: request.encode_to_vec(),
-        traceparent: headers
-            .get("traceparent")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned(),
+        traceparent: runplane_grpc::trace_context::current_traceparent().unwrap_or_default(),
         attempts: 0,
         next_attempt_at_us: now_us,
         last_error: String::new(),

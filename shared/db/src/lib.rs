@@ -4,6 +4,8 @@
 //! runs on SQLite (`sqlite://path`, created when missing, in WAL mode so readers do not
 //! block the writer). Each service owns its own database and migrates it at start.
 
+pub mod outbox;
+
 use std::path::Path;
 use std::time::Duration;
 
@@ -92,6 +94,24 @@ pub async fn connect(url: &str) -> Result<DatabaseConnection, DbError> {
 }
 
 /// Connects and applies every pending migration of `M`.
+/// A transaction that will write. On SQLite it takes the write lock at `BEGIN`
+/// (IMMEDIATE), so two writers queue on the busy timeout instead of one failing when it
+/// upgrades a read lock; on Postgres it is an ordinary READ COMMITTED transaction.
+pub async fn write_tx(
+    db: &DatabaseConnection,
+) -> Result<sea_orm::DatabaseTransaction, sea_orm::DbErr> {
+    use sea_orm::{SqliteTransactionMode, TransactionOptions, TransactionTrait};
+    if db.get_database_backend() == DbBackend::Sqlite {
+        db.begin_with_options(TransactionOptions {
+            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+            ..Default::default()
+        })
+        .await
+    } else {
+        db.begin().await
+    }
+}
+
 pub async fn connect_and_migrate<M: MigratorTrait>(
     url: &str,
 ) -> Result<DatabaseConnection, DbError> {

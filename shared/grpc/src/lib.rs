@@ -23,6 +23,16 @@ pub fn proto_duration(d: std::time::Duration) -> prost_types::Duration {
     }
 }
 
+/// A list's page size: 0 means `default`, otherwise 1 to 500. The error is the reason
+/// for an INVALID_ARGUMENT on `page_size`.
+pub fn page_size(requested: u32, default: u32) -> Result<u32, &'static str> {
+    match requested {
+        0 => Ok(default),
+        n @ 1..=500 => Ok(n),
+        _ => Err("must be 0 to 500"),
+    }
+}
+
 /// Resolves on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
 ///
 /// The handlers are installed when this is called, not when the future is first polled,

@@ -54,6 +54,17 @@ pub fn inject_current_context(headers: &mut HeaderMap) {
     });
 }
 
+/// The current span's W3C `traceparent`, for work that continues it later (an outbox
+/// row delivered after the decision's span ended); `None` outside a sampled trace.
+pub fn current_traceparent() -> Option<String> {
+    let mut headers = HeaderMap::new();
+    inject_current_context(&mut headers);
+    headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
 /// Server side: one `grpc.request` span per call, child of the caller's trace.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ServerTraceLayer;
