@@ -141,18 +141,40 @@ async fn reflection_describes_methods_with_their_replay_policy() {
 }
 
 #[tokio::test]
-async fn a_method_not_built_yet_answers_unimplemented() {
+async fn dev_reports_the_fleet_of_its_embedded_default_profile() {
+    use runplane_proto::credentials::v1 as ch;
     let data = tempfile::tempdir().unwrap();
     let dev = start_dev(data.path()).await;
-    let mut client =
-        runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient::new(
-            channel(&dev.endpoint()).await,
-        );
+    let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
+    let mut client = ch::credential_health_service_client::CredentialHealthServiceClient::new(
+        channel(&dev.endpoint()).await,
+    );
+    let mut request = tonic::Request::new(ch::GetFleetRequest::default());
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", token.trim()).parse().unwrap(),
+    );
+    let fleet = client.get_fleet(request).await.unwrap().into_inner();
+    assert_eq!(fleet.profiles.len(), 1, "{fleet:?}");
+    let profile = &fleet.profiles[0];
+    assert_eq!(
+        (profile.profile.as_str(), profile.credential_id.as_str()),
+        ("default", "local")
+    );
+    assert_eq!((profile.capacity, profile.free), (8, 8));
+    assert_eq!(
+        (
+            profile.cooling_off_for_seconds,
+            profile.quarantined_for_seconds
+        ),
+        (0, 0)
+    );
+    // Without a token: refused, not served.
     let err = client
-        .get_fleet(runplane_proto::credentials::v1::GetFleetRequest::default())
+        .get_fleet(ch::GetFleetRequest::default())
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::Unimplemented);
+    assert_eq!(err.code(), Code::Unauthenticated);
 }
 
 #[tokio::test]
@@ -221,7 +243,7 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
             pb::CreateRunRequest {
                 client_request_id: "log-scan-request-0001".into(),
                 org_id: "acme".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                target: Some(pb::create_run_request::Target::CredentialId("local".into())),
                 command: "true".into(),
                 ..Default::default()
             },

@@ -76,6 +76,8 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
             "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
             RECEIPT_KEY.to_owned(),
         ),
+        // Not about admission: runs are created on the credential they name.
+        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
         ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
         (
             "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",

@@ -30,6 +30,8 @@ impl ControlPlane {
                 "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
                 RECEIPT_KEY.to_owned(),
             ),
+            // Not about admission: runs are created on the credential they name.
+            ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
         ];
         let process = Self::spawn(&env).await;
         Self {

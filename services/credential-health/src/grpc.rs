@@ -1,10 +1,632 @@
-//! The tonic side of credential health. Every method still has the generated default
-//! body, which answers `UNIMPLEMENTED`.
+//! The tonic side of credential health: `runplane.credentials.v1.CredentialHealthService`.
 
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use runplane_grpc::client::{Bearer, TracedChannel};
+use runplane_proto::credentials::v1 as pb;
 use runplane_proto::credentials::v1::credential_health_service_server::CredentialHealthService;
+use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status};
+
+use crate::error::CredentialHealthError;
+use crate::profiles::Profiles;
+use crate::store::{Report, Store, incident_view, timestamp};
+
+/// The run store, called with the service token.
+pub type RunStoreClient = RunServiceClient<InterceptedService<TracedChannel, Bearer>>;
+
+/// Longest failure tail accepted (the run store bounds it the same).
+pub const MAX_FAILURE_TAIL_BYTES: usize = 8 << 10;
+
+/// How long admission waits for the run store's active-run count before choosing
+/// without it.
+const COUNT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often a notice watcher re-reads without a wake-up (another replica's notices).
+const NOTICE_RECHECK: Duration = Duration::from_secs(1);
+
+pub struct Shared {
+    pub store: Store,
+    pub profiles: Profiles,
+    pub run_store: RunStoreClient,
+    pub token_hash: Option<[u8; 32]>,
+    /// Bumped when this process creates notices.
+    pub notices: watch::Sender<u64>,
+    /// Bumped when this process owes the run store a call.
+    pub outbox: watch::Sender<u64>,
+    /// Set at shutdown: watches end.
+    pub closing: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn authenticate<T>(&self, request: &Request<T>) -> Result<(), CredentialHealthError> {
+        let token = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, token) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(token)
+            })
+            .ok_or(CredentialHealthError::Unauthenticated)?;
+        let hash: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
+        match self.token_hash {
+            Some(expected) if expected == hash => Ok(()),
+            _ => Err(CredentialHealthError::Unauthenticated),
+        }
+    }
+
+    /// Active runs per credential and per `profile/credential`, from the run store.
+    async fn count_active(
+        &self,
+        credentials: Vec<String>,
+    ) -> Result<rs::CountActiveRunsResponse, CredentialHealthError> {
+        let mut client = self.run_store.clone();
+        let call = client.count_active_runs(rs::CountActiveRunsRequest {
+            credential_ids: credentials,
+            profiles: Vec::new(),
+        });
+        match tokio::time::timeout(COUNT_TIMEOUT, call).await {
+            Ok(Ok(answer)) => Ok(answer.into_inner()),
+            Ok(Err(status)) => Err(CredentialHealthError::Upstream(format!(
+                "{:?}: {}",
+                status.code(),
+                status.message()
+            ))),
+            Err(_) => Err(CredentialHealthError::Upstream(
+                "CountActiveRuns did not answer in time".into(),
+            )),
+        }
+    }
+}
 
 /// `runplane.credentials.v1.CredentialHealthService`.
 #[derive(Debug, Clone)]
-pub struct CredentialHealthApi;
+pub struct CredentialHealthApi {
+    pub shared: Arc<Shared>,
+}
 
-impl CredentialHealthService for CredentialHealthApi {}
+fn name(field: &'static str, value: &str, required: bool) -> Result<(), CredentialHealthError> {
+    if value.is_empty() {
+        return if required {
+            Err(CredentialHealthError::invalid(field, "is required"))
+        } else {
+            Ok(())
+        };
+    }
+    let ok = value.len() <= 128
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(CredentialHealthError::invalid(
+            field,
+            "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+        ))
+    }
+}
+
+type NoticeStream =
+    Pin<Box<dyn Stream<Item = Result<pb::WatchNoticesResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl CredentialHealthService for CredentialHealthApi {
+    #[tracing::instrument(skip_all, fields(
+        run_id = %request.get_ref().run_id,
+        credential_id = %request.get_ref().credential_id,
+        outcome,
+    ))]
+    async fn report_turn_failure(
+        &self,
+        request: Request<pb::ReportTurnFailureRequest>,
+    ) -> Result<Response<pb::ReportTurnFailureResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.into_inner();
+        let key_ok = (16..=128).contains(&req.turn_id.len())
+            && req.turn_id.bytes().all(|b| b.is_ascii_graphic());
+        if !key_ok {
+            return Err(CredentialHealthError::invalid(
+                "turn_id",
+                "must be 16-128 printable ASCII characters",
+            )
+            .into());
+        }
+        name("run_id", &req.run_id, true)?;
+        name("org_id", &req.org_id, true)?;
+        name("lead_id", &req.lead_id, false)?;
+        name("credential_id", &req.credential_id, true)?;
+        name("profile", &req.profile, false)?;
+        if req.failure_tail.len() > MAX_FAILURE_TAIL_BYTES {
+            return Err(CredentialHealthError::invalid(
+                "failure_tail",
+                format!("at most {MAX_FAILURE_TAIL_BYTES} bytes"),
+            )
+            .into());
+        }
+        if !req.profile.is_empty() && s.profiles.named(&req.profile).next().is_none() {
+            return Err(CredentialHealthError::ProfileUnknown(req.profile).into());
+        }
+        let Some(profile) = s.profiles.for_failure(&req.profile, &req.credential_id) else {
+            // Nobody can map this failure to a credential this service knows: it is
+            // dropped from correlation, and loudly, not silently.
+            tracing::warn!(
+                run_id = %req.run_id,
+                credential_id = %req.credential_id,
+                profile = %req.profile,
+                "turn failure on a credential no profile names; not classified"
+            );
+            return Err(CredentialHealthError::CredentialUnknown(req.credential_id).into());
+        };
+        let (outcome, reason) = profile.classify(&req.failure_tail);
+        tracing::Span::current().record("outcome", crate::store::outcome_name(outcome));
+        let on_credential: Vec<(String, u32)> = s
+            .profiles
+            .on_credential(&req.credential_id)
+            .map(|p| (p.name.clone(), p.capacity))
+            .collect();
+        let request_digest = {
+            let mut h = Sha256::new();
+            for part in [
+                &req.run_id,
+                &req.credential_id,
+                &req.profile,
+                &req.failure_tail,
+            ] {
+                h.update((part.len() as u64).to_be_bytes());
+                h.update(part.as_bytes());
+            }
+            h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        };
+        let report = Report {
+            turn_id: req.turn_id,
+            run_id: req.run_id,
+            lead_id: req.lead_id,
+            credential_id: req.credential_id,
+            request_digest,
+            outcome,
+            reason,
+            capacity: on_credential.iter().map(|(_, capacity)| capacity).sum(),
+            profiles: on_credential.into_iter().map(|(name, _)| name).collect(),
+        };
+        let (answer, changes) = s.store.report(&report).await?;
+        if changes.notices > 0 {
+            s.notices.send_modify(|n| *n += 1);
+        }
+        if changes.outbox {
+            s.outbox.send_modify(|n| *n += 1);
+        }
+        if let Some(incident) = &answer.incident
+            && changes.notices > 0
+        {
+            tracing::warn!(
+                incident_id = %incident.id,
+                credential_id = %incident.credential_id,
+                runs = ?incident.opening_run_ids,
+                "backend outage incident: credential cooling off"
+            );
+        }
+        Ok(Response::new(answer))
+    }
+
+    #[tracing::instrument(skip_all, fields(org_id = %request.get_ref().org_id, credential_id))]
+    async fn check_admission(
+        &self,
+        request: Request<pb::CheckAdmissionRequest>,
+    ) -> Result<Response<pb::CheckAdmissionResponse>, Status> {
+        use pb::check_admission_request::Target;
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.into_inner();
+        name("org_id", &req.org_id, false)?;
+        let (profile, candidates): (String, Vec<(String, u32)>) = match &req.target {
+            Some(Target::Profile(p)) => {
+                name("profile", p, true)?;
+                let entries: Vec<(String, u32)> = s
+                    .profiles
+                    .named(p)
+                    .map(|e| (e.credential_id.clone(), e.capacity))
+                    .collect();
+                if entries.is_empty() {
+                    return Err(CredentialHealthError::ProfileUnknown(p.clone()).into());
+                }
+                (p.clone(), entries)
+            }
+            Some(Target::CredentialId(c)) => {
+                name("credential_id", c, true)?;
+                let capacity: u32 = s.profiles.on_credential(c).map(|e| e.capacity).sum();
+                if capacity == 0 {
+                    return Err(CredentialHealthError::CredentialUnknown(c.clone()).into());
+                }
+                (String::new(), vec![(c.clone(), capacity)])
+            }
+            None => {
+                return Err(CredentialHealthError::invalid(
+                    "target",
+                    "exactly one of profile or credential_id is required",
+                )
+                .into());
+            }
+        };
+        let ids: Vec<String> = candidates.iter().map(|(c, _)| c.clone()).collect();
+        let states = s.store.states(&ids).await?;
+        let now = s.store.now_ms();
+        let health = |c: &str| {
+            states.get(c).map_or((0, 0), |(st, _)| {
+                (
+                    st.cooling_off_for_seconds(now),
+                    st.quarantined_for_seconds(now),
+                )
+            })
+        };
+        let healthy: Vec<&(String, u32)> = candidates
+            .iter()
+            .filter(|(c, _)| health(c) == (0, 0))
+            .collect();
+        if healthy.is_empty() {
+            return Err(refusal(&profile, &candidates, health).into());
+        }
+        // Busy slots, to pick the least loaded healthy credential and report free. The
+        // count is advisory: if the run store cannot be asked, admission still answers.
+        let counts = s.count_active(ids.clone()).await.ok();
+        let busy = |c: &str| -> Option<u32> {
+            let counts = counts.as_ref()?;
+            Some(if profile.is_empty() {
+                counts.active_by_credential.get(c).copied().unwrap_or(0)
+            } else {
+                counts
+                    .active_by_profile_credential
+                    .get(&format!("{profile}/{c}"))
+                    .copied()
+                    .unwrap_or(0)
+            })
+        };
+        let (credential_id, capacity) = healthy
+            .iter()
+            .max_by_key(|(c, capacity)| {
+                // Most free first; on a tie, the earlier credential (max_by_key keeps the
+                // last maximum, so rank earlier ones higher).
+                capacity.saturating_sub(busy(c).unwrap_or(0))
+            })
+            .map(|(c, cap)| (c.clone(), *cap))
+            .expect("healthy is not empty");
+        let first_best = healthy
+            .iter()
+            .find(|(c, cap)| {
+                cap.saturating_sub(busy(c).unwrap_or(0))
+                    == capacity.saturating_sub(busy(&credential_id).unwrap_or(0))
+            })
+            .map(|(c, cap)| (c.clone(), *cap))
+            .unwrap_or((credential_id, capacity));
+        tracing::Span::current().record("credential_id", first_best.0.as_str());
+        Ok(Response::new(pb::CheckAdmissionResponse {
+            free: first_best
+                .1
+                .saturating_sub(busy(&first_best.0).unwrap_or(0)),
+            credential_id: first_best.0,
+            profile,
+        }))
+    }
+
+    async fn get_fleet(
+        &self,
+        request: Request<pb::GetFleetRequest>,
+    ) -> Result<Response<pb::GetFleetResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.into_inner();
+        name("profile", &req.profile, false)?;
+        name("credential_id", &req.credential_id, false)?;
+        let entries: Vec<_> = s
+            .profiles
+            .all()
+            .iter()
+            .filter(|p| req.profile.is_empty() || p.name == req.profile)
+            .filter(|p| req.credential_id.is_empty() || p.credential_id == req.credential_id)
+            .collect();
+        if entries.is_empty() {
+            if !req.profile.is_empty() && s.profiles.named(&req.profile).next().is_none() {
+                return Err(CredentialHealthError::ProfileUnknown(req.profile).into());
+            }
+            if !req.credential_id.is_empty()
+                && s.profiles
+                    .on_credential(&req.credential_id)
+                    .next()
+                    .is_none()
+            {
+                return Err(CredentialHealthError::CredentialUnknown(req.credential_id).into());
+            }
+        }
+        let mut ids: Vec<String> = entries.iter().map(|p| p.credential_id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        let states = s.store.states(&ids).await?;
+        let counts = s.count_active(ids.clone()).await?;
+        let now = s.store.now_ms();
+        let default_state = crate::policy::CredentialState::default();
+        let credentials = ids
+            .iter()
+            .map(|c| {
+                let on: Vec<_> = s.profiles.on_credential(c).collect();
+                let (state, incident) = states
+                    .get(c)
+                    .map_or((&default_state, None), |(st, i)| (st, i.as_ref()));
+                crate::view::credential(
+                    c,
+                    on.iter().map(|p| p.name.clone()).collect(),
+                    on.iter().map(|p| p.capacity).sum(),
+                    Some(counts.active_by_credential.get(c).copied().unwrap_or(0)),
+                    state,
+                    incident,
+                    now,
+                )
+            })
+            .collect();
+        let profiles = entries
+            .iter()
+            .map(|p| {
+                let (state, incident) = states
+                    .get(&p.credential_id)
+                    .map_or((&default_state, None), |(st, i)| (st, i.as_ref()));
+                let cooling = state.cooling_off_for_seconds(now);
+                let quarantined = state.quarantined_for_seconds(now);
+                let busy = counts
+                    .active_by_profile_credential
+                    .get(&format!("{}/{}", p.name, p.credential_id))
+                    .copied()
+                    .unwrap_or(0);
+                pb::ProfileHealth {
+                    profile: p.name.clone(),
+                    credential_id: p.credential_id.clone(),
+                    capacity: p.capacity,
+                    busy,
+                    free: crate::view::free(p.capacity, busy, cooling, quarantined),
+                    cooling_off_for_seconds: cooling,
+                    quarantined_for_seconds: quarantined,
+                    open_incident_id: incident
+                        .filter(|_| cooling > 0)
+                        .map(|i| i.id.clone())
+                        .unwrap_or_default(),
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::GetFleetResponse {
+            credentials,
+            profiles,
+            observed_at: Some(timestamp(now)),
+        }))
+    }
+
+    async fn watch_notices(
+        &self,
+        request: Request<pb::WatchNoticesRequest>,
+    ) -> Result<Response<NoticeStream>, Status> {
+        let s = self.shared.clone();
+        s.authenticate(&request)?;
+        let req = request.into_inner();
+        if req.lead_id.is_empty() || req.lead_id.len() > 128 {
+            return Err(CredentialHealthError::invalid("lead_id", "must be 1-128 bytes").into());
+        }
+        let mut cursor = match req.after_cursor.as_str() {
+            "" => 0,
+            c => parse_cursor(c, s.store.last_notice_seq().await?)?,
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            let mut wake = s.notices.subscribe();
+            let mut closing = s.closing.subscribe();
+            loop {
+                wake.mark_unchanged();
+                let batch = match s.store.notices_after(&req.lead_id, cursor, 100).await {
+                    Ok(batch) => batch,
+                    Err(e) => {
+                        let _ = tx.send(Err(Status::from(e))).await;
+                        return;
+                    }
+                };
+                let full = batch.len() == 100;
+                let mut missed = 0u32;
+                for n in batch {
+                    cursor = n.seq;
+                    if n.pruned {
+                        missed += 1;
+                        continue;
+                    }
+                    if missed > 0 {
+                        let gap = pb::watch_notices_response::Item::Gap(pb::NoticesGap { missed });
+                        if tx.send(Ok(item(gap))).await.is_err() {
+                            return;
+                        }
+                        missed = 0;
+                    }
+                    let notice = pb::watch_notices_response::Item::Notice(notice_view(&n));
+                    if tx.send(Ok(item(notice))).await.is_err() {
+                        return;
+                    }
+                }
+                if missed > 0 {
+                    let gap = pb::watch_notices_response::Item::Gap(pb::NoticesGap { missed });
+                    if tx.send(Ok(item(gap))).await.is_err() {
+                        return;
+                    }
+                }
+                if full {
+                    continue;
+                }
+                if *closing.borrow() {
+                    return;
+                }
+                tokio::select! {
+                    _ = wake.changed() => {}
+                    _ = closing.wait_for(|c| *c) => return,
+                    () = tokio::time::sleep(NOTICE_RECHECK) => {}
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn list_incidents(
+        &self,
+        request: Request<pb::ListIncidentsRequest>,
+    ) -> Result<Response<pb::ListIncidentsResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.into_inner();
+        name("credential_id", &req.credential_id, false)?;
+        let state = pb::IncidentState::try_from(req.state)
+            .map_err(|_| CredentialHealthError::invalid("state", "unknown incident state"))?;
+        let limit = runplane_grpc::page_size(req.page_size, 50)
+            .map_err(|reason| CredentialHealthError::invalid("page_size", reason))?;
+        let filters = format!("{}|{}", req.credential_id, req.state);
+        let after = match req.page_token.as_str() {
+            "" => None,
+            token => Some(decode_page_token(token, &filters)?),
+        };
+        let mut rows = s
+            .store
+            .incidents(
+                (!req.credential_id.is_empty()).then_some(req.credential_id.as_str()),
+                state,
+                after,
+                u64::from(limit) + 1,
+            )
+            .await?;
+        let next_page_token = if rows.len() > limit as usize {
+            rows.truncate(limit as usize);
+            let last = rows.last().expect("a full page");
+            format!(
+                "{}:{}:{}",
+                page_filter_tag(&filters),
+                last.opened_at_ms,
+                last.id
+            )
+        } else {
+            String::new()
+        };
+        let now = s.store.now_ms();
+        Ok(Response::new(pb::ListIncidentsResponse {
+            incidents: rows.iter().map(|i| incident_view(i, now)).collect(),
+            next_page_token,
+        }))
+    }
+}
+
+fn item(item: pb::watch_notices_response::Item) -> pb::WatchNoticesResponse {
+    pb::WatchNoticesResponse { item: Some(item) }
+}
+
+/// A cursor is the decimal seq of the last notice received; one past the last seq issued
+/// was never issued by this service.
+fn parse_cursor(cursor: &str, last_issued: i64) -> Result<i64, CredentialHealthError> {
+    match cursor.parse::<i64>() {
+        Ok(seq) if (1..=last_issued).contains(&seq) => Ok(seq),
+        _ => Err(CredentialHealthError::CursorInvalid(
+            "after_cursor was not issued by this service".into(),
+        )),
+    }
+}
+
+fn page_filter_tag(filters: &str) -> String {
+    let digest = Sha256::digest(filters.as_bytes());
+    digest[..6].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_page_token(token: &str, filters: &str) -> Result<(i64, String), CredentialHealthError> {
+    let invalid = || {
+        CredentialHealthError::CursorInvalid("page_token was not issued for these filters".into())
+    };
+    let mut parts = token.splitn(3, ':');
+    let (Some(tag), Some(at), Some(id)) = (parts.next(), parts.next(), parts.next()) else {
+        return Err(invalid());
+    };
+    if tag != page_filter_tag(filters) {
+        return Err(invalid());
+    }
+    Ok((at.parse().map_err(|_| invalid())?, id.to_owned()))
+}
+
+/// Why nothing of `candidates` may take a run. One credential: exhaustion wins over a
+/// cool-off. A profile: the reason of the credential that becomes usable first, so the
+/// caller learns when to ask again.
+fn refusal(
+    profile: &str,
+    candidates: &[(String, u32)],
+    health: impl Fn(&str) -> (u32, u32),
+) -> CredentialHealthError {
+    let mut best: Option<(u32, &str, u32, u32)> = None;
+    for (c, _) in candidates {
+        let (cooling, quarantined) = health(c);
+        let usable_in = if quarantined > 0 {
+            quarantined
+        } else {
+            cooling
+        };
+        if best.is_none_or(|(at, ..)| usable_in < at) {
+            best = Some((usable_in, c, cooling, quarantined));
+        }
+    }
+    let (_, credential_id, cooling, quarantined) = best.expect("at least one candidate");
+    let on = if profile.is_empty() {
+        format!("credential {credential_id}")
+    } else if candidates.len() == 1 {
+        format!("profile {profile} (credential {credential_id})")
+    } else {
+        format!("profile {profile} (every credential; soonest {credential_id})")
+    };
+    let (reason, message) = if quarantined > 0 {
+        (
+            runplane_grpc::ErrorReason::Exhausted,
+            format!("{on} is quarantined as exhausted (spent), {quarantined} s left"),
+        )
+    } else {
+        (
+            runplane_grpc::ErrorReason::CoolingOff,
+            format!("{on} is cooling off after repeated backend errors, {cooling} s left"),
+        )
+    };
+    CredentialHealthError::Refused {
+        reason,
+        message,
+        credential_id: credential_id.to_owned(),
+        cooling_off_for_seconds: cooling,
+        quarantined_for_seconds: quarantined,
+    }
+}
+
+fn notice_view(n: &crate::store::entities::notice::Model) -> pb::Notice {
+    pb::Notice {
+        id: n.id.clone(),
+        cursor: n.seq.to_string(),
+        lead_id: n.lead_id.clone(),
+        kind: match n.kind.as_str() {
+            "incident_opened" => pb::NoticeKind::IncidentOpened,
+            _ => pb::NoticeKind::CredentialQuarantined,
+        } as i32,
+        credential_id: n.credential_id.clone(),
+        incident_id: n.incident_id.clone(),
+        affected_run_ids: serde_json::from_str(&n.affected_run_ids).unwrap_or_default(),
+        message: n.message.clone(),
+        cooling_off_for_seconds: n.cooling_off_for_seconds.max(0) as u32,
+        quarantined_for_seconds: n.quarantined_for_seconds.max(0) as u32,
+        created_at: Some(timestamp(n.created_at_ms)),
+    }
+}

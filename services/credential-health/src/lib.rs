@@ -1,43 +1,186 @@
 //! Credential health: typed backend errors, outage incidents and cool-off, exhaustion
-//! quarantine, admission and notices.
+//! quarantine, admission, the fleet view and lead notices.
 //!
-//! DESIGN.md "Credential health" is the contract. The gRPC surface is
-//! `runplane.credentials.v1.CredentialHealthService`. Until the credential health issue
-//! lands it answers `UNIMPLEMENTED`; the database is already opened and migrated.
+//! DESIGN.md "Credential health" is the contract; `runplane.credentials.v1` the surface.
+//!
+//! - [`profiles`] reads a failure tail once, into a typed outcome;
+//! - [`policy`] is the per-credential outage state machine (threshold, window, cool-off,
+//!   quarantine), pure, with its numbers and the reasons for them;
+//! - [`store`] keeps that state in the database under compare-and-set, with incidents,
+//!   notices and the outbox of MarkBackendError calls owed to the run store;
+//! - [`grpc`] is the service; [`spawn_loop`](CredentialHealth::spawn_loop) delivers the
+//!   outbox and prunes old notices.
 
 pub mod error;
 pub mod grpc;
+pub mod policy;
+pub mod profiles;
 pub mod store;
+pub mod view;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::Message;
+use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
 use runplane_proto::credentials::v1::credential_health_service_server::CredentialHealthServiceServer;
+use runplane_proto::runstore::v1 as rs;
 use sea_orm::DatabaseConnection;
+use sha2::{Digest, Sha256};
 
 pub use error::CredentialHealthError;
 
+/// How often the outbox is checked without a wake-up (rows due for a retry, rows
+/// another replica wrote).
+const OUTBOX_EVERY: Duration = Duration::from_millis(500);
+
 /// Started credential health, ready to be registered on a server.
+#[derive(Debug, Clone)]
 pub struct CredentialHealth {
-    db: DatabaseConnection,
+    shared: Arc<grpc::Shared>,
+    notice_retention_ms: i64,
 }
 
 impl CredentialHealth {
-    /// Opens and migrates the service's database (`[credential_health].database_url`).
-    pub async fn open(config: &runplane_config::Config) -> Result<Self, CredentialHealthError> {
+    /// Compiles the profiles' patterns (an invalid one stops here, naming the profile),
+    /// then opens and migrates the database (`[credential_health].database_url`).
+    pub async fn open(
+        config: &runplane_config::Config,
+        clock: SharedClock,
+    ) -> Result<Self, CredentialHealthError> {
+        let profiles = profiles::Profiles::compile(config)?;
         let db = runplane_db::connect_and_migrate::<store::Migrator>(
             &config.credential_health.database_url,
         )
         .await?;
-        Ok(Self { db })
+        let token = &config.auth.operator_token;
+        let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
+            .map_err(|e| CredentialHealthError::invalid("run_store.endpoint", e.to_string()))?;
+        let run_store = rs::run_service_client::RunServiceClient::with_interceptor(
+            channel,
+            runplane_grpc::client::Bearer::new(token.expose()),
+        );
+        Ok(Self {
+            shared: Arc::new(grpc::Shared {
+                store: store::Store::new(db, clock, policy::PolicyConfig::from_config(config)),
+                profiles,
+                run_store,
+                token_hash: (!token.is_empty())
+                    .then(|| Sha256::digest(token.expose().as_bytes()).into()),
+                notices: tokio::sync::watch::channel(0).0,
+                outbox: tokio::sync::watch::channel(0).0,
+                closing: tokio::sync::watch::channel(false).0,
+            }),
+            notice_retention_ms: i64::from(config.credential_health.notice_retention_hours)
+                * 3_600_000,
+        })
     }
 
     pub fn database(&self) -> &DatabaseConnection {
-        &self.db
+        self.shared.store.db()
     }
 
-    /// Adds the service to `services`.
+    pub fn store(&self) -> &store::Store {
+        &self.shared.store
+    }
+
+    /// The tonic service, for callers that wrap it.
+    pub fn service(&self) -> CredentialHealthServiceServer<grpc::CredentialHealthApi> {
+        CredentialHealthServiceServer::new(grpc::CredentialHealthApi {
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// Adds the service to `services`; at shutdown, notice watches end.
     pub fn register(&self, services: &mut ServiceSet) {
-        services.add(CredentialHealthServiceServer::new(
-            grpc::CredentialHealthApi,
-        ));
+        let closing = self.shared.clone();
+        services.add(self.service()).on_shutdown(move || {
+            closing.closing.send_replace(true);
+        });
+    }
+
+    /// Delivers the outbox (MarkBackendError to the run store) and prunes notices past
+    /// retention, in the background until `shutdown`.
+    pub fn spawn_loop(
+        &self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            tokio::pin!(shutdown);
+            let mut wake = this.shared.outbox.subscribe();
+            let mut last_prune = 0i64;
+            loop {
+                if let Err(e) = this.deliver_outbox(100).await {
+                    tracing::warn!(error = %e, "outbox delivery failed; next round retries");
+                }
+                let now = this.shared.store.now_ms();
+                if now - last_prune >= 60_000 {
+                    last_prune = now;
+                    match this
+                        .shared
+                        .store
+                        .prune_notices(now - this.notice_retention_ms)
+                        .await
+                    {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(pruned = n, "notices past retention pruned"),
+                        Err(e) => tracing::warn!(error = %e, "notice pruning failed"),
+                    }
+                }
+                tokio::select! {
+                    () = &mut shutdown => return,
+                    _ = wake.changed() => {}
+                    () = tokio::time::sleep(OUTBOX_EVERY) => {}
+                }
+            }
+        })
+    }
+
+    /// Delivers due outbox rows once; returns how many the run store accepted.
+    pub async fn deliver_outbox(&self, limit: u64) -> Result<u64, CredentialHealthError> {
+        let db = self.shared.store.db();
+        let now_us = || self.shared.store.now_ms() * 1000;
+        let mut delivered = 0;
+        for row in runplane_db::outbox::due(db, now_us(), limit).await? {
+            let Ok(request) = rs::MarkBackendErrorRequest::decode(row.payload.as_slice()) else {
+                tracing::warn!(key = %row.idempotency_key, "undecodable outbox row; given up");
+                runplane_db::outbox::give_up(db, &row.id, now_us(), "undecodable payload").await?;
+                continue;
+            };
+            let mut call = tonic::Request::new(request);
+            if let Ok(tp) = row.traceparent.parse() {
+                call.metadata_mut().insert("traceparent", tp);
+            }
+            match self.shared.run_store.clone().mark_backend_error(call).await {
+                Ok(answer) => {
+                    runplane_db::outbox::mark_delivered(db, &row.id, now_us()).await?;
+                    delivered += 1;
+                    let answer = answer.into_inner();
+                    tracing::info!(
+                        key = %row.idempotency_key,
+                        run_id = answer.run.as_ref().map(|r| r.id.as_str()).unwrap_or_default(),
+                        outcome = ?answer.outcome(),
+                        "backend-error outcome recorded on the run"
+                    );
+                }
+                Err(status) if runplane_db::outbox::is_permanent(status.code() as i32) => {
+                    tracing::warn!(
+                        key = %row.idempotency_key,
+                        code = ?status.code(),
+                        message = status.message(),
+                        "the run store refused the backend-error outcome for good; given up"
+                    );
+                    runplane_db::outbox::give_up(db, &row.id, now_us(), status.message()).await?;
+                }
+                Err(status) => {
+                    tracing::debug!(key = %row.idempotency_key, code = ?status.code(), "backend-error outcome not delivered yet");
+                    runplane_db::outbox::delivery_failed(db, &row, now_us(), status.message())
+                        .await?;
+                }
+            }
+        }
+        Ok(delivered)
     }
 }

@@ -34,6 +34,8 @@ pub enum RunStoreError {
     #[error("acknowledgement {index}: a {kind} cannot be dropped; only a steer can")]
     AckDropForbidden { index: usize, kind: &'static str },
 
+    #[error("{0}")]
+    Upstream(String),
     #[error("missing or unknown bearer token")]
     Unauthenticated,
     #[error("the run key is not valid")]
@@ -131,6 +133,11 @@ impl From<RunStoreError> for Status {
                 Code::InvalidArgument,
                 ErrorReason::AckDropForbidden,
                 meta([("index", index.to_string())]),
+            ),
+            E::Upstream(_) => (
+                Code::Unavailable,
+                ErrorReason::UpstreamUnavailable,
+                meta([("upstream", "credential_health".to_owned())]),
             ),
             E::Unauthenticated => (
                 Code::Unauthenticated,

@@ -31,6 +31,77 @@ pub struct Shared {
     pub settings: RunStoreSettings,
     pub operators: OperatorAuth,
     pub changes: Changes,
+    /// Credential health, asked for admission and told of failed turns; `None` when
+    /// `[run_store] admission` is off.
+    pub credential_health: Option<CredentialHealthClient>,
+}
+
+/// Credential health, called with the service token.
+pub type CredentialHealthClient = runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient<
+    tonic::service::interceptor::InterceptedService<
+        runplane_grpc::client::TracedChannel,
+        runplane_grpc::client::Bearer,
+    >,
+>;
+
+/// How long CreateRun waits for credential health's admission before answering
+/// UNAVAILABLE (nothing stored, so the caller's retry asks again).
+const ADMISSION_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Shared {
+    /// Asks credential health whether the run may start on `target`; returns the
+    /// credential it is admitted on. Refusals come back as credential health answered
+    /// them (COOLING_OFF, EXHAUSTED, PROFILE_UNKNOWN, CREDENTIAL_UNKNOWN).
+    async fn admit(
+        &self,
+        org_id: &str,
+        target: &pb::create_run_request::Target,
+    ) -> std::result::Result<String, Status> {
+        use runplane_proto::credentials::v1 as ch;
+        let Some(client) = &self.credential_health else {
+            return Ok(match target {
+                pb::create_run_request::Target::CredentialId(c) => c.clone(),
+                pb::create_run_request::Target::Profile(_) => String::new(),
+            });
+        };
+        let request = ch::CheckAdmissionRequest {
+            org_id: org_id.to_owned(),
+            target: Some(match target {
+                pb::create_run_request::Target::Profile(p) => {
+                    ch::check_admission_request::Target::Profile(p.clone())
+                }
+                pb::create_run_request::Target::CredentialId(c) => {
+                    ch::check_admission_request::Target::CredentialId(c.clone())
+                }
+            }),
+        };
+        let mut client = client.clone();
+        let answer = tokio::time::timeout(ADMISSION_TIMEOUT, client.check_admission(request)).await;
+        match answer {
+            Ok(Ok(admitted)) => Ok(admitted.into_inner().credential_id),
+            Ok(Err(status))
+                if matches!(
+                    status.code(),
+                    tonic::Code::FailedPrecondition
+                        | tonic::Code::NotFound
+                        | tonic::Code::InvalidArgument
+                ) =>
+            {
+                tracing::info!(code = ?status.code(), message = status.message(), "run refused by admission");
+                Err(status)
+            }
+            Ok(Err(status)) => Err(RunStoreError::Upstream(format!(
+                "credential health did not admit the run: {:?}: {}",
+                status.code(),
+                status.message()
+            ))
+            .into()),
+            Err(_) => Err(RunStoreError::Upstream(
+                "credential health did not answer admission in time".into(),
+            )
+            .into()),
+        }
+    }
 }
 
 impl Shared {
@@ -294,7 +365,7 @@ type WatchStream =
 
 #[tonic::async_trait]
 impl RunService for RunApi {
-    #[tracing::instrument(skip_all, fields(org_id = %request.get_ref().org_id))]
+    #[tracing::instrument(skip_all, fields(org_id = %request.get_ref().org_id, credential_id))]
     async fn create_run(
         &self,
         request: Request<pb::CreateRunRequest>,
@@ -358,6 +429,24 @@ impl RunService for RunApi {
             .expect("serialisable")
             .as_bytes(),
         );
+        // A replay returns the run it created, whatever credential health says now.
+        if let Some(run) = s
+            .store
+            .existing_run(&req.org_id, &req.client_request_id, &request_digest)
+            .await?
+        {
+            return Ok(Response::new(pb::CreateRunResponse {
+                run: Some(convert::run(&run)),
+            }));
+        }
+        let target = req.target.as_ref().expect("validated above");
+        let admitted = s.admit(&req.org_id, target).await?;
+        let credential_id = if admitted.is_empty() {
+            credential_id
+        } else {
+            admitted
+        };
+        tracing::Span::current().record("credential_id", credential_id.as_str());
         let (run, created) = s
             .store
             .create_run(NewRun {
@@ -410,11 +499,8 @@ impl RunService for RunApi {
                 })?;
             states.push(st);
         }
-        let limit = match req.page_size {
-            0 => 50,
-            n @ 1..=500 => n,
-            _ => return Err(RunStoreError::invalid("page_size", "must be 0 to 500").into()),
-        };
+        let limit = runplane_grpc::page_size(req.page_size, 50)
+            .map_err(|reason| RunStoreError::invalid("page_size", reason))?;
         let mut filter = RunFilter {
             org_id,
             lead_id: (!req.lead_id.is_empty()).then(|| req.lead_id.clone()),
@@ -452,16 +538,25 @@ impl RunService for RunApi {
         if req.credential_ids.len() > 10_000 || req.profiles.len() > 10_000 {
             return Err(RunStoreError::invalid("credential_ids", "at most 10000 entries").into());
         }
-        let (mut by_credential, mut by_profile) = s.store.count_active().await?;
+        let mut counts = s.store.count_active().await?;
         if !req.credential_ids.is_empty() {
-            by_credential.retain(|k, _| req.credential_ids.contains(k));
+            counts
+                .by_credential
+                .retain(|k, _| req.credential_ids.contains(k));
         }
         if !req.profiles.is_empty() {
-            by_profile.retain(|k, _| req.profiles.contains(k));
+            counts.by_profile.retain(|k, _| req.profiles.contains(k));
         }
+        counts.by_profile_credential.retain(|k, _| {
+            let (profile, credential) = k.split_once('/').unwrap_or_default();
+            (req.profiles.is_empty() || req.profiles.iter().any(|p| p == profile))
+                && (req.credential_ids.is_empty()
+                    || req.credential_ids.iter().any(|c| c == credential))
+        });
         Ok(Response::new(pb::CountActiveRunsResponse {
-            active_by_credential: by_credential,
-            active_by_profile: by_profile,
+            active_by_credential: counts.by_credential,
+            active_by_profile: counts.by_profile,
+            active_by_profile_credential: counts.by_profile_credential,
             counted_at: Some(crate::store::timestamp(s.store.now_us())),
         }))
     }

@@ -11,12 +11,14 @@ pub mod convert;
 pub mod domain;
 pub mod error;
 pub mod grpc;
+pub mod outbox;
 pub mod store;
 
 use std::sync::Arc;
 
 use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
+use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_proto::runstore::v1::run_service_server::RunServiceServer;
 use runplane_proto::runstore::v1::runner_service_server::RunnerServiceServer;
 
@@ -38,14 +40,59 @@ impl RunStore {
         let settings = RunStoreSettings::from_config(config)?;
         let db =
             runplane_db::connect_and_migrate::<store::Migrator>(&settings.database_url).await?;
+        let credential_health = if config.run_store.admission {
+            let channel = runplane_grpc::client::connect_lazy(&config.credential_health.endpoint)
+                .map_err(|e| RunStoreError::InvalidField {
+                field: "credential_health.endpoint".into(),
+                reason: e.to_string(),
+            })?;
+            Some(CredentialHealthServiceClient::with_interceptor(
+                channel,
+                runplane_grpc::client::Bearer::new(config.auth.operator_token.expose()),
+            ))
+        } else {
+            None
+        };
         Ok(Self {
             shared: Arc::new(grpc::Shared {
-                store: store::Store::new(db, clock),
+                store: store::Store::new(db, clock)
+                    .with_failure_reports(config.run_store.admission),
                 operators: auth::OperatorAuth::from_config(config),
                 settings,
                 changes: changes::Changes::new(),
+                credential_health,
             }),
         })
+    }
+
+    /// Delivers the outbox (failed turns to credential health) in the background until
+    /// `shutdown`. Without admission there is nothing to deliver and nothing is started.
+    pub fn spawn_loop(
+        &self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let client = self.shared.credential_health.clone()?;
+        let store = self.clone();
+        Some(tokio::spawn(async move {
+            tokio::pin!(shutdown);
+            loop {
+                if let Err(e) = outbox::deliver(store.store(), &client, 100).await {
+                    tracing::warn!(error = %e, "outbox delivery failed; next round retries");
+                }
+                tokio::select! {
+                    () = &mut shutdown => return,
+                    () = tokio::time::sleep(outbox::EVERY) => {}
+                }
+            }
+        }))
+    }
+
+    /// Delivers due outbox rows once (tests drive delivery by hand with this).
+    pub async fn deliver_outbox(&self) -> Result<u64, RunStoreError> {
+        match &self.shared.credential_health {
+            Some(client) => outbox::deliver(self.store(), client, 100).await,
+            None => Ok(0),
+        }
     }
 
     pub fn store(&self) -> &store::Store {

@@ -84,10 +84,12 @@ pub async fn bind(listen: &str) -> anyhow::Result<TcpListener> {
 pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<ServiceSet> {
     let mut services = ServiceSet::new();
     if selection.run_store {
-        RunStore::open(config, runplane_clock::SystemClock::shared())
+        let run_store = RunStore::open(config, runplane_clock::SystemClock::shared())
             .await
-            .context("starting the run store")?
-            .register(&mut services);
+            .context("starting the run store")?;
+        run_store.register(&mut services);
+        // Failed turns go to credential health for classification.
+        run_store.spawn_loop(std::future::pending());
     }
     if selection.sandbox_reconciler {
         let reconciler = SandboxReconciler::open(config, runplane_clock::SystemClock::shared())
@@ -110,10 +112,12 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
         coordinator.register(&mut services);
     }
     if selection.credential_health {
-        CredentialHealth::open(config)
+        let health = CredentialHealth::open(config, runplane_clock::SystemClock::shared())
             .await
-            .context("starting credential health")?
-            .register(&mut services);
+            .context("starting credential health")?;
+        health.register(&mut services);
+        // Backend-error outcomes go to the run store; old notices are pruned.
+        health.spawn_loop(std::future::pending());
     }
     Ok(services)
 }

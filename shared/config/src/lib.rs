@@ -25,13 +25,19 @@ pub enum ConfigError {
     #[error("invalid config: {0}")]
     Parse(String),
     #[error("invalid config: {field}: {reason}")]
-    Invalid { field: &'static str, reason: String },
+    Invalid {
+        field: std::borrow::Cow<'static, str>,
+        reason: String,
+    },
 }
 
 impl ConfigError {
-    fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+    fn invalid(
+        field: impl Into<std::borrow::Cow<'static, str>>,
+        reason: impl Into<String>,
+    ) -> Self {
         ConfigError::Invalid {
-            field,
+            field: field.into(),
             reason: reason.into(),
         }
     }
@@ -165,6 +171,11 @@ pub struct RunStoreConfig {
     pub max_batch_bytes: u32,
     /// Longest PollSteering wait honoured, in seconds.
     pub max_poll_wait_seconds: u32,
+    /// Ask credential health ([credential_health].endpoint) for admission before a run
+    /// is created, and report failed turns to it for classification. Turn it off only
+    /// where no credential health runs: runs are then created on the credential or
+    /// profile as named and failures are not classified.
+    pub admission: bool,
 }
 
 impl Default for RunStoreConfig {
@@ -176,6 +187,7 @@ impl Default for RunStoreConfig {
             max_batch_events: 1000,
             max_batch_bytes: 1 << 20,
             max_poll_wait_seconds: 30,
+            admission: true,
         }
     }
 }
@@ -244,6 +256,20 @@ impl Default for StreamRecoveryConfig {
 pub struct CredentialHealthConfig {
     pub database_url: String,
     pub endpoint: String,
+    /// Distinct runs whose backend errors on one credential open an outage incident.
+    /// At least 2: one failing run is one bad turn, not an outage.
+    pub outage_threshold: u32,
+    /// How far apart (inclusive) those failures may be, in seconds.
+    pub outage_window_seconds: u32,
+    /// How long an incident keeps its credential out of admission, in seconds.
+    pub cool_off_seconds: u32,
+    /// How long an exhausted credential is quarantined, in seconds.
+    pub quarantine_seconds: u32,
+    /// How long lead notices are kept for WatchNotices, in hours.
+    pub notice_retention_hours: u32,
+    /// Profiles runs are admitted through. A profile name may appear with several
+    /// credentials; admission then picks a healthy one.
+    pub profiles: Vec<ProfileConfig>,
 }
 
 impl Default for CredentialHealthConfig {
@@ -252,6 +278,45 @@ impl Default for CredentialHealthConfig {
             database_url: "postgres://postgres@127.0.0.1:5432/runplane_credential_health"
                 .to_owned(),
             endpoint: default_endpoint(),
+            outage_threshold: 2,
+            outage_window_seconds: 60,
+            cool_off_seconds: 60,
+            quarantine_seconds: 1800,
+            notice_retention_hours: 168,
+            profiles: vec![ProfileConfig::default()],
+        }
+    }
+}
+
+/// A profile: a credential runs execute under, how many at once, and how its agents'
+/// failure output reads. The patterns are regular expressions (Rust `regex` syntax),
+/// compiled once when credential health starts; an invalid one stops the start.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileConfig {
+    pub name: String,
+    #[serde(alias = "credentialId")]
+    pub credential_id: String,
+    /// Runs this profile may carry on the credential at once.
+    pub capacity: u32,
+    /// A failure tail matching it is a transient backend error.
+    #[serde(alias = "errorPattern")]
+    pub error_pattern: String,
+    /// A failure tail matching it means the credential is spent; checked first.
+    #[serde(alias = "exhaustedPattern")]
+    pub exhausted_pattern: String,
+}
+
+impl Default for ProfileConfig {
+    /// The embedded default: profile `default` on credential `local`, with the wording
+    /// common model backends use for a failed request and for a spent quota.
+    fn default() -> Self {
+        Self {
+            name: "default".to_owned(),
+            credential_id: "local".to_owned(),
+            capacity: 8,
+            error_pattern: r"(?i)API Error:|No response from API|overloaded_error|\b(502|503|504|529)\b.*(Bad Gateway|Unavailable|Timeout|Overloaded)".to_owned(),
+            exhausted_pattern: r"(?i)credit balance is too low|insufficient_quota|quota exceeded|usage limit reached".to_owned(),
         }
     }
 }
@@ -358,6 +423,7 @@ impl Config {
                 "must be between 1 and 3600",
             ));
         }
+        self.validate_credential_health()?;
         if !(1..=300).contains(&self.run_store.max_poll_wait_seconds) {
             return Err(ConfigError::invalid(
                 "run_store.max_poll_wait_seconds",
@@ -409,6 +475,77 @@ impl Config {
                 return Err(ConfigError::invalid(
                     field,
                     "must be an http:// or https:// URL",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_credential_health(&self) -> Result<(), ConfigError> {
+        let c = &self.credential_health;
+        if !(2..=1000).contains(&c.outage_threshold) {
+            return Err(ConfigError::invalid(
+                "credential_health.outage_threshold",
+                "must be between 2 and 1000 (one failing run is not an outage)",
+            ));
+        }
+        for (field, value, max) in [
+            (
+                "credential_health.outage_window_seconds",
+                c.outage_window_seconds,
+                3600,
+            ),
+            (
+                "credential_health.cool_off_seconds",
+                c.cool_off_seconds,
+                3600,
+            ),
+            (
+                "credential_health.quarantine_seconds",
+                c.quarantine_seconds,
+                7 * 86_400,
+            ),
+            (
+                "credential_health.notice_retention_hours",
+                c.notice_retention_hours,
+                24 * 365,
+            ),
+        ] {
+            if !(1..=max).contains(&value) {
+                return Err(ConfigError::invalid(
+                    field,
+                    format!("must be between 1 and {max}"),
+                ));
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, p) in c.profiles.iter().enumerate() {
+            let field = format!("credential_health.profiles[{i}]");
+            for (what, value) in [("name", &p.name), ("credential_id", &p.credential_id)] {
+                let ok = (1..=128).contains(&value.len())
+                    && value
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+                if !ok {
+                    return Err(ConfigError::invalid(
+                        format!("{field}.{what}"),
+                        "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                    ));
+                }
+            }
+            if !(1..=100_000).contains(&p.capacity) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.capacity"),
+                    "must be between 1 and 100000",
+                ));
+            }
+            if !seen.insert((p.name.as_str(), p.credential_id.as_str())) {
+                return Err(ConfigError::invalid(
+                    field,
+                    format!(
+                        "profile `{}` names credential `{}` twice",
+                        p.name, p.credential_id
+                    ),
                 ));
             }
         }

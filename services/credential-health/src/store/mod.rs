@@ -1,13 +1,672 @@
-//! Credential health's persistence: sea-orm entities and migrations, Postgres or SQLite.
+//! Credential health's persistence: Postgres (or SQLite for `runplane dev`).
+//!
+//! - `credentials`: each credential's outage-policy state, changed only by
+//!   compare-and-set on `version`, so replicas sharing the database agree;
+//! - `incidents`: every outage incident, open or closed;
+//! - `turn_failures`: each reported turn, classified once, with the answer a replay gets;
+//! - `notices` and `counters`: lead notices in commit order (see `entities::notice`);
+//! - `outbox`: the MarkBackendError calls owed to the run store.
 
-use sea_orm_migration::{MigrationTrait, MigratorTrait};
+pub mod entities;
+mod migration;
 
-/// Applies the service's migrations, oldest first, at every start.
-pub struct Migrator;
+use std::collections::HashMap;
 
-impl MigratorTrait for Migrator {
-    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        // Tables arrive with the credential health issue; the migration table exists from day one.
-        Vec::new()
+use prost::Message;
+use runplane_clock::SharedClock;
+use runplane_proto::credentials::v1 as pb;
+use sea_orm::sea_query::{Expr, ExprTrait as _, OnConflict};
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
+    IntoActiveModel, Order, QueryFilter, QueryOrder, QuerySelect, SqlErr,
+};
+
+pub use migration::Migrator;
+
+use crate::error::CredentialHealthError;
+use crate::policy::{CredentialState, ErrorEffect, Evidence, PolicyConfig};
+use entities::{counter, credential, incident, notice, turn_failure};
+
+type Result<T> = std::result::Result<T, CredentialHealthError>;
+
+/// How many times a report is retried after losing a compare-and-set to another replica
+/// (or the same turn arriving twice at once) before the caller is told to retry.
+const CAS_ATTEMPTS: usize = 16;
+
+/// A classified turn failure to record.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub turn_id: String,
+    pub run_id: String,
+    pub lead_id: String,
+    pub credential_id: String,
+    pub request_digest: String,
+    pub outcome: pb::TurnOutcome,
+    pub reason: String,
+    /// Capacity of the credential (sum over its profiles), for the answer's health.
+    pub capacity: u32,
+    pub profiles: Vec<String>,
+}
+
+/// What a report changed, beyond its answer.
+#[derive(Debug, Clone, Default)]
+pub struct Changes {
+    /// Notices created (their leads' watchers should wake).
+    pub notices: usize,
+    /// An outbox row for the run store was written.
+    pub outbox: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Store {
+    db: DatabaseConnection,
+    clock: SharedClock,
+    policy: PolicyConfig,
+}
+
+impl Store {
+    pub fn new(db: DatabaseConnection, clock: SharedClock, policy: PolicyConfig) -> Self {
+        Self { db, clock, policy }
+    }
+
+    pub fn db(&self) -> &DatabaseConnection {
+        &self.db
+    }
+
+    pub fn policy(&self) -> &PolicyConfig {
+        &self.policy
+    }
+
+    /// Wall-clock milliseconds from the injected clock (see `policy` for why wall time).
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now().timestamp_millis()
+    }
+
+    /// Records a classified turn failure: the policy update, an incident or quarantine
+    /// it causes, notices for the leads, the run store's MarkBackendError (outbox) and
+    /// the answer, in one transaction. A replay of `turn_id` returns the first answer.
+    pub async fn report(
+        &self,
+        report: &Report,
+    ) -> Result<(pb::ReportTurnFailureResponse, Changes)> {
+        for _ in 0..CAS_ATTEMPTS {
+            match self.try_report(report).await {
+                Err(CredentialHealthError::Storage(e))
+                    if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) =>
+                {
+                    continue;
+                }
+                Ok(None) => continue,
+                Ok(Some(done)) => return Ok(done),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(CredentialHealthError::Storage(DbErr::Custom(
+            "credential state kept changing under this report; retry".into(),
+        )))
+    }
+
+    /// One attempt; `None` when another writer changed the credential first.
+    async fn try_report(
+        &self,
+        report: &Report,
+    ) -> Result<Option<(pb::ReportTurnFailureResponse, Changes)>> {
+        let txn = runplane_db::write_tx(&self.db).await?;
+        if let Some(done) = turn_failure::Entity::find_by_id(report.turn_id.clone())
+            .one(&txn)
+            .await?
+        {
+            if done.request_digest != report.request_digest {
+                return Err(CredentialHealthError::TurnReused(report.turn_id.clone()));
+            }
+            let answer = pb::ReportTurnFailureResponse::decode(done.answer.as_slice())
+                .map_err(|e| DbErr::Custom(format!("stored answer: {e}")))?;
+            return Ok(Some((answer, Changes::default())));
+        }
+        let (row, mut state) = self.load(&txn, &report.credential_id).await?;
+        let now = self.now_ms();
+        let mut changes = Changes::default();
+
+        let expired = state.settle(now);
+        let mut incident_id = None;
+        let mut notices: Vec<NewNotice> = Vec::new();
+        match report.outcome {
+            pb::TurnOutcome::BackendError => {
+                let effect =
+                    state.backend_error(&self.policy, &report.run_id, &report.lead_id, now, || {
+                        uuid::Uuid::now_v7().to_string()
+                    });
+                match effect {
+                    ErrorEffect::Counted => {}
+                    ErrorEffect::Opened {
+                        incident_id: id,
+                        opening,
+                    } => {
+                        notices = incident_notices(&report.credential_id, &id, &opening);
+                        incident_id = Some(id);
+                    }
+                    ErrorEffect::Absorbed { incident_id: id } => incident_id = Some(id),
+                }
+            }
+            pb::TurnOutcome::BackendExhausted => {
+                let fresh = state.exhausted(&self.policy, now);
+                if fresh && !report.lead_id.is_empty() {
+                    notices.push(NewNotice {
+                        lead_id: report.lead_id.clone(),
+                        kind: "credential_quarantined",
+                        credential_id: report.credential_id.clone(),
+                        incident_id: String::new(),
+                        runs: vec![report.run_id.clone()],
+                    });
+                }
+            }
+            _ => {}
+        }
+        if !self.compare_and_set(&txn, &row, &state).await? {
+            txn.rollback().await?;
+            return Ok(None);
+        }
+        if let Some(closed) = &expired.closed_incident {
+            incident::Entity::update_many()
+                .col_expr(incident::Column::State, Expr::value("closed"))
+                .filter(incident::Column::Id.eq(closed.as_str()))
+                .exec(&txn)
+                .await?;
+        }
+        let incident = match &incident_id {
+            Some(id) if state.cool_off_until_ms != 0 => Some(
+                self.record_incident(&txn, id, report, &state, &mut notices, now)
+                    .await?,
+            ),
+            _ => None,
+        };
+        for n in &notices {
+            self.insert_notice(&txn, n, &state, now).await?;
+        }
+        changes.notices = notices.len();
+
+        if report.outcome != pb::TurnOutcome::Other
+            && report.outcome != pb::TurnOutcome::Unspecified
+        {
+            changes.outbox = self
+                .owe_mark_backend_error(&txn, report, incident_id.as_deref(), now)
+                .await?;
+        }
+        let answer = pb::ReportTurnFailureResponse {
+            outcome: report.outcome as i32,
+            reason: report.reason.clone(),
+            incident: incident.as_ref().map(|i| incident_view(i, now)),
+            credential: Some(crate::view::credential(
+                &report.credential_id,
+                report.profiles.clone(),
+                report.capacity,
+                None,
+                &state,
+                incident.as_ref(),
+                now,
+            )),
+        };
+        turn_failure::Entity::insert(
+            turn_failure::Model {
+                turn_id: report.turn_id.clone(),
+                run_id: report.run_id.clone(),
+                credential_id: report.credential_id.clone(),
+                request_digest: report.request_digest.clone(),
+                outcome: outcome_name(report.outcome).to_owned(),
+                incident_id,
+                answer: answer.encode_to_vec(),
+                created_at_ms: now,
+            }
+            .into_active_model(),
+        )
+        .exec_without_returning(&txn)
+        .await?;
+        txn.commit().await?;
+        Ok(Some((answer, changes)))
+    }
+
+    /// The credential's row (created when first seen) and its policy state.
+    async fn load(
+        &self,
+        txn: &DatabaseTransaction,
+        credential_id: &str,
+    ) -> Result<(credential::Model, CredentialState)> {
+        credential::Entity::insert(
+            credential::Model {
+                credential_id: credential_id.to_owned(),
+                version: 0,
+                evidence: "[]".into(),
+                cool_off_until_ms: 0,
+                open_incident_id: None,
+                quarantine_until_ms: 0,
+                last_seen_ms: 0,
+            }
+            .into_active_model(),
+        )
+        .on_conflict(
+            OnConflict::column(credential::Column::CredentialId)
+                .do_nothing()
+                .to_owned(),
+        )
+        .exec_without_returning(txn)
+        .await?;
+        let row = credential::Entity::find_by_id(credential_id.to_owned())
+            .one(txn)
+            .await?
+            .ok_or_else(|| DbErr::RecordNotFound(credential_id.to_owned()))?;
+        let state = state_of(&row);
+        Ok((row, state))
+    }
+
+    /// Writes `state` over `row` if nobody changed it since it was read.
+    async fn compare_and_set(
+        &self,
+        txn: &DatabaseTransaction,
+        row: &credential::Model,
+        state: &CredentialState,
+    ) -> Result<bool> {
+        let done = credential::Entity::update_many()
+            .col_expr(credential::Column::Version, Expr::value(row.version + 1))
+            .col_expr(
+                credential::Column::Evidence,
+                Expr::value(serde_json::to_string(&state.evidence).expect("serialisable")),
+            )
+            .col_expr(
+                credential::Column::CoolOffUntilMs,
+                Expr::value(state.cool_off_until_ms),
+            )
+            .col_expr(
+                credential::Column::OpenIncidentId,
+                Expr::value(state.open_incident.clone()),
+            )
+            .col_expr(
+                credential::Column::QuarantineUntilMs,
+                Expr::value(state.quarantine_until_ms),
+            )
+            .col_expr(
+                credential::Column::LastSeenMs,
+                Expr::value(state.last_seen_ms),
+            )
+            .filter(credential::Column::CredentialId.eq(row.credential_id.as_str()))
+            .filter(credential::Column::Version.eq(row.version))
+            .exec(txn)
+            .await?;
+        Ok(done.rows_affected == 1)
+    }
+
+    /// Creates the incident this report opened, or counts the report against the open
+    /// one; a lead not yet told about it is added to `notices`.
+    async fn record_incident(
+        &self,
+        txn: &DatabaseTransaction,
+        id: &str,
+        report: &Report,
+        state: &CredentialState,
+        notices: &mut Vec<NewNotice>,
+        now: i64,
+    ) -> Result<incident::Model> {
+        let leads_of = |notices: &[NewNotice]| -> Vec<String> {
+            notices.iter().map(|n| n.lead_id.clone()).collect()
+        };
+        match incident::Entity::find_by_id(id.to_owned()).one(txn).await? {
+            None => {
+                let opening: Vec<String> = notices.iter().flat_map(|n| n.runs.clone()).collect();
+                let model = incident::Model {
+                    id: id.to_owned(),
+                    credential_id: report.credential_id.clone(),
+                    state: "open".into(),
+                    opening_run_ids: json(&opening),
+                    failures_during_cool_off: 0,
+                    notified_lead_ids: json(&leads_of(notices)),
+                    opened_at_ms: now,
+                    cool_off_ends_at_ms: state.cool_off_until_ms,
+                };
+                incident::Entity::insert(model.clone().into_active_model())
+                    .exec_without_returning(txn)
+                    .await?;
+                Ok(model)
+            }
+            Some(mut model) => {
+                // Absorbed during the cool-off: counted, and its lead told once if it was
+                // not among those the incident already reached.
+                model.failures_during_cool_off += 1;
+                let mut leads: Vec<String> =
+                    serde_json::from_str(&model.notified_lead_ids).unwrap_or_default();
+                if !report.lead_id.is_empty() && !leads.contains(&report.lead_id) {
+                    leads.push(report.lead_id.clone());
+                    notices.push(NewNotice {
+                        lead_id: report.lead_id.clone(),
+                        kind: "incident_opened",
+                        credential_id: report.credential_id.clone(),
+                        incident_id: id.to_owned(),
+                        runs: vec![report.run_id.clone()],
+                    });
+                }
+                model.notified_lead_ids = json(&leads);
+                incident::Entity::update_many()
+                    .col_expr(
+                        incident::Column::FailuresDuringCoolOff,
+                        Expr::value(model.failures_during_cool_off),
+                    )
+                    .col_expr(
+                        incident::Column::NotifiedLeadIds,
+                        Expr::value(model.notified_lead_ids.clone()),
+                    )
+                    .filter(incident::Column::Id.eq(id))
+                    .exec(txn)
+                    .await?;
+                Ok(model)
+            }
+        }
+    }
+
+    /// Inserts a notice under the next `seq`. Taking the counter row's lock here makes
+    /// notices commit in `seq` order.
+    async fn insert_notice(
+        &self,
+        txn: &DatabaseTransaction,
+        n: &NewNotice,
+        state: &CredentialState,
+        now: i64,
+    ) -> Result<()> {
+        counter::Entity::update_many()
+            .col_expr(
+                counter::Column::Value,
+                Expr::col(counter::Column::Value).add(Expr::value(1i64)),
+            )
+            .filter(counter::Column::Name.eq("notice_seq"))
+            .exec(txn)
+            .await?;
+        let seq = counter::Entity::find_by_id("notice_seq".to_owned())
+            .one(txn)
+            .await?
+            .map(|c| c.value)
+            .ok_or_else(|| DbErr::RecordNotFound("counters.notice_seq".into()))?;
+        let cooling = state.cooling_off_for_seconds(now);
+        let quarantined = state.quarantined_for_seconds(now);
+        let runs = n.runs.join(", ");
+        let (cooling, quarantined, message) = match n.kind {
+            "incident_opened" => (
+                cooling,
+                0,
+                format!(
+                    "credential {} cooling off after repeated backend errors, {cooling} s; runs failed: {runs}",
+                    n.credential_id
+                ),
+            ),
+            _ => (
+                0,
+                quarantined,
+                format!(
+                    "credential {} quarantined as exhausted (spent), {quarantined} s; run failed: {runs}",
+                    n.credential_id
+                ),
+            ),
+        };
+        notice::Entity::insert(
+            notice::Model {
+                seq,
+                id: uuid::Uuid::now_v7().to_string(),
+                lead_id: n.lead_id.clone(),
+                kind: n.kind.to_owned(),
+                credential_id: n.credential_id.clone(),
+                incident_id: n.incident_id.clone(),
+                affected_run_ids: json(&n.runs),
+                message,
+                cooling_off_for_seconds: cooling as i32,
+                quarantined_for_seconds: quarantined as i32,
+                created_at_ms: now,
+                pruned: false,
+            }
+            .into_active_model(),
+        )
+        .exec_without_returning(txn)
+        .await?;
+        Ok(())
+    }
+
+    /// Owes the run store the durable outcome of this run (keyed by the turn).
+    async fn owe_mark_backend_error(
+        &self,
+        txn: &DatabaseTransaction,
+        report: &Report,
+        incident_id: Option<&str>,
+        now: i64,
+    ) -> Result<bool> {
+        use runplane_proto::runstore::v1 as rs;
+        let request = rs::MarkBackendErrorRequest {
+            run_id: report.run_id.clone(),
+            idempotency_key: report.turn_id.clone(),
+            kind: if report.outcome == pb::TurnOutcome::BackendExhausted {
+                rs::BackendErrorKind::Exhausted
+            } else {
+                rs::BackendErrorKind::Error
+            } as i32,
+            reason: report.reason.clone(),
+            credential_id: report.credential_id.clone(),
+            incident_id: incident_id.unwrap_or_default().to_owned(),
+            turn_id: report.turn_id.clone(),
+        };
+        let mut row = runplane_db::outbox::row(
+            OUTBOX_MARK_BACKEND_ERROR,
+            report.turn_id.clone(),
+            request.encode_to_vec(),
+            now * 1000,
+        );
+        row.traceparent = runplane_grpc::trace_context::current_traceparent().unwrap_or_default();
+        Ok(runplane_db::outbox::enqueue(txn, row).await?)
+    }
+
+    /// The policy state of each of `ids` as of now (expired cool-offs and quarantines
+    /// settled in the copy, not written), with its open incident.
+    pub async fn states(
+        &self,
+        ids: &[String],
+    ) -> Result<HashMap<String, (CredentialState, Option<incident::Model>)>> {
+        let now = self.now_ms();
+        let rows = credential::Entity::find()
+            .filter(credential::Column::CredentialId.is_in(ids.iter().cloned()))
+            .all(&self.db)
+            .await?;
+        let open_ids: Vec<String> = rows
+            .iter()
+            .filter(|r| r.cool_off_until_ms > now)
+            .filter_map(|r| r.open_incident_id.clone())
+            .collect();
+        let mut incidents: HashMap<String, incident::Model> = if open_ids.is_empty() {
+            HashMap::new()
+        } else {
+            incident::Entity::find()
+                .filter(incident::Column::Id.is_in(open_ids))
+                .all(&self.db)
+                .await?
+                .into_iter()
+                .map(|i| (i.id.clone(), i))
+                .collect()
+        };
+        let mut out = HashMap::new();
+        for row in rows {
+            let mut state = state_of(&row);
+            state.settle(now);
+            let open = state
+                .open_incident
+                .as_ref()
+                .and_then(|id| incidents.remove(id));
+            out.insert(row.credential_id.clone(), (state, open));
+        }
+        Ok(out)
+    }
+
+    /// A page of incidents, newest first, after `(opened_at_ms, id)`.
+    pub async fn incidents(
+        &self,
+        credential_id: Option<&str>,
+        state: pb::IncidentState,
+        after: Option<(i64, String)>,
+        limit: u64,
+    ) -> Result<Vec<incident::Model>> {
+        let now = self.now_ms();
+        let mut query = incident::Entity::find();
+        if let Some(c) = credential_id {
+            query = query.filter(incident::Column::CredentialId.eq(c));
+        }
+        match state {
+            pb::IncidentState::Open => {
+                query = query
+                    .filter(incident::Column::State.eq("open"))
+                    .filter(incident::Column::CoolOffEndsAtMs.gt(now));
+            }
+            pb::IncidentState::Closed => {
+                query = query.filter(
+                    sea_orm::Condition::any()
+                        .add(incident::Column::State.eq("closed"))
+                        .add(incident::Column::CoolOffEndsAtMs.lte(now)),
+                );
+            }
+            pb::IncidentState::Unspecified => {}
+        }
+        if let Some((at, id)) = after {
+            query = query.filter(
+                sea_orm::Condition::any()
+                    .add(incident::Column::OpenedAtMs.lt(at))
+                    .add(
+                        sea_orm::Condition::all()
+                            .add(incident::Column::OpenedAtMs.eq(at))
+                            .add(incident::Column::Id.lt(id)),
+                    ),
+            );
+        }
+        Ok(query
+            .order_by(incident::Column::OpenedAtMs, Order::Desc)
+            .order_by(incident::Column::Id, Order::Desc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    /// `lead_id`'s notices after `seq`, oldest first (pruned ones included, bodiless).
+    pub async fn notices_after(
+        &self,
+        lead_id: &str,
+        after_seq: i64,
+        limit: u64,
+    ) -> Result<Vec<notice::Model>> {
+        Ok(notice::Entity::find()
+            .filter(notice::Column::LeadId.eq(lead_id))
+            .filter(notice::Column::Seq.gt(after_seq))
+            .order_by(notice::Column::Seq, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    /// The last notice seq issued.
+    pub async fn last_notice_seq(&self) -> Result<i64> {
+        Ok(counter::Entity::find_by_id("notice_seq".to_owned())
+            .one(&self.db)
+            .await?
+            .map_or(0, |c| c.value))
+    }
+
+    /// Removes the bodies of notices created before `before_ms`, keeping the rows so a
+    /// watcher behind them learns how many it missed.
+    pub async fn prune_notices(&self, before_ms: i64) -> Result<u64> {
+        let done = notice::Entity::update_many()
+            .col_expr(notice::Column::Pruned, Expr::value(true))
+            .col_expr(notice::Column::Message, Expr::value(""))
+            .col_expr(notice::Column::AffectedRunIds, Expr::value("[]"))
+            .filter(notice::Column::CreatedAtMs.lt(before_ms))
+            .filter(notice::Column::Pruned.eq(false))
+            .exec(&self.db)
+            .await?;
+        Ok(done.rows_affected)
     }
 }
+
+/// `credential_health → run_store.mark_backend_error`.
+pub const OUTBOX_MARK_BACKEND_ERROR: &str = "run_store.mark_backend_error";
+
+#[derive(Debug, Clone)]
+struct NewNotice {
+    lead_id: String,
+    kind: &'static str,
+    credential_id: String,
+    incident_id: String,
+    runs: Vec<String>,
+}
+
+/// One notice per lead among the failures that opened an incident, naming that lead's
+/// runs. Failures without a lead are counted but nobody is told of them.
+fn incident_notices(
+    credential_id: &str,
+    incident_id: &str,
+    opening: &[Evidence],
+) -> Vec<NewNotice> {
+    let mut by_lead: Vec<NewNotice> = Vec::new();
+    for e in opening {
+        match by_lead.iter_mut().find(|n| n.lead_id == e.lead_id) {
+            Some(n) => n.runs.push(e.run_id.clone()),
+            None => by_lead.push(NewNotice {
+                lead_id: e.lead_id.clone(),
+                kind: "incident_opened",
+                credential_id: credential_id.to_owned(),
+                incident_id: incident_id.to_owned(),
+                runs: vec![e.run_id.clone()],
+            }),
+        }
+    }
+    by_lead.retain(|n| !n.lead_id.is_empty());
+    by_lead
+}
+
+fn state_of(row: &credential::Model) -> CredentialState {
+    CredentialState {
+        evidence: serde_json::from_str(&row.evidence).unwrap_or_default(),
+        cool_off_until_ms: row.cool_off_until_ms,
+        open_incident: row.open_incident_id.clone(),
+        quarantine_until_ms: row.quarantine_until_ms,
+        last_seen_ms: row.last_seen_ms,
+    }
+}
+
+fn json(v: &[String]) -> String {
+    serde_json::to_string(v).expect("serialisable")
+}
+
+pub fn outcome_name(o: pb::TurnOutcome) -> &'static str {
+    match o {
+        pb::TurnOutcome::BackendError => "backend_error",
+        pb::TurnOutcome::BackendExhausted => "backend_exhausted",
+        _ => "other",
+    }
+}
+
+/// An incident as the API shows it; an open row whose cool-off passed reads closed.
+pub fn incident_view(i: &incident::Model, now_ms: i64) -> pb::Incident {
+    let open = i.state == "open" && i.cool_off_ends_at_ms > now_ms;
+    pb::Incident {
+        id: i.id.clone(),
+        credential_id: i.credential_id.clone(),
+        state: if open {
+            pb::IncidentState::Open
+        } else {
+            pb::IncidentState::Closed
+        } as i32,
+        opening_run_ids: serde_json::from_str(&i.opening_run_ids).unwrap_or_default(),
+        failures_during_cool_off: u32::try_from(i.failures_during_cool_off).unwrap_or(0),
+        notified_lead_ids: serde_json::from_str(&i.notified_lead_ids).unwrap_or_default(),
+        opened_at: Some(timestamp(i.opened_at_ms)),
+        cool_off_ends_at: Some(timestamp(i.cool_off_ends_at_ms)),
+    }
+}
+
+pub fn timestamp(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: ms.div_euclid(1000),
+        nanos: (ms.rem_euclid(1000) * 1_000_000) as i32,
+    }
+}
+
+/// Lets callers treat a connection and a transaction alike.
+pub trait Db: ConnectionTrait {}
+impl<T: ConnectionTrait> Db for T {}

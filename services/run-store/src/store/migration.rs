@@ -8,7 +8,33 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(CreateRunStore)]
+        vec![Box::new(CreateRunStore), Box::new(CreateOutbox)]
+    }
+}
+
+/// The outbox of turn failures owed to credential health.
+struct CreateOutbox;
+
+// Named by hand: the derive names a migration after its file, and the first one in this
+// file already holds that name.
+impl MigrationName for CreateOutbox {
+    fn name(&self) -> &str {
+        "m0002_outbox"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for CreateOutbox {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(runplane_db::outbox::create_table())
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(Alias::new("outbox")).to_owned())
+            .await
     }
 }
 

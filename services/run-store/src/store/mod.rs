@@ -27,7 +27,6 @@ use sea_orm::sea_query::{Expr, Order};
 use sea_orm::{
     ActiveModelTrait, ColumnTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
     IntoActiveModel, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, SqlErr,
-    SqliteTransactionMode, TransactionOptions, TransactionTrait,
 };
 
 pub use migration::Migrator;
@@ -52,6 +51,36 @@ pub struct Store {
     db: DatabaseConnection,
     clock: SharedClock,
     postgres: bool,
+    /// Owe credential health a ReportTurnFailure for each failed turn (`[run_store]
+    /// admission`).
+    report_failures: bool,
+}
+
+/// `run_store → credential_health.report_turn_failure`.
+pub const OUTBOX_REPORT_TURN_FAILURE: &str = "credential_health.report_turn_failure";
+
+/// Credential health reads at most this much of a failure tail: its end, where the
+/// agent's last words are.
+const MAX_REPORTED_TAIL_BYTES: usize = 8 << 10;
+
+/// The last `max` bytes of `s`, cut at a character boundary.
+fn tail_end(s: &str, max: usize) -> &str {
+    let mut start = s.len().saturating_sub(max);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    &s[start..]
+}
+
+/// The event kind of a failed agent turn.
+const TURN_FAILED: i32 = pb::EventKind::TurnFailed as i32;
+
+/// Active runs counted three ways (see [`Store::count_active`]).
+#[derive(Debug, Clone, Default)]
+pub struct ActiveCounts {
+    pub by_credential: HashMap<String, u32>,
+    pub by_profile: HashMap<String, u32>,
+    pub by_profile_credential: HashMap<String, u32>,
 }
 
 /// A new run as CreateRun asks for it.
@@ -139,7 +168,49 @@ impl Store {
             db,
             clock,
             postgres,
+            report_failures: false,
         }
+    }
+
+    /// Writes a ReportTurnFailure for credential health into the outbox with every failed
+    /// turn and failed result, in the transaction that records it.
+    pub fn with_failure_reports(mut self, on: bool) -> Self {
+        self.report_failures = on;
+        self
+    }
+
+    /// Owes credential health the classification of one failed turn of `run`. Keyed by
+    /// the turn, so recording the same failure again owes nothing more.
+    async fn owe_turn_failure(
+        &self,
+        txn: &DatabaseTransaction,
+        run: &run::Model,
+        turn_id: String,
+        failure_tail: &str,
+    ) -> Result<()> {
+        if !self.report_failures || run.credential_id.is_empty() {
+            return Ok(());
+        }
+        let now = self.now_us();
+        let request = runplane_proto::credentials::v1::ReportTurnFailureRequest {
+            turn_id: turn_id.clone(),
+            run_id: run.id.clone(),
+            org_id: run.org_id.clone(),
+            lead_id: run.lead_id.clone(),
+            credential_id: run.credential_id.clone(),
+            profile: run.profile.clone(),
+            failure_tail: tail_end(failure_tail, MAX_REPORTED_TAIL_BYTES).to_owned(),
+            failed_at: Some(timestamp(now)),
+        };
+        let mut row = runplane_db::outbox::row(
+            OUTBOX_REPORT_TURN_FAILURE,
+            turn_id,
+            prost::Message::encode_to_vec(&request),
+            now,
+        );
+        row.traceparent = runplane_grpc::trace_context::current_traceparent().unwrap_or_default();
+        runplane_db::outbox::enqueue(txn, row).await?;
+        Ok(())
     }
 
     pub fn database(&self) -> &DatabaseConnection {
@@ -153,16 +224,7 @@ impl Store {
     /// A transaction that may write. On SQLite it takes the write lock at `BEGIN`, so two
     /// writers queue instead of one failing when both upgrade from a read.
     async fn write_tx(&self) -> Result<DatabaseTransaction> {
-        Ok(if self.postgres {
-            self.db.begin().await?
-        } else {
-            self.db
-                .begin_with_options(TransactionOptions {
-                    sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-                    ..Default::default()
-                })
-                .await?
-        })
+        Ok(runplane_db::write_tx(&self.db).await?)
     }
 
     /// The run row, locked for the rest of `txn` (Postgres; SQLite holds the database
@@ -238,6 +300,20 @@ impl Store {
         }
     }
 
+    /// The run this org already created with `request_id`, if any; a reused id with
+    /// another body is refused.
+    pub async fn existing_run(
+        &self,
+        org: &str,
+        request_id: &str,
+        request_digest: &str,
+    ) -> Result<Option<run::Model>> {
+        match self.find_by_request(org, request_id).await? {
+            Some(run) => same_request(run, request_digest).map(Some),
+            None => Ok(None),
+        }
+    }
+
     async fn find_by_request(&self, org: &str, request_id: &str) -> Result<Option<run::Model>> {
         Ok(run::Entity::find()
             .filter(run::Column::OrgId.eq(org))
@@ -292,27 +368,37 @@ impl Store {
             .await?)
     }
 
-    /// Runs in STARTING or RUNNING, counted per credential and per profile.
-    pub async fn count_active(&self) -> Result<(HashMap<String, u32>, HashMap<String, u32>)> {
-        let rows: Vec<(String, String)> = run::Entity::find()
+    /// Runs in STARTING or RUNNING, counted per credential, per profile and per
+    /// (profile, credential) pair keyed `profile/credential`.
+    pub async fn count_active(&self) -> Result<ActiveCounts> {
+        let rows: Vec<(String, String, i64)> = run::Entity::find()
             .select_only()
             .column(run::Column::CredentialId)
             .column(run::Column::Profile)
+            .column_as(run::Column::Id.count(), "n")
             .filter(run::Column::State.is_in([state::STARTING, state::RUNNING]))
+            .group_by(run::Column::CredentialId)
+            .group_by(run::Column::Profile)
             .into_tuple()
             .all(&self.db)
             .await?;
-        let mut by_credential = HashMap::new();
-        let mut by_profile = HashMap::new();
-        for (credential, profile) in rows {
+        let mut counts = ActiveCounts::default();
+        for (credential, profile, n) in rows {
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
             if !credential.is_empty() {
-                *by_credential.entry(credential).or_insert(0) += 1;
+                *counts.by_credential.entry(credential.clone()).or_insert(0) += n;
             }
             if !profile.is_empty() {
-                *by_profile.entry(profile).or_insert(0) += 1;
+                *counts.by_profile.entry(profile.clone()).or_insert(0) += n;
+                if !credential.is_empty() {
+                    *counts
+                        .by_profile_credential
+                        .entry(format!("{profile}/{credential}"))
+                        .or_insert(0) += n;
+                }
             }
         }
-        Ok((by_credential, by_profile))
+        Ok(counts)
     }
 
     // --- run keys ------------------------------------------------------------------
@@ -612,6 +698,13 @@ impl Store {
                 .exec_without_returning(txn)
                 .await?;
         }
+        for (i, e) in events.iter().enumerate() {
+            if e.kind == TURN_FAILED {
+                let sequence = run.last_sequence + 1 + i as i64;
+                self.owe_turn_failure(txn, run, format!("{}:{sequence}", run.id), &e.text)
+                    .await?;
+            }
+        }
         let appended = Appended {
             first_sequence: (run.last_sequence + 1) as u64,
             last_sequence: sequence as u64,
@@ -864,6 +957,10 @@ impl Store {
         let run = self
             .finish_locked(&txn, run, verdict, Some(failure_tail), signer)
             .await?;
+        if verdict.outcome() == pb::VerdictOutcome::Failed && !failure_tail.is_empty() {
+            self.owe_turn_failure(&txn, &run, format!("{}:result", run.id), failure_tail)
+                .await?;
+        }
         txn.commit().await?;
         Ok(Finished {
             run,

@@ -88,6 +88,9 @@ impl Harness {
         config.run_store.database_url = backend.url();
         config.run_store.receipt_signing_key =
             Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+        // The run store's own behaviour; admission and failure reports go through
+        // credential health in services/credential-health/tests.
+        config.run_store.admission = false;
         config.run_store.max_batch_events = 100;
         let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
             .await

@@ -1,0 +1,195 @@
+//! Profiles and the one place a failure tail is read: classification.
+//!
+//! A failed turn's tail is classified here, once, into a [`TurnOutcome`]; everything
+//! downstream (the outage policy, quarantine, the run's durable outcome, notices) works
+//! on the typed outcome and never reads the text again.
+
+use regex::Regex;
+use runplane_config::Config;
+use runplane_proto::credentials::v1::TurnOutcome;
+
+use crate::error::CredentialHealthError;
+
+/// Longest `reason` kept: the matching line, cut at a character boundary.
+pub const MAX_REASON_BYTES: usize = 512;
+
+/// One configured profile with its patterns compiled.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub name: String,
+    pub credential_id: String,
+    pub capacity: u32,
+    error: Regex,
+    exhausted: Regex,
+}
+
+impl Profile {
+    /// Classifies `tail`: exhaustion first (a tail matching both means the credential is
+    /// spent, which must not be mistaken for a blip), then a backend error, else a member
+    /// problem. The reason is the first matching line.
+    pub fn classify(&self, tail: &str) -> (TurnOutcome, String) {
+        for (pattern, outcome) in [
+            (&self.exhausted, TurnOutcome::BackendExhausted),
+            (&self.error, TurnOutcome::BackendError),
+        ] {
+            let matched = match tail.lines().find(|line| pattern.is_match(line)) {
+                Some(line) => Some(line),
+                // A pattern may span lines (e.g. `(?s)`): match the whole tail too.
+                None => pattern.find(tail).map(|m| m.as_str()),
+            };
+            if let Some(text) = matched {
+                let reason = match bounded(text.trim()) {
+                    // A pattern that matches an empty line still needs a reason to show.
+                    empty if empty.is_empty() => format!("{} (empty line)", outcome.as_str_name()),
+                    reason => reason,
+                };
+                return (outcome, reason);
+            }
+        }
+        (TurnOutcome::Other, String::new())
+    }
+}
+
+fn bounded(s: &str) -> String {
+    let mut end = s.len().min(MAX_REASON_BYTES);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+/// Every configured profile, compiled once at start.
+#[derive(Debug, Clone)]
+pub struct Profiles {
+    all: Vec<Profile>,
+}
+
+impl Profiles {
+    /// Compiles every pattern; the first invalid one stops the start with an error naming
+    /// the profile, the field and the pattern.
+    pub fn compile(config: &Config) -> Result<Self, CredentialHealthError> {
+        let mut all = Vec::new();
+        for p in &config.credential_health.profiles {
+            let compile = |field: &'static str, pattern: &str| {
+                Regex::new(pattern).map_err(|e| CredentialHealthError::Pattern {
+                    profile: p.name.clone(),
+                    credential_id: p.credential_id.clone(),
+                    field,
+                    pattern: pattern.to_owned(),
+                    reason: e.to_string(),
+                })
+            };
+            all.push(Profile {
+                name: p.name.clone(),
+                credential_id: p.credential_id.clone(),
+                capacity: p.capacity,
+                error: compile("error_pattern", &p.error_pattern)?,
+                exhausted: compile("exhausted_pattern", &p.exhausted_pattern)?,
+            });
+        }
+        all.sort_by(|a, b| (&a.name, &a.credential_id).cmp(&(&b.name, &b.credential_id)));
+        Ok(Self { all })
+    }
+
+    pub fn all(&self) -> &[Profile] {
+        &self.all
+    }
+
+    /// The entries of profile `name` (one per credential), in credential order.
+    pub fn named<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a Profile> + 'a {
+        self.all.iter().filter(move |p| p.name == name)
+    }
+
+    /// The entries naming `credential_id`, in profile order.
+    pub fn on_credential<'a>(
+        &'a self,
+        credential_id: &'a str,
+    ) -> impl Iterator<Item = &'a Profile> + 'a {
+        self.all
+            .iter()
+            .filter(move |p| p.credential_id == credential_id)
+    }
+
+    /// Every credential id, sorted, once each.
+    pub fn credential_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.all.iter().map(|p| p.credential_id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
+    /// The profile whose patterns classify a failure of a run on `credential_id` asked
+    /// for through `profile` (empty: the credential's first profile).
+    pub fn for_failure<'a>(
+        &'a self,
+        profile: &'a str,
+        credential_id: &'a str,
+    ) -> Option<&'a Profile> {
+        if profile.is_empty() {
+            self.on_credential(credential_id).next()
+        } else {
+            self.named(profile)
+                .find(|p| p.credential_id == credential_id)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profiles(error: &str, exhausted: &str) -> Result<Profiles, CredentialHealthError> {
+        let mut config = Config::default();
+        config.credential_health.profiles[0].error_pattern = error.into();
+        config.credential_health.profiles[0].exhausted_pattern = exhausted.into();
+        Profiles::compile(&config)
+    }
+
+    #[test]
+    fn the_default_profile_reads_the_outage_of_the_field_report() {
+        let p = Profiles::compile(&Config::default()).unwrap();
+        let p = &p.all()[0];
+        let tail = "thinking…\nAPI Error: No response from API\n$ ";
+        assert_eq!(
+            p.classify(tail),
+            (
+                TurnOutcome::BackendError,
+                "API Error: No response from API".into()
+            )
+        );
+        assert_eq!(
+            p.classify("Error: Your credit balance is too low to access the API")
+                .0,
+            TurnOutcome::BackendExhausted
+        );
+        assert_eq!(
+            p.classify("error[E0308]: mismatched types").0,
+            TurnOutcome::Other
+        );
+    }
+
+    #[test]
+    fn exhaustion_is_checked_first() {
+        let p = profiles("API Error", "quota").unwrap();
+        let (outcome, reason) = p.all()[0].classify("API Error: quota exceeded");
+        assert_eq!(outcome, TurnOutcome::BackendExhausted);
+        assert_eq!(reason, "API Error: quota exceeded");
+    }
+
+    #[test]
+    fn the_reason_is_bounded_at_a_character_boundary() {
+        let p = profiles("é", "never-matches-anything").unwrap();
+        let (_, reason) = p.all()[0].classify(&"é".repeat(1000));
+        assert!(reason.len() <= MAX_REASON_BYTES && reason.len() >= MAX_REASON_BYTES - 1);
+    }
+
+    #[test]
+    fn an_invalid_pattern_names_the_profile_field_and_pattern() {
+        let e = profiles("API Error: (unclosed", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("profile `default`"), "{e}");
+        assert!(e.contains("error_pattern"), "{e}");
+        assert!(e.contains("(unclosed"), "{e}");
+    }
+}
