@@ -105,3 +105,39 @@ async fn a_bad_override_names_the_field_and_its_variable() {
         "{stderr}"
     );
 }
+
+#[tokio::test]
+async fn an_invalid_error_pattern_stops_credential_health_naming_the_profile() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("runplane.toml");
+    std::fs::write(
+        &config,
+        r#"
+[[credential_health.profiles]]
+name = "sonnet"
+credentialId = "acct-1"
+capacity = 2
+errorPattern = "API Error: (unclosed"
+exhaustedPattern = "credit balance is too low"
+"#,
+    )
+    .unwrap();
+    let output = tokio::process::Command::new(runplane_bin())
+        .args(["serve", "credential-health", "--config"])
+        .arg(&config)
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+        .env("RUNPLANE_SERVER__LISTEN", "127.0.0.1:0")
+        .env_remove("RUNPLANE_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(
+            "profile `sonnet` (credential `acct-1`) has an invalid error_pattern `API Error: (unclosed`"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -4,6 +4,8 @@
 //! downstream (the outage policy, quarantine, the run's durable outcome, notices) works
 //! on the typed outcome and never reads the text again.
 
+use std::collections::HashMap;
+
 use regex::Regex;
 use runplane_config::Config;
 use runplane_proto::credentials::v1::TurnOutcome;
@@ -58,37 +60,62 @@ fn bounded(s: &str) -> String {
     s[..end].to_owned()
 }
 
-/// Every configured profile, compiled once at start.
+/// Every configured profile, compiled once at start and indexed by name and credential.
 #[derive(Debug, Clone)]
 pub struct Profiles {
     all: Vec<Profile>,
+    by_name: HashMap<String, Vec<usize>>,
+    by_credential: HashMap<String, Vec<usize>>,
 }
 
 impl Profiles {
     /// Compiles every pattern; the first invalid one stops the start with an error naming
     /// the profile, the field and the pattern.
-    pub fn compile(config: &Config) -> Result<Self, CredentialHealthError> {
+    pub fn compile<'a>(config: &'a Config) -> Result<Self, CredentialHealthError> {
         let mut all = Vec::new();
+        // Fleets share a few patterns across many profiles: compile each once (a
+        // `Regex` clone shares the compiled program).
+        let mut compiled: HashMap<&'a str, Regex> = HashMap::new();
         for p in &config.credential_health.profiles {
-            let compile = |field: &'static str, pattern: &str| {
-                Regex::new(pattern).map_err(|e| CredentialHealthError::Pattern {
+            let mut compile = |field: &'static str, pattern: &'a str| {
+                if let Some(re) = compiled.get(pattern) {
+                    return Ok(re.clone());
+                }
+                let re = Regex::new(pattern).map_err(|e| CredentialHealthError::Pattern {
                     profile: p.name.clone(),
                     credential_id: p.credential_id.clone(),
                     field,
                     pattern: pattern.to_owned(),
                     reason: e.to_string(),
-                })
+                })?;
+                compiled.insert(pattern, re.clone());
+                Ok::<_, CredentialHealthError>(re)
             };
+            let error = compile("error_pattern", &p.error_pattern)?;
+            let exhausted = compile("exhausted_pattern", &p.exhausted_pattern)?;
             all.push(Profile {
                 name: p.name.clone(),
                 credential_id: p.credential_id.clone(),
                 capacity: p.capacity,
-                error: compile("error_pattern", &p.error_pattern)?,
-                exhausted: compile("exhausted_pattern", &p.exhausted_pattern)?,
+                error,
+                exhausted,
             });
         }
         all.sort_by(|a, b| (&a.name, &a.credential_id).cmp(&(&b.name, &b.credential_id)));
-        Ok(Self { all })
+        let mut by_name: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut by_credential: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, p) in all.iter().enumerate() {
+            by_name.entry(p.name.clone()).or_default().push(i);
+            by_credential
+                .entry(p.credential_id.clone())
+                .or_default()
+                .push(i);
+        }
+        Ok(Self {
+            all,
+            by_name,
+            by_credential,
+        })
     }
 
     pub fn all(&self) -> &[Profile] {
@@ -97,7 +124,11 @@ impl Profiles {
 
     /// The entries of profile `name` (one per credential), in credential order.
     pub fn named<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a Profile> + 'a {
-        self.all.iter().filter(move |p| p.name == name)
+        self.by_name
+            .get(name)
+            .into_iter()
+            .flatten()
+            .map(|&i| &self.all[i])
     }
 
     /// The entries naming `credential_id`, in profile order.
@@ -105,9 +136,11 @@ impl Profiles {
         &'a self,
         credential_id: &'a str,
     ) -> impl Iterator<Item = &'a Profile> + 'a {
-        self.all
-            .iter()
-            .filter(move |p| p.credential_id == credential_id)
+        self.by_credential
+            .get(credential_id)
+            .into_iter()
+            .flatten()
+            .map(|&i| &self.all[i])
     }
 
     /// Every credential id, sorted, once each.

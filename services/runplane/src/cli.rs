@@ -52,6 +52,12 @@ pub enum Command {
     /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and
     /// RUNPLANE_RUN_KEY from the environment (never from arguments).
     Runner,
+    /// Print the fleet as credential health sees it: per credential and per profile,
+    /// capacity, busy, free, cool-off and quarantine (in separate columns).
+    Credentials(crate::credentials::CredentialsArgs),
+    /// Follow a lead's notices (one per outage incident, one per quarantine), resuming
+    /// from the last cursor when the stream breaks.
+    Notices(crate::credentials::NoticesArgs),
     /// Print every RPC's replay-safety policy, as the proto method options declare it.
     Policies,
     /// Receipts: make a signing key, verify a receipt offline.
@@ -99,6 +105,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 std::process::exit(code);
             }
             Ok(())
+        }
+        Command::Credentials(args) => {
+            crate::credentials::credentials(
+                cli.config.as_deref(),
+                args,
+                &mut std::io::stdout().lock(),
+            )
+            .await
+        }
+        Command::Notices(args) => {
+            crate::credentials::notices(cli.config.as_deref(), args, &mut std::io::stdout()).await
         }
         Command::Policies => {
             crate::policies::print(&mut std::io::stdout().lock())?;

@@ -1,6 +1,7 @@
 //! `runplane`: serve services, run everything for development, operator commands.
 
 mod cli;
+mod credentials;
 mod dev;
 mod node;
 mod policies;

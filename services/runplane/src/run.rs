@@ -36,7 +36,7 @@ pub struct RunArgs {
     command: Vec<String>,
 }
 
-fn token(file: &Path, config: &Config) -> anyhow::Result<String> {
+pub(crate) fn token(file: &Path, config: &Config) -> anyhow::Result<String> {
     if let Ok(token) = std::env::var("RUNPLANE_TOKEN")
         && !token.trim().is_empty()
     {
