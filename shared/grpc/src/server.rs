@@ -132,7 +132,7 @@ pub async fn serve(
     let server = tonic::transport::Server::builder()
         .layer(ServerTraceLayer)
         .add_routes(routes.routes())
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+        .serve_with_incoming_shutdown(incoming(listener), async {
             let _ = stop_rx.await;
         });
     let mut server = tokio::spawn(server);
@@ -165,6 +165,24 @@ pub async fn serve(
             Ok(Stopped::GraceExpired)
         }
     }
+}
+
+/// Accepted connections with Nagle's algorithm off. h2 writes a response's frames in
+/// separate small writes; with Nagle on, the second waits for the client's delayed ACK
+/// (about 40 ms) whenever a response body crosses a write boundary. tonic's
+/// `tcp_nodelay` setting only applies to the listeners it binds itself.
+fn incoming(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|accepted| {
+        if let Ok(stream) = &accepted
+            && let Err(e) = stream.set_nodelay(true)
+        {
+            tracing::debug!(error = %e, "could not turn Nagle off on an accepted socket");
+        }
+        accepted
+    })
 }
 
 fn flatten(
