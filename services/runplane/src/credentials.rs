@@ -71,7 +71,7 @@ fn client(config_file: Option<&Path>, connect: &Connect) -> anyhow::Result<Clien
 }
 
 fn failed(what: &str, status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what} failed: {}: {}", status.code(), status.message())
+    anyhow::anyhow!("{what} failed: {:?}: {}", status.code(), status.message())
 }
 
 /// Prints the fleet: one table per credential, one per profile.

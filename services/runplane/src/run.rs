@@ -86,7 +86,7 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
             labels: Default::default(),
         })
         .await
-        .map_err(|s| anyhow::anyhow!("creating the run failed: {}: {}", s.code(), s.message()))?
+        .map_err(|s| anyhow::anyhow!("creating the run failed: {:?}: {}", s.code(), s.message()))?
         .into_inner()
         .run
         .context("the run store answered without a run")?;

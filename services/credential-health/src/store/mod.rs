@@ -180,9 +180,6 @@ impl Store {
             ),
             _ => None,
         };
-        for n in &notices {
-            self.insert_notice(&txn, n, &state, now).await?;
-        }
         changes.notices = notices.len();
 
         if report.outcome != pb::TurnOutcome::Other
@@ -221,6 +218,12 @@ impl Store {
         )
         .exec_without_returning(&txn)
         .await?;
+        // Last: a notice takes the seq counter's row lock, which every notice-writing
+        // transaction queues on until commit; holding it only for the commit keeps a
+        // storm of incidents from serialising on the rest of the work.
+        for n in &notices {
+            self.insert_notice(&txn, n, &state, now).await?;
+        }
         txn.commit().await?;
         Ok(Some((answer, changes)))
     }
