@@ -6,6 +6,8 @@
 //! --workspace` build it because the `runplane` package has integration tests), or the
 //! one `RUNPLANE_BIN` names.
 
+pub mod otlp;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -61,6 +63,12 @@ impl Process {
     /// `http://ADDR`, for tonic clients.
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.address)
+    }
+
+    /// `https://ADDR`, for clients of a process serving `[tls]`; its certificate needs
+    /// an IP SAN for the address (`runplane_testkit::pki` makes such certificates).
+    pub fn https_endpoint(&self) -> String {
+        format!("https://{}", self.address)
     }
 
     /// Sends SIGTERM and waits for the exit status.

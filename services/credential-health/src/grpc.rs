@@ -9,6 +9,7 @@ use runplane_proto::credentials::v1 as pb;
 use runplane_proto::credentials::v1::credential_health_service_server::CredentialHealthService;
 use runplane_proto::runstore::v1 as rs;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_telemetry::metrics;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -205,6 +206,12 @@ impl CredentialHealthService for CredentialHealthApi {
             profiles: on_credential.into_iter().map(|(name, _)| name).collect(),
         };
         let (answer, changes) = s.store.report(&report).await?;
+        if changes.opened_incident {
+            metrics::credential_incidents().add(1, &[]);
+        }
+        if changes.quarantined {
+            metrics::credential_quarantines().add(1, &[]);
+        }
         if changes.notices > 0 {
             s.notices.send_modify(|n| *n += 1);
         }
@@ -279,7 +286,12 @@ impl CredentialHealthService for CredentialHealthApi {
             .filter(|(c, _)| health(c) == (0, 0))
             .collect();
         if healthy.is_empty() {
-            return Err(refusal(&profile, &candidates, health).into());
+            let refused = refusal(&profile, &candidates, health);
+            if let CredentialHealthError::Refused { reason, .. } = &refused {
+                metrics::admission_refusals()
+                    .add(1, &[metrics::attr("reason", reason.as_str_name())]);
+            }
+            return Err(refused.into());
         }
         // Busy slots, to pick the least loaded healthy credential and report free. The
         // count is advisory: if the run store cannot be asked, admission still answers.

@@ -149,11 +149,16 @@ impl CredentialHealth {
                 runplane_db::outbox::give_up(db, &row.id, now_us(), "undecodable payload").await?;
                 continue;
             };
-            let mut call = tonic::Request::new(request);
-            if let Ok(tp) = row.traceparent.parse() {
-                call.metadata_mut().insert("traceparent", tp);
-            }
-            match self.shared.run_store.clone().mark_backend_error(call).await {
+            // The delivery continues the trace of the report that owed it.
+            let span =
+                tracing::info_span!("outbox.deliver", kind = %row.kind, key = %row.idempotency_key);
+            runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
+            let answer = {
+                use tracing::Instrument;
+                let mut client = self.shared.run_store.clone();
+                client.mark_backend_error(request).instrument(span).await
+            };
+            match answer {
                 Ok(answer) => {
                     runplane_db::outbox::mark_delivered(db, &row.id, now_us()).await?;
                     delivered += 1;

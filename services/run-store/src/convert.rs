@@ -48,6 +48,7 @@ pub fn run(model: &run::Model) -> pb::Run {
         started_at: model.started_at_us.map(timestamp),
         ended_at: model.ended_at_us.map(timestamp),
         updated_at: Some(timestamp(model.updated_at_us)),
+        traceparent: model.traceparent.clone(),
     }
 }
 

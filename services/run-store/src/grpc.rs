@@ -11,6 +11,7 @@ use runplane_grpc::proto_duration as duration;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_server::RunService;
 use runplane_proto::runstore::v1::runner_service_server::RunnerService;
+use runplane_telemetry::metrics;
 use tonic::{Request, Response, Status};
 
 use crate::auth::{Operator, OperatorAuth, bearer};
@@ -23,6 +24,12 @@ use crate::error::RunStoreError;
 use crate::store::{Ack, FailRequest, NewRun, RunFilter, RunnerAuth, Store};
 
 type Result<T> = std::result::Result<T, RunStoreError>;
+
+/// Counts a run that became terminal in `state` (a done run re-marked backend_error
+/// counts again, as backend_error).
+fn finished_as(state: &str) {
+    metrics::runs_finished().add(1, &[metrics::attr("state", state.to_owned())]);
+}
 
 /// What both services share.
 #[derive(Debug)]
@@ -251,6 +258,10 @@ impl RunnerService for RunnerApi {
             .min(s.settings.limits.max_poll_wait);
 
         s.store.acknowledge(&req.run_id, &acks).await?;
+        for ack in &acks {
+            let outcome = if ack.dropped { "dropped" } else { "applied" };
+            metrics::steering_acks().add(1, &[metrics::attr("outcome", outcome)]);
+        }
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = s.changes.subscribe();
         loop {
@@ -303,6 +314,7 @@ impl RunnerService for RunnerApi {
             )
             .await?;
         if finished.made_terminal {
+            finished_as(&finished.run.state);
             s.changes.notify(&req.run_id);
             tracing::info!(outcome = %state::outcome_name(verdict.outcome()), reason = %verdict.reason, "run finished");
         }
@@ -462,6 +474,7 @@ impl RunService for RunApi {
             })
             .await?;
         if created {
+            metrics::runs_created().add(1, &[]);
             tracing::info!(run_id = %run.id, "run created");
         }
         Ok(Response::new(pb::CreateRunResponse {
@@ -690,6 +703,7 @@ impl RunService for RunApi {
                 .cancel_queued(&req.run_id, &req.reason, &s.settings.signer)
                 .await?
         {
+            finished_as(&cancelled.state);
             s.changes.notify(&req.run_id);
             return Ok(Response::new(pb::InterruptResponse {
                 message: None,
@@ -800,6 +814,7 @@ impl RunService for RunApi {
             )
             .await?;
         if outcome == pb::FailRunOutcome::MadeTerminal {
+            finished_as(&run.state);
             s.changes.notify(&req.run_id);
         }
         tracing::info!(outcome = outcome.as_str_name(), "fail run");
@@ -848,6 +863,9 @@ impl RunService for RunApi {
                 &s.settings.signer,
             )
             .await?;
+        if outcome == pb::MarkBackendErrorOutcome::Marked {
+            finished_as(&run.state);
+        }
         s.changes.notify(&req.run_id);
         Ok(Response::new(pb::MarkBackendErrorResponse {
             outcome: outcome as i32,

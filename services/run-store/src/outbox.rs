@@ -28,11 +28,19 @@ pub async fn deliver(
             outbox::give_up(db, &row.id, store.now_us(), "undecodable payload").await?;
             continue;
         };
-        let mut call = tonic::Request::new(request);
-        if let Ok(tp) = row.traceparent.parse() {
-            call.metadata_mut().insert("traceparent", tp);
-        }
-        match client.clone().report_turn_failure(call).await {
+        // The delivery continues the trace of the decision that owed it.
+        let span =
+            tracing::info_span!("outbox.deliver", kind = %row.kind, key = %row.idempotency_key);
+        runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
+        let answer = {
+            use tracing::Instrument;
+            client
+                .clone()
+                .report_turn_failure(request)
+                .instrument(span)
+                .await
+        };
+        match answer {
             Ok(answer) => {
                 outbox::mark_delivered(db, &row.id, store.now_us()).await?;
                 delivered += 1;

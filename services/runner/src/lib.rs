@@ -23,6 +23,7 @@ use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_transport::{RetryConfig, RetryLayer, RunnerChannel};
 use tonic::service::interceptor::InterceptedService;
+use tracing::Instrument as _;
 
 /// Environment variables the runner reads; the run key is never taken from argv.
 pub const ENV_ENDPOINT: &str = "RUNPLANE_ENDPOINT";
@@ -119,12 +120,10 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
             Bearer::new(env.run_key.expose()),
         );
     let live = frames::Frames::new();
-    let streaming = tokio::spawn(frames::stream(
-        recovery,
-        env.run_id.clone(),
-        nonce.clone(),
-        live.clone(),
-    ));
+    // The spawned loops stay in the run's span, so their calls join the run's trace.
+    let streaming = tokio::spawn(
+        frames::stream(recovery, env.run_id.clone(), nonce.clone(), live.clone()).in_current_span(),
+    );
 
     let (events_tx, events_rx) = events::channel();
     let mut agent = child::Agent::spawn(
@@ -137,20 +136,26 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
         command: run.command.clone(),
         reason: e.to_string(),
     })?;
-    let drain = tokio::spawn(events::drain(
-        client.clone(),
-        env.run_id.clone(),
-        nonce.clone(),
-        limits,
-        events_rx,
-    ));
-    let steering = tokio::spawn(steering::poll(
-        client.clone(),
-        env.run_id.clone(),
-        agent.control(),
-        events_tx.clone(),
-        live.clone(),
-    ));
+    let drain = tokio::spawn(
+        events::drain(
+            client.clone(),
+            env.run_id.clone(),
+            nonce.clone(),
+            limits,
+            events_rx,
+        )
+        .in_current_span(),
+    );
+    let steering = tokio::spawn(
+        steering::poll(
+            client.clone(),
+            env.run_id.clone(),
+            agent.control(),
+            events_tx.clone(),
+            live.clone(),
+        )
+        .in_current_span(),
+    );
 
     let status = agent.wait().await;
     let interrupted = agent.control().interrupted();

@@ -57,6 +57,7 @@ type Client = CredentialHealthServiceClient<
 
 fn client(config_file: Option<&Path>, connect: &Connect) -> anyhow::Result<Client> {
     let config = Config::load(config_file)?;
+    runplane_grpc::tls::install(&config.tls)?;
     let endpoint = connect
         .endpoint
         .clone()

@@ -18,6 +18,7 @@ const RECEIPT_KEY_FILE: &str = "receipt-signing-key";
 pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> anyhow::Result<()> {
     let mut config = Config::load(config_file)?;
     let _telemetry = init_telemetry(&config, "runplane-dev")?;
+    runplane_grpc::tls::install(&config.tls)?;
     // Before the banner: a user may press Ctrl-C the moment it appears.
     let shutdown = runplane_grpc::shutdown_signal();
 
@@ -36,7 +37,14 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     }
     let listener = bind(listen).await?;
     let addr = listener.local_addr()?;
-    let endpoint = format!("http://{addr}");
+    // With [tls] the services reach each other (and sandboxes reach them) over TLS: the
+    // certificate needs an IP SAN for the listen address, and tls.ca_file must trust it.
+    let scheme = if config.tls.serves_tls() {
+        "https"
+    } else {
+        "http"
+    };
+    let endpoint = format!("{scheme}://{addr}");
     let sqlite = |name: &str| format!("sqlite://{}", data_dir.join(name).display());
     config.server.listen = addr.to_string();
     config.run_store.database_url = sqlite("run-store.sqlite");
@@ -117,11 +125,25 @@ fn print_banner(config: &Config, data_dir: &Path, services: &[&str]) -> anyhow::
         data_dir.join(TOKEN_FILE).display()
     )?;
     writeln!(out, "  services:       {}", services.join(", "))?;
-    writeln!(out, "try:")?;
-    writeln!(out, "  grpcurl -plaintext {addr} list")?;
+    let tls = &config.tls;
+    let grpcurl = match (tls.serves_tls(), tls.requires_client_certificates()) {
+        (false, _) => "grpcurl -plaintext".to_owned(),
+        (true, false) => format!("grpcurl -cacert {}", tls.ca_file),
+        (true, true) => format!(
+            "grpcurl -cacert {} -cert {} -key {}",
+            tls.ca_file, tls.cert_file, tls.key_file
+        ),
+    };
     writeln!(
         out,
-        "  grpcurl -plaintext -d '{{\"service\":\"{}\"}}' {addr} grpc.health.v1.Health/Check",
+        "  tls:            {}",
+        runplane_grpc::tls::installed().server_mode()
+    )?;
+    writeln!(out, "try:")?;
+    writeln!(out, "  {grpcurl} {addr} list")?;
+    writeln!(
+        out,
+        "  {grpcurl} -d '{{\"service\":\"{}\"}}' {addr} grpc.health.v1.Health/Check",
         services.first().copied().unwrap_or("")
     )?;
     out.flush()?;

@@ -10,6 +10,7 @@ pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
     let token = config.require_operator_token()?.clone();
     let _telemetry = crate::serve::init_telemetry(&config, "runplane-node")?;
+    runplane_grpc::tls::install(&config.tls)?;
     let shutdown = runplane_grpc::shutdown_signal();
     run_agent(
         AgentConfig {

@@ -57,6 +57,7 @@ pub(crate) fn token(file: &Path, config: &Config) -> anyhow::Result<String> {
 /// Runs `args.command` and returns the process exit status to end with.
 pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i32> {
     let config = Config::load(config_file)?;
+    runplane_grpc::tls::install(&config.tls)?;
     let endpoint = args
         .endpoint
         .clone()

@@ -6,12 +6,23 @@ use anyhow::bail;
 use runplane_config::Config;
 use runplane_runner::RunnerEnv;
 use runplane_transport::RetryConfig;
+use tracing::Instrument;
 
 pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
     let _telemetry = crate::serve::init_telemetry(&config, "runplane-runner")?;
+    // From RUNPLANE_TLS__*: the sandbox driver passes its own client side on.
+    runplane_grpc::tls::install(&config.tls)?;
     let env = RunnerEnv::from_env()?;
-    let outcome = runplane_runner::run(env, RetryConfig::default()).await?;
+    // The run's trace, handed over by whoever started this sandbox (OpenTelemetry's
+    // TRACEPARENT convention); every call below is part of it.
+    let span = tracing::info_span!("runner.run", run_id = %env.run_id);
+    if let Ok(traceparent) = std::env::var("TRACEPARENT") {
+        runplane_grpc::trace_context::continue_trace(&span, &traceparent);
+    }
+    let outcome = runplane_runner::run(env, RetryConfig::default())
+        .instrument(span)
+        .await?;
     tracing::info!(
         outcome = ?outcome.verdict.outcome(),
         reason = %outcome.verdict.reason,

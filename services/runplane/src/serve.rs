@@ -53,11 +53,26 @@ impl Selection {
 pub async fn serve(config_file: Option<&Path>, names: &[ServiceName]) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
     config.require_operator_token()?;
-    let _telemetry = init_telemetry(&config, "runplane")?;
+    let _telemetry = init_telemetry(&config, &telemetry_name(names))?;
+    runplane_grpc::tls::install(&config.tls)?;
     let shutdown = runplane_grpc::shutdown_signal();
     let listener = bind(&config.server.listen).await?;
     let services = open(&config, Selection::from_names(names)).await?;
     run_until(listener, services, &config, shutdown).await
+}
+
+/// `service.name` of a `runplane serve` process (unless `OTEL_SERVICE_NAME` says
+/// otherwise): `runplane-run-store` for a process serving only the run store, and so
+/// on, so each service is told apart in a trace; `runplane` for several.
+fn telemetry_name(names: &[ServiceName]) -> String {
+    use clap::ValueEnum;
+    match names {
+        [one] if *one != ServiceName::All => one.to_possible_value().map_or_else(
+            || "runplane".to_owned(),
+            |v| format!("runplane-{}", v.get_name()),
+        ),
+        _ => "runplane".to_owned(),
+    }
 }
 
 pub fn init_telemetry(

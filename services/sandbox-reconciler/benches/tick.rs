@@ -81,6 +81,7 @@ async fn main() {
                 observed_status: String::new(),
                 created_at_us: now,
                 updated_at_us: now,
+                traceparent: String::new(),
             })
             .collect();
         for chunk in rows.chunks(1000) {

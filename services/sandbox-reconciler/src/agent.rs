@@ -209,6 +209,7 @@ fn row_of(a: &pb::Assignment, handle: String) -> sandbox::Model {
         observed_status: String::new(),
         created_at_us: 0,
         updated_at_us: 0,
+        traceparent: String::new(),
     }
 }
 
@@ -237,8 +238,12 @@ async fn act(
                     let c = c.into_inner();
                     Launch {
                         endpoint: c.run_store_endpoint,
+                        recovery_endpoint: c.recovery_endpoint,
                         run_id: c.run_id,
                         run_key: Secret::new(c.run_key),
+                        // A node-launched runner starts its own trace: assignments do
+                        // not carry the run's trace context yet.
+                        traceparent: String::new(),
                     }
                 }
                 Err(s) => {

@@ -570,6 +570,12 @@ impl SandboxService for SandboxApi {
                 run.org_id,
                 node_id,
                 idle_timeout_ms,
+                // The sandbox's work joins the run's trace (this call's, if untraced).
+                if run.traceparent.is_empty() {
+                    runplane_grpc::trace_context::current_traceparent().unwrap_or_default()
+                } else {
+                    run.traceparent
+                },
             )
             .await?;
         let placement = s.store.placement(&row.id).await?;

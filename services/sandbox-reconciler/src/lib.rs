@@ -85,6 +85,7 @@ impl SandboxReconciler {
                     config.sandbox_reconciler.idle_timeout_seconds.into(),
                 ),
                 dispatch: config.sandbox_reconciler.dispatch,
+                local_sandboxes: config.sandbox_reconciler.local_sandboxes,
                 ..reconcile::ReconcileSettings::default()
             },
             run_store_endpoint: config.run_store.endpoint.clone(),
@@ -108,7 +109,10 @@ impl SandboxReconciler {
         tokio::spawn(reconcile::run_loop(
             reconciler,
             self.shared.run_store.clone(),
-            self.run_store_endpoint.clone(),
+            reconcile::RunnerEndpoints {
+                run_store: self.run_store_endpoint.clone(),
+                stream_recovery: self.shared.recovery_endpoint.clone(),
+            },
             self.tick_interval,
             shutdown,
         ))

@@ -21,6 +21,8 @@ use crate::drivers::{Driver, Launch};
 use crate::error::ReconcilerError;
 use crate::store::Store;
 use crate::store::entities::{outbox, sandbox};
+use runplane_telemetry::metrics;
+use tracing::Instrument;
 
 /// The tick's numbers.
 #[derive(Debug, Clone)]
@@ -35,6 +37,8 @@ pub struct ReconcileSettings {
     pub idle_timeout: Duration,
     /// Whether queued runs get sandboxes.
     pub dispatch: bool,
+    /// Whether a run may get a local sandbox when no node agent is ready.
+    pub local_sandboxes: bool,
 }
 
 impl Default for ReconcileSettings {
@@ -45,6 +49,7 @@ impl Default for ReconcileSettings {
             batch: 500,
             idle_timeout: Duration::ZERO,
             dispatch: true,
+            local_sandboxes: true,
         }
     }
 }
@@ -201,7 +206,8 @@ fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) 
         kind: "run_store.fail_run".into(),
         idempotency_key: request.idempotency_key.clone(),
         payload: request.encode_to_vec(),
-        traceparent: runplane_grpc::trace_context::current_traceparent().unwrap_or_default(),
+        // The run's trace, so the loss and the run's end read as one story.
+        traceparent: row.traceparent.clone(),
         attempts: 0,
         next_attempt_at_us: now_us,
         last_error: String::new(),
@@ -228,11 +234,15 @@ pub async fn deliver_outbox(
                 .await?;
             continue;
         };
-        let mut call = tonic::Request::new(request);
-        if let Ok(tp) = row.traceparent.parse() {
-            call.metadata_mut().insert("traceparent", tp);
-        }
-        match client.clone().fail_run(call).await {
+        // The delivery continues the trace of the decision that owed it.
+        let span =
+            tracing::info_span!("outbox.deliver", kind = %row.kind, key = %row.idempotency_key);
+        runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
+        let answer = {
+            use tracing::Instrument;
+            client.clone().fail_run(request).instrument(span).await
+        };
+        match answer {
             Ok(answer) => {
                 store.mark_delivered(&row.id).await?;
                 delivered += 1;
@@ -250,6 +260,13 @@ pub async fn deliver_outbox(
     Ok(delivered)
 }
 
+/// Where a runner reaches the run store and the stream recovery coordinator.
+#[derive(Debug, Clone)]
+pub struct RunnerEndpoints {
+    pub run_store: String,
+    pub stream_recovery: String,
+}
+
 /// Where the reconciler runs sandboxes itself (single-machine mode and `runplane dev`):
 /// every sandbox is direct, placed on this node.
 pub const LOCAL_NODE: &str = "local";
@@ -263,8 +280,9 @@ pub async fn dispatch(
     store: &Store,
     driver: &dyn Driver,
     run_store: &RunStoreClient,
-    runner_endpoint: &str,
+    endpoints: &RunnerEndpoints,
     idle_timeout: Duration,
+    local_sandboxes: bool,
 ) -> Result<u64, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
@@ -278,7 +296,19 @@ pub async fn dispatch(
         .await;
     if let Ok(queued) = queued {
         let nodes = store.ready_nodes(store.silent_since()).await?;
-        for (i, run) in queued.into_inner().runs.into_iter().enumerate() {
+        let queued = queued.into_inner();
+        if nodes.is_empty() && !local_sandboxes && !queued.runs.is_empty() {
+            tracing::debug!(
+                queued = queued.runs.len(),
+                "no node agent is ready and local sandboxes are off; runs wait"
+            );
+        }
+        let queued = if nodes.is_empty() && !local_sandboxes {
+            Vec::new()
+        } else {
+            queued.runs
+        };
+        for (i, run) in queued.into_iter().enumerate() {
             // Spread over ready node agents; with none, run it here.
             let node_id = nodes
                 .get(i % nodes.len().max(1))
@@ -290,6 +320,7 @@ pub async fn dispatch(
                     run.org_id,
                     node_id,
                     idle_timeout.as_millis() as i64,
+                    run.traceparent,
                 )
                 .await?;
         }
@@ -303,6 +334,15 @@ pub async fn dispatch(
         .into_iter()
         .filter(|r| r.active_node_id.as_deref() == Some(LOCAL_NODE))
     {
+        // The launch (its key, the runner it starts) is part of the run's trace.
+        let span = tracing::info_span!(
+            "sandbox.launch",
+            run_id = %row.run_id,
+            sandbox_id = %row.id,
+            node_id = LOCAL_NODE,
+            attempt = row.execution_generation,
+        );
+        runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
         let issued = run_store
             .clone()
             .issue_run_key(pb::IssueRunKeyRequest {
@@ -311,6 +351,7 @@ pub async fn dispatch(
                 sandbox_generation: row.execution_generation as u64,
                 idempotency_key: format!("{}:{}", row.id, row.execution_generation),
             })
+            .instrument(span.clone())
             .await;
         let key = match issued {
             Ok(answer) => Some(answer.into_inner().run_key),
@@ -331,11 +372,15 @@ pub async fn dispatch(
             }
         };
         let launch = Launch {
-            endpoint: runner_endpoint.to_owned(),
+            endpoint: endpoints.run_store.clone(),
+            recovery_endpoint: endpoints.stream_recovery.clone(),
             run_id: row.run_id.clone(),
             run_key: runplane_config::Secret::new(key.unwrap_or_default()),
+            traceparent: span
+                .in_scope(runplane_grpc::trace_context::current_traceparent)
+                .unwrap_or_default(),
         };
-        match driver.create(&row, launch).await {
+        match driver.create(&row, launch).instrument(span).await {
             Ok(handle) => {
                 if store
                     .mark_started(&row.id, row.execution_generation, &handle)
@@ -356,7 +401,7 @@ pub async fn dispatch(
 pub async fn run_loop(
     reconciler: Reconciler,
     run_store: RunStoreClient,
-    runner_endpoint: String,
+    endpoints: RunnerEndpoints,
     interval: Duration,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
@@ -371,8 +416,9 @@ pub async fn run_loop(
                 &reconciler.store,
                 reconciler.driver.as_ref(),
                 &run_store,
-                &runner_endpoint,
+                &endpoints,
                 reconciler.settings.idle_timeout,
+                reconciler.settings.local_sandboxes,
             )
             .await
         {
@@ -385,8 +431,15 @@ pub async fn run_loop(
         {
             tracing::warn!(error = %e, "wake assignment failed; next round retries");
         }
-        if let Err(e) = reconciler.tick().await {
-            tracing::warn!(error = %e, "reconcile tick failed; next round retries");
+        let started = tokio::time::Instant::now();
+        match reconciler.tick().await {
+            Ok(report) => {
+                metrics::reconcile_tick_duration().record(started.elapsed().as_secs_f64(), &[]);
+                if report.stamped > 0 {
+                    metrics::reconcile_loss_stamps().add(report.stamped, &[]);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reconcile tick failed; next round retries"),
         }
         if let Err(e) = deliver_outbox(&reconciler.store, &run_store, 100).await {
             tracing::warn!(error = %e, "outbox delivery failed; next round retries");

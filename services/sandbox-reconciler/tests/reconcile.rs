@@ -21,7 +21,7 @@ use runplane_sandbox_reconciler::domain::loss::Probe;
 use runplane_sandbox_reconciler::domain::route_token;
 use runplane_sandbox_reconciler::drivers::FakeDriver;
 use runplane_sandbox_reconciler::reconcile::{
-    ReconcileSettings, Reconciler, RunStoreClient, deliver_outbox,
+    ReconcileSettings, Reconciler, RunStoreClient, RunnerEndpoints, deliver_outbox, dispatch,
 };
 use runplane_sandbox_reconciler::store::Store;
 use runplane_sandbox_reconciler::store::entities::{node, route_identity, sandbox};
@@ -244,6 +244,7 @@ impl World {
             observed_status: String::new(),
             created_at_us: now,
             updated_at_us: now,
+            traceparent: String::new(),
         }
     }
 
@@ -663,6 +664,71 @@ mod node_protocol {
             },
             TOKEN,
         )
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_local_sandboxes_a_queued_run_waits_for_a_node_agent() {
+        // Several reconciler replicas: none may run a sandbox in its own process tree,
+        // where the others could not probe or signal it.
+        let w = World::new().await;
+        let run = w
+            .run_store()
+            .await
+            .create_run(authed(
+                pb::CreateRunRequest {
+                    client_request_id: "waits-for-a-node-0001".into(),
+                    org_id: "acme".into(),
+                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    command: "agent".into(),
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap();
+        let client = w.outbox_client().await;
+        let endpoints = RunnerEndpoints {
+            run_store: w.run_store_endpoint.clone(),
+            stream_recovery: w.run_store_endpoint.clone(),
+        };
+        let driver = FakeDriver::always(Probe::Alive);
+        dispatch(
+            &w.store,
+            &driver,
+            &client,
+            &endpoints,
+            Duration::ZERO,
+            false,
+        )
+        .await
+        .unwrap();
+        assert!(
+            w.store.live_sandbox_of(&run.id).await.unwrap().is_none(),
+            "no sandbox without a node agent"
+        );
+        assert_eq!(w.run_state(&run.id).await.state(), pb::RunState::Queued);
+
+        register(&w, "node-a", "a").await;
+        dispatch(
+            &w.store,
+            &driver,
+            &client,
+            &endpoints,
+            Duration::ZERO,
+            false,
+        )
+        .await
+        .unwrap();
+        let row = w
+            .store
+            .live_sandbox_of(&run.id)
+            .await
+            .unwrap()
+            .expect("placed");
+        assert_eq!(row.active_node_id.as_deref(), Some("node-a"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -238,7 +238,11 @@ impl Shared {
             })
             .await
             .map_err(|s| upstream(&s))?;
-        tracing::warn!(run_id, outcome = ?failed.into_inner().outcome(), "stream recovery exhausted; run ended");
+        let outcome = failed.into_inner().outcome();
+        if outcome == runplane_proto::runstore::v1::FailRunOutcome::MadeTerminal {
+            runplane_telemetry::metrics::recovery_exhaustions().add(1, &[]);
+        }
+        tracing::warn!(run_id, ?outcome, "stream recovery exhausted; run ended");
         self.run_store
             .clone()
             .enqueue_control(rs::EnqueueControlRequest {
@@ -283,6 +287,14 @@ impl Shared {
             )
             .await
             .map_err(store_error)?;
+        let result = match &outcome {
+            ClaimOutcome::LeaseHeld => "lease_held",
+            ClaimOutcome::Wait { .. } => "wait",
+            ClaimOutcome::Exhausted { .. } => "exhausted",
+            ClaimOutcome::Claimed { .. } => "claimed",
+        };
+        runplane_telemetry::metrics::recovery_claims()
+            .add(1, &[runplane_telemetry::metrics::attr("result", result)]);
         match outcome {
             ClaimOutcome::LeaseHeld => Ok((pb::RecoveryDecision::LeaseHeld, None)),
             ClaimOutcome::Wait { not_before_ms } => Err(reason(

@@ -84,6 +84,39 @@ pub struct Config {
     pub stream_recovery: StreamRecoveryConfig,
     pub credential_health: CredentialHealthConfig,
     pub node: NodeConfig,
+    pub tls: TlsConfig,
+}
+
+/// TLS of every gRPC server and client of this process (rustls). All fields are paths
+/// to PEM files; empty means unset. Files are read once at start-up
+/// (`runplane_grpc::tls::install`), where an unreadable or unparsable one is an error
+/// naming its field.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// Certificate chain this process serves with, and presents as a client when a
+    /// server asks for one (mutual TLS). Set: servers speak TLS only.
+    pub cert_file: String,
+    /// Private key of `cert_file`.
+    pub key_file: String,
+    /// Servers require a client certificate signed by this CA (mutual TLS). Empty: no
+    /// client certificate is asked for.
+    pub client_ca_file: String,
+    /// Clients trust servers of `https://` endpoints signed by this CA. Required for any
+    /// `https://` endpoint (no system roots are used).
+    pub ca_file: String,
+}
+
+impl TlsConfig {
+    /// Whether servers speak TLS.
+    pub fn serves_tls(&self) -> bool {
+        !self.cert_file.is_empty()
+    }
+
+    /// Whether servers require client certificates.
+    pub fn requires_client_certificates(&self) -> bool {
+        !self.client_ca_file.is_empty()
+    }
 }
 
 /// A node agent (`runplane node`) of the direct substrate.
@@ -212,6 +245,11 @@ pub struct SandboxReconcilerConfig {
     /// Give queued runs sandboxes. Off for a reconciler that only serves routes and
     /// nodes, or to drive a run's runner protocol by hand.
     pub dispatch: bool,
+    /// Run sandboxes as local processes of this reconciler when no node agent is ready
+    /// (single-machine mode). Turn it off when several reconciler replicas run: local
+    /// sandboxes live in one replica's process tree, which the others cannot probe or
+    /// signal; queued runs then wait for a node agent (`runplane node`).
+    pub local_sandboxes: bool,
 }
 
 impl Default for SandboxReconcilerConfig {
@@ -227,6 +265,7 @@ impl Default for SandboxReconcilerConfig {
             tick_interval_ms: 2000,
             idle_timeout_seconds: 0,
             dispatch: true,
+            local_sandboxes: true,
         }
     }
 }
@@ -424,6 +463,7 @@ impl Config {
             ));
         }
         self.validate_credential_health()?;
+        self.validate_tls()?;
         if !(1..=300).contains(&self.run_store.max_poll_wait_seconds) {
             return Err(ConfigError::invalid(
                 "run_store.max_poll_wait_seconds",
@@ -477,6 +517,40 @@ impl Config {
                     "must be an http:// or https:// URL",
                 ));
             }
+            if endpoint.starts_with("https://") && self.tls.ca_file.is_empty() {
+                return Err(ConfigError::invalid(
+                    "tls.ca_file",
+                    format!(
+                        "required by the https:// endpoint in {field}: the CA that signed its server certificate"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Pairs the TLS fields must come in; that the files are readable PEM is checked
+    /// when they are read (`runplane_grpc::tls::install`).
+    fn validate_tls(&self) -> Result<(), ConfigError> {
+        let t = &self.tls;
+        if !t.cert_file.is_empty() && t.key_file.is_empty() {
+            return Err(ConfigError::invalid(
+                "tls.key_file",
+                "required when tls.cert_file is set: the private key of that certificate",
+            ));
+        }
+        if !t.key_file.is_empty() && t.cert_file.is_empty() {
+            return Err(ConfigError::invalid(
+                "tls.cert_file",
+                "required when tls.key_file is set: the certificate of that key",
+            ));
+        }
+        if !t.client_ca_file.is_empty() && t.cert_file.is_empty() {
+            return Err(ConfigError::invalid(
+                "tls.cert_file",
+                "required when tls.client_ca_file is set: asking for client certificates \
+                 needs a TLS server, which needs a certificate and key",
+            ));
         }
         Ok(())
     }
@@ -682,6 +756,47 @@ mod tests {
         let debug = format!("{config:?}");
         assert!(!debug.contains("0123456789abcdef"), "{debug}");
         assert!(debug.contains("<redacted>"));
+    }
+
+    #[test]
+    fn tls_fields_come_in_pairs_and_errors_name_the_missing_field() {
+        let err = load_with("[tls]\ncert_file = \"server.pem\"\n", &[]).unwrap_err();
+        assert!(
+            err.to_string().starts_with("invalid config: tls.key_file:"),
+            "{err}"
+        );
+
+        let err = load_with("", &[("RUNPLANE_TLS__KEY_FILE", "server.key")]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("invalid config: tls.cert_file:"),
+            "{err}"
+        );
+
+        let err = load_with("[tls]\nclient_ca_file = \"ca.pem\"\n", &[]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("invalid config: tls.cert_file:"),
+            "{err}"
+        );
+
+        let err =
+            load_with("[run_store]\nendpoint = \"https://run-store:7070\"\n", &[]).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("invalid config: tls.ca_file:"), "{msg}");
+        assert!(msg.contains("run_store.endpoint"), "{msg}");
+
+        let err = load_with("[tls]\ncertfile = \"x\"\n", &[]).unwrap_err();
+        assert!(err.to_string().contains("certfile"), "{err}");
+
+        let config = load_with(
+            "[tls]\ncert_file = \"s.pem\"\nkey_file = \"s.key\"\nclient_ca_file = \"ca.pem\"\n",
+            &[("RUNPLANE_TLS__CA_FILE", "ca.pem")],
+        )
+        .expect("a complete [tls] loads; the files are read later");
+        assert!(config.tls.serves_tls());
+        assert!(config.tls.requires_client_certificates());
+        assert_eq!(config.tls.ca_file, "ca.pem");
     }
 
     #[test]

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
+use crate::tls::ClientTls;
 use crate::trace_context::{ClientTrace, ClientTraceLayer};
 use tower_layer::Layer;
 
@@ -51,17 +52,38 @@ pub enum ClientError {
     Connect { endpoint: String, reason: String },
 }
 
-/// The endpoint settings runplane uses for every service-to-service channel.
+/// The endpoint settings runplane uses for every service-to-service channel. An
+/// `https://` URI speaks TLS with the settings [`crate::tls::install`] installed (and is
+/// refused when none trust a CA); `http://` is plaintext.
 pub fn endpoint(uri: &str) -> Result<Endpoint, ClientError> {
-    Ok(Endpoint::from_shared(uri.to_owned())
-        .map_err(|e| ClientError::InvalidEndpoint {
-            endpoint: uri.to_owned(),
-            reason: e.to_string(),
-        })?
+    endpoint_with_tls(uri, crate::tls::client().as_ref())
+}
+
+/// [`endpoint`] with explicit TLS for `https://` URIs, whatever is installed.
+pub fn endpoint_with_tls(uri: &str, tls: Option<&ClientTls>) -> Result<Endpoint, ClientError> {
+    let invalid = |reason: String| ClientError::InvalidEndpoint {
+        endpoint: uri.to_owned(),
+        reason,
+    };
+    let endpoint = Endpoint::from_shared(uri.to_owned())
+        .map_err(|e| invalid(e.to_string()))?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(10)))
+        .keep_alive_timeout(Duration::from_secs(10));
+    if endpoint.uri().scheme_str() != Some("https") {
+        return Ok(endpoint);
+    }
+    let tls = tls.ok_or_else(|| {
+        invalid(
+            "an https:// endpoint needs tls.ca_file (RUNPLANE_TLS__CA_FILE): the CA that \
+             signed the server's certificate"
+                .to_owned(),
+        )
+    })?;
+    endpoint
+        .tls_config(tls.config())
+        .map_err(|e| invalid(error_chain(&e)))
 }
 
 /// Connects now; fails when nothing listens at `uri`.
@@ -81,7 +103,7 @@ pub fn connect_lazy(uri: &str) -> Result<TracedChannel, ClientError> {
     Ok(ClientTraceLayer.layer(endpoint(uri)?.connect_lazy()))
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

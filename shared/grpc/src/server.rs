@@ -13,6 +13,7 @@ use tonic::service::RoutesBuilder;
 use tonic_health::ServingStatus;
 use tower_service::Service;
 
+use crate::tls::ServerTls;
 use crate::trace_context::ServerTraceLayer;
 
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +22,8 @@ pub enum ServeError {
     Reflection(String),
     #[error("gRPC server failed: {0}")]
     Transport(String),
+    #[error("TLS settings are unusable: {0}")]
+    Tls(String),
 }
 
 /// The runplane services one server will host. Health and reflection are added by
@@ -75,7 +78,8 @@ pub enum Stopped {
     GraceExpired,
 }
 
-/// Serves `services` on `listener` until `shutdown` resolves.
+/// Serves `services` on `listener` until `shutdown` resolves, with the TLS
+/// [`crate::tls::install`] installed (plaintext when none was).
 ///
 /// On shutdown every health status turns NOT_SERVING first (so load balancers stop
 /// sending), then in-flight calls get `grace` to finish; whatever is still running after
@@ -85,6 +89,19 @@ pub async fn serve(
     services: ServiceSet,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
+) -> Result<Stopped, ServeError> {
+    serve_with_tls(listener, services, shutdown, grace, crate::tls::server()).await
+}
+
+/// [`serve`] with explicit TLS: `Some` serves TLS only (and requires client
+/// certificates when its client CA is set), `None` serves plaintext, whatever is
+/// installed.
+pub async fn serve_with_tls(
+    listener: TcpListener,
+    services: ServiceSet,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+    tls: Option<ServerTls>,
 ) -> Result<Stopped, ServeError> {
     let ServiceSet {
         mut routes,
@@ -124,12 +141,21 @@ pub async fn serve(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
 
+    let mut builder = tonic::transport::Server::builder();
+    let tls_mode = tls.as_ref().map_or("off", ServerTls::mode);
+    if let Some(tls) = tls {
+        // Applies to `serve_with_incoming` too: each accepted stream is handshaken first.
+        builder = builder
+            .tls_config(tls.config())
+            .map_err(|e| ServeError::Tls(crate::client::error_chain(&e)))?;
+    }
+
     if let Ok(address) = listener.local_addr() {
-        tracing::info!(%address, services = ?names, "serving");
+        tracing::info!(%address, services = ?names, tls = tls_mode, "serving");
     }
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let server = builder
         .layer(ServerTraceLayer)
         .add_routes(routes.routes())
         .serve_with_incoming_shutdown(incoming(listener), async {

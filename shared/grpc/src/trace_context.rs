@@ -65,6 +65,21 @@ pub fn current_traceparent() -> Option<String> {
         .map(str::to_owned)
 }
 
+/// Makes `span` a child of the W3C `traceparent` (an outbox row's, a run's, the
+/// `TRACEPARENT` a runner was started with), so work done later joins the trace of the
+/// decision that caused it. An empty or malformed value leaves `span` as it was.
+pub fn continue_trace(span: &tracing::Span, traceparent: &str) {
+    let Ok(value) = HeaderValue::from_str(traceparent) else {
+        return;
+    };
+    if traceparent.is_empty() {
+        return;
+    }
+    let mut headers = HeaderMap::new();
+    headers.insert("traceparent", value);
+    let _ = span.set_parent(extract_context(&headers));
+}
+
 /// Server side: one `grpc.request` span per call, child of the caller's trace.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ServerTraceLayer;

@@ -6,13 +6,19 @@
 //!   `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; the standard `OTEL_*` variables
 //!   configure the exporter. The W3C trace-context propagator is always installed, so
 //!   context crosses gRPC hops even when this process exports nothing.
-//! - [`Telemetry::shutdown`] (or drop) flushes spans still in the batch.
+//! - Metrics ([`metrics`]) are exported over OTLP/gRPC on the same endpoint (or
+//!   `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`) every `OTEL_METRIC_EXPORT_INTERVAL` ms
+//!   (default 60 s); without an endpoint the instruments are no-ops.
+//! - [`Telemetry::shutdown`] (or drop) flushes spans and metrics still buffered.
+
+pub mod metrics;
 
 use std::io::IsTerminal;
 
 use opentelemetry::propagation::TextMapCompositePropagator;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
 use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use runplane_config::LogFormat;
@@ -30,6 +36,8 @@ pub enum TelemetryError {
     Filter(String),
     #[error("could not build the OTLP span exporter: {0}")]
     Exporter(String),
+    #[error("could not build the OTLP metric exporter: {0}")]
+    MetricExporter(String),
     #[error("a global tracing subscriber is already installed")]
     AlreadyInstalled,
 }
@@ -46,6 +54,7 @@ pub struct TelemetryOptions {
 #[derive(Debug)]
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
+    meters: Option<SdkMeterProvider>,
 }
 
 impl Telemetry {
@@ -60,6 +69,12 @@ impl Telemetry {
     }
 
     fn flush_and_stop(&mut self) {
+        if let Some(meters) = self.meters.take() {
+            if let Err(e) = meters.force_flush() {
+                eprintln!("runplane: flushing metrics failed: {e}");
+            }
+            let _ = meters.shutdown();
+        }
         if let Some(provider) = self.provider.take() {
             if let Err(e) = provider.force_flush() {
                 eprintln!("runplane: flushing spans failed: {e}");
@@ -85,6 +100,10 @@ pub fn install_propagator() {
     ]));
 }
 
+fn env_set(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|s| !s.trim().is_empty())
+}
+
 fn otlp_configured() -> bool {
     [
         "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -106,19 +125,34 @@ pub fn init(options: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
         _ => EnvFilter::new(DEFAULT_FILTER),
     };
 
+    let mut resource = Resource::builder();
+    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+        resource = resource.with_service_name(options.service_name.clone());
+    }
+    let resource = resource.build();
+    let meters = if otlp_configured() || env_set("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") {
+        let exporter = opentelemetry_otlp::MetricExporter::builder()
+            .with_tonic()
+            .build()
+            .map_err(|e| TelemetryError::MetricExporter(e.to_string()))?;
+        let meters = SdkMeterProvider::builder()
+            .with_periodic_exporter(exporter)
+            .with_resource(resource.clone())
+            .build();
+        opentelemetry::global::set_meter_provider(meters.clone());
+        Some(meters)
+    } else {
+        None
+    };
     let provider = if otlp_configured() {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .build()
             .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
-        let mut resource = Resource::builder();
-        if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
-            resource = resource.with_service_name(options.service_name.clone());
-        }
         Some(
             SdkTracerProvider::builder()
                 .with_batch_exporter(exporter)
-                .with_resource(resource.build())
+                .with_resource(resource)
                 .build(),
         )
     } else {
@@ -150,5 +184,5 @@ pub fn init(options: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
     if let Some(p) = &provider {
         opentelemetry::global::set_tracer_provider(p.clone());
     }
-    Ok(Telemetry { provider })
+    Ok(Telemetry { provider, meters })
 }

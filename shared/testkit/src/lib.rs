@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use sea_orm::{ConnectOptions, ConnectionTrait, Database};
 
+pub mod pki;
+
 pub const DEFAULT_POSTGRES_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 pub const START_POSTGRES: &str =

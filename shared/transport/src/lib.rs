@@ -35,6 +35,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use runplane_proto::{MethodPolicy, OutageBudget, ReplaySafety};
+use runplane_telemetry::metrics;
 use tokio::time::Instant;
 use tonic::body::Body;
 use tower_layer::Layer;
@@ -226,6 +227,14 @@ impl<S> Layer<S> for RetryLayer {
     }
 }
 
+/// Records how much outage budget a call that retried spent.
+fn record_budget_spent(method: &impl std::fmt::Display, spent: Duration) {
+    metrics::outage_budget_spent().record(
+        spent.as_secs_f64(),
+        &[metrics::attr("method", method.to_string())],
+    );
+}
+
 /// The retrying service.
 #[derive(Debug, Clone)]
 pub struct Retry<S> {
@@ -311,6 +320,9 @@ impl Shared {
             let (failure, last, pushback) = match attempt {
                 Attempt::Done(response) => {
                     self.throttle.success();
+                    if retries + rate_limited > 0 {
+                        record_budget_spent(&path, started.elapsed());
+                    }
                     return Ok(response);
                 }
                 Attempt::Failed {
@@ -330,6 +342,9 @@ impl Shared {
             let within_budget =
                 failure == Failure::RateLimited || retries == 0 || started.elapsed() < budget;
             if !retryable || !within_budget {
+                if retries + rate_limited > 0 {
+                    record_budget_spent(&path, started.elapsed());
+                }
                 if failure != Failure::Final {
                     self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
@@ -378,6 +393,13 @@ impl Shared {
                     delays.push(delay);
                 }
             }
+            metrics::transport_retries().add(
+                1,
+                &[
+                    metrics::attr("method", path.to_string()),
+                    metrics::attr("classification", failure.as_str()),
+                ],
+            );
             tracing::info!(
                 rpc.method = %path,
                 attempt = retries + rate_limited + 1,

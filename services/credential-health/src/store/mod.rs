@@ -55,6 +55,10 @@ pub struct Changes {
     pub notices: usize,
     /// An outbox row for the run store was written.
     pub outbox: bool,
+    /// This report opened an incident (a cool-off started).
+    pub opened_incident: bool,
+    /// This report quarantined the credential (it was not before).
+    pub quarantined: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -144,12 +148,14 @@ impl Store {
                     } => {
                         notices = incident_notices(&report.credential_id, &id, &opening);
                         incident_id = Some(id);
+                        changes.opened_incident = true;
                     }
                     ErrorEffect::Absorbed { incident_id: id } => incident_id = Some(id),
                 }
             }
             pb::TurnOutcome::BackendExhausted => {
                 let fresh = state.exhausted(&self.policy, now);
+                changes.quarantined = fresh;
                 if fresh && !report.lead_id.is_empty() {
                     notices.push(NewNotice {
                         lead_id: report.lead_id.clone(),

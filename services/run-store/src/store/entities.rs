@@ -37,6 +37,8 @@ pub mod run {
         pub failure_tail: Option<String>,
         /// JSON of the durable backend-error outcome, when the run died on one.
         pub backend_error: Option<String>,
+        /// W3C traceparent of the creating call (see `Run.traceparent`).
+        pub traceparent: String,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,

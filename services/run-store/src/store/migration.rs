@@ -8,7 +8,50 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(CreateRunStore), Box::new(CreateOutbox)]
+        vec![
+            Box::new(CreateRunStore),
+            Box::new(CreateOutbox),
+            Box::new(AddRunTraceparent),
+        ]
+    }
+}
+
+/// The trace a run's life continues (`runs.traceparent`).
+struct AddRunTraceparent;
+
+impl MigrationName for AddRunTraceparent {
+    fn name(&self) -> &str {
+        "m0003_run_traceparent"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddRunTraceparent {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .add_column(
+                        ColumnDef::new(Alias::new("traceparent"))
+                            .text()
+                            .not_null()
+                            .default(""),
+                    )
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .drop_column(Alias::new("traceparent"))
+                    .to_owned(),
+            )
+            .await
     }
 }
 

@@ -278,6 +278,7 @@ impl Store {
             verdict_message: None,
             failure_tail: None,
             backend_error: None,
+            traceparent: runplane_grpc::trace_context::current_traceparent().unwrap_or_default(),
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,
@@ -619,6 +620,7 @@ impl Store {
             .append_locked(&txn, &run, batch_key, &digest, events)
             .await?;
         txn.commit().await?;
+        runplane_telemetry::metrics::events_appended().add(events.len() as u64, &[]);
         Ok(appended)
     }
 

@@ -21,8 +21,12 @@ pub use routed::RoutedDriver;
 #[derive(Clone)]
 pub struct Launch {
     pub endpoint: String,
+    /// The stream recovery coordinator the runner streams its output to.
+    pub recovery_endpoint: String,
     pub run_id: String,
     pub run_key: Secret,
+    /// W3C traceparent the runner continues (`TRACEPARENT`); empty when untraced.
+    pub traceparent: String,
 }
 
 #[derive(Debug, thiserror::Error)]

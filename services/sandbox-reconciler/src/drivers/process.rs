@@ -124,9 +124,17 @@ impl Driver for ProcessDriver {
                 .env("RUNPLANE_BIN", &runplane)
                 .env("RUNPLANE_SANDBOX_DIR", &dir)
                 .env("RUNPLANE_ENDPOINT", &launch.endpoint)
+                .env("RUNPLANE_RECOVERY_ENDPOINT", &launch.recovery_endpoint)
                 .env("RUNPLANE_RUN_ID", &launch.run_id)
                 .env("RUNPLANE_RUN_KEY", launch.run_key.expose())
+                // The OpenTelemetry convention for handing a trace to a child process.
+                .env("TRACEPARENT", &launch.traceparent)
+                // The runner names itself in traces, not after this process.
+                .env_remove("OTEL_SERVICE_NAME")
                 .env_remove("RUNPLANE_CONFIG")
+                // The runner reads no config file: give it this process's TLS client
+                // side (CA, and certificate and key for mutual TLS) to reach https://.
+                .envs(runplane_grpc::tls::child_env())
                 .stdin(Stdio::null())
                 .stdout(log)
                 .stderr(log_err)

@@ -31,6 +31,9 @@ pub mod sandbox {
         pub observed_status: String,
         pub created_at_us: i64,
         pub updated_at_us: i64,
+        /// W3C traceparent of the run's trace: the launch, the runner and a FailRun for
+        /// this sandbox continue it. Empty when untraced.
+        pub traceparent: String,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

@@ -8,7 +8,47 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(CreateReconciler)]
+        vec![Box::new(CreateReconciler), Box::new(AddSandboxTraceparent)]
+    }
+}
+
+/// The trace a sandbox's work continues (`sandboxes.traceparent`).
+struct AddSandboxTraceparent;
+
+// Named by hand: the derive names a migration after its file, which the first one holds.
+impl MigrationName for AddSandboxTraceparent {
+    fn name(&self) -> &str {
+        "m0002_sandbox_traceparent"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddSandboxTraceparent {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("sandboxes"))
+                    .add_column(
+                        ColumnDef::new(Alias::new("traceparent"))
+                            .text()
+                            .not_null()
+                            .default(""),
+                    )
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("sandboxes"))
+                    .drop_column(Alias::new("traceparent"))
+                    .to_owned(),
+            )
+            .await
     }
 }
 

@@ -77,6 +77,7 @@ impl Store {
         org_id: String,
         node_id: String,
         idle_timeout_ms: i64,
+        traceparent: String,
     ) -> Result<sandbox::Model> {
         let now = self.now_us();
         let row = self
@@ -97,6 +98,7 @@ impl Store {
                 observed_status: String::new(),
                 created_at_us: now,
                 updated_at_us: now,
+                traceparent,
             })
             .await?;
         if let Some(node) = row
