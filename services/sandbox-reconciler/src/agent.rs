@@ -241,9 +241,7 @@ async fn act(
                         recovery_endpoint: c.recovery_endpoint,
                         run_id: c.run_id,
                         run_key: Secret::new(c.run_key),
-                        // A node-launched runner starts its own trace: assignments do
-                        // not carry the run's trace context yet.
-                        traceparent: String::new(),
+                        traceparent: c.traceparent,
                     }
                 }
                 Err(s) => {

@@ -307,6 +307,7 @@ impl NodeService for NodeApi {
             key_id: issued.key_id,
             run_store_endpoint: s.run_store_endpoint.clone(),
             recovery_endpoint: s.recovery_endpoint.clone(),
+            traceparent: row.traceparent,
         }))
     }
 
