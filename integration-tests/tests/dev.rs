@@ -303,3 +303,51 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
         "the operator token reached the logs"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_sees_none_of_the_control_planes_secrets_in_its_environment() {
+    const TOKEN: &str = "env-operator-token-0123456789abcdef0123456";
+    const KEY: &str = "abababababababababababababababababababababababababababababababab";
+    let data = tempfile::tempdir().unwrap();
+    let dev = runplane_integration_tests::start_dev_with_env(
+        data.path(),
+        &[
+            ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN),
+            ("RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY", KEY),
+        ],
+    )
+    .await;
+    let output = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        tokio::process::Command::new(runplane_integration_tests::runplane_bin())
+            .args(["run", "--endpoint", &dev.endpoint(), "--", "env"])
+            .env("RUNPLANE_TOKEN", TOKEN)
+            .env_remove("RUNPLANE_CONFIG")
+            .output(),
+    )
+    .await
+    .expect("the run ends")
+    .unwrap();
+    let agent_env = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        agent_env.contains("PATH="),
+        "the agent's environment: {agent_env}"
+    );
+    for secret in [
+        TOKEN,
+        KEY,
+        "RUNPLANE_RUN_KEY=",
+        "RUNPLANE_AUTH__",
+        "DATABASE_URL",
+    ] {
+        assert!(
+            !agent_env.contains(secret),
+            "{secret} reached the agent:\n{agent_env}"
+        );
+    }
+}

@@ -48,9 +48,21 @@ impl Agent {
         events: mpsc::Sender<pb::EventInput>,
         frames: Option<crate::frames::Frames>,
     ) -> std::io::Result<Self> {
-        let mut child = Command::new(command)
+        let mut command = Command::new(command);
+        // The agent is not the runner: it gets neither the run key nor the paths of the
+        // TLS certificate and key the runner authenticates with.
+        for (name, _) in std::env::vars_os() {
+            let secret = name.to_str().is_some_and(|n| {
+                n == ENV_RUN_KEY
+                    || n.starts_with("RUNPLANE_TLS__")
+                    || n.starts_with("RUNPLANE_AUTH__")
+            });
+            if secret {
+                command.env_remove(name);
+            }
+        }
+        let mut child = command
             .args(args)
-            .env_remove(ENV_RUN_KEY)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -27,6 +27,34 @@ pub struct ProcessDriver {
     runplane: PathBuf,
 }
 
+/// The part of this process's environment a sandbox inherits: the platform basics
+/// (PATH, HOME, locale, time zone, temp dir), log and OpenTelemetry exporter settings
+/// (but not `OTEL_SERVICE_NAME`: the runner names itself). Everything else, runplane's
+/// own configuration included, stays out; the launch adds what the runner needs.
+pub fn sandbox_env() -> Vec<(String, String)> {
+    const KEEP: &[&str] = &[
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "TERM",
+        "RUST_LOG",
+        "RUST_BACKTRACE",
+    ];
+    std::env::vars()
+        .filter(|(k, _)| {
+            KEEP.contains(&k.as_str())
+                || k.starts_with("LC_")
+                || (k.starts_with("OTEL_") && k != "OTEL_SERVICE_NAME")
+        })
+        .collect()
+}
+
 /// The label a sandbox's shell carries as `$0`, by which its pid is recognised.
 fn label(sandbox_id: &str) -> String {
     format!("runplane-sandbox-{sandbox_id}")
@@ -121,6 +149,10 @@ impl Driver for ProcessDriver {
                 .arg("-c")
                 .arg(r#""$RUNPLANE_BIN" runner; echo $? > "$RUNPLANE_SANDBOX_DIR/exit""#)
                 .arg(label(&id))
+                // Nothing of the control plane's environment (its token, database URLs,
+                // signing key) reaches a sandbox: only what a runner needs, below.
+                .env_clear()
+                .envs(sandbox_env())
                 .env("RUNPLANE_BIN", &runplane)
                 .env("RUNPLANE_SANDBOX_DIR", &dir)
                 .env("RUNPLANE_ENDPOINT", &launch.endpoint)
@@ -129,9 +161,6 @@ impl Driver for ProcessDriver {
                 .env("RUNPLANE_RUN_KEY", launch.run_key.expose())
                 // The OpenTelemetry convention for handing a trace to a child process.
                 .env("TRACEPARENT", &launch.traceparent)
-                // The runner names itself in traces, not after this process.
-                .env_remove("OTEL_SERVICE_NAME")
-                .env_remove("RUNPLANE_CONFIG")
                 // The runner reads no config file: give it this process's TLS client
                 // side (CA, and certificate and key for mutual TLS) to reach https://.
                 .envs(runplane_grpc::tls::child_env())
