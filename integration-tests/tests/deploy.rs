@@ -1,6 +1,6 @@
 //! `deploy/`, checked without Docker or a cluster: the compose file, the Kubernetes base
-//! and production overlay, the collector, Prometheus and Grafana provisioning, and the
-//! Dockerfile.
+//! (the four services and the node agents' DaemonSet) and production overlay, the
+//! collector, Prometheus and Grafana provisioning, and the Dockerfile.
 //!
 //! The checks tie the manifests to the code they deploy: the services are the ones
 //! `runplane serve` accepts (its `ServiceName` enum), the probed gRPC health names are
@@ -35,6 +35,25 @@ const HEALTH_SERVICES: [(&str, &str); 4] = [
 
 /// The port every runplane container listens on.
 const PORT: u64 = 7070;
+
+/// The DaemonSet of node agents (`runplane node`), where sandboxes run on Kubernetes.
+const NODE_AGENTS: &str = "runplane-node";
+
+/// Kinds that run pods: each in the base must be one this file checks.
+const WORKLOAD_KINDS: [&str; 7] = [
+    "Deployment",
+    "DaemonSet",
+    "StatefulSet",
+    "ReplicaSet",
+    "Job",
+    "CronJob",
+    "Pod",
+];
+
+/// Stand-ins for the downward API fields (`fieldRef`) the manifests read.
+const POD_NAME: &str = "runplane-0123456789-abcde";
+const NODE_NAME: &str = "ip-10-0-1-23.eu-west-1.compute.internal";
+const POD_IP: &str = "10.244.1.17";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Instrument {
@@ -234,6 +253,30 @@ fn serve_names() -> Vec<String> {
     names
 }
 
+/// The subcommands of `runplane`: the variants of the binary's `Command`, in kebab case.
+fn subcommands() -> BTreeSet<String> {
+    let cli = read(&repo().join("services/runplane/src/cli.rs"));
+    let body = cli
+        .split("pub enum Command {")
+        .nth(1)
+        .and_then(|rest| rest.split("\n}").next())
+        .expect("services/runplane/src/cli.rs defines `pub enum Command { ... }`");
+    let names: BTreeSet<String> = body
+        .lines()
+        .filter_map(|line| line.strip_prefix("    "))
+        .filter(|line| line.starts_with(|c: char| c.is_ascii_uppercase()))
+        .map(|line| {
+            let variant: String = line
+                .chars()
+                .take_while(char::is_ascii_alphanumeric)
+                .collect();
+            kebab_case(&variant)
+        })
+        .collect();
+    assert!(names.contains("serve"), "Command parsed as {names:?}");
+    names
+}
+
 fn kebab_case(ident: &str) -> String {
     let mut out = String::new();
     for (i, c) in ident.chars().enumerate() {
@@ -257,28 +300,32 @@ fn health_service_of(serve_name: &str) -> &'static str {
 
 // --- runplane config ----------------------------------------------------------------
 
-/// Why `env` (a container's whole environment) is not a config `runplane serve` starts
-/// with, if it is not: loaded the way the binary loads it, from `RUNPLANE_*` variables
-/// alone, inside a figment Jail (so this process's own environment stays out).
+/// The config `runplane serve` (or `runplane node`) starts with given `env` (a
+/// container's whole environment), or why there is none: loaded the way the binary
+/// loads it, from `RUNPLANE_*` variables alone, inside a figment Jail (so this process's
+/// own environment stays out).
 // Jail's closure must return figment's own (large) error type.
 #[allow(clippy::result_large_err)]
-fn config_error(env: &BTreeMap<String, String>) -> Option<String> {
-    let mut error = None;
+fn load_config(env: &BTreeMap<String, String>) -> Result<Config, String> {
+    let mut loaded = None;
     let outcome = figment::Jail::try_with(|jail| {
         jail.clear_env();
         for (name, value) in env {
             jail.set_env(name, value);
         }
-        match Config::load(None).and_then(|config| config.require_operator_token().map(drop)) {
-            Ok(()) => {}
-            Err(e) => error = Some(e.to_string()),
-        }
+        loaded = Some(Config::load(None).and_then(|config| {
+            config.require_operator_token()?;
+            Ok(config)
+        }));
         Ok(())
     });
-    if let Err(e) = outcome {
-        return Some(e.to_string());
-    }
-    error
+    outcome.map_err(|e| e.to_string())?;
+    loaded.expect("the jail ran").map_err(|e| e.to_string())
+}
+
+/// Why `env` is not a config runplane starts with, if it is not.
+fn config_error(env: &BTreeMap<String, String>) -> Option<String> {
+    load_config(env).err()
 }
 
 fn assert_valid_config(origin: &str, env: &BTreeMap<String, String>) {
@@ -865,7 +912,19 @@ fn expand(value: &str, env: &BTreeMap<String, String>) -> String {
     out
 }
 
-/// The environment a Deployment's runplane container gets with `config_maps` (name to
+/// What the downward API gives a container for `fieldRef` `path` (a stand-in).
+fn field_value(path: &str) -> String {
+    match path {
+        "metadata.name" => POD_NAME,
+        "metadata.namespace" => "runplane",
+        "spec.nodeName" => NODE_NAME,
+        "status.podIP" => POD_IP,
+        other => panic!("fieldRef {other} has no stand-in here (a typo, or add one)"),
+    }
+    .to_owned()
+}
+
+/// The environment a workload's runplane container gets with `config_maps` (name to
 /// data) applied.
 fn container_environment(
     container: &Value,
@@ -885,8 +944,18 @@ fn container_environment(
             expand(&scalar(value), &env)
         } else if let Some(secret) = entry["valueFrom"].get("secretKeyRef") {
             secret_value(secret)
-        } else if entry["valueFrom"].get("fieldRef").is_some() {
-            "runplane-0123456789-abcde".to_owned()
+        } else if let Some(key_ref) = entry["valueFrom"].get("configMapKeyRef") {
+            let map = str_of(&key_ref["name"], "a configMapKeyRef name");
+            let key = str_of(&key_ref["key"], "a configMapKeyRef key");
+            config_maps
+                .get(map)
+                .and_then(|data| data.get(key))
+                .cloned()
+                .unwrap_or_else(|| {
+                    panic!("env {name} reads key {key} of ConfigMap {map}, which has no such key")
+                })
+        } else if let Some(field) = entry["valueFrom"].get("fieldRef") {
+            field_value(str_of(&field["fieldPath"], "a fieldRef fieldPath"))
         } else {
             panic!("env {name} has neither value nor a known valueFrom")
         };
@@ -935,6 +1004,134 @@ fn json_patches(kustomization: &Value, kind: &str) -> Vec<Value> {
                 .unwrap_or_else(|e| panic!("a {kind} patch is not a JSON6902 list: {e}"))
         })
         .collect()
+}
+
+/// The inline JSON6902 patches of a kustomization that reach the `kind` named `name`:
+/// those whose target names it and those that name no resource.
+fn json_patches_for(kustomization: &Value, kind: &str, name: &str) -> Vec<Value> {
+    kustomization["patches"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["target"]["kind"].as_str() == Some(kind))
+        .filter(|p| p["target"]["name"].as_str().is_none_or(|n| n == name))
+        .filter_map(|p| p["patch"].as_str())
+        .flat_map(|text| {
+            serde_norway::from_str::<Vec<Value>>(text)
+                .unwrap_or_else(|e| panic!("a {kind} patch is not a JSON6902 list: {e}"))
+        })
+        .collect()
+}
+
+/// The base's ConfigMaps with the overlay's ConfigMap patches merged over them.
+fn overlay_config_maps(
+    overlay_dir: &Path,
+    overlay: &Value,
+    base: &[Value],
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut config_maps = base_config_maps(base);
+    let patch_files = overlay["patches"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["path"].as_str());
+    for patch in patch_files {
+        for document in yaml_documents(&overlay_dir.join(patch)) {
+            if document["kind"].as_str() == Some("ConfigMap") {
+                let name = str_of(&document["metadata"]["name"], "a name");
+                config_maps
+                    .get_mut(name)
+                    .unwrap_or_else(|| {
+                        panic!("the overlay patches ConfigMap {name}, which the base lacks")
+                    })
+                    .extend(config_map_data(&document));
+            }
+        }
+    }
+    config_maps
+}
+
+/// The pod spec passes the restricted Pod Security Standard the production namespace
+/// enforces (and keeps the root filesystem read-only).
+fn assert_restricted(origin: &str, pod: &Value) {
+    let pod_security = &pod["securityContext"];
+    assert_eq!(
+        pod_security["runAsNonRoot"].as_bool(),
+        Some(true),
+        "{origin}: runAsNonRoot"
+    );
+    assert_ne!(
+        pod_security["runAsUser"].as_u64(),
+        Some(0),
+        "{origin}: runAsUser"
+    );
+    for host in ["hostNetwork", "hostPID", "hostIPC"] {
+        assert_ne!(pod[host].as_bool(), Some(true), "{origin}: {host}");
+    }
+    const ALLOWED_VOLUMES: [&str; 8] = [
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    ];
+    for volume in pod["volumes"].as_sequence().into_iter().flatten() {
+        for key in volume.as_mapping().expect("a volume").keys() {
+            let key = str_of(key, "a volume field");
+            assert!(
+                key == "name" || ALLOWED_VOLUMES.contains(&key),
+                "{origin}: a {key} volume breaks the restricted Pod Security Standard"
+            );
+        }
+    }
+    let containers = pod["containers"]
+        .as_sequence()
+        .into_iter()
+        .chain(pod["initContainers"].as_sequence())
+        .flatten();
+    for container in containers {
+        let security = &container["securityContext"];
+        let seccomp = security["seccompProfile"]["type"]
+            .as_str()
+            .or(pod_security["seccompProfile"]["type"].as_str());
+        assert_eq!(seccomp, Some("RuntimeDefault"), "{origin}: seccomp");
+        assert_eq!(
+            security["allowPrivilegeEscalation"].as_bool(),
+            Some(false),
+            "{origin}: allowPrivilegeEscalation"
+        );
+        assert_ne!(
+            security["privileged"].as_bool(),
+            Some(true),
+            "{origin}: privileged"
+        );
+        assert_ne!(
+            security["runAsUser"].as_u64(),
+            Some(0),
+            "{origin}: runAsUser"
+        );
+        assert_eq!(
+            security["readOnlyRootFilesystem"].as_bool(),
+            Some(true),
+            "{origin}: readOnlyRootFilesystem"
+        );
+        assert!(
+            strings(&security["capabilities"]["drop"]).contains(&"ALL".to_owned()),
+            "{origin}: drops all capabilities"
+        );
+        assert!(
+            strings(&security["capabilities"]["add"])
+                .iter()
+                .all(|c| c == "NET_BIND_SERVICE"),
+            "{origin}: adds a capability"
+        );
+        for port in container["ports"].as_sequence().into_iter().flatten() {
+            assert!(port["hostPort"].is_null(), "{origin}: a hostPort");
+        }
+    }
 }
 
 fn patched_value(operations: &[Value], path: &str) -> Option<Value> {
@@ -1214,34 +1411,293 @@ fn the_production_overlay_runs_two_replicas_of_everything_with_a_pinned_image() 
         "the production image is pinned (tag {tag:?}, digest {digest:?})"
     );
 
+    // The node agents run the sandboxes: they get production resources of their own.
+    assert!(
+        patched_value(
+            &json_patches_for(&overlay, "DaemonSet", NODE_AGENTS),
+            "/spec/template/spec/containers/0/resources"
+        )
+        .is_some_and(|r| !r["limits"]["memory"].is_null()),
+        "production resources for the node agents"
+    );
+
     // The overlay's ConfigMap patch, merged over the base's, still makes a valid config
-    // for every Deployment.
+    // for every Deployment and for the node agents.
     let base = resources(&k8s().join("base"));
-    let mut config_maps = base_config_maps(&base);
-    let patch_files = overlay["patches"]
+    let config_maps = overlay_config_maps(&overlay_dir, &overlay, &base);
+    let workloads = serve_names()
+        .into_iter()
+        .map(|name| ("Deployment", name))
+        .chain([("DaemonSet", NODE_AGENTS.to_owned())]);
+    for (kind, name) in workloads {
+        let workload = find(&base, kind, &name);
+        let container = &workload["spec"]["template"]["spec"]["containers"][0];
+        let env = container_environment(container, &config_maps);
+        assert_valid_config(&format!("k8s production {kind} {name}"), &env);
+    }
+}
+
+#[test]
+fn k8s_base_runs_only_the_services_and_the_node_agents_all_restricted() {
+    let base = resources(&k8s().join("base"));
+    let services = serve_names();
+    let mut workloads = BTreeSet::new();
+    for resource in &base {
+        let kind = resource["kind"].as_str().unwrap_or_default();
+        if !WORKLOAD_KINDS.contains(&kind) {
+            continue;
+        }
+        let name = str_of(&resource["metadata"]["name"], "a name");
+        assert!(
+            (kind == "Deployment" && services.iter().any(|s| s == name))
+                || (kind == "DaemonSet" && name == NODE_AGENTS),
+            "deploy/k8s/base runs {kind} {name}, which is neither a service's Deployment nor \
+             the node agents' DaemonSet: give it checks here"
+        );
+        workloads.insert((kind, name));
+        assert_restricted(
+            &format!("{kind} {name}"),
+            &resource["spec"]["template"]["spec"],
+        );
+    }
+    assert_eq!(
+        workloads.len(),
+        services.len() + 1,
+        "one Deployment per service and the node agents: {workloads:?}"
+    );
+}
+
+#[test]
+fn k8s_node_agents_run_runplane_node_on_every_node() {
+    let base = resources(&k8s().join("base"));
+    let config_maps = base_config_maps(&base);
+    let daemonset = find(&base, "DaemonSet", NODE_AGENTS);
+    let pod = &daemonset["spec"]["template"];
+    assert!(
+        selects(
+            &labels(&daemonset["spec"]["selector"]["matchLabels"]),
+            &labels(&pod["metadata"]["labels"])
+        ),
+        "DaemonSet {NODE_AGENTS}'s selector matches its pods"
+    );
+    // No Service of a runplane service selects the agents.
+    for name in serve_names() {
+        let service = find(&base, "Service", &name);
+        assert!(
+            !selects(
+                &labels(&service["spec"]["selector"]),
+                &labels(&pod["metadata"]["labels"])
+            ),
+            "Service {name} selects the node agents"
+        );
+    }
+    assert_eq!(
+        pod["spec"]["automountServiceAccountToken"].as_bool(),
+        Some(false),
+        "sandboxes share the agent's pod: no Kubernetes API token"
+    );
+    let containers = pod["spec"]["containers"].as_sequence().expect("containers");
+    assert_eq!(
+        containers.len(),
+        1,
+        "DaemonSet {NODE_AGENTS}: one container"
+    );
+    let container = &containers[0];
+    let command: Vec<String> = strings(&container["command"])
+        .into_iter()
+        .chain(strings(&container["args"]))
+        .filter(|arg| arg != "runplane")
+        .collect();
+    assert_eq!(
+        command,
+        ["node"],
+        "DaemonSet {NODE_AGENTS} runs `runplane node`"
+    );
+    assert!(
+        subcommands().contains("node"),
+        "`runplane node` is a subcommand of the binary"
+    );
+    // `runplane node` listens on nothing: a gRPC, TCP or HTTP probe would always fail.
+    for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
+        assert!(
+            container[probe].is_null() || !container[probe]["exec"].is_null(),
+            "DaemonSet {NODE_AGENTS}: {probe} can only exec, `runplane node` serves no port"
+        );
+    }
+    for (section, key) in [
+        ("requests", "cpu"),
+        ("requests", "memory"),
+        ("limits", "memory"),
+    ] {
+        assert!(
+            !container["resources"][section][key].is_null(),
+            "DaemonSet {NODE_AGENTS} needs resources.{section}.{key}"
+        );
+    }
+
+    // Sandboxes inherit the agent's environment: of the secrets, it carries only the
+    // operator token it registers with.
+    assert!(
+        container["envFrom"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .all(|source| source["secretRef"].is_null()),
+        "DaemonSet {NODE_AGENTS}: no envFrom of a Secret"
+    );
+    let secret_keys: BTreeSet<&str> = container["env"]
         .as_sequence()
         .into_iter()
         .flatten()
-        .filter_map(|p| p["path"].as_str());
-    for patch in patch_files {
-        for document in yaml_documents(&overlay_dir.join(patch)) {
-            if document["kind"].as_str() == Some("ConfigMap") {
-                let name = str_of(&document["metadata"]["name"], "a name");
-                config_maps
-                    .get_mut(name)
-                    .unwrap_or_else(|| {
-                        panic!("the overlay patches ConfigMap {name}, which the base lacks")
-                    })
-                    .extend(config_map_data(&document));
-            }
+        .filter_map(|entry| entry["valueFrom"]["secretKeyRef"]["key"].as_str())
+        .collect();
+    assert_eq!(
+        secret_keys,
+        BTreeSet::from(["operator-token"]),
+        "DaemonSet {NODE_AGENTS}: the secrets its sandboxes would inherit"
+    );
+
+    let env = container_environment(container, &config_maps);
+    assert_valid_config(&format!("k8s base DaemonSet {NODE_AGENTS}"), &env);
+    let config = load_config(&env).expect("a valid config");
+    assert_eq!(
+        config.node.id, NODE_NAME,
+        "RUNPLANE_NODE__ID is the Kubernetes node's name (spec.nodeName): stable across restarts"
+    );
+    let (host, port) = config.node.endpoint.rsplit_once(':').unwrap_or_else(|| {
+        panic!(
+            "RUNPLANE_NODE__ENDPOINT {:?} is not host:port",
+            config.node.endpoint
+        )
+    });
+    assert_eq!(
+        host, POD_IP,
+        "RUNPLANE_NODE__ENDPOINT is the pod's IP (status.podIP)"
+    );
+    assert!(
+        port.parse::<u16>().is_ok_and(|p| p > 0),
+        "RUNPLANE_NODE__ENDPOINT: bad port {port}"
+    );
+    assert!(
+        (1..=10_000).contains(&config.node.capacity),
+        "RUNPLANE_NODE__CAPACITY {} is outside what the reconciler accepts",
+        config.node.capacity
+    );
+    assert_eq!(
+        config.sandbox_reconciler.endpoint,
+        format!("http://sandbox-reconciler:{PORT}"),
+        "the agents dial the reconciler's Service"
+    );
+    assert!(env.contains_key("OTEL_EXPORTER_OTLP_ENDPOINT"));
+    assert_eq!(
+        env.get("OTEL_SERVICE_NAME").map(String::as_str),
+        Some("runplane-node")
+    );
+
+    // The state directory is on a volume: the root filesystem is read-only.
+    let state_dir = Path::new(&config.node.state_dir);
+    assert!(
+        state_dir.is_absolute(),
+        "RUNPLANE_NODE__STATE_DIR {state_dir:?}"
+    );
+    let mount = container["volumeMounts"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter(|m| state_dir.starts_with(str_of(&m["mountPath"], "a mountPath")))
+        .max_by_key(|m| str_of(&m["mountPath"], "a mountPath").len())
+        .unwrap_or_else(|| panic!("RUNPLANE_NODE__STATE_DIR {state_dir:?} is on no volume"));
+    let volume_name = str_of(&mount["name"], "a volumeMount name");
+    let volume = pod["spec"]["volumes"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|v| v["name"].as_str() == Some(volume_name))
+        .unwrap_or_else(|| panic!("volumeMount {volume_name} names no volume"));
+    assert!(
+        !volume["emptyDir"].is_null() || !volume["hostPath"].is_null(),
+        "the node's state directory is on an emptyDir or a hostPath"
+    );
+}
+
+/// A reconciler that may run more than one replica (`max_replicas`) has local sandboxes
+/// off in `env`.
+fn assert_no_local_sandboxes_with_replicas(
+    origin: &str,
+    max_replicas: u64,
+    env: &BTreeMap<String, String>,
+) {
+    let config = load_config(env).unwrap_or_else(|e| panic!("{origin}: {e}"));
+    assert!(
+        max_replicas <= 1 || !config.sandbox_reconciler.local_sandboxes,
+        "{origin}: up to {max_replicas} reconciler replicas with local sandboxes on; set \
+         RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES=false (other replicas can neither probe \
+         nor signal one replica's local sandboxes)"
+    );
+}
+
+#[test]
+fn k8s_reconciler_runs_no_local_sandboxes_when_it_can_have_several_replicas() {
+    let name = "sandbox-reconciler";
+    let base = resources(&k8s().join("base"));
+    let deployment = find(&base, "Deployment", name);
+    let hpa = find(&base, "HorizontalPodAutoscaler", name);
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let base_replicas = deployment["spec"]["replicas"].as_u64().unwrap_or(1);
+    let base_hpa_max = hpa["spec"]["maxReplicas"].as_u64().expect("maxReplicas");
+    let base_env = container_environment(container, &base_config_maps(&base));
+    assert_no_local_sandboxes_with_replicas("k8s base", base_replicas.max(base_hpa_max), &base_env);
+
+    let overlay_dir = k8s().join("overlays/production");
+    let overlay = kustomization(&overlay_dir);
+    let replicas = overlay["replicas"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|r| r["name"].as_str() == Some(name))
+        .and_then(|r| r["count"].as_u64())
+        .unwrap_or(base_replicas);
+    let hpa_max = patched_value(
+        &json_patches_for(&overlay, "HorizontalPodAutoscaler", name),
+        "/spec/maxReplicas",
+    )
+    .and_then(|v| v.as_u64())
+    .unwrap_or(base_hpa_max);
+    assert!(
+        replicas >= 2,
+        "production runs several reconciler replicas ({replicas})"
+    );
+    let env = container_environment(
+        container,
+        &overlay_config_maps(&overlay_dir, &overlay, &base),
+    );
+    assert_no_local_sandboxes_with_replicas("k8s production", replicas.max(hpa_max), &env);
+
+    // With local sandboxes off, a queued run waits for a node agent: there must be some.
+    for env in [&base_env, &env] {
+        let config = load_config(env).expect("a valid config");
+        if !config.sandbox_reconciler.local_sandboxes {
+            find(&base, "DaemonSet", NODE_AGENTS);
         }
     }
-    for name in serve_names() {
-        let deployment = find(&base, "Deployment", &name);
-        let container = &deployment["spec"]["template"]["spec"]["containers"][0];
-        let env = container_environment(container, &config_maps);
-        assert_valid_config(&format!("k8s production Deployment {name}"), &env);
-    }
+}
+
+#[test]
+fn compose_runs_one_reconciler_with_local_sandboxes() {
+    let compose = compose();
+    let services = compose_services(&compose);
+    let reconciler = &services["sandbox-reconciler"];
+    let env = compose_environment(reconciler, &mut BTreeSet::new());
+    let config = load_config(&env).expect("a valid config");
+    let agents = services
+        .values()
+        .any(|s| strings(&s["command"]).first().map(String::as_str) == Some("node"));
+    assert!(
+        agents || config.sandbox_reconciler.local_sandboxes,
+        "compose runs no node agent: with local sandboxes off, runs would wait forever"
+    );
+    let replicas = reconciler["deploy"]["replicas"].as_u64().unwrap_or(1);
+    assert_no_local_sandboxes_with_replicas("compose", replicas, &env);
 }
 
 // --- image and docs -----------------------------------------------------------------
