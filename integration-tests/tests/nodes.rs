@@ -227,3 +227,136 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
             .status();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_ends() {
+    // The agent and its sandbox die together (a container restart); the agent comes back
+    // with the same id at once, so the reconciler still counts the node ready and assigns
+    // the sandbox again. Its key was claimed by the dead runner: the agent must say the
+    // sandbox is gone, or the run would stay RUNNING for ever.
+    let run_db = TestDatabase::new().await;
+    let reconciler_db = TestDatabase::new().await;
+    let state = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let endpoint = format!("http://{addr}");
+    let env = [
+        ("RUNPLANE_SERVER__LISTEN", addr.clone()),
+        ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN.to_owned()),
+        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
+        (
+            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
+            RECEIPT_KEY.to_owned(),
+        ),
+        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
+        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
+            reconciler_db.url().to_owned(),
+        ),
+        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES",
+            "false".to_owned(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__LOSS_GRACE_SECONDS",
+            "2".to_owned(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
+            "300".to_owned(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
+            state.path().join("reconciler").display().to_string(),
+        ),
+    ];
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let _control_plane: Process =
+        start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
+    let sandboxes = state.path().join("nodes");
+    let agent = node("node-r", "127.0.0.1:17011", &endpoint, &sandboxes);
+
+    let mut runs = RunServiceClient::new(channel(&endpoint).await);
+    let run = runs
+        .create_run(authed(pb::CreateRunRequest {
+            client_request_id: "agent-restart-request-01".into(),
+            org_id: "acme".into(),
+            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            command: "sh".into(),
+            args: vec!["-c".into(), "echo started; exec sleep 60".into()],
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let run_id = run.id.clone();
+    let running = || {
+        let mut runs = runs.clone();
+        let run_id = run_id.clone();
+        async move {
+            let run = runs
+                .get_run(authed(pb::GetRunRequest { run_id }))
+                .await
+                .ok()?
+                .into_inner()
+                .run?;
+            (run.state() == pb::RunState::Running).then_some(())
+        }
+    };
+    eventually(
+        Duration::from_secs(30),
+        "the run to start on the node",
+        running,
+    )
+    .await;
+
+    // The agent and its sandbox die.
+    drop(agent);
+    let mut api = SandboxServiceClient::new(channel(&endpoint).await);
+    let sandbox = api
+        .list_sandboxes(authed(rpb::ListSandboxesRequest {
+            run_id: run.id.clone(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes
+        .remove(0);
+    let pid: u32 = std::fs::read_to_string(sandboxes.join(&sandbox.id).join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .expect("a pid");
+    assert!(pid > 1);
+    // The sandbox's shell and its runner (by pid, never a process group: nothing else of
+    // this test's may be hit).
+    let _ = std::process::Command::new("pkill")
+        .args(["-KILL", "-P", &pid.to_string()])
+        .status();
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+
+    // Back at once, same id, same state directory.
+    let _agent = node("node-r", "127.0.0.1:17011", &endpoint, &sandboxes);
+    let ended = eventually(Duration::from_secs(30), "the run to end", || {
+        let mut runs = runs.clone();
+        let run_id = run.id.clone();
+        async move {
+            let run = runs
+                .get_run(authed(pb::GetRunRequest { run_id }))
+                .await
+                .ok()?
+                .into_inner()
+                .run?;
+            run.state().is_terminal().then_some(run)
+        }
+    })
+    .await;
+    assert_eq!(ended.state(), pb::RunState::Failed, "{ended:?}");
+    assert_eq!(ended.verdict.unwrap().reason, "sandbox_lost");
+}

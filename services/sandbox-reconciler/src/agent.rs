@@ -213,6 +213,55 @@ fn row_of(a: &pb::Assignment, handle: String) -> sandbox::Model {
     }
 }
 
+/// A sandbox this node launched before a restart: re-adopted by the pid it recorded
+/// when that process is still this sandbox's, published lost otherwise.
+async fn adopt_or_report_lost(
+    client: &Client,
+    config: &AgentConfig,
+    epoch: u64,
+    driver: &ProcessDriver,
+    locals: &mut HashMap<String, Local>,
+    a: &pb::Assignment,
+) {
+    let handle = std::fs::read_to_string(config.state_dir.join(&a.sandbox_id).join("pid"))
+        .map(|pid| format!("pid:{}", pid.trim()))
+        .unwrap_or_default();
+    let row = row_of(a, handle);
+    if !row.driver_handle.is_empty() && driver.status(&row).await == Probe::Alive {
+        publish(
+            client,
+            config,
+            epoch,
+            &row,
+            pb::SandboxStatus::Started,
+            true,
+            None,
+        )
+        .await;
+        tracing::info!(sandbox_id = %row.id, "sandbox re-adopted after a restart");
+        locals.insert(
+            row.id.clone(),
+            Local {
+                row,
+                active_since: Instant::now(),
+                suspended: false,
+            },
+        );
+    } else {
+        publish(
+            client,
+            config,
+            epoch,
+            &row,
+            pb::SandboxStatus::Lost,
+            true,
+            None,
+        )
+        .await;
+        tracing::warn!(sandbox_id = %row.id, "a sandbox launched before a restart is gone; reported lost");
+    }
+}
+
 async fn act(
     client: &Client,
     config: &AgentConfig,
@@ -245,7 +294,18 @@ async fn act(
                     }
                 }
                 Err(s) => {
-                    tracing::warn!(sandbox_id = %a.sandbox_id, code = ?s.code(), "launch not claimed");
+                    let reason = runplane_grpc::error_info(&s)
+                        .map(|i| i.reason)
+                        .unwrap_or_default();
+                    if reason == runplane_grpc::ErrorReason::RunKeyClaimed.as_str_name() {
+                        // A runner of this generation already said Hello: this node
+                        // launched it before it restarted. Adopt it if it still runs,
+                        // otherwise say it is lost, so the loss grace can end its run
+                        // instead of the assignment repeating for ever.
+                        adopt_or_report_lost(client, config, epoch, driver, locals, &a).await;
+                    } else {
+                        tracing::warn!(sandbox_id = %a.sandbox_id, code = ?s.code(), "launch not claimed");
+                    }
                     return;
                 }
             };
