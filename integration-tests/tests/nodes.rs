@@ -41,6 +41,40 @@ fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path)
         .expect("start runplane node")
 }
 
+/// The environment of `runplane serve run-store sandbox-reconciler` on `addr`, with
+/// `extra` settings on top.
+fn control_plane_env(
+    run_db: &TestDatabase,
+    reconciler_db: &TestDatabase,
+    addr: &str,
+    extra: &[(&'static str, &str)],
+) -> Vec<(&'static str, String)> {
+    let endpoint = format!("http://{addr}");
+    let mut env = vec![
+        ("RUNPLANE_SERVER__LISTEN", addr.to_owned()),
+        ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN.to_owned()),
+        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
+        (
+            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
+            RECEIPT_KEY.to_owned(),
+        ),
+        // Not about admission: runs are created on the credential they name.
+        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
+        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
+            reconciler_db.url().to_owned(),
+        ),
+        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
+            "300".to_owned(),
+        ),
+    ];
+    env.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
+    env
+}
+
 /// Polls `check` every 100 ms until it answers, for at most `limit`.
 async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
 where
@@ -68,35 +102,18 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
     let addr = free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
     let local_dir = state.path().join("reconciler");
-    let env = [
-        ("RUNPLANE_SERVER__LISTEN", addr.clone()),
-        ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN.to_owned()),
-        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
-        (
-            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
-            RECEIPT_KEY.to_owned(),
-        ),
-        // Not about admission: runs are created on the credential they name.
-        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
-        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
-            reconciler_db.url().to_owned(),
-        ),
-        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS",
-            "3".to_owned(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
-            "300".to_owned(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
-            local_dir.display().to_string(),
-        ),
-    ];
+    let env = control_plane_env(
+        &run_db,
+        &reconciler_db,
+        &addr,
+        &[
+            ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", "3"),
+            (
+                "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
+                &local_dir.display().to_string(),
+            ),
+        ],
+    );
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let _control_plane: Process =
         start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
@@ -239,38 +256,19 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     let state = tempfile::tempdir().unwrap();
     let addr = free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
-    let env = [
-        ("RUNPLANE_SERVER__LISTEN", addr.clone()),
-        ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN.to_owned()),
-        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
-        (
-            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
-            RECEIPT_KEY.to_owned(),
-        ),
-        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
-        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
-            reconciler_db.url().to_owned(),
-        ),
-        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES",
-            "false".to_owned(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__LOSS_GRACE_SECONDS",
-            "2".to_owned(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
-            "300".to_owned(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
-            state.path().join("reconciler").display().to_string(),
-        ),
-    ];
+    let env = control_plane_env(
+        &run_db,
+        &reconciler_db,
+        &addr,
+        &[
+            ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
+            ("RUNPLANE_SANDBOX_RECONCILER__LOSS_GRACE_SECONDS", "2"),
+            (
+                "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
+                &state.path().join("reconciler").display().to_string(),
+            ),
+        ],
+    );
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let _control_plane: Process =
         start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;

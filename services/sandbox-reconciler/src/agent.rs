@@ -54,6 +54,17 @@ struct Local {
     suspended: bool,
 }
 
+impl Local {
+    /// A sandbox running here from now on.
+    fn active(row: sandbox::Model) -> Self {
+        Self {
+            row,
+            active_since: Instant::now(),
+            suspended: false,
+        }
+    }
+}
+
 /// Runs the agent until `shutdown`.
 pub async fn run(
     config: AgentConfig,
@@ -213,6 +224,27 @@ fn row_of(a: &pb::Assignment, handle: String) -> sandbox::Model {
     }
 }
 
+/// Publishes `row` started and placed here, and keeps it among this node's sandboxes.
+async fn take_on(
+    client: &Client,
+    config: &AgentConfig,
+    epoch: u64,
+    locals: &mut HashMap<String, Local>,
+    row: sandbox::Model,
+) {
+    publish(
+        client,
+        config,
+        epoch,
+        &row,
+        pb::SandboxStatus::Started,
+        true,
+        None,
+    )
+    .await;
+    locals.insert(row.id.clone(), Local::active(row));
+}
+
 /// A sandbox this node launched before a restart: re-adopted by the pid it recorded
 /// when that process is still this sandbox's, published lost otherwise.
 async fn adopt_or_report_lost(
@@ -228,25 +260,8 @@ async fn adopt_or_report_lost(
         .unwrap_or_default();
     let row = row_of(a, handle);
     if !row.driver_handle.is_empty() && driver.status(&row).await == Probe::Alive {
-        publish(
-            client,
-            config,
-            epoch,
-            &row,
-            pb::SandboxStatus::Started,
-            true,
-            None,
-        )
-        .await;
         tracing::info!(sandbox_id = %row.id, "sandbox re-adopted after a restart");
-        locals.insert(
-            row.id.clone(),
-            Local {
-                row,
-                active_since: Instant::now(),
-                suspended: false,
-            },
-        );
+        take_on(client, config, epoch, locals, row).await;
     } else {
         publish(
             client,
@@ -311,26 +326,8 @@ async fn act(
             };
             match driver.create(&row_of(&a, String::new()), launch).await {
                 Ok(handle) => {
-                    let row = row_of(&a, handle);
-                    publish(
-                        client,
-                        config,
-                        epoch,
-                        &row,
-                        pb::SandboxStatus::Started,
-                        true,
-                        None,
-                    )
-                    .await;
-                    tracing::info!(sandbox_id = %row.id, "sandbox launched");
-                    locals.insert(
-                        row.id.clone(),
-                        Local {
-                            row,
-                            active_since: Instant::now(),
-                            suspended: false,
-                        },
-                    );
+                    tracing::info!(sandbox_id = %a.sandbox_id, "sandbox launched");
+                    take_on(client, config, epoch, locals, row_of(&a, handle)).await;
                 }
                 Err(e) => {
                     tracing::error!(sandbox_id = %a.sandbox_id, error = %e, "sandbox not started")
@@ -359,14 +356,7 @@ async fn act(
                     .await;
                 if report.is_ok() {
                     tracing::info!(sandbox_id = %row.id, "sandbox restored");
-                    locals.insert(
-                        row.id.clone(),
-                        Local {
-                            row,
-                            active_since: Instant::now(),
-                            suspended: false,
-                        },
-                    );
+                    locals.insert(row.id.clone(), Local::active(row));
                 }
             } else {
                 let _ = client

@@ -201,19 +201,15 @@ fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) 
         // Only the execution this reconciler watched: a run that moved on is left alone.
         if_sandbox_generation: Some(row.execution_generation as u64),
     };
-    outbox::Model {
-        id: uuid::Uuid::new_v4().to_string(),
-        kind: "run_store.fail_run".into(),
-        idempotency_key: request.idempotency_key.clone(),
-        payload: request.encode_to_vec(),
-        // The run's trace, so the loss and the run's end read as one story.
-        traceparent: row.traceparent.clone(),
-        attempts: 0,
-        next_attempt_at_us: now_us,
-        last_error: String::new(),
-        created_at_us: now_us,
-        delivered_at_us: None,
-    }
+    let mut owed = runplane_db::outbox::row(
+        "run_store.fail_run",
+        request.idempotency_key.clone(),
+        request.encode_to_vec(),
+        now_us,
+    );
+    // The run's trace, so the loss and the run's end read as one story.
+    owed.traceparent = row.traceparent.clone();
+    owed
 }
 
 /// The run store, called with the service token.
@@ -226,12 +222,13 @@ pub async fn deliver_outbox(
     client: &RunStoreClient,
     limit: u64,
 ) -> Result<u64, ReconcilerError> {
+    use runplane_db::outbox;
+    let db = store.database();
     let mut delivered = 0;
-    for row in store.due_outbox(limit).await? {
+    for row in outbox::due(db, store.now_us(), limit).await? {
         let Ok(request) = pb::FailRunRequest::decode(row.payload.as_slice()) else {
-            store
-                .delivery_failed(&row, 3_600_000_000, "undecodable payload")
-                .await?;
+            tracing::warn!(key = %row.idempotency_key, "undecodable outbox row; given up");
+            outbox::give_up(db, &row.id, store.now_us(), "undecodable payload").await?;
             continue;
         };
         // The delivery continues the trace of the decision that owed it.
@@ -244,16 +241,22 @@ pub async fn deliver_outbox(
         };
         match answer {
             Ok(answer) => {
-                store.mark_delivered(&row.id).await?;
+                outbox::mark_delivered(db, &row.id, store.now_us()).await?;
                 delivered += 1;
                 tracing::info!(key = %row.idempotency_key, outcome = ?answer.into_inner().outcome(), "fail run delivered");
             }
+            Err(status) if outbox::is_permanent(status.code() as i32) => {
+                tracing::warn!(
+                    key = %row.idempotency_key,
+                    code = ?status.code(),
+                    message = status.message(),
+                    "the run store refused the FailRun for good; given up"
+                );
+                outbox::give_up(db, &row.id, store.now_us(), status.message()).await?;
+            }
             Err(status) => {
-                let backoff_us = (1_000_000i64 << row.attempts.clamp(0, 6)).min(60_000_000);
                 tracing::warn!(key = %row.idempotency_key, code = ?status.code(), "fail run not delivered yet");
-                store
-                    .delivery_failed(&row, backoff_us, status.message())
-                    .await?;
+                outbox::delivery_failed(db, &row, store.now_us(), status.message()).await?;
             }
         }
     }

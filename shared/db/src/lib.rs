@@ -4,6 +4,7 @@
 //! runs on SQLite (`sqlite://path`, created when missing, in WAL mode so readers do not
 //! block the writer). Each service owns its own database and migrates it at start.
 
+pub mod migrations;
 pub mod outbox;
 
 use std::path::Path;

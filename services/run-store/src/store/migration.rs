@@ -11,47 +11,13 @@ impl MigratorTrait for Migrator {
         vec![
             Box::new(CreateRunStore),
             Box::new(CreateOutbox),
-            Box::new(AddRunTraceparent),
+            // The trace a run's life continues (`runs.traceparent`).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0003_run_traceparent",
+                table: "runs",
+                column: "traceparent",
+            }),
         ]
-    }
-}
-
-/// The trace a run's life continues (`runs.traceparent`).
-struct AddRunTraceparent;
-
-impl MigrationName for AddRunTraceparent {
-    fn name(&self) -> &str {
-        "m0003_run_traceparent"
-    }
-}
-
-#[async_trait::async_trait]
-impl MigrationTrait for AddRunTraceparent {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("runs"))
-                    .add_column(
-                        ColumnDef::new(Alias::new("traceparent"))
-                            .text()
-                            .not_null()
-                            .default(""),
-                    )
-                    .to_owned(),
-            )
-            .await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("runs"))
-                    .drop_column(Alias::new("traceparent"))
-                    .to_owned(),
-            )
-            .await
     }
 }
 

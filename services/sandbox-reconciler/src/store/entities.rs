@@ -115,33 +115,5 @@ pub mod wake {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
-pub mod outbox {
-    use sea_orm::entity::prelude::*;
-
-    /// A call to another service that must not be lost, written in the transaction that
-    /// decided it and delivered (with its idempotency key) until the callee answers.
-    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
-    #[sea_orm(table_name = "outbox")]
-    pub struct Model {
-        #[sea_orm(primary_key, auto_increment = false)]
-        pub id: String,
-        /// What to call: `run_store.fail_run`.
-        pub kind: String,
-        /// The request, protobuf-encoded.
-        pub payload: Vec<u8>,
-        #[sea_orm(unique)]
-        pub idempotency_key: String,
-        /// W3C `traceparent` of the decision, so the delivery joins its trace.
-        pub traceparent: String,
-        pub attempts: i32,
-        pub next_attempt_at_us: i64,
-        pub last_error: String,
-        pub created_at_us: i64,
-        pub delivered_at_us: Option<i64>,
-    }
-
-    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
-    pub enum Relation {}
-
-    impl ActiveModelBehavior for ActiveModel {}
-}
+/// Calls to other services decided in a transaction here: the shared outbox table.
+pub use runplane_db::outbox::entity as outbox;

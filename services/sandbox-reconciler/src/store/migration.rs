@@ -8,47 +8,15 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(CreateReconciler), Box::new(AddSandboxTraceparent)]
-    }
-}
-
-/// The trace a sandbox's work continues (`sandboxes.traceparent`).
-struct AddSandboxTraceparent;
-
-// Named by hand: the derive names a migration after its file, which the first one holds.
-impl MigrationName for AddSandboxTraceparent {
-    fn name(&self) -> &str {
-        "m0002_sandbox_traceparent"
-    }
-}
-
-#[async_trait::async_trait]
-impl MigrationTrait for AddSandboxTraceparent {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("sandboxes"))
-                    .add_column(
-                        ColumnDef::new(Alias::new("traceparent"))
-                            .text()
-                            .not_null()
-                            .default(""),
-                    )
-                    .to_owned(),
-            )
-            .await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("sandboxes"))
-                    .drop_column(Alias::new("traceparent"))
-                    .to_owned(),
-            )
-            .await
+        vec![
+            Box::new(CreateReconciler),
+            // The trace a sandbox's work continues (`sandboxes.traceparent`).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0002_sandbox_traceparent",
+                table: "sandboxes",
+                column: "traceparent",
+            }),
+        ]
     }
 }
 
@@ -143,21 +111,7 @@ impl MigrationTrait for CreateReconciler {
             )
             .await?;
         manager
-            .create_table(
-                Table::create()
-                    .table(Alias::new("outbox"))
-                    .col(col("id").text().not_null().primary_key())
-                    .col(col("kind").text().not_null())
-                    .col(col("payload").blob().not_null())
-                    .col(col("idempotency_key").text().not_null().unique_key())
-                    .col(col("traceparent").text().not_null())
-                    .col(col("attempts").integer().not_null())
-                    .col(col("next_attempt_at_us").big_integer().not_null())
-                    .col(col("last_error").text().not_null())
-                    .col(col("created_at_us").big_integer().not_null())
-                    .col(col("delivered_at_us").big_integer().null())
-                    .to_owned(),
-            )
+            .create_table(runplane_db::outbox::create_table())
             .await?;
         Ok(())
     }

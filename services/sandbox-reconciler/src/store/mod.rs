@@ -422,54 +422,9 @@ impl Store {
         Ok(done.rows_affected == 1)
     }
 
-    /// Outbox rows due for delivery, oldest first.
-    pub async fn due_outbox(&self, limit: u64) -> Result<Vec<outbox::Model>> {
-        Ok(outbox::Entity::find()
-            .filter(outbox::Column::DeliveredAtUs.is_null())
-            .filter(outbox::Column::NextAttemptAtUs.lte(self.now_us()))
-            .order_by(outbox::Column::CreatedAtUs, Order::Asc)
-            .limit(limit)
-            .all(&self.db)
-            .await?)
-    }
-
+    /// Every outbox row, oldest first.
     pub async fn outbox(&self) -> Result<Vec<outbox::Model>> {
-        Ok(outbox::Entity::find()
-            .order_by(outbox::Column::CreatedAtUs, Order::Asc)
-            .all(&self.db)
-            .await?)
-    }
-
-    pub async fn mark_delivered(&self, id: &str) -> Result<()> {
-        outbox::Entity::update_many()
-            .col_expr(outbox::Column::DeliveredAtUs, Expr::value(self.now_us()))
-            .filter(outbox::Column::Id.eq(id))
-            .filter(outbox::Column::DeliveredAtUs.is_null())
-            .exec(&self.db)
-            .await?;
-        Ok(())
-    }
-
-    pub async fn delivery_failed(
-        &self,
-        row: &outbox::Model,
-        retry_in_us: i64,
-        error: &str,
-    ) -> Result<()> {
-        let mut error = error.to_owned();
-        error.truncate(512);
-        outbox::Entity::update_many()
-            .col_expr(outbox::Column::Attempts, Expr::value(row.attempts + 1))
-            .col_expr(
-                outbox::Column::NextAttemptAtUs,
-                Expr::value(self.now_us() + retry_in_us),
-            )
-            .col_expr(outbox::Column::LastError, Expr::value(error))
-            .filter(outbox::Column::Id.eq(row.id.as_str()))
-            .filter(outbox::Column::DeliveredAtUs.is_null())
-            .exec(&self.db)
-            .await?;
-        Ok(())
+        Ok(runplane_db::outbox::all(&self.db).await?)
     }
 }
 
