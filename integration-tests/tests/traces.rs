@@ -179,7 +179,20 @@ async fn one_runplane_run_is_one_trace_across_the_services_with_no_secret_in_it(
             .iter()
             .any(|r| r.span.name.ends_with("RunnerService/SubmitResult"))
             && spans.iter().any(|r| r.span.name == "runner.run");
-        if done || tokio::time::Instant::now() > deadline {
+        // Each process flushes its own batches: a span can arrive before its parent from
+        // another process. Wait until every parent that was named has arrived too.
+        let run_trace = spans
+            .iter()
+            .find(|r| r.span.name == "runplane.runstore.v1.RunService/CreateRun")
+            .map(|r| r.span.trace_id.clone());
+        let ids: BTreeSet<&[u8]> = spans.iter().map(|r| r.span.span_id.as_slice()).collect();
+        let parents_in = spans
+            .iter()
+            .filter(|r| Some(&r.span.trace_id) == run_trace.as_ref())
+            .all(|r| {
+                r.span.parent_span_id.is_empty() || ids.contains(r.span.parent_span_id.as_slice())
+            });
+        if (done && parents_in) || tokio::time::Instant::now() > deadline {
             break spans;
         }
         drop(spans);
