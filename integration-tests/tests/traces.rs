@@ -278,6 +278,15 @@ async fn one_runplane_run_is_one_trace_across_the_services_with_no_secret_in_it(
     assert!(!attribute(&launch.span, "sandbox_id").is_empty());
     assert_eq!(attribute(&launch.span, "node_id"), "local");
 
+    // Background rounds (the reconciler's dispatch poll and tick) are not traces of
+    // their own: they would bury runs' traces under one root per tick.
+    for noisy in ["reconcile.tick", "runplane.runstore.v1.RunService/ListRuns"] {
+        assert!(
+            !spans.iter().any(|r| r.span.name == noisy),
+            "{noisy} was exported"
+        );
+    }
+
     // No secret anywhere in what was exported, in any trace.
     for r in &spans {
         for kv in attributes(&r.span) {

@@ -414,38 +414,46 @@ pub async fn run_loop(
             () = &mut shutdown => return,
             () = tokio::time::sleep(interval) => {}
         }
-        if reconciler.settings.dispatch
-            && let Err(e) = dispatch(
-                &reconciler.store,
-                reconciler.driver.as_ref(),
-                &run_store,
-                &endpoints,
-                reconciler.settings.idle_timeout,
-                reconciler.settings.local_sandboxes,
-            )
-            .await
-        {
-            tracing::warn!(error = %e, "dispatch failed; next round retries");
-        }
-        if let Err(e) = reconciler
-            .store
-            .assign_wakes(reconciler.store.silent_since())
-            .await
-        {
-            tracing::warn!(error = %e, "wake assignment failed; next round retries");
-        }
-        let started = tokio::time::Instant::now();
-        match reconciler.tick().await {
-            Ok(report) => {
-                metrics::reconcile_tick_duration().record(started.elapsed().as_secs_f64(), &[]);
-                if report.stamped > 0 {
-                    metrics::reconcile_loss_stamps().add(report.stamped, &[]);
-                }
+        // A round is background work: not a trace of its own every tick. What it does
+        // for a run (a launch, a FailRun) continues that run's trace explicitly.
+        async {
+            if reconciler.settings.dispatch
+                && let Err(e) = dispatch(
+                    &reconciler.store,
+                    reconciler.driver.as_ref(),
+                    &run_store,
+                    &endpoints,
+                    reconciler.settings.idle_timeout,
+                    reconciler.settings.local_sandboxes,
+                )
+                .await
+            {
+                tracing::warn!(error = %e, "dispatch failed; next round retries");
             }
-            Err(e) => tracing::warn!(error = %e, "reconcile tick failed; next round retries"),
+            if let Err(e) = reconciler
+                .store
+                .assign_wakes(reconciler.store.silent_since())
+                .await
+            {
+                tracing::warn!(error = %e, "wake assignment failed; next round retries");
+            }
+            let started = tokio::time::Instant::now();
+            match reconciler.tick().await {
+                Ok(report) => {
+                    metrics::reconcile_tick_duration().record(started.elapsed().as_secs_f64(), &[]);
+                    if report.stamped > 0 {
+                        metrics::reconcile_loss_stamps().add(report.stamped, &[]);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "reconcile tick failed; next round retries"),
+            }
+            if let Err(e) = deliver_outbox(&reconciler.store, &run_store, 100).await {
+                tracing::warn!(error = %e, "outbox delivery failed; next round retries");
+            }
         }
-        if let Err(e) = deliver_outbox(&reconciler.store, &run_store, 100).await {
-            tracing::warn!(error = %e, "outbox delivery failed; next round retries");
-        }
+        .instrument(runplane_grpc::trace_context::background_span(
+            "reconcile.round",
+        ))
+        .await;
     }
 }

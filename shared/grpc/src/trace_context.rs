@@ -80,6 +80,44 @@ pub fn continue_trace(span: &tracing::Span, traceparent: &str) {
     let _ = span.set_parent(extract_context(&headers));
 }
 
+/// A span for periodic background work (a reconcile round, a dispatch poll) that is not
+/// exported, nor is anything it calls: its parent is a remote context marked not
+/// sampled, which the parent-based sampler follows here and in the services it calls.
+/// Without it every tick is a root trace of its own, burying runs' traces. Work inside it
+/// that belongs to a run continues the run's trace explicitly ([`continue_trace`]).
+pub fn background_span(name: &'static str) -> tracing::Span {
+    use opentelemetry::trace::{
+        SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+    };
+    let span = tracing::info_span!("background", otel.name = name);
+    let mut ids = [0u8; 24];
+    for chunk in ids.chunks_mut(8) {
+        chunk.copy_from_slice(&random_u64().to_le_bytes());
+    }
+    let trace_id = TraceId::from_bytes(ids[..16].try_into().expect("16 bytes"));
+    let span_id = SpanId::from_bytes(ids[16..].try_into().expect("8 bytes"));
+    let unsampled = SpanContext::new(
+        trace_id,
+        span_id,
+        TraceFlags::default(),
+        true,
+        TraceState::default(),
+    );
+    let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(unsampled));
+    span
+}
+
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish() | 1
+}
+
 /// Server side: one `grpc.request` span per call, child of the caller's trace.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ServerTraceLayer;
