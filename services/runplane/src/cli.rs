@@ -50,7 +50,9 @@ pub enum Command {
     Node,
     /// Run inside a sandbox: say Hello, start the run's agent command, stream its output,
     /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and
-    /// RUNPLANE_RUN_KEY from the environment (never from arguments).
+    /// RUNPLANE_RUN_KEY from the environment (never from arguments), and
+    /// RUNPLANE_RECOVERY_ENDPOINT (the coordinator; default the run store's endpoint) and
+    /// TRACEPARENT (the run's trace) when set.
     Runner,
     /// Print the fleet as credential health sees it: per credential and per profile,
     /// capacity, busy, free, cool-off and quarantine (in separate columns).
