@@ -436,7 +436,7 @@ impl CredentialHealthService for CredentialHealthApi {
         }
         let mut cursor = match req.after_cursor.as_str() {
             "" => 0,
-            c => parse_cursor(c, s.store.last_notice_seq().await?)?,
+            c => parse_cursor(c, s.store.last_notice_seq(&req.lead_id).await?)?,
         };
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         tokio::spawn(async move {
@@ -546,8 +546,8 @@ fn item(item: pb::watch_notices_response::Item) -> pb::WatchNoticesResponse {
     pb::WatchNoticesResponse { item: Some(item) }
 }
 
-/// A cursor is the decimal seq of the last notice received; one past the last seq issued
-/// was never issued by this service.
+/// A cursor is the decimal seq of the lead's last notice received; one past the last seq
+/// issued to the lead was never issued by this service.
 fn parse_cursor(cursor: &str, last_issued: i64) -> Result<i64, CredentialHealthError> {
     match cursor.parse::<i64>() {
         Ok(seq) if (1..=last_issued).contains(&seq) => Ok(seq),

@@ -80,16 +80,18 @@ pub mod turn_failure {
 pub mod notice {
     use sea_orm::entity::prelude::*;
 
-    /// A notice for a lead. `seq` is allocated from the `counters` row inside the
-    /// creating transaction, so notices commit in `seq` order and a watcher following
-    /// `seq > cursor` never skips one that commits late.
+    /// A notice for a lead. `seq` counts the lead's notices, allocated from the lead's
+    /// `counters` row inside the creating transaction, so a lead's notices commit in
+    /// `seq` order and a watcher following `seq > cursor` never skips one that commits
+    /// late; notices to different leads do not wait on each other.
     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
     #[sea_orm(table_name = "notices")]
     pub struct Model {
         #[sea_orm(primary_key, auto_increment = false)]
+        pub lead_id: String,
+        #[sea_orm(primary_key, auto_increment = false)]
         pub seq: i64,
         pub id: String,
-        pub lead_id: String,
         /// `incident_opened` or `credential_quarantined`.
         pub kind: String,
         pub credential_id: String,

@@ -80,9 +80,9 @@ impl MigrationTrait for CreateCredentialHealth {
             .create_table(
                 Table::create()
                     .table(Alias::new("notices"))
-                    .col(col("seq").big_integer().not_null().primary_key())
-                    .col(col("id").text().not_null().unique_key())
                     .col(col("lead_id").text().not_null())
+                    .col(col("seq").big_integer().not_null())
+                    .col(col("id").text().not_null().unique_key())
                     .col(col("kind").text().not_null())
                     .col(col("credential_id").text().not_null())
                     .col(col("incident_id").text().not_null())
@@ -92,16 +92,11 @@ impl MigrationTrait for CreateCredentialHealth {
                     .col(col("quarantined_for_seconds").integer().not_null())
                     .col(col("created_at_ms").big_integer().not_null())
                     .col(col("pruned").boolean().not_null())
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .create_index(
-                Index::create()
-                    .name("notices_by_lead")
-                    .table(Alias::new("notices"))
-                    .col(Alias::new("lead_id"))
-                    .col(Alias::new("seq"))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("lead_id"))
+                            .col(Alias::new("seq")),
+                    )
                     .to_owned(),
             )
             .await?;
@@ -114,15 +109,7 @@ impl MigrationTrait for CreateCredentialHealth {
                     .to_owned(),
             )
             .await?;
-        manager
-            .exec_stmt(
-                Query::insert()
-                    .into_table(Alias::new("counters"))
-                    .columns([Alias::new("name"), Alias::new("value")])
-                    .values_panic(["notice_seq".into(), 0i64.into()])
-                    .to_owned(),
-            )
-            .await?;
+
         manager
             .create_table(runplane_db::outbox::create_table())
             .await?;

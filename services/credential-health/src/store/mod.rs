@@ -378,19 +378,35 @@ impl Store {
         state: &CredentialState,
         now: i64,
     ) -> Result<()> {
+        // The lead's own sequence: notices to different leads never wait on each other.
+        let name = notice_counter(&n.lead_id);
+        counter::Entity::insert(
+            counter::Model {
+                name: name.clone(),
+                value: 0,
+            }
+            .into_active_model(),
+        )
+        .on_conflict(
+            OnConflict::column(counter::Column::Name)
+                .do_nothing()
+                .to_owned(),
+        )
+        .exec_without_returning(txn)
+        .await?;
         counter::Entity::update_many()
             .col_expr(
                 counter::Column::Value,
                 Expr::col(counter::Column::Value).add(Expr::value(1i64)),
             )
-            .filter(counter::Column::Name.eq("notice_seq"))
+            .filter(counter::Column::Name.eq(name.as_str()))
             .exec(txn)
             .await?;
-        let seq = counter::Entity::find_by_id("notice_seq".to_owned())
+        let seq = counter::Entity::find_by_id(name.clone())
             .one(txn)
             .await?
             .map(|c| c.value)
-            .ok_or_else(|| DbErr::RecordNotFound("counters.notice_seq".into()))?;
+            .ok_or_else(|| DbErr::RecordNotFound(format!("counters.{name}")))?;
         let cooling = state.cooling_off_for_seconds(now);
         let quarantined = state.quarantined_for_seconds(now);
         let runs = n.runs.join(", ");
@@ -569,9 +585,9 @@ impl Store {
             .await?)
     }
 
-    /// The last notice seq issued.
-    pub async fn last_notice_seq(&self) -> Result<i64> {
-        Ok(counter::Entity::find_by_id("notice_seq".to_owned())
+    /// The last notice seq issued to `lead_id`.
+    pub async fn last_notice_seq(&self, lead_id: &str) -> Result<i64> {
+        Ok(counter::Entity::find_by_id(notice_counter(lead_id))
             .one(&self.db)
             .await?
             .map_or(0, |c| c.value))
@@ -590,6 +606,11 @@ impl Store {
             .await?;
         Ok(done.rows_affected)
     }
+}
+
+/// The counter row of `lead_id`'s notice sequence.
+fn notice_counter(lead_id: &str) -> String {
+    format!("notice_seq:{lead_id}")
 }
 
 /// `credential_health → run_store.mark_backend_error`.
