@@ -108,11 +108,7 @@ fn name(field: &'static str, value: &str, required: bool) -> Result<(), Credenti
             Ok(())
         };
     }
-    let ok = value.len() <= 128
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
-    if ok {
+    if runplane_config::is_name(value) {
         Ok(())
     } else {
         Err(CredentialHealthError::invalid(
@@ -308,29 +304,18 @@ impl CredentialHealthService for CredentialHealthApi {
                     .unwrap_or(0)
             })
         };
-        let (credential_id, capacity) = healthy
-            .iter()
-            .max_by_key(|(c, capacity)| {
-                // Most free first; on a tie, the earlier credential (max_by_key keeps the
-                // last maximum, so rank earlier ones higher).
-                capacity.saturating_sub(busy(c).unwrap_or(0))
-            })
-            .map(|(c, cap)| (c.clone(), *cap))
-            .expect("healthy is not empty");
-        let first_best = healthy
-            .iter()
-            .find(|(c, cap)| {
-                cap.saturating_sub(busy(c).unwrap_or(0))
-                    == capacity.saturating_sub(busy(&credential_id).unwrap_or(0))
-            })
-            .map(|(c, cap)| (c.clone(), *cap))
-            .unwrap_or((credential_id, capacity));
-        tracing::Span::current().record("credential_id", first_best.0.as_str());
+        let free = |(c, capacity): &(String, u32)| capacity.saturating_sub(busy(c).unwrap_or(0));
+        // The most free slots; on a tie, the first in credential order.
+        let mut chosen = healthy[0];
+        for candidate in &healthy[1..] {
+            if free(candidate) > free(chosen) {
+                chosen = candidate;
+            }
+        }
+        tracing::Span::current().record("credential_id", chosen.0.as_str());
         Ok(Response::new(pb::CheckAdmissionResponse {
-            free: first_best
-                .1
-                .saturating_sub(busy(&first_best.0).unwrap_or(0)),
-            credential_id: first_best.0,
+            free: free(chosen),
+            credential_id: chosen.0.clone(),
             profile,
         }))
     }

@@ -140,52 +140,38 @@ impl CredentialHealth {
 
     /// Delivers due outbox rows once; returns how many the run store accepted.
     pub async fn deliver_outbox(&self, limit: u64) -> Result<u64, CredentialHealthError> {
-        let db = self.shared.store.db();
-        let now_us = || self.shared.store.now_ms() * 1000;
-        let mut delivered = 0;
-        for row in runplane_db::outbox::due(db, now_us(), limit).await? {
-            let Ok(request) = rs::MarkBackendErrorRequest::decode(row.payload.as_slice()) else {
-                tracing::warn!(key = %row.idempotency_key, "undecodable outbox row; given up");
-                runplane_db::outbox::give_up(db, &row.id, now_us(), "undecodable payload").await?;
-                continue;
-            };
-            // The delivery continues the trace of the report that owed it.
-            let span =
-                tracing::info_span!("outbox.deliver", kind = %row.kind, key = %row.idempotency_key);
-            runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
-            let answer = {
-                use tracing::Instrument;
-                let mut client = self.shared.run_store.clone();
-                client.mark_backend_error(request).instrument(span).await
-            };
-            match answer {
-                Ok(answer) => {
-                    runplane_db::outbox::mark_delivered(db, &row.id, now_us()).await?;
-                    delivered += 1;
-                    let answer = answer.into_inner();
-                    tracing::info!(
-                        key = %row.idempotency_key,
-                        run_id = answer.run.as_ref().map(|r| r.id.as_str()).unwrap_or_default(),
-                        outcome = ?answer.outcome(),
-                        "backend-error outcome recorded on the run"
-                    );
-                }
-                Err(status) if runplane_db::outbox::is_permanent(status.code() as i32) => {
-                    tracing::warn!(
-                        key = %row.idempotency_key,
-                        code = ?status.code(),
-                        message = status.message(),
-                        "the run store refused the backend-error outcome for good; given up"
-                    );
-                    runplane_db::outbox::give_up(db, &row.id, now_us(), status.message()).await?;
-                }
-                Err(status) => {
-                    tracing::debug!(key = %row.idempotency_key, code = ?status.code(), "backend-error outcome not delivered yet");
-                    runplane_db::outbox::delivery_failed(db, &row, now_us(), status.message())
-                        .await?;
+        use runplane_db::outbox::{Delivery, deliver_due};
+        use tracing::Instrument;
+        let store = &self.shared.store;
+        let delivered = deliver_due(store.db(), || store.now_ms() * 1000, limit, |row| {
+            let mut client = self.shared.run_store.clone();
+            async move {
+                let Ok(request) = rs::MarkBackendErrorRequest::decode(row.payload.as_slice())
+                else {
+                    return Delivery::Refused("undecodable payload".into());
+                };
+                // The delivery continues the trace of the report that owed it.
+                let span = runplane_grpc::trace_context::outbox_span(
+                    &row.kind,
+                    &row.idempotency_key,
+                    &row.traceparent,
+                );
+                match client.mark_backend_error(request).instrument(span).await {
+                    Ok(answer) => {
+                        let answer = answer.into_inner();
+                        tracing::info!(
+                            key = %row.idempotency_key,
+                            run_id = answer.run.as_ref().map(|r| r.id.as_str()).unwrap_or_default(),
+                            outcome = ?answer.outcome(),
+                            "backend-error outcome recorded on the run"
+                        );
+                        Delivery::Delivered
+                    }
+                    Err(status) => Delivery::from_failure(status.code() as i32, status.message()),
                 }
             }
-        }
+        })
+        .await?;
         Ok(delivered)
     }
 }

@@ -551,7 +551,10 @@ impl RunService for RunApi {
         if req.credential_ids.len() > 10_000 || req.profiles.len() > 10_000 {
             return Err(RunStoreError::invalid("credential_ids", "at most 10000 entries").into());
         }
-        let mut counts = s.store.count_active().await?;
+        let mut counts = s
+            .store
+            .count_active(&req.credential_ids, &req.profiles)
+            .await?;
         if !req.credential_ids.is_empty() {
             counts
                 .by_credential

@@ -222,44 +222,29 @@ pub async fn deliver_outbox(
     client: &RunStoreClient,
     limit: u64,
 ) -> Result<u64, ReconcilerError> {
-    use runplane_db::outbox;
-    let db = store.database();
-    let mut delivered = 0;
-    for row in outbox::due(db, store.now_us(), limit).await? {
-        let Ok(request) = pb::FailRunRequest::decode(row.payload.as_slice()) else {
-            tracing::warn!(key = %row.idempotency_key, "undecodable outbox row; given up");
-            outbox::give_up(db, &row.id, store.now_us(), "undecodable payload").await?;
-            continue;
-        };
-        // The delivery continues the trace of the decision that owed it.
-        let span =
-            tracing::info_span!("outbox.deliver", kind = %row.kind, key = %row.idempotency_key);
-        runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
-        let answer = {
-            use tracing::Instrument;
-            client.clone().fail_run(request).instrument(span).await
-        };
-        match answer {
-            Ok(answer) => {
-                outbox::mark_delivered(db, &row.id, store.now_us()).await?;
-                delivered += 1;
-                tracing::info!(key = %row.idempotency_key, outcome = ?answer.into_inner().outcome(), "fail run delivered");
-            }
-            Err(status) if outbox::is_permanent(status.code() as i32) => {
-                tracing::warn!(
-                    key = %row.idempotency_key,
-                    code = ?status.code(),
-                    message = status.message(),
-                    "the run store refused the FailRun for good; given up"
-                );
-                outbox::give_up(db, &row.id, store.now_us(), status.message()).await?;
-            }
-            Err(status) => {
-                tracing::warn!(key = %row.idempotency_key, code = ?status.code(), "fail run not delivered yet");
-                outbox::delivery_failed(db, &row, store.now_us(), status.message()).await?;
+    use runplane_db::outbox::{Delivery, deliver_due};
+    let delivered = deliver_due(store.database(), || store.now_us(), limit, |row| {
+        let mut client = client.clone();
+        async move {
+            let Ok(request) = pb::FailRunRequest::decode(row.payload.as_slice()) else {
+                return Delivery::Refused("undecodable payload".into());
+            };
+            // The delivery continues the trace of the decision that owed it.
+            let span = runplane_grpc::trace_context::outbox_span(
+                &row.kind,
+                &row.idempotency_key,
+                &row.traceparent,
+            );
+            match client.fail_run(request).instrument(span).await {
+                Ok(answer) => {
+                    tracing::info!(key = %row.idempotency_key, outcome = ?answer.into_inner().outcome(), "fail run delivered");
+                    Delivery::Delivered
+                }
+                Err(status) => Delivery::from_failure(status.code() as i32, status.message()),
             }
         }
-    }
+    })
+    .await?;
     Ok(delivered)
 }
 

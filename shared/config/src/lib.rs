@@ -13,6 +13,15 @@ use figment::Figment;
 use figment::providers::{Env, Format, Toml};
 use serde::Deserialize;
 
+/// The rule for ids of orgs, leads, credentials and profiles, everywhere runplane takes
+/// one: 1–128 bytes of `[A-Za-z0-9._:-]`.
+pub fn is_name(value: &str) -> bool {
+    (1..=128).contains(&value.len())
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
+}
+
 /// Prefix of every environment override.
 pub const ENV_PREFIX: &str = "RUNPLANE_";
 /// Default address the services listen on.
@@ -596,11 +605,7 @@ impl Config {
         for (i, p) in c.profiles.iter().enumerate() {
             let field = format!("credential_health.profiles[{i}]");
             for (what, value) in [("name", &p.name), ("credential_id", &p.credential_id)] {
-                let ok = (1..=128).contains(&value.len())
-                    && value
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
-                if !ok {
+                if !is_name(value) {
                     return Err(ConfigError::invalid(
                         format!("{field}.{what}"),
                         "must be 1-128 characters of A-Z a-z 0-9 . _ : -",

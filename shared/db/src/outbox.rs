@@ -188,6 +188,67 @@ fn bounded(error: &str) -> String {
     error[..end].to_owned()
 }
 
+/// What one delivery attempt came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivery {
+    /// The callee answered: the row is done.
+    Delivered,
+    /// The callee refused for good (or the row cannot be sent): given up, with why.
+    Refused(String),
+    /// It may work later: retried after the backoff, with why.
+    Failed(String),
+}
+
+impl Delivery {
+    /// A gRPC failure (`code` as `tonic::Code` numbers it): refused for good when
+    /// retrying cannot help ([`is_permanent`]), failed for now otherwise.
+    pub fn from_failure(code: i32, message: &str) -> Self {
+        if is_permanent(code) {
+            Self::Refused(message.to_owned())
+        } else {
+            Self::Failed(message.to_owned())
+        }
+    }
+}
+
+/// Delivers the rows due at `now_us()` once, oldest first, through `deliver`, and books
+/// each outcome: delivered, given up (logged at WARN, kept with why), or rescheduled
+/// after the backoff. Returns how many were delivered.
+pub async fn deliver_due<F, Fut>(
+    db: &impl ConnectionTrait,
+    now_us: impl Fn() -> i64,
+    limit: u64,
+    mut deliver: F,
+) -> Result<u64, DbErr>
+where
+    F: FnMut(OutboxRow) -> Fut,
+    Fut: std::future::Future<Output = Delivery>,
+{
+    let mut delivered = 0;
+    for row in due(db, now_us(), limit).await? {
+        let (id, key, kind) = (
+            row.id.clone(),
+            row.idempotency_key.clone(),
+            row.kind.clone(),
+        );
+        match deliver(row.clone()).await {
+            Delivery::Delivered => {
+                mark_delivered(db, &id, now_us()).await?;
+                delivered += 1;
+            }
+            Delivery::Refused(why) => {
+                tracing::warn!(%kind, %key, reason = %why, "outbox call refused for good; given up");
+                give_up(db, &id, now_us(), &why).await?;
+            }
+            Delivery::Failed(why) => {
+                tracing::debug!(%kind, %key, reason = %why, "outbox call not delivered yet");
+                delivery_failed(db, &row, now_us(), &why).await?;
+            }
+        }
+    }
+    Ok(delivered)
+}
+
 /// Whether a callee's refusal is final: retrying the same request can never succeed.
 pub fn is_permanent(code: i32) -> bool {
     // tonic::Code values, without depending on tonic here: InvalidArgument (3), NotFound

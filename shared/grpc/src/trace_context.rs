@@ -80,6 +80,13 @@ pub fn continue_trace(span: &tracing::Span, traceparent: &str) {
     let _ = span.set_parent(extract_context(&headers));
 }
 
+/// The span of one outbox delivery, continuing the trace of the decision that owed it.
+pub fn outbox_span(kind: &str, key: &str, traceparent: &str) -> tracing::Span {
+    let span = tracing::info_span!("outbox.deliver", kind = %kind, key = %key);
+    continue_trace(&span, traceparent);
+    span
+}
+
 /// A span for periodic background work (a reconcile round, a dispatch poll) that is not
 /// exported, nor is anything it calls: its parent is a remote context marked not
 /// sampled, which the parent-based sampler follows here and in the services it calls.
@@ -90,12 +97,9 @@ pub fn background_span(name: &'static str) -> tracing::Span {
         SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
     };
     let span = tracing::info_span!("background", otel.name = name);
-    let mut ids = [0u8; 24];
-    for chunk in ids.chunks_mut(8) {
-        chunk.copy_from_slice(&random_u64().to_le_bytes());
-    }
-    let trace_id = TraceId::from_bytes(ids[..16].try_into().expect("16 bytes"));
-    let span_id = SpanId::from_bytes(ids[16..].try_into().expect("8 bytes"));
+    // Random, and never all zero (an all-zero id is invalid and would be ignored).
+    let trace_id = TraceId::from(rand::random::<u128>() | 1);
+    let span_id = SpanId::from(rand::random::<u64>() | 1);
     let unsampled = SpanContext::new(
         trace_id,
         span_id,
@@ -105,17 +109,6 @@ pub fn background_span(name: &'static str) -> tracing::Span {
     );
     let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(unsampled));
     span
-}
-
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish() | 1
 }
 
 /// Server side: one `grpc.request` span per call, child of the caller's trace.

@@ -17,8 +17,8 @@ use runplane_clock::SharedClock;
 use runplane_proto::credentials::v1 as pb;
 use sea_orm::sea_query::{Expr, ExprTrait as _, OnConflict};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
-    IntoActiveModel, Order, QueryFilter, QueryOrder, QuerySelect, SqlErr,
+    ColumnTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel,
+    Order, QueryFilter, QueryOrder, QuerySelect, SqlErr,
 };
 
 pub use migration::Migrator;
@@ -696,7 +696,3 @@ pub fn timestamp(ms: i64) -> prost_types::Timestamp {
         nanos: (ms.rem_euclid(1000) * 1_000_000) as i32,
     }
 }
-
-/// Lets callers treat a connection and a transaction alike.
-pub trait Db: ConnectionTrait {}
-impl<T: ConnectionTrait> Db for T {}

@@ -41,10 +41,7 @@ pub fn bounded(
 /// Ids of orgs, leads, credentials, profiles: 1–128 bytes of `[A-Za-z0-9._:-]`.
 pub fn name(field: &'static str, value: &str) -> Result<(), RunStoreError> {
     bounded(field, value, 1, 128)?;
-    if !value
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
-    {
+    if !runplane_config::is_name(value) {
         return Err(RunStoreError::invalid(
             field,
             "may contain only letters, digits, '.', '_', ':' and '-'",

@@ -370,9 +370,22 @@ impl Store {
     }
 
     /// Runs in STARTING or RUNNING, counted per credential, per profile and per
-    /// (profile, credential) pair keyed `profile/credential`.
-    pub async fn count_active(&self) -> Result<ActiveCounts> {
-        let rows: Vec<(String, String, i64)> = run::Entity::find()
+    /// (profile, credential) pair keyed `profile/credential`; only runs on one of
+    /// `credential_ids` or in one of `profiles` when either is given (empty: all).
+    pub async fn count_active(
+        &self,
+        credential_ids: &[String],
+        profiles: &[String],
+    ) -> Result<ActiveCounts> {
+        let mut query = run::Entity::find();
+        if !credential_ids.is_empty() || !profiles.is_empty() {
+            query = query.filter(
+                sea_orm::Condition::any()
+                    .add(run::Column::CredentialId.is_in(credential_ids.iter().cloned()))
+                    .add(run::Column::Profile.is_in(profiles.iter().cloned())),
+            );
+        }
+        let rows: Vec<(String, String, i64)> = query
             .select_only()
             .column(run::Column::CredentialId)
             .column(run::Column::Profile)
