@@ -237,13 +237,17 @@ impl CredentialHealthService for CredentialHealthApi {
         s.authenticate(&request)?;
         let req = request.into_inner();
         name("org_id", &req.org_id, false)?;
+        let mut max_run_seconds = 0;
         let (profile, candidates): (String, Vec<(String, u32)>) = match &req.target {
             Some(Target::Profile(p)) => {
                 name("profile", p, true)?;
                 let entries: Vec<(String, u32)> = s
                     .profiles
                     .named(p)
-                    .map(|e| (e.credential_id.clone(), e.capacity))
+                    .map(|e| {
+                        max_run_seconds = max_run_seconds.max(e.max_run_seconds);
+                        (e.credential_id.clone(), e.capacity)
+                    })
                     .collect();
                 if entries.is_empty() {
                     return Err(CredentialHealthError::ProfileUnknown(p.clone()).into());
@@ -317,6 +321,7 @@ impl CredentialHealthService for CredentialHealthApi {
             free: free(chosen),
             credential_id: chosen.0.clone(),
             profile,
+            max_run_seconds,
         }))
     }
 

@@ -21,6 +21,8 @@ pub struct Profile {
     pub name: String,
     pub credential_id: String,
     pub capacity: u32,
+    /// The deadline of a run admitted through this profile without one of its own (s; 0 none).
+    pub max_run_seconds: u32,
     error: Regex,
     exhausted: Regex,
 }
@@ -97,6 +99,7 @@ impl Profiles {
                 name: p.name.clone(),
                 credential_id: p.credential_id.clone(),
                 capacity: p.capacity,
+                max_run_seconds: p.max_run_seconds,
                 error,
                 exhausted,
             });

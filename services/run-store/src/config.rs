@@ -39,6 +39,10 @@ pub struct RunStoreSettings {
     pub database_url: String,
     pub limits: Limits,
     pub signer: ReceiptSigner,
+    /// The longest deadline a run may have (`[run_store] max_run_duration_seconds`).
+    pub max_run_duration_seconds: u32,
+    /// How often the deadline sweep runs.
+    pub deadline_sweep_interval: Duration,
 }
 
 impl RunStoreSettings {
@@ -62,6 +66,10 @@ impl RunStoreSettings {
                 ..Limits::default()
             },
             signer,
+            max_run_duration_seconds: config.run_store.max_run_duration_seconds,
+            deadline_sweep_interval: Duration::from_millis(
+                config.run_store.deadline_sweep_interval_ms.into(),
+            ),
         })
     }
 }

@@ -49,6 +49,8 @@ pub fn run(model: &run::Model) -> pb::Run {
         ended_at: model.ended_at_us.map(timestamp),
         updated_at: Some(timestamp(model.updated_at_us)),
         traceparent: model.traceparent.clone(),
+        deadline: model.deadline_at_us.map(timestamp),
+        sandbox_id: model.sandbox_id.clone(),
     }
 }
 

@@ -25,10 +25,25 @@ use crate::store::{Ack, FailRequest, NewRun, RunFilter, RunnerAuth, Store};
 
 type Result<T> = std::result::Result<T, RunStoreError>;
 
+/// Most ids one ListRuns may name (`run_ids`).
+const MAX_LISTED_RUN_IDS: usize = 500;
+
+/// Most bytes of a CancelRun reason.
+const MAX_CANCEL_REASON_BYTES: usize = 256;
+
 /// Counts a run that became terminal in `state` (a done run re-marked backend_error
 /// counts again, as backend_error).
-fn finished_as(state: &str) {
+pub(crate) fn finished_as(state: &str) {
     metrics::runs_finished().add(1, &[metrics::attr("state", state.to_owned())]);
+}
+
+/// What admission granted a new run.
+#[derive(Debug)]
+struct Admitted {
+    /// The credential it runs on; empty when admission is off and a profile was named.
+    credential_id: String,
+    /// The profile's default deadline (0: none).
+    max_run_seconds: u32,
 }
 
 /// What both services share.
@@ -56,19 +71,22 @@ pub type CredentialHealthClient = runplane_proto::credentials::v1::credential_he
 const ADMISSION_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Shared {
-    /// Asks credential health whether the run may start on `target`; returns the
-    /// credential it is admitted on. Refusals come back as credential health answered
-    /// them (COOLING_OFF, EXHAUSTED, PROFILE_UNKNOWN, CREDENTIAL_UNKNOWN).
+    /// Asks credential health whether the run may start on `target`; returns what it
+    /// admitted the run on. Refusals come back as credential health answered them
+    /// (COOLING_OFF, EXHAUSTED, PROFILE_UNKNOWN, CREDENTIAL_UNKNOWN).
     async fn admit(
         &self,
         org_id: &str,
         target: &pb::create_run_request::Target,
-    ) -> std::result::Result<String, Status> {
+    ) -> std::result::Result<Admitted, Status> {
         use runplane_proto::credentials::v1 as ch;
         let Some(client) = &self.credential_health else {
-            return Ok(match target {
-                pb::create_run_request::Target::CredentialId(c) => c.clone(),
-                pb::create_run_request::Target::Profile(_) => String::new(),
+            return Ok(Admitted {
+                credential_id: match target {
+                    pb::create_run_request::Target::CredentialId(c) => c.clone(),
+                    pb::create_run_request::Target::Profile(_) => String::new(),
+                },
+                max_run_seconds: 0,
             });
         };
         let request = ch::CheckAdmissionRequest {
@@ -85,7 +103,13 @@ impl Shared {
         let mut client = client.clone();
         let answer = tokio::time::timeout(ADMISSION_TIMEOUT, client.check_admission(request)).await;
         match answer {
-            Ok(Ok(admitted)) => Ok(admitted.into_inner().credential_id),
+            Ok(Ok(admitted)) => {
+                let admitted = admitted.into_inner();
+                Ok(Admitted {
+                    credential_id: admitted.credential_id,
+                    max_run_seconds: admitted.max_run_seconds,
+                })
+            }
             Ok(Err(status))
                 if matches!(
                     status.code(),
@@ -152,6 +176,30 @@ impl Shared {
             });
         }
         Ok(run)
+    }
+
+    /// CreateRun's `max_duration`: positive and at most `[run_store]
+    /// max_run_duration_seconds`.
+    fn checked_max_duration(&self, d: &prost_types::Duration) -> Result<Duration> {
+        let bound = self.settings.max_run_duration_seconds;
+        let out_of_range = || {
+            RunStoreError::invalid(
+                "max_duration",
+                format!("must be more than 0 s and at most {bound} s"),
+            )
+        };
+        if d.seconds < 0
+            || d.nanos < 0
+            || d.nanos >= 1_000_000_000
+            || (d.seconds, d.nanos) == (0, 0)
+        {
+            return Err(out_of_range());
+        }
+        let d = Duration::new(d.seconds as u64, d.nanos as u32);
+        if d > Duration::from_secs(bound.into()) {
+            return Err(out_of_range());
+        }
+        Ok(d)
     }
 
     fn limits(&self) -> pb::RunnerLimits {
@@ -246,7 +294,9 @@ impl RunnerService for RunnerApi {
     ) -> std::result::Result<Response<pb::PollSteeringResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
-        s.runner(&request, &req.run_id, false).await?;
+        // A terminal run's key still polls: the runner learns the run ended (and gets an
+        // abort enqueued as it ended) from the answer instead of an error.
+        s.runner(&request, &req.run_id, true).await?;
         let acks = check_acks(&req.acks, s.settings.limits.max_ack_ids as usize)?;
         let limit = match req.max_messages {
             0 => 16,
@@ -265,10 +315,15 @@ impl RunnerService for RunnerApi {
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = s.changes.subscribe();
         loop {
-            let pending = s.store.pending_messages(&req.run_id, limit.into()).await?;
+            let mut pending = s.store.pending_messages(&req.run_id, limit.into()).await?;
             let run = s.store.get_run(&req.run_id).await?;
+            let terminal = state::is_terminal(&run.state);
+            if terminal {
+                // Only an abort still means anything to a runner whose run ended.
+                pending.retain(|m| m.kind == pb::SteeringKind::Abort as i32);
+            }
             if !pending.is_empty()
-                || state::is_terminal(&run.state)
+                || terminal
                 || tokio::time::Instant::now() >= deadline
                 || s.changes.is_closing()
             {
@@ -428,19 +483,26 @@ impl RunService for RunApi {
             validate::bounded("labels", k, 1, 63)?;
             validate::bounded("labels", v, 0, 256)?;
         }
-        let request_digest = digest_hex(
-            serde_json::to_string(&(
-                &req.org_id,
-                &req.lead_id,
-                &profile,
-                &credential_id,
-                &req.command,
-                &req.args,
-                &labels,
-            ))
-            .expect("serialisable")
-            .as_bytes(),
-        );
+        let max_duration = match req.max_duration.as_ref() {
+            None => None,
+            Some(d) => Some(s.checked_max_duration(d)?),
+        };
+        let mut body = serde_json::to_value((
+            &req.org_id,
+            &req.lead_id,
+            &profile,
+            &credential_id,
+            &req.command,
+            &req.args,
+            &labels,
+        ))
+        .expect("serialisable");
+        // Only a request that asks for a deadline digests it, so the digests of requests
+        // made before deadlines existed stay what they were.
+        if let (Some(d), Some(body)) = (max_duration, body.as_array_mut()) {
+            body.push(serde_json::json!(d.as_micros() as u64));
+        }
+        let request_digest = digest_hex(body.to_string().as_bytes());
         // A replay returns the run it created, whatever credential health says now.
         if let Some(run) = s
             .store
@@ -453,11 +515,17 @@ impl RunService for RunApi {
         }
         let target = req.target.as_ref().expect("validated above");
         let admitted = s.admit(&req.org_id, target).await?;
-        let credential_id = if admitted.is_empty() {
+        let credential_id = if admitted.credential_id.is_empty() {
             credential_id
         } else {
-            admitted
+            admitted.credential_id
         };
+        // The run's own deadline, else its profile's, never past the configured bound.
+        let bound = Duration::from_secs(s.settings.max_run_duration_seconds.into());
+        let max_duration = max_duration.or_else(|| {
+            (admitted.max_run_seconds > 0)
+                .then(|| Duration::from_secs(admitted.max_run_seconds.into()).min(bound))
+        });
         tracing::Span::current().record("credential_id", credential_id.as_str());
         let (run, created) = s
             .store
@@ -471,6 +539,7 @@ impl RunService for RunApi {
                 command: req.command.clone(),
                 args: req.args.clone(),
                 labels,
+                max_duration_us: max_duration.map(|d| d.as_micros() as i64),
             })
             .await?;
         if created {
@@ -512,6 +581,12 @@ impl RunService for RunApi {
                 })?;
             states.push(st);
         }
+        if req.run_ids.len() > MAX_LISTED_RUN_IDS {
+            return Err(RunStoreError::invalid("run_ids", "at most 500 ids").into());
+        }
+        for id in &req.run_ids {
+            validate::run_id(id)?;
+        }
         let limit = runplane_grpc::page_size(req.page_size, 50)
             .map_err(|reason| RunStoreError::invalid("page_size", reason))?;
         let mut filter = RunFilter {
@@ -520,6 +595,7 @@ impl RunService for RunApi {
             credential_id: (!req.credential_id.is_empty()).then(|| req.credential_id.clone()),
             profile: (!req.profile.is_empty()).then(|| req.profile.clone()),
             states,
+            run_ids: req.run_ids.clone(),
             after: None,
             limit: u64::from(limit) + 1,
         };
@@ -785,6 +861,48 @@ impl RunService for RunApi {
         }))
     }
 
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn cancel_run(
+        &self,
+        request: Request<pb::CancelRunRequest>,
+    ) -> std::result::Result<Response<pb::CancelRunResponse>, Status> {
+        let s = &self.shared;
+        let operator = s.operator(&request)?;
+        let req = request.get_ref();
+        validate::bounded("reason", &req.reason, 0, MAX_CANCEL_REASON_BYTES)?;
+        if req.reason.chars().any(char::is_control) {
+            return Err(
+                RunStoreError::invalid("reason", "must not contain control characters").into(),
+            );
+        }
+        validate::client_key("idempotency_key", &req.idempotency_key)?;
+        s.visible_run(&operator, &req.run_id).await?;
+        let message = if req.reason.is_empty() {
+            "cancelled by an operator"
+        } else {
+            req.reason.as_str()
+        };
+        let digest = digest_hex(message.as_bytes());
+        let finished = s
+            .store
+            .cancel_run(
+                &req.run_id,
+                message,
+                &req.idempotency_key,
+                &digest,
+                &s.settings.signer,
+            )
+            .await?;
+        if finished.made_terminal {
+            finished_as(&finished.run.state);
+            s.changes.notify(&req.run_id);
+            tracing::info!("run cancelled");
+        }
+        Ok(Response::new(pb::CancelRunResponse {
+            run: Some(convert::run(&finished.run)),
+        }))
+    }
+
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, reason = %request.get_ref().reason))]
     async fn fail_run(
         &self,
@@ -797,11 +915,22 @@ impl RunService for RunApi {
         validate::snake_reason("reason", &req.reason)?;
         validate::bounded("message", &req.message, 0, 512)?;
         validate::client_key("idempotency_key", &req.idempotency_key)?;
-        let digest = digest_hex(
+        if !req.if_sandbox_id.is_empty() {
+            validate::name("if_sandbox_id", &req.if_sandbox_id)?;
+        }
+        // Without a sandbox guard the digest is what it was before the guard existed, so a
+        // FailRun owed across an upgrade still replays as itself.
+        let digest = if req.if_sandbox_id.is_empty() {
             serde_json::to_string(&(&req.reason, &req.message, req.if_sandbox_generation))
-                .expect("serialisable")
-                .as_bytes(),
-        );
+        } else {
+            serde_json::to_string(&(
+                &req.reason,
+                &req.message,
+                req.if_sandbox_generation,
+                &req.if_sandbox_id,
+            ))
+        };
+        let digest = digest_hex(digest.expect("serialisable").as_bytes());
         let (outcome, run) = s
             .store
             .fail_run(
@@ -811,6 +940,8 @@ impl RunService for RunApi {
                     message: &req.message,
                     idempotency_key: &req.idempotency_key,
                     guard_generation: req.if_sandbox_generation,
+                    guard_sandbox: (!req.if_sandbox_id.is_empty())
+                        .then_some(req.if_sandbox_id.as_str()),
                     request_digest: &digest,
                 },
                 &s.settings.signer,
@@ -986,8 +1117,13 @@ async fn watch(
 fn page_filter_digest(filter: &RunFilter) -> String {
     digest_hex(
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}",
-            filter.org_id, filter.lead_id, filter.credential_id, filter.profile, filter.states
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
+            filter.org_id,
+            filter.lead_id,
+            filter.credential_id,
+            filter.profile,
+            filter.states,
+            filter.run_ids
         )
         .as_bytes(),
     )[..16]

@@ -23,6 +23,9 @@ use runplane_proto::runstore::v1::run_service_server::RunServiceServer;
 use runplane_proto::runstore::v1::runner_service_server::RunnerServiceServer;
 
 pub use config::{Limits, RunStoreSettings};
+
+/// Most runs one deadline sweep ends; the rest wait for the next round.
+const DEADLINE_SWEEP_BATCH: u64 = 100;
 pub use error::RunStoreError;
 
 /// A started run store, ready to be registered on a server.
@@ -65,26 +68,53 @@ impl RunStore {
         })
     }
 
-    /// Delivers the outbox (failed turns to credential health) in the background until
-    /// `shutdown`. Without admission there is nothing to deliver and nothing is started.
+    /// The run store's background work until `shutdown`: the deadline sweep every
+    /// `[run_store] deadline_sweep_interval_ms`, and (with admission) the outbox of
+    /// failed turns owed to credential health. A round that fails is retried by the next.
     pub fn spawn_loop(
         &self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Option<tokio::task::JoinHandle<()>> {
-        let client = self.shared.credential_health.clone()?;
+    ) -> tokio::task::JoinHandle<()> {
         let store = self.clone();
-        Some(tokio::spawn(async move {
+        tokio::spawn(async move {
             tokio::pin!(shutdown);
+            let mut sweep = tokio::time::interval(store.shared.settings.deadline_sweep_interval);
+            let mut deliver = tokio::time::interval(outbox::EVERY);
+            sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            deliver.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                if let Err(e) = outbox::deliver(store.store(), &client, 100).await {
-                    tracing::warn!(error = %e, "outbox delivery failed; next round retries");
-                }
                 tokio::select! {
                     () = &mut shutdown => return,
-                    () = tokio::time::sleep(outbox::EVERY) => {}
+                    _ = sweep.tick() => {
+                        if let Err(e) = store.sweep_deadlines().await {
+                            tracing::warn!(error = %e, "deadline sweep failed; next round retries");
+                        }
+                    }
+                    _ = deliver.tick(), if store.shared.credential_health.is_some() => {
+                        if let Err(e) = store.deliver_outbox().await {
+                            tracing::warn!(error = %e, "outbox delivery failed; next round retries");
+                        }
+                    }
                 }
             }
-        }))
+        })
+    }
+
+    /// Ends the runs past their deadline as `deadline_exceeded`: one bounded query for
+    /// the due runs, then each is ended under its own lock, so replicas sweeping at the
+    /// same time end each run once. Returns how many this call ended.
+    pub async fn sweep_deadlines(&self) -> Result<u64, RunStoreError> {
+        let s = &self.shared;
+        let mut ended = 0;
+        for run_id in s.store.past_deadline(DEADLINE_SWEEP_BATCH).await? {
+            if let Some(run) = s.store.expire(&run_id, &s.settings.signer).await? {
+                grpc::finished_as(&run.state);
+                s.changes.notify(&run.id);
+                tracing::info!(run_id = %run.id, "run ended: deadline exceeded");
+                ended += 1;
+            }
+        }
+        Ok(ended)
     }
 
     /// Delivers due outbox rows once (tests drive delivery by hand with this).

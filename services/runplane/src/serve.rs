@@ -103,7 +103,7 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
             .await
             .context("starting the run store")?;
         run_store.register(&mut services);
-        // Failed turns go to credential health for classification.
+        // Runs past their deadline end; failed turns go to credential health.
         run_store.spawn_loop(std::future::pending());
     }
     if selection.sandbox_reconciler {

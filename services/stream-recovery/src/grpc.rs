@@ -220,29 +220,13 @@ impl Shared {
         }
     }
 
-    /// Ends an exhausted run through the run store's terminal path and sends its one
-    /// abort. Both calls are keyed, so repeating them (a later claim, the sweep) changes
-    /// nothing and the runner never gets a second abort.
+    /// Sends an exhausted run's one abort, then ends the run through the run store's
+    /// terminal path. The abort goes first so a runner that polls as the run ends still
+    /// finds it (a terminal run's poll serves pending aborts); the other order left a
+    /// window in which the runner saw the run end with no abort to apply. Both calls are
+    /// keyed, so repeating them (a later claim, the sweep) changes nothing and the runner
+    /// never gets a second abort.
     async fn end_exhausted(&self, run_id: &str) -> Result<(), Status> {
-        let failed = self
-            .run_store
-            .clone()
-            .fail_run(rs::FailRunRequest {
-                run_id: run_id.to_owned(),
-                reason: "stream_recovery_exhausted".into(),
-                message: format!(
-                    "the run's stream was taken over {MAX_ATTEMPTS} times and kept failing"
-                ),
-                idempotency_key: format!("{run_id}:recovery-exhausted"),
-                if_sandbox_generation: None,
-            })
-            .await
-            .map_err(|s| upstream(&s))?;
-        let outcome = failed.into_inner().outcome();
-        if outcome == runplane_proto::runstore::v1::FailRunOutcome::MadeTerminal {
-            runplane_telemetry::metrics::recovery_exhaustions().add(1, &[]);
-        }
-        tracing::warn!(run_id, ?outcome, "stream recovery exhausted; run ended");
         self.run_store
             .clone()
             .enqueue_control(rs::EnqueueControlRequest {
@@ -256,6 +240,26 @@ impl Shared {
             })
             .await
             .map_err(|s| upstream(&s))?;
+        let failed = self
+            .run_store
+            .clone()
+            .fail_run(rs::FailRunRequest {
+                run_id: run_id.to_owned(),
+                reason: "stream_recovery_exhausted".into(),
+                message: format!(
+                    "the run's stream was taken over {MAX_ATTEMPTS} times and kept failing"
+                ),
+                idempotency_key: format!("{run_id}:recovery-exhausted"),
+                if_sandbox_generation: None,
+                if_sandbox_id: String::new(),
+            })
+            .await
+            .map_err(|s| upstream(&s))?;
+        let outcome = failed.into_inner().outcome();
+        if outcome == runplane_proto::runstore::v1::FailRunOutcome::MadeTerminal {
+            runplane_telemetry::metrics::recovery_exhaustions().add(1, &[]);
+        }
+        tracing::warn!(run_id, ?outcome, "stream recovery exhausted; run ended");
         Ok(())
     }
 

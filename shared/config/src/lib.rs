@@ -218,6 +218,11 @@ pub struct RunStoreConfig {
     /// where no credential health runs: runs are then created on the credential or
     /// profile as named and failures are not classified.
     pub admission: bool,
+    /// The longest deadline a run may ask for (CreateRun's max_duration, a profile's
+    /// max_run_seconds), in seconds.
+    pub max_run_duration_seconds: u32,
+    /// How often a replica looks for runs past their deadline, in milliseconds.
+    pub deadline_sweep_interval_ms: u32,
 }
 
 impl Default for RunStoreConfig {
@@ -230,6 +235,8 @@ impl Default for RunStoreConfig {
             max_batch_bytes: 1 << 20,
             max_poll_wait_seconds: 30,
             admission: true,
+            max_run_duration_seconds: 7 * 24 * 3600,
+            deadline_sweep_interval_ms: 1000,
         }
     }
 }
@@ -353,6 +360,10 @@ pub struct ProfileConfig {
     /// A failure tail matching it means the credential is spent; checked first.
     #[serde(alias = "exhaustedPattern")]
     pub exhausted_pattern: String,
+    /// The deadline of a run created through this profile without one of its own, in
+    /// seconds; 0 for none.
+    #[serde(default, alias = "maxRunSeconds")]
+    pub max_run_seconds: u32,
 }
 
 impl Default for ProfileConfig {
@@ -365,6 +376,7 @@ impl Default for ProfileConfig {
             capacity: 8,
             error_pattern: r"(?i)API Error:|No response from API|overloaded_error|\b(502|503|504|529)\b.*(Bad Gateway|Unavailable|Timeout|Overloaded)".to_owned(),
             exhausted_pattern: r"(?i)credit balance is too low|insufficient_quota|quota exceeded|usage limit reached".to_owned(),
+            max_run_seconds: 0,
         }
     }
 }
@@ -473,6 +485,18 @@ impl Config {
         }
         self.validate_credential_health()?;
         self.validate_tls()?;
+        if self.run_store.max_run_duration_seconds == 0 {
+            return Err(ConfigError::invalid(
+                "run_store.max_run_duration_seconds",
+                "must be at least 1",
+            ));
+        }
+        if !(10..=600_000).contains(&self.run_store.deadline_sweep_interval_ms) {
+            return Err(ConfigError::invalid(
+                "run_store.deadline_sweep_interval_ms",
+                "must be between 10 and 600000",
+            ));
+        }
         if !(1..=300).contains(&self.run_store.max_poll_wait_seconds) {
             return Err(ConfigError::invalid(
                 "run_store.max_poll_wait_seconds",

@@ -39,6 +39,10 @@ pub mod run {
         pub backend_error: Option<String>,
         /// W3C traceparent of the creating call (see `Run.traceparent`).
         pub traceparent: String,
+        /// The sandbox of the highest issued key ('' before any): FailRun's guard.
+        pub sandbox_id: String,
+        /// When the run fails with deadline_exceeded unless it ended first; NULL for none.
+        pub deadline_at_us: Option<i64>,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,

@@ -17,7 +17,52 @@ impl MigratorTrait for Migrator {
                 table: "runs",
                 column: "traceparent",
             }),
+            // The sandbox FailRun's guard names (`runs.sandbox_id`).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0004_run_sandbox_id",
+                table: "runs",
+                column: "sandbox_id",
+            }),
+            Box::new(AddDeadline),
         ]
+    }
+}
+
+/// A run's deadline (`runs.deadline_at_us`, NULL for none), indexed so the deadline
+/// sweep's one query per round reads only the runs that are due.
+struct AddDeadline;
+
+impl MigrationName for AddDeadline {
+    fn name(&self) -> &str {
+        "m0005_run_deadline"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddDeadline {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .add_column(int64_null("deadline_at_us"))
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index("runs_deadline", "runs", &["deadline_at_us"], false))
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .drop_column(Alias::new("deadline_at_us"))
+                    .to_owned(),
+            )
+            .await
     }
 }
 

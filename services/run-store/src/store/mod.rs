@@ -45,6 +45,10 @@ type Result<T> = std::result::Result<T, RunStoreError>;
 pub const REVOKED_SUPERSEDED: &str = "superseded";
 pub const REVOKED_TERMINAL: &str = "terminal";
 
+/// Verdict reasons the run store itself records.
+pub const REASON_CANCELLED: &str = "cancelled";
+pub const REASON_DEADLINE_EXCEEDED: &str = "deadline_exceeded";
+
 /// The run store's storage, over one database connection pool.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -95,6 +99,8 @@ pub struct NewRun {
     pub command: String,
     pub args: Vec<String>,
     pub labels: std::collections::BTreeMap<String, String>,
+    /// How long the run may live from its creation; `None` for no deadline.
+    pub max_duration_us: Option<i64>,
 }
 
 /// Filters and position of a ListRuns page.
@@ -105,6 +111,8 @@ pub struct RunFilter {
     pub credential_id: Option<String>,
     pub profile: Option<String>,
     pub states: Vec<&'static str>,
+    /// Only these runs (empty: any).
+    pub run_ids: Vec<String>,
     /// Start after this (created_at_us, id), newest first.
     pub after: Option<(i64, String)>,
     pub limit: u64,
@@ -142,6 +150,8 @@ pub struct FailRequest<'a> {
     pub idempotency_key: &'a str,
     /// Fail only while the run's sandbox generation is this one.
     pub guard_generation: Option<u64>,
+    /// Fail only while the run's sandbox is this one.
+    pub guard_sandbox: Option<&'a str>,
     pub request_digest: &'a str,
 }
 
@@ -279,6 +289,8 @@ impl Store {
             failure_tail: None,
             backend_error: None,
             traceparent: runplane_grpc::trace_context::current_traceparent().unwrap_or_default(),
+            sandbox_id: String::new(),
+            deadline_at_us: new.max_duration_us.map(|d| now.saturating_add(d)),
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,
@@ -349,6 +361,9 @@ impl Store {
         }
         if !filter.states.is_empty() {
             query = query.filter(run::Column::State.is_in(filter.states.iter().copied()));
+        }
+        if !filter.run_ids.is_empty() {
+            query = query.filter(run::Column::Id.is_in(filter.run_ids.iter().cloned()));
         }
         if let Some((created, id)) = &filter.after {
             query = query.filter(
@@ -501,6 +516,7 @@ impl Store {
             .await?;
         let mut active = run.clone().into_active_model();
         active.sandbox_generation = sea_orm::Set(generation_i);
+        active.sandbox_id = sea_orm::Set(sandbox_id.to_owned());
         if run.state == state::QUEUED {
             active.state = sea_orm::Set(state::STARTING.to_owned());
         }
@@ -996,6 +1012,7 @@ impl Store {
             message,
             idempotency_key,
             guard_generation,
+            guard_sandbox,
             request_digest,
         } = *request;
         const METHOD: &str = "FailRun";
@@ -1012,7 +1029,9 @@ impl Store {
         }
         let (outcome, run) = if state::is_terminal(&run.state) {
             (pb::FailRunOutcome::AlreadyTerminal, run)
-        } else if guard_generation.is_some_and(|g| g as i64 != run.sandbox_generation) {
+        } else if guard_generation.is_some_and(|g| g as i64 != run.sandbox_generation)
+            || guard_sandbox.is_some_and(|id| id != run.sandbox_id)
+        {
             (pb::FailRunOutcome::GuardMismatch, run)
         } else {
             let verdict = pb::Verdict {
@@ -1055,6 +1074,98 @@ impl Store {
             outcome: pb::VerdictOutcome::Cancelled as i32,
             reason: "interrupted".into(),
             message: reason.to_owned(),
+            ..Default::default()
+        };
+        let run = self
+            .finish_locked(&txn, run, &verdict, None, signer)
+            .await?;
+        txn.commit().await?;
+        Ok(Some(run))
+    }
+
+    /// Cancels a run for an operator through the guarded terminal path. A replay of the
+    /// cancel that won (same idempotency key) gets the run back with `made_terminal`
+    /// false; any other cancel of a terminal run is refused with its recorded verdict.
+    pub async fn cancel_run(
+        &self,
+        run_id: &str,
+        message: &str,
+        idempotency_key: &str,
+        request_digest: &str,
+        signer: &ReceiptSigner,
+    ) -> Result<Finished> {
+        const METHOD: &str = "CancelRun";
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        if self
+            .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
+            .await?
+            .is_some()
+        {
+            txn.commit().await?;
+            return Ok(Finished {
+                run,
+                made_terminal: false,
+            });
+        }
+        if state::is_terminal(&run.state) {
+            return Err(terminal_error(&run));
+        }
+        let verdict = pb::Verdict {
+            outcome: pb::VerdictOutcome::Cancelled as i32,
+            reason: REASON_CANCELLED.into(),
+            message: message.to_owned(),
+            ..Default::default()
+        };
+        let run = self
+            .finish_locked(&txn, run, &verdict, None, signer)
+            .await?;
+        self.store_answer(
+            &txn,
+            run_id,
+            METHOD,
+            idempotency_key,
+            request_digest,
+            Vec::new(),
+        )
+        .await?;
+        txn.commit().await?;
+        Ok(Finished {
+            run,
+            made_terminal: true,
+        })
+    }
+
+    /// Live runs whose deadline has passed, soonest first: one bounded read on the
+    /// deadline index.
+    pub async fn past_deadline(&self, limit: u64) -> Result<Vec<String>> {
+        Ok(run::Entity::find()
+            .select_only()
+            .column(run::Column::Id)
+            .filter(run::Column::DeadlineAtUs.lte(self.now_us()))
+            .filter(run::Column::State.is_in(state::LIVE))
+            .order_by(run::Column::DeadlineAtUs, Order::Asc)
+            .limit(limit)
+            .into_tuple()
+            .all(&self.db)
+            .await?)
+    }
+
+    /// Ends `run_id` as `deadline_exceeded` if it is still live and past its deadline
+    /// under the run's lock, so of several replicas sweeping at once exactly one ends it
+    /// and the others find it terminal. `None` when nothing changed.
+    pub async fn expire(&self, run_id: &str, signer: &ReceiptSigner) -> Result<Option<run::Model>> {
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        let now = self.now_us();
+        if state::is_terminal(&run.state) || run.deadline_at_us.is_none_or(|d| d > now) {
+            return Ok(None);
+        }
+        let limit_s = (run.deadline_at_us.unwrap_or(now) - run.created_at_us) / 1_000_000;
+        let verdict = pb::Verdict {
+            outcome: pb::VerdictOutcome::Failed as i32,
+            reason: REASON_DEADLINE_EXCEEDED.into(),
+            message: format!("the run outlived its {limit_s} s deadline"),
             ..Default::default()
         };
         let run = self
