@@ -198,8 +198,11 @@ fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) 
             grace.as_secs()
         ),
         idempotency_key: format!("sandbox-lost:{}:{}", row.id, row.execution_generation),
-        // Only the execution this reconciler watched: a run that moved on is left alone.
+        // Only the sandbox and execution this reconciler watched: a run that moved on (to
+        // a newer generation, or to a replacement sandbox, which starts at generation 1
+        // again) is left alone.
         if_sandbox_generation: Some(row.execution_generation as u64),
+        if_sandbox_id: row.id.clone(),
     };
     let mut owed = runplane_db::outbox::row(
         "run_store.fail_run",
