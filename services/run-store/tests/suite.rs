@@ -55,7 +55,388 @@ suite!(
     an_interrupt_on_a_queued_run_cancels_it,
     mark_backend_error_is_durable_from_running_and_from_done,
     shutdown_answers_long_polls_instead_of_cutting_them,
+    cancel_run_ends_the_run_once_and_replays_its_answer,
+    cancel_run_refuses_bad_input_and_writes_nothing,
+    a_run_past_its_deadline_ends_once_however_many_sweep,
+    max_duration_out_of_range_is_refused_naming_the_field,
+    a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone,
+    a_terminal_runs_poll_answers_its_state_and_pending_abort,
+    list_runs_by_ids,
 );
+
+fn cancel(run_id: &str, reason: &str, key: &str) -> pb::CancelRunRequest {
+    pb::CancelRunRequest {
+        run_id: run_id.into(),
+        reason: reason.into(),
+        idempotency_key: key.into(),
+    }
+}
+
+async fn cancel_run_ends_the_run_once_and_replays_its_answer(h: Harness) {
+    let (run_id, key) = h.running_run("cancel-running").await;
+    let mut op = h.operator().await;
+    let first = op
+        .cancel_run(cancel(&run_id, "operator asked", "cancel-key-0000000001"))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(first.state(), pb::RunState::Cancelled);
+    let verdict = first.verdict.clone().unwrap();
+    assert_eq!(verdict.outcome(), pb::VerdictOutcome::Cancelled);
+    assert_eq!(verdict.reason, "cancelled");
+    assert_eq!(verdict.message, "operator asked");
+    assert_eq!(first.failure_reason, "cancelled");
+
+    let replay = op
+        .cancel_run(cancel(&run_id, "operator asked", "cancel-key-0000000001"))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(replay.state(), pb::RunState::Cancelled);
+    assert_eq!(
+        replay.ended_at, first.ended_at,
+        "the replay ended nothing again"
+    );
+
+    let err = op
+        .cancel_run(cancel(&run_id, "again", "cancel-key-0000000002"))
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+    let info = error_info(&err).unwrap();
+    assert_eq!(info.metadata["recorded_verdict_reason"], "cancelled");
+    let err = op
+        .cancel_run(cancel(&run_id, "other text", "cancel-key-0000000001"))
+        .await
+        .unwrap_err();
+    assert_reason(
+        &err,
+        Code::InvalidArgument,
+        ErrorReason::IdempotencyKeyReused,
+    );
+
+    // The guarded terminal path: key revoked for appends, receipt sealed.
+    let mut runner = h.runner(&key).await;
+    let err = append(
+        &mut runner,
+        &run_id,
+        "batch-after-cancel-01",
+        vec![line("x")],
+    )
+    .await
+    .unwrap_err();
+    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+    assert_eq!(
+        receipt(&h, &run_id).await.verdict.unwrap().reason,
+        "cancelled"
+    );
+
+    // A queued run is cancelled the same way, before any sandbox exists.
+    let queued = h.create_run("cancel-queued").await;
+    let run = op
+        .cancel_run(cancel(&queued.id, "", "cancel-key-queued-001"))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(run.state(), pb::RunState::Cancelled);
+    assert_eq!(run.verdict.unwrap().message, "cancelled by an operator");
+}
+
+async fn cancel_run_refuses_bad_input_and_writes_nothing(h: Harness) {
+    let (run_id, _) = h.running_run("cancel-bad-input").await;
+    let mut op = h.operator().await;
+    let unknown = "0190aaaa-bbbb-7ccc-8ddd-eeeeeeeeeeee";
+    let err = op
+        .cancel_run(cancel(unknown, "", "cancel-unknown-run-01"))
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::NotFound, ErrorReason::RunNotFound);
+    // Another org's token sees no such run.
+    let mut other = h.operator().await;
+    let theirs = other
+        .create_run(pb::CreateRunRequest {
+            org_id: "globex".into(),
+            ..create_request("cancel-other-org")
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let mut acme = h.operator_with(ACME_TOKEN).await;
+    let err = acme
+        .cancel_run(cancel(&theirs.id, "", "cancel-other-org-0001"))
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::NotFound, ErrorReason::RunNotFound);
+    let long = "x".repeat(257);
+    let err = op
+        .cancel_run(cancel(&run_id, &long, "cancel-long-reason-01"))
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+    let err = op
+        .cancel_run(cancel(&run_id, "", "short"))
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+    let err = op
+        .cancel_run(cancel("not-a-run", "", "cancel-bad-run-id-001"))
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
+    assert_eq!(h.get_run(&theirs.id).await.state(), pb::RunState::Queued);
+}
+
+fn with_deadline(request_id: &str, d: prost_types::Duration) -> pb::CreateRunRequest {
+    pb::CreateRunRequest {
+        max_duration: Some(d),
+        ..create_request(request_id)
+    }
+}
+
+async fn a_run_past_its_deadline_ends_once_however_many_sweep(h: Harness) {
+    let mut op = h.operator().await;
+    let short = prost_types::Duration {
+        seconds: 0,
+        nanos: 1_000_000,
+    };
+    let due = op
+        .create_run(with_deadline("deadline-due", short))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let deadline = due.deadline.clone().expect("a deadline");
+    let created = due.created_at.clone().unwrap();
+    assert_eq!(
+        (deadline.seconds * 1_000_000_000 + i64::from(deadline.nanos))
+            - (created.seconds * 1_000_000_000 + i64::from(created.nanos)),
+        1_000_000,
+        "deadline = created_at + max_duration"
+    );
+    let key = h.issue_key(&due.id, 1).await;
+    let later = op
+        .create_run(with_deadline(
+            "deadline-later",
+            prost_types::Duration {
+                seconds: 3600,
+                nanos: 0,
+            },
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let none = h.create_run("deadline-none").await;
+    assert!(none.deadline.is_none());
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+
+    // Replicas sweeping at the same moment: the run ends once.
+    let sweeps = futures::future::join_all((0..4).map(|_| h.store.sweep_deadlines())).await;
+    let ended: u64 = sweeps.into_iter().map(|r| r.unwrap()).sum();
+    assert_eq!(ended, 1);
+    assert_eq!(h.store.sweep_deadlines().await.unwrap(), 0);
+
+    let run = h.get_run(&due.id).await;
+    assert_eq!(run.state(), pb::RunState::Failed);
+    assert_eq!(run.failure_reason, "deadline_exceeded");
+    assert_eq!(
+        receipt(&h, &due.id).await.verdict.unwrap().reason,
+        "deadline_exceeded"
+    );
+    // The runner learns it from its poll.
+    let mut runner = h.runner(&key).await;
+    let answer = poll(&mut runner, &due.id, vec![]).await.unwrap();
+    assert_eq!(answer.run_state(), pb::RunState::Failed);
+    assert_eq!(h.get_run(&later.id).await.state(), pb::RunState::Queued);
+    assert_eq!(h.get_run(&none.id).await.state(), pb::RunState::Queued);
+}
+
+async fn max_duration_out_of_range_is_refused_naming_the_field(h: Harness) {
+    let mut op = h.operator().await;
+    for (i, d) in [
+        prost_types::Duration {
+            seconds: 0,
+            nanos: 0,
+        },
+        prost_types::Duration {
+            seconds: -5,
+            nanos: 0,
+        },
+        prost_types::Duration {
+            seconds: 0,
+            nanos: -1,
+        },
+        prost_types::Duration {
+            seconds: 7 * 24 * 3600 + 1,
+            nanos: 0,
+        },
+        prost_types::Duration {
+            seconds: i64::MAX,
+            nanos: 0,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let err = op
+            .create_run(with_deadline(&format!("bad-deadline-{i}"), d))
+            .await
+            .unwrap_err();
+        assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+        assert_eq!(error_info(&err).unwrap().metadata["field"], "max_duration");
+    }
+    let listed = op
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.runs.is_empty(), "nothing was written");
+}
+
+async fn a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone(h: Harness) {
+    let (run_id, _) = h.running_run("replaced-sandbox").await;
+    // The first sandbox (sbx-test, generation 1) was lost and replaced by another sandbox,
+    // which starts at generation 1 too.
+    let replacement_key = h.issue_key_for(&run_id, "sbx-replacement", 1).await;
+    let mut runner = h.runner(&replacement_key).await;
+    runner
+        .hello(pb::HelloRequest {
+            run_id: run_id.clone(),
+            nonce: "replacement-runner-nonce".into(),
+            runner_version: String::new(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(h.get_run(&run_id).await.sandbox_id, "sbx-replacement");
+    let mut op = h.operator().await;
+    let lost = |sandbox: &str, key: &str| pb::FailRunRequest {
+        run_id: run_id.clone(),
+        reason: "sandbox_lost".into(),
+        message: format!("{sandbox} lost past the grace"),
+        idempotency_key: key.into(),
+        if_sandbox_generation: Some(1),
+        if_sandbox_id: sandbox.into(),
+    };
+    let delayed = op
+        .fail_run(lost("sbx-test", "sandbox-lost:sbx-test:1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(delayed.outcome(), pb::FailRunOutcome::GuardMismatch);
+    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
+    append(
+        &mut runner,
+        &run_id,
+        "batch-replacement-01",
+        vec![line("alive")],
+    )
+    .await
+    .unwrap();
+    let current = op
+        .fail_run(lost("sbx-replacement", "sandbox-lost:sbx-replacement:1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(current.outcome(), pb::FailRunOutcome::MadeTerminal);
+}
+
+async fn a_terminal_runs_poll_answers_its_state_and_pending_abort(h: Harness) {
+    let (run_id, key) = h.running_run("terminal-poll").await;
+    let mut op = h.operator().await;
+    // As the coordinator ends an exhausted run: the abort first, then the failure.
+    op.enqueue_control(pb::EnqueueControlRequest {
+        run_id: run_id.clone(),
+        idempotency_key: format!("{run_id}:abort"),
+        control: Some(pb::enqueue_control_request::Control::Abort(
+            pb::AbortPayload {
+                reason: "stream_recovery_exhausted".into(),
+            },
+        )),
+    })
+    .await
+    .unwrap();
+    op.steer(pb::SteerRequest {
+        run_id: run_id.clone(),
+        text: "too late".into(),
+        idempotency_key: "steer-before-the-end-01".into(),
+    })
+    .await
+    .unwrap();
+    op.fail_run(pb::FailRunRequest {
+        run_id: run_id.clone(),
+        reason: "stream_recovery_exhausted".into(),
+        message: "taken over 5 times".into(),
+        idempotency_key: format!("{run_id}:recovery-exhausted"),
+        if_sandbox_generation: None,
+        if_sandbox_id: String::new(),
+    })
+    .await
+    .unwrap();
+    let mut runner = h.runner(&key).await;
+    let answer = poll(&mut runner, &run_id, vec![]).await.unwrap();
+    assert_eq!(answer.run_state(), pb::RunState::Failed);
+    assert_eq!(
+        answer.messages.iter().map(|m| m.kind()).collect::<Vec<_>>(),
+        [pb::SteeringKind::Abort],
+        "only the abort still matters"
+    );
+    let abort = answer.messages[0].id.clone();
+    let answer = poll(&mut runner, &run_id, vec![applied(&abort)])
+        .await
+        .unwrap();
+    assert!(
+        answer.messages.is_empty(),
+        "the abort is served once acknowledged"
+    );
+    assert_eq!(answer.run_state(), pb::RunState::Failed);
+}
+
+async fn list_runs_by_ids(h: Harness) {
+    let a = h.create_run("by-id-a").await;
+    let b = h.create_run("by-id-b").await;
+    let _c = h.create_run("by-id-c").await;
+    let mut op = h.operator().await;
+    let listed = op
+        .list_runs(pb::ListRunsRequest {
+            run_ids: vec![a.id.clone(), b.id.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut ids: Vec<_> = listed.runs.into_iter().map(|r| r.id).collect();
+    ids.sort();
+    let mut want = vec![a.id, b.id];
+    want.sort();
+    assert_eq!(ids, want);
+    let err = op
+        .list_runs(pb::ListRunsRequest {
+            run_ids: vec!["nope".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+    let err = op
+        .list_runs(pb::ListRunsRequest {
+            run_ids: vec![h.create_run("by-id-d").await.id; 501],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+}
 
 async fn append(
     runner: &mut RunnerClient,
@@ -431,8 +812,10 @@ async fn revoked_and_unknown_keys_are_refused(h: Harness) {
     .await
     .unwrap_err();
     assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
-    let err = poll(&mut current, &run_id, vec![]).await.unwrap_err();
-    assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
+    // The steering poll answers with the terminal state, so the runner stops its agent.
+    let answer = poll(&mut current, &run_id, vec![]).await.unwrap();
+    assert_eq!(answer.run_state(), pb::RunState::Succeeded);
+    assert!(answer.messages.is_empty());
 }
 
 async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
@@ -445,6 +828,7 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
         message: "lost past the grace".into(),
         idempotency_key: key.into(),
         if_sandbox_generation: guard,
+        if_sandbox_id: String::new(),
     };
 
     let stale = op

@@ -55,13 +55,15 @@ pub fn lost_event(count: u64) -> pb::EventInput {
     }
 }
 
-/// Drains `queue` until every sender is gone.
+/// Drains `queue` until every sender is gone, or until the run store says the run is
+/// terminal (then `ending` learns it and nothing more is sent).
 pub async fn drain(
     client: Client,
     run_id: String,
     nonce: String,
     limits: pb::RunnerLimits,
     mut queue: mpsc::Receiver<pb::EventInput>,
+    ending: crate::ending::Ending,
 ) -> DrainReport {
     let max_events = limits.max_batch_events.clamp(1, 500) as usize;
     // Leave room for the request's own framing.
@@ -102,7 +104,10 @@ pub async fn drain(
                         report.lost = 0;
                         degraded_since = None;
                     }
-                    Err(Stop::RunTerminal) => return report,
+                    Err(Stop::RunTerminal) => {
+                        ending.terminal();
+                        return report;
+                    }
                     Err(Stop::Failed) => degraded_since = Some(tokio::time::Instant::now()),
                 }
             }
@@ -111,7 +116,10 @@ pub async fn drain(
             let count = batch.len() as u64;
             match append(&client, &run_id, &format!("{nonce}-{batch_number}"), batch).await {
                 Ok(()) => report.sent += count,
-                Err(Stop::RunTerminal) => return report,
+                Err(Stop::RunTerminal) => {
+                    ending.terminal();
+                    return report;
+                }
                 Err(Stop::Failed) => {
                     report.lost += count;
                     degraded_since = Some(tokio::time::Instant::now());

@@ -4,11 +4,15 @@
 //! It says Hello, starts the agent as a child in its own process group, turns its output
 //! lines into events sent in bounded batches behind one single-flight drain, polls
 //! steering and applies it (a steer is a line on the child's stdin, an interrupt is
-//! SIGINT then SIGTERM and SIGKILL after a grace), and submits the verdict. Every call
+//! SIGINT then SIGTERM and SIGKILL after a grace), and submits the verdict. When the run
+//! ends away from it (cancel, deadline, loss grace, recovery exhaustion, backend error)
+//! or an `abort` arrives, it stops the agent (SIGTERM to its group, [`STOP_GRACE`], then
+//! SIGKILL) and, for a run already terminal, sends nothing more. Every call
 //! goes through [`runplane_transport`], whose retries come from the proto method
 //! options; nothing here chooses a retry policy.
 
 pub mod child;
+pub mod ending;
 pub mod events;
 pub mod frames;
 pub mod redact;
@@ -86,7 +90,13 @@ pub struct Outcome {
     pub recorded: bool,
     /// Events that could not be delivered and were reported lost.
     pub events_lost: u64,
+    /// The run ended in the control plane (cancel, deadline, a service's failure) and
+    /// the agent was stopped; nothing was submitted, `verdict` is the agent's exit.
+    pub ended_elsewhere: bool,
 }
+
+/// How long a stopped agent gets between SIGTERM and SIGKILL.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// Runs the agent for `env`'s run to the end.
 pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerError> {
@@ -125,6 +135,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
         frames::stream(recovery, env.run_id.clone(), nonce.clone(), live.clone()).in_current_span(),
     );
 
+    let ending = ending::Ending::new();
     let (events_tx, events_rx) = events::channel();
     let mut agent = child::Agent::spawn(
         &run.command,
@@ -143,6 +154,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
             nonce.clone(),
             limits,
             events_rx,
+            ending.clone(),
         )
         .in_current_span(),
     );
@@ -153,12 +165,39 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
             agent.control(),
             events_tx.clone(),
             live.clone(),
+            ending.clone(),
         )
         .in_current_span(),
     );
 
-    let status = agent.wait().await;
-    let interrupted = agent.control().interrupted();
+    let control = agent.control();
+    let stopped = tokio::select! {
+        status = agent.wait() => Ok(status),
+        stop = ending.wait() => Err(stop),
+    };
+    let (status, stop) = match stopped {
+        Ok(status) => (status, None),
+        Err(stop) => {
+            control.abort(STOP_GRACE);
+            let status = agent.wait().await;
+            tracing::warn!(?stop, status = %verdict::describe(status), "agent stopped");
+            (status, Some(stop))
+        }
+    };
+    if stop == Some(ending::Stop::Terminal) {
+        // The run is over and its verdict recorded: send nothing more.
+        steering.abort();
+        drain.abort();
+        streaming.abort();
+        let _ = tokio::time::timeout(Duration::from_secs(2), agent.finish_output()).await;
+        return Ok(Outcome {
+            verdict: verdict::of(status, false),
+            recorded: true,
+            events_lost: 0,
+            ended_elsewhere: true,
+        });
+    }
+    let interrupted = control.interrupted();
     // The agent is gone: steering has nothing left to act on. Outputs drain to their end.
     steering.abort();
     let _ = steering.await;
@@ -169,7 +208,10 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
     drop(events_tx);
     let drained = drain.await.unwrap_or_default();
 
-    let verdict = verdict::of(status, interrupted);
+    let verdict = match &stop {
+        Some(ending::Stop::Abort(reason)) => verdict::aborted(status, reason),
+        _ => verdict::of(status, interrupted),
+    };
     // The events are the agent's output and what steering did; the exit is in the verdict.
     let mut final_events = Vec::new();
     if drained.lost > 0 {
@@ -199,6 +241,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
         verdict,
         recorded,
         events_lost: drained.lost,
+        ended_elsewhere: false,
     })
 }
 

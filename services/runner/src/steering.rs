@@ -9,6 +9,9 @@
 //!   15 s, jittered), so a message that cannot be applied cannot spin the loop.
 //! - After an outage the loop reports one `steer_poll_degraded` event with the window;
 //!   it stops only on a terminal run.
+//! - A terminal run (the answer's state, or `RUN_TERMINAL`) and an `abort` both stop the
+//!   agent through [`Ending`]. An abort served with the terminal answer is applied by
+//!   that stop and acknowledged once before the loop ends.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -17,14 +20,13 @@ use runplane_proto::runstore::v1 as pb;
 use tokio::sync::mpsc;
 
 use crate::child::Control;
+use crate::ending::Ending;
 use crate::{Client, POLL_WAIT};
 
 /// Attempts before a steer is dropped as undeliverable.
 pub const STEER_MAX_ATTEMPTS: u32 = 3;
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_CAP: Duration = Duration::from_secs(15);
-/// Grace of an abort between SIGTERM and SIGKILL.
-const ABORT_GRACE: Duration = Duration::from_secs(10);
 
 enum Applied {
     Yes,
@@ -37,6 +39,7 @@ pub async fn poll(
     control: Control,
     events: mpsc::Sender<pb::EventInput>,
     frames: crate::frames::Frames,
+    ending: Ending,
 ) {
     let mut acks: Vec<pb::SteeringAck> = Vec::new();
     let mut applied: HashSet<String> = HashSet::new();
@@ -57,7 +60,10 @@ pub async fn poll(
             .await;
         let answer = match answer {
             Ok(a) => a.into_inner(),
-            Err(status) if crate::verdict::is_run_terminal(&status) => return,
+            Err(status) if crate::verdict::is_run_terminal(&status) => {
+                ending.terminal();
+                return;
+            }
             Err(status) => {
                 // The transport spent its budget. Keep the acknowledgements (resending an
                 // id changes nothing) and keep polling: only a terminal run ends this loop.
@@ -74,6 +80,30 @@ pub async fn poll(
             let _ = events.send(degraded_event(from, failed_polls)).await;
         }
         if answer.run_state().is_terminal() {
+            // The run ended away from us: stop the agent. An abort served with this
+            // answer (only aborts are) says why; it is applied by this stop and
+            // acknowledged once.
+            if ending.terminal() {
+                tracing::warn!("the run ended in the control plane; stopping the agent");
+            }
+            for message in &answer.messages {
+                if let Some(pb::steering_message::Payload::Abort(abort)) = &message.payload {
+                    tracing::warn!(reason = %abort.reason, "abort: stopping the agent");
+                }
+                let tries = attempts.get(&message.id).copied().unwrap_or(0) + 1;
+                acks.push(ack(&message.id, pb::AckOutcome::Applied, tries, ""));
+            }
+            if !acks.is_empty() {
+                let _ = client
+                    .clone()
+                    .poll_steering(pb::PollSteeringRequest {
+                        run_id: run_id.clone(),
+                        acks: std::mem::take(&mut acks),
+                        wait: None,
+                        max_messages: 0,
+                    })
+                    .await;
+            }
             return;
         }
 
@@ -85,7 +115,7 @@ pub async fn poll(
             }
             let tries = attempts.entry(message.id.clone()).or_insert(0);
             *tries += 1;
-            match apply(message, &control, &frames).await {
+            match apply(message, &control, &frames, &ending).await {
                 Applied::Yes => {
                     applied.insert(message.id.clone());
                     acks.push(ack(&message.id, pb::AckOutcome::Applied, *tries, ""));
@@ -124,6 +154,7 @@ async fn apply(
     message: &pb::SteeringMessage,
     control: &Control,
     frames: &crate::frames::Frames,
+    ending: &Ending,
 ) -> Applied {
     use pb::steering_message::Payload;
     match &message.payload {
@@ -143,8 +174,11 @@ async fn apply(
             Applied::Yes
         }
         Some(Payload::Abort(abort)) => {
-            tracing::warn!(reason = %abort.reason, "abort: stopping the agent");
-            control.abort(ABORT_GRACE);
+            // The runner stops the agent (SIGTERM to its group, then SIGKILL after the
+            // grace) as soon as the first stop is decided; a second one changes nothing.
+            if ending.abort(&abort.reason) {
+                tracing::warn!(reason = %abort.reason, "abort: stopping the agent");
+            }
             Applied::Yes
         }
         Some(Payload::ResumeStream(resume)) => {
@@ -161,8 +195,12 @@ async fn apply(
 }
 
 fn ack(id: &str, outcome: pb::AckOutcome, attempts: u32, error: &str) -> pb::SteeringAck {
-    let mut error = error.to_owned();
-    error.truncate(500);
+    // At most 500 bytes, cut at a character boundary (a byte cut could split one).
+    let mut cut = error.len().min(500);
+    while !error.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let error = error[..cut].to_owned();
     pb::SteeringAck {
         message_id: id.to_owned(),
         outcome: outcome as i32,

@@ -27,6 +27,17 @@ pub fn of(status: ExitStatus, interrupted: bool) -> pb::Verdict {
     }
 }
 
+/// The verdict of an agent stopped by a service's `abort`: failed, with the abort's reason.
+pub fn aborted(status: ExitStatus, reason: &str) -> pb::Verdict {
+    pb::Verdict {
+        outcome: pb::VerdictOutcome::Failed as i32,
+        reason: reason.to_owned(),
+        exit_code: None,
+        signal: status.signal(),
+        message: format!("aborted ({reason}); the agent {}", describe(status)),
+    }
+}
+
 pub fn describe(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with status {code}"),

@@ -126,6 +126,7 @@ async fn a_drain_that_fails_for_good_releases_the_pipes_and_reports_the_loss() {
             ..Default::default()
         },
         rx,
+        runplane_runner::ending::Ending::new(),
     ));
 
     // More than the queue holds: if the drain kept the queue full, this would park forever.

@@ -30,6 +30,10 @@ pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
         events_lost = outcome.events_lost,
         "runner done"
     );
+    if outcome.ended_elsewhere {
+        tracing::info!("the run ended in the control plane; its agent was stopped");
+        return Ok(());
+    }
     if !outcome.recorded {
         bail!("the run store holds a different verdict for this run; ours was discarded");
     }

@@ -179,13 +179,18 @@ impl Harness {
     }
 
     pub async fn issue_key(&self, run_id: &str, generation: u64) -> String {
+        self.issue_key_for(run_id, "sbx-test", generation).await
+    }
+
+    /// The key of `sandbox_id`'s execution `generation`.
+    pub async fn issue_key_for(&self, run_id: &str, sandbox_id: &str, generation: u64) -> String {
         self.operator()
             .await
             .issue_run_key(pb::IssueRunKeyRequest {
                 run_id: run_id.into(),
-                sandbox_id: "sbx-test".into(),
+                sandbox_id: sandbox_id.into(),
                 sandbox_generation: generation,
-                idempotency_key: format!("sbx-test:{generation}:issue-key"),
+                idempotency_key: format!("{sandbox_id}:{generation}:issue-key"),
             })
             .await
             .expect("issue key")
@@ -234,6 +239,7 @@ pub fn create_request(request_id: &str) -> pb::CreateRunRequest {
         command: "agent".into(),
         args: vec!["--task".into(), "fix".into()],
         labels: Default::default(),
+        max_duration: None,
     }
 }
 
