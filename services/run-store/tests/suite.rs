@@ -215,8 +215,8 @@ async fn a_run_past_its_deadline_ends_once_however_many_sweep(h: Harness) {
         .into_inner()
         .run
         .unwrap();
-    let deadline = due.deadline.clone().expect("a deadline");
-    let created = due.created_at.clone().unwrap();
+    let deadline = due.deadline.expect("a deadline");
+    let created = due.created_at.unwrap();
     assert_eq!(
         (deadline.seconds * 1_000_000_000 + i64::from(deadline.nanos))
             - (created.seconds * 1_000_000_000 + i64::from(created.nanos)),
