@@ -13,6 +13,7 @@ use runplane_proto::runstore::v1::run_service_server::RunService;
 use runplane_proto::runstore::v1::runner_service_server::RunnerService;
 use runplane_telemetry::metrics;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::auth::{Operator, OperatorAuth, bearer};
 use crate::changes::Changes;
@@ -876,7 +877,10 @@ impl RunService for RunApi {
             );
         }
         validate::client_key("idempotency_key", &req.idempotency_key)?;
-        s.visible_run(&operator, &req.run_id).await?;
+        let run = s.visible_run(&operator, &req.run_id).await?;
+        // The cancel is part of the run's story: it joins the run's trace.
+        let span = tracing::info_span!("run.cancel", run_id = %run.id);
+        runplane_grpc::trace_context::continue_trace(&span, &run.traceparent);
         let message = if req.reason.is_empty() {
             "cancelled by an operator"
         } else {
@@ -892,11 +896,12 @@ impl RunService for RunApi {
                 &digest,
                 &s.settings.signer,
             )
+            .instrument(span.clone())
             .await?;
         if finished.made_terminal {
             finished_as(&finished.run.state);
             s.changes.notify(&req.run_id);
-            tracing::info!("run cancelled");
+            span.in_scope(|| tracing::info!(reason = %message, "run cancelled"));
         }
         Ok(Response::new(pb::CancelRunResponse {
             run: Some(convert::run(&finished.run)),
