@@ -5,8 +5,10 @@
 //! placed on it (claiming their run key), restores the ones a wake assigned to it and
 //! reports the restore, suspends a sandbox idle longer than its idle timeout and
 //! publishes it unplaced (its route identity still names this node: seed 003's exact
-//! situation), and publishes exits. runplane has no session traffic of its own yet, so a
-//! sandbox's idle clock starts at its launch or restore.
+//! situation), publishes exits, and stops every deleted sandbox it is handed a DESTROY
+//! for, suspended ones included, acknowledging each stop with a DELETED publication.
+//! runplane has no session traffic of its own yet, so a sandbox's idle clock starts at its
+//! launch or restore.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -97,6 +99,7 @@ pub async fn run(
     tracing::info!(node_id = %config.node_id, epoch, "node registered");
 
     let mut locals: HashMap<String, Local> = HashMap::new();
+    let mut stops = Stops::default();
     let mut revision = 0;
     let mut last_heartbeat = Instant::now();
     tokio::pin!(shutdown);
@@ -119,12 +122,26 @@ pub async fn run(
             Ok(answer) => {
                 let answer = answer.into_inner();
                 revision = answer.revision;
-                // A running sandbox no longer assigned here was destroyed (or moved).
-                let kept: std::collections::HashSet<String> = answer
+                let (destroys, assignments): (Vec<_>, Vec<_>) = answer
                     .assignments
-                    .iter()
-                    .map(|a| a.sandbox_id.clone())
-                    .collect();
+                    .into_iter()
+                    .partition(|a| a.intent() == pb::AssignmentIntent::Destroy);
+                // A deleted sandbox is stopped, suspended or not, whether or not this boot
+                // launched it (its pid is in the state directory), then acknowledged.
+                for a in destroys {
+                    if stops.in_flight(&a.sandbox_id) {
+                        continue;
+                    }
+                    let row = match locals.remove(&a.sandbox_id) {
+                        Some(local) => local.row,
+                        None => row_of(&a, recorded_handle(&config, &a.sandbox_id)),
+                    };
+                    tracing::info!(sandbox_id = %row.id, "sandbox deleted; stopping it");
+                    stops.start(&client, &config, epoch, &driver, row, true);
+                }
+                // A running sandbox no longer assigned here moved away: stop this copy.
+                let kept: std::collections::HashSet<String> =
+                    assignments.iter().map(|a| a.sandbox_id.clone()).collect();
                 let gone: Vec<String> = locals
                     .iter()
                     .filter(|(id, l)| !l.suspended && !kept.contains(*id))
@@ -133,10 +150,10 @@ pub async fn run(
                 for id in gone {
                     if let Some(local) = locals.remove(&id) {
                         tracing::info!(sandbox_id = %id, "no longer assigned here; stopping it");
-                        tokio::spawn(driver.destroy(&local.row));
+                        stops.start(&client, &config, epoch, &driver, local.row, false);
                     }
                 }
-                for a in answer.assignments {
+                for a in assignments {
                     act(&client, &config, epoch, &driver, &mut locals, a).await;
                 }
             }
@@ -144,6 +161,7 @@ pub async fn run(
                 tracing::warn!(code = ?status.code(), "assignments unavailable; retrying")
             }
         }
+        stops.reap();
         look_after(&client, &config, epoch, &driver, &mut locals).await;
         if last_heartbeat.elapsed() >= Duration::from_secs(2) {
             let used = locals.values().filter(|l| !l.suspended).count() as u32;
@@ -161,6 +179,78 @@ pub async fn run(
             last_heartbeat = Instant::now();
         }
     }
+}
+
+/// Sandbox stops in flight: each runs as a task (a stop waits out its grace), at most one
+/// per sandbox, and every failure is logged when the task is reaped.
+#[derive(Default)]
+struct Stops {
+    tasks: tokio::task::JoinSet<(String, Result<(), String>)>,
+    in_flight: std::collections::HashSet<String>,
+}
+
+impl Stops {
+    fn in_flight(&self, sandbox_id: &str) -> bool {
+        self.in_flight.contains(sandbox_id)
+    }
+
+    /// Stops `row`'s process; with `acknowledge`, publishes it DELETED once stopped, which
+    /// takes the DESTROY assignment away.
+    fn start(
+        &mut self,
+        client: &Client,
+        config: &AgentConfig,
+        epoch: u64,
+        driver: &ProcessDriver,
+        row: sandbox::Model,
+        acknowledge: bool,
+    ) {
+        self.in_flight.insert(row.id.clone());
+        let stop = driver.destroy(&row);
+        let (client, config) = (client.clone(), config.clone());
+        self.tasks.spawn(async move {
+            let result = stop.await.map_err(|e| e.to_string());
+            if result.is_ok() && acknowledge {
+                publish(
+                    &client,
+                    &config,
+                    epoch,
+                    &row,
+                    pb::SandboxStatus::Deleted,
+                    false,
+                    None,
+                )
+                .await;
+            }
+            (row.id, result)
+        });
+    }
+
+    /// Collects finished stops, logging the ones that failed (a DESTROY assignment is
+    /// still listed, so the next list retries it).
+    fn reap(&mut self) {
+        while let Some(done) = self.tasks.try_join_next() {
+            match done {
+                Ok((id, result)) => {
+                    self.in_flight.remove(&id);
+                    match result {
+                        Ok(()) => tracing::info!(sandbox_id = %id, "sandbox stopped"),
+                        Err(error) => {
+                            tracing::warn!(sandbox_id = %id, %error, "sandbox not stopped; retrying")
+                        }
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "a sandbox stop task failed"),
+            }
+        }
+    }
+}
+
+/// The handle of the process this node recorded for `sandbox_id`, empty if none.
+fn recorded_handle(config: &AgentConfig, sandbox_id: &str) -> String {
+    std::fs::read_to_string(config.state_dir.join(sandbox_id).join("pid"))
+        .map(|pid| format!("pid:{}", pid.trim()))
+        .unwrap_or_default()
 }
 
 fn observation_seq() -> u64 {
@@ -255,10 +345,7 @@ async fn adopt_or_report_lost(
     locals: &mut HashMap<String, Local>,
     a: &pb::Assignment,
 ) {
-    let handle = std::fs::read_to_string(config.state_dir.join(&a.sandbox_id).join("pid"))
-        .map(|pid| format!("pid:{}", pid.trim()))
-        .unwrap_or_default();
-    let row = row_of(a, handle);
+    let row = row_of(a, recorded_handle(config, &a.sandbox_id));
     if !row.driver_handle.is_empty() && driver.status(&row).await == Probe::Alive {
         tracing::info!(sandbox_id = %row.id, "sandbox re-adopted after a restart");
         take_on(client, config, epoch, locals, row).await;
@@ -336,10 +423,7 @@ async fn act(
         }
         pb::AssignmentIntent::Restore => {
             // The sandbox's process is found by its label wherever this node can see it.
-            let handle = std::fs::read_to_string(config.state_dir.join(&a.sandbox_id).join("pid"))
-                .map(|pid| format!("pid:{}", pid.trim()))
-                .unwrap_or_default();
-            let row = row_of(&a, handle);
+            let row = row_of(&a, recorded_handle(config, &a.sandbox_id));
             let restored =
                 driver.resume(&row).await.is_ok() && driver.status(&row).await == Probe::Alive;
             if restored {
@@ -354,21 +438,32 @@ async fn act(
                         wake_attempt: a.wake_attempt,
                     })
                     .await;
-                if report.is_ok() {
-                    tracing::info!(sandbox_id = %row.id, "sandbox restored");
-                    locals.insert(row.id.clone(), Local::active(row));
+                match report {
+                    Ok(_) => {
+                        tracing::info!(sandbox_id = %row.id, "sandbox restored");
+                        locals.insert(row.id.clone(), Local::active(row));
+                    }
+                    // Refused (SANDBOX_ENDED for a deleted sandbox: its DESTROY assignment
+                    // follows and stops the process resumed here).
+                    Err(s) => tracing::warn!(
+                        sandbox_id = %row.id,
+                        code = ?s.code(),
+                        reason = runplane_grpc::error_info(&s).map(|i| i.reason).unwrap_or_default(),
+                        "restore refused"
+                    ),
                 }
-            } else {
-                let _ = client
-                    .clone()
-                    .report_wake_failed(pb::ReportWakeFailedRequest {
-                        node_id: config.node_id.clone(),
-                        epoch,
-                        wake_id: a.wake_id.clone(),
-                        wake_attempt: a.wake_attempt,
-                        error: "the sandbox cannot be restored on this node".into(),
-                    })
-                    .await;
+            } else if let Err(s) = client
+                .clone()
+                .report_wake_failed(pb::ReportWakeFailedRequest {
+                    node_id: config.node_id.clone(),
+                    epoch,
+                    wake_id: a.wake_id.clone(),
+                    wake_attempt: a.wake_attempt,
+                    error: "the sandbox cannot be restored on this node".into(),
+                })
+                .await
+            {
+                tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "wake failure not reported");
             }
         }
         _ => {}

@@ -42,6 +42,51 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    /// The driver of this reconciler's own sandboxes, for stopping them (it launches
+    /// nothing, so it needs no binary).
+    fn local_driver(&self) -> crate::drivers::ProcessDriver {
+        crate::drivers::ProcessDriver::new(&self.local_state_dir, "runplane")
+    }
+
+    /// Refuses a wake for an unplaced sandbox whose run has ended, deleting the sandbox
+    /// (which settles its wakes) instead of waking it; the round would otherwise do that
+    /// only after a node restored it. When the run store cannot say, the wake proceeds
+    /// and the round's sweep is the safety net.
+    async fn refuse_wake_of_ended_run(&self, row: &sandbox::Model) -> Result<(), ReconcilerError> {
+        let run = self
+            .run_store
+            .clone()
+            .get_run(runplane_proto::runstore::v1::GetRunRequest {
+                run_id: row.run_id.clone(),
+            })
+            .await;
+        let terminal = match run {
+            Ok(answer) => answer
+                .into_inner()
+                .run
+                .is_some_and(|r| r.state().is_terminal()),
+            Err(status) => {
+                tracing::debug!(code = ?status.code(), "run state unknown; the wake proceeds");
+                false
+            }
+        };
+        if !terminal {
+            return Ok(());
+        }
+        if self
+            .store
+            .mark_deleted(&row.id, row.execution_generation)
+            .await?
+        {
+            tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "wake refused: the run has ended; sandbox destroyed");
+        }
+        let now = self.store.sandbox(&row.id).await?;
+        Err(ReconcilerError::SandboxEnded {
+            id: now.id,
+            status: now.status,
+        })
+    }
+
     /// The placement of a sandbox that has not ended (SANDBOX_ENDED otherwise).
     async fn live_placement(&self, id: &str) -> Result<Placement, ReconcilerError> {
         let p = self.store.placement(id).await?;
@@ -128,6 +173,7 @@ fn assignment_of(a: &Assigned) -> pb::Assignment {
     let (row, intent, wake) = match a {
         Assigned::Run(row) => (row, pb::AssignmentIntent::Run, None),
         Assigned::Restore(row, wake) => (row, pb::AssignmentIntent::Restore, Some(wake)),
+        Assigned::Destroy(row) => (row, pb::AssignmentIntent::Destroy, None),
     };
     pb::Assignment {
         sandbox_id: row.id.clone(),
@@ -279,6 +325,13 @@ impl NodeService for NodeApi {
             .node_at_epoch(&req.node_id, req.epoch as i64)
             .await?;
         let row = s.store.sandbox(&req.sandbox_id).await?;
+        if placement::is_ended(&row) {
+            return Err(ReconcilerError::SandboxEnded {
+                id: row.id,
+                status: row.status,
+            }
+            .into());
+        }
         if row.active_node_id.as_deref() != Some(req.node_id.as_str())
             || row.execution_generation as u64 != req.execution_generation
         {
@@ -329,10 +382,12 @@ impl NodeService for NodeApi {
             pb::SandboxStatus::Restoring => "restoring",
             pb::SandboxStatus::Exited => "exited",
             pb::SandboxStatus::Lost => "lost",
+            // The acknowledgement of a DESTROY assignment: the process is stopped.
+            pb::SandboxStatus::Deleted => crate::store::DELETED,
             _ => {
                 return Err(ReconcilerError::InvalidField {
                     field: "status",
-                    reason: "must be started, suspended, restoring, exited or lost".into(),
+                    reason: "must be started, suspended, restoring, exited, lost or deleted".into(),
                 }
                 .into());
             }
@@ -595,13 +650,20 @@ impl SandboxService for SandboxApi {
         let req = request.get_ref();
         sandbox_id(&req.sandbox_id)?;
         let row = s.store.sandbox(&req.sandbox_id).await?;
-        if row.status != "deleted" {
-            // The row leaves every node's assignments; the node (or the local loop) stops
-            // the process. The run is not failed here: the run store decides that.
-            s.store
+        // Its node is handed a DESTROY assignment; a local one is stopped here (and by the
+        // next round if this fails). The run is not failed here: the run store decides that.
+        if row.status != crate::store::DELETED
+            && s.store
                 .mark_deleted(&row.id, row.execution_generation)
-                .await?;
+                .await?
+        {
             tracing::info!(reason = %req.reason, "sandbox destroyed");
+        }
+        let row = s.store.sandbox(&row.id).await?;
+        if row.active_node_id.as_deref() == Some(crate::reconcile::LOCAL_NODE)
+            && row.observed_status != crate::store::DELETED
+        {
+            crate::reconcile::stop_local(&s.store, &s.local_driver(), &row).await?;
         }
         let placement = s.store.placement(&row.id).await?;
         Ok(Response::new(pb::DestroySandboxResponse {
@@ -724,6 +786,7 @@ impl SandboxService for SandboxApi {
         }
         let p = s.live_placement(&req.sandbox_id).await?;
         let Some(node_id) = placement::serving_node(&p.sandbox, p.route.as_ref()) else {
+            s.refuse_wake_of_ended_run(&p.sandbox).await?;
             let wake = s
                 .store
                 .queue_wake(&req.sandbox_id, "session reattach")
@@ -786,6 +849,7 @@ impl SandboxService for SandboxApi {
                 wake: None,
             }));
         }
+        s.refuse_wake_of_ended_run(&p.sandbox).await?;
         let wake = s.store.queue_wake(&req.sandbox_id, &req.reason).await?;
         Ok(Response::new(pb::RequestWakeResponse {
             placed: false,

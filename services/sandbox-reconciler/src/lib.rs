@@ -3,9 +3,10 @@
 //! DESIGN.md "Sandbox reconciler" is the contract. Built so far: the model and its
 //! migrations; the loss-grace tick (every write a compare-and-set on what the tick read)
 //! over a driver trait with a scriptable fake; FailRun through a transactional outbox;
-//! the one placement rule with `ResolveRoute`, `RequestWake` and `GetSandbox`. The
-//! process driver, node agents, dispatch and `runplane run` are still to come; their
-//! methods answer `UNIMPLEMENTED`.
+//! the one placement rule with `ResolveRoute`, `RequestWake` and `GetSandbox`; the
+//! process driver, node agents and dispatch; and convergence: every round destroys the
+//! sandboxes of terminal runs (asked of the run store), and nothing revives a destroyed
+//! sandbox. The Kubernetes driver is still to come.
 
 pub mod agent;
 pub mod domain;

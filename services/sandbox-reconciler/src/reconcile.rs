@@ -187,6 +187,190 @@ impl Reconciler {
     }
 }
 
+/// The run states after which a run's sandboxes are destroyed.
+pub const TERMINAL_RUN_STATES: [pb::RunState; 4] = [
+    pb::RunState::Succeeded,
+    pb::RunState::Failed,
+    pb::RunState::Cancelled,
+    pb::RunState::BackendError,
+];
+
+/// Most run ids in one `ListRuns` question (the run store's limit).
+const RUN_IDS_PER_QUESTION: u64 = 500;
+
+impl Reconciler {
+    /// Deletes every sandbox whose run has ended, whatever its status (creating, started,
+    /// suspended and unplaced, restoring, or an exit or loss already confirmed). It reads
+    /// this reconciler's not-deleted rows in bounded batches and asks the run store which
+    /// of their runs are terminal (it never reads the run store's tables); each deletion is
+    /// a compare-and-set on the generation it read and settles the sandbox's wakes. What
+    /// stops the processes: [`Reconciler::stop_owed_local`] here, the node agents (a
+    /// DESTROY assignment) for the rest. Returns how many it deleted.
+    pub async fn delete_sandboxes_of_ended_runs(
+        &self,
+        run_store: &RunStoreClient,
+    ) -> Result<u64, ReconcilerError> {
+        let batch = self.settings.batch.clamp(1, RUN_IDS_PER_QUESTION);
+        let mut deleted = 0;
+        let mut cursor: Option<String> = None;
+        loop {
+            let rows = self.store.not_deleted(cursor.as_deref(), batch).await?;
+            let Some(last) = rows.last() else { break };
+            cursor = Some(last.id.clone());
+            let full = rows.len() as u64 == batch;
+            // Only ids that can name a run (a lowercase UUID): the run store refuses the
+            // whole question otherwise, and no run could be ended under another id.
+            let mut run_ids: Vec<String> = rows
+                .iter()
+                .map(|r| r.run_id.clone())
+                .filter(|id| {
+                    uuid::Uuid::parse_str(id).is_ok() && id.bytes().all(|b| !b.is_ascii_uppercase())
+                })
+                .collect();
+            run_ids.sort();
+            run_ids.dedup();
+            let ended = if run_ids.is_empty() {
+                Default::default()
+            } else {
+                ended_runs(run_store, run_ids).await?
+            };
+            for row in rows.iter().filter(|r| ended.contains(&r.run_id)) {
+                if self
+                    .store
+                    .mark_deleted(&row.id, row.execution_generation)
+                    .await?
+                {
+                    deleted += 1;
+                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, status = %row.status, "the run has ended; sandbox destroyed");
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// Stops the processes of this reconciler's own deleted sandboxes that are still owed
+    /// a stop (deleted by the sweep, DestroySandbox or dispatch), and acknowledges each
+    /// stop, so a crash in between only delays it to the next round.
+    pub async fn stop_owed_local(&self) -> Result<u64, ReconcilerError> {
+        let owed = self
+            .store
+            .destroys_owed(LOCAL_NODE, self.settings.batch)
+            .await?;
+        let stopped: Vec<Result<bool, ReconcilerError>> = futures::stream::iter(owed)
+            .map(|row| async move { stop_local(&self.store, self.driver.as_ref(), &row).await })
+            .buffer_unordered(self.settings.probe_concurrency.max(1))
+            .collect()
+            .await;
+        let mut count = 0;
+        for outcome in stopped {
+            count += u64::from(outcome?);
+        }
+        Ok(count)
+    }
+
+    /// One round of the reconciler's background work: dispatch, the sweep of ended runs,
+    /// local stops, wake assignment, the loss tick and outbox delivery. Each step logs its
+    /// failure and the next round retries it. The sweep comes before wake assignment, so a
+    /// wake of a sandbox whose run ended is settled, not assigned.
+    pub async fn round(&self, run_store: &RunStoreClient, endpoints: &RunnerEndpoints) {
+        if self.settings.dispatch
+            && let Err(e) = dispatch(
+                &self.store,
+                self.driver.as_ref(),
+                run_store,
+                endpoints,
+                self.settings.idle_timeout,
+                self.settings.local_sandboxes,
+            )
+            .await
+        {
+            tracing::warn!(error = %e, "dispatch failed; next round retries");
+        }
+        if let Err(e) = self.delete_sandboxes_of_ended_runs(run_store).await {
+            tracing::warn!(error = %e, "sweep of ended runs failed; next round retries");
+        }
+        if let Err(e) = self.stop_owed_local().await {
+            tracing::warn!(error = %e, "stopping deleted local sandboxes failed; next round retries");
+        }
+        if let Err(e) = self.store.assign_wakes(self.store.silent_since()).await {
+            tracing::warn!(error = %e, "wake assignment failed; next round retries");
+        }
+        let started = tokio::time::Instant::now();
+        match self.tick().await {
+            Ok(report) => {
+                metrics::reconcile_tick_duration().record(started.elapsed().as_secs_f64(), &[]);
+                if report.stamped > 0 {
+                    metrics::reconcile_loss_stamps().add(report.stamped, &[]);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reconcile tick failed; next round retries"),
+        }
+        if let Err(e) = deliver_outbox(&self.store, run_store, 100).await {
+            tracing::warn!(error = %e, "outbox delivery failed; next round retries");
+        }
+    }
+}
+
+/// Which of `run_ids` (at most 500) the run store says are terminal. The answer is
+/// checked here too (id asked for, state terminal), so a run store that ignored a filter
+/// could make this delete nothing it should not.
+async fn ended_runs(
+    run_store: &RunStoreClient,
+    run_ids: Vec<String>,
+) -> Result<std::collections::HashSet<String>, ReconcilerError> {
+    let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
+    let mut ended = std::collections::HashSet::new();
+    let mut page_token = String::new();
+    loop {
+        let page = run_store
+            .clone()
+            .list_runs(pb::ListRunsRequest {
+                run_ids: run_ids.clone(),
+                states: TERMINAL_RUN_STATES.iter().map(|s| *s as i32).collect(),
+                page_size: RUN_IDS_PER_QUESTION as u32,
+                page_token,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        ended.extend(
+            page.runs
+                .into_iter()
+                .filter(|r| r.state().is_terminal() && asked.contains(&r.id))
+                .map(|r| r.id),
+        );
+        if page.next_page_token.is_empty() {
+            return Ok(ended);
+        }
+        page_token = page.next_page_token;
+    }
+}
+
+/// Stops a deleted local sandbox's process and acknowledges the stop; `false` (logged)
+/// when the driver failed, and the stop stays owed.
+pub async fn stop_local(
+    store: &Store,
+    driver: &dyn Driver,
+    row: &sandbox::Model,
+) -> Result<bool, ReconcilerError> {
+    match driver.destroy(row).await {
+        Ok(()) => {
+            store
+                .acknowledge_destroyed(&row.id, row.execution_generation)
+                .await?;
+            tracing::info!(sandbox_id = %row.id, "deleted sandbox's process stopped");
+            Ok(true)
+        }
+        Err(e) => {
+            tracing::warn!(sandbox_id = %row.id, error = %e, "deleted sandbox not stopped yet; next round retries");
+            Ok(false)
+        }
+    }
+}
+
 /// The FailRun this reconciler owes the run store for `row`, as an outbox row.
 fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) -> outbox::Model {
     let request = pb::FailRunRequest {
@@ -379,6 +563,16 @@ pub async fn dispatch(
                 {
                     started += 1;
                     tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, %handle, "sandbox started");
+                } else {
+                    // Deleted while it started (its stop may already be acknowledged): stop
+                    // what this call started, so nothing of it keeps running.
+                    let started_row = sandbox::Model {
+                        driver_handle: handle,
+                        ..row.clone()
+                    };
+                    if let Err(e) = driver.destroy(&started_row).await {
+                        tracing::warn!(sandbox_id = %row.id, error = %e, "a sandbox deleted while it started was not stopped");
+                    }
                 }
             }
             Err(e) => tracing::error!(sandbox_id = %row.id, error = %e, "sandbox not started"),
@@ -387,8 +581,8 @@ pub async fn dispatch(
     Ok(started)
 }
 
-/// The reconciler's background work: dispatch, a reconcile tick and outbox delivery,
-/// every `interval`, until `shutdown`.
+/// The reconciler's background work, one [`Reconciler::round`] every `interval`, until
+/// `shutdown`.
 pub async fn run_loop(
     reconciler: Reconciler,
     run_store: RunStoreClient,
@@ -404,44 +598,11 @@ pub async fn run_loop(
         }
         // A round is background work: not a trace of its own every tick. What it does
         // for a run (a launch, a FailRun) continues that run's trace explicitly.
-        async {
-            if reconciler.settings.dispatch
-                && let Err(e) = dispatch(
-                    &reconciler.store,
-                    reconciler.driver.as_ref(),
-                    &run_store,
-                    &endpoints,
-                    reconciler.settings.idle_timeout,
-                    reconciler.settings.local_sandboxes,
-                )
-                .await
-            {
-                tracing::warn!(error = %e, "dispatch failed; next round retries");
-            }
-            if let Err(e) = reconciler
-                .store
-                .assign_wakes(reconciler.store.silent_since())
-                .await
-            {
-                tracing::warn!(error = %e, "wake assignment failed; next round retries");
-            }
-            let started = tokio::time::Instant::now();
-            match reconciler.tick().await {
-                Ok(report) => {
-                    metrics::reconcile_tick_duration().record(started.elapsed().as_secs_f64(), &[]);
-                    if report.stamped > 0 {
-                        metrics::reconcile_loss_stamps().add(report.stamped, &[]);
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "reconcile tick failed; next round retries"),
-            }
-            if let Err(e) = deliver_outbox(&reconciler.store, &run_store, 100).await {
-                tracing::warn!(error = %e, "outbox delivery failed; next round retries");
-            }
-        }
-        .instrument(runplane_grpc::trace_context::background_span(
-            "reconcile.round",
-        ))
-        .await;
+        reconciler
+            .round(&run_store, &endpoints)
+            .instrument(runplane_grpc::trace_context::background_span(
+                "reconcile.round",
+            ))
+            .await;
     }
 }

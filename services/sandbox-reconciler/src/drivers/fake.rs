@@ -1,6 +1,6 @@
 //! A driver whose probes are a script.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
@@ -11,10 +11,11 @@ use crate::store::entities::sandbox;
 type Script = dyn Fn(sandbox::Model) -> BoxFuture<'static, Probe> + Send + Sync;
 
 /// A test decides what each probe answers and what happens while it is in flight.
-/// Creating, suspending, resuming and destroying always succeed.
+/// Creating, suspending, resuming and destroying always succeed; destroys are recorded.
 #[derive(Clone)]
 pub struct FakeDriver {
     script: Arc<Script>,
+    destroyed: Arc<Mutex<Vec<String>>>,
 }
 
 impl FakeDriver {
@@ -23,7 +24,13 @@ impl FakeDriver {
     ) -> Self {
         Self {
             script: Arc::new(script),
+            destroyed: Arc::default(),
         }
+    }
+
+    /// The ids of the sandboxes destroyed so far, in order.
+    pub fn destroyed(&self) -> Vec<String> {
+        self.destroyed.lock().expect("not poisoned").clone()
     }
 
     /// Every probe answers `probe` at once.
@@ -57,7 +64,11 @@ impl Driver for FakeDriver {
         Box::pin(async { Ok(()) })
     }
 
-    fn destroy(&self, _: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+        self.destroyed
+            .lock()
+            .expect("not poisoned")
+            .push(sandbox.id.clone());
         Box::pin(async { Ok(()) })
     }
 }

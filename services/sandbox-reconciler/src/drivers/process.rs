@@ -2,7 +2,8 @@
 //!
 //! Each sandbox runs as `sh -c '<runplane> runner; echo $? > <dir>/exit' runplane-sandbox-<id>`
 //! in a session (and so a process group) of its own, so it outlives the control plane that
-//! started it: a
+//! started it; suspend, resume and destroy signal every process group of that session (the
+//! runner starts its agent in a group of its own). A
 //! restarted reconciler re-adopts it by pid (checking the pid still names this sandbox,
 //! since pids are reused) and learns its end from the exit file the shell writes. The
 //! reconciler never waits on a process it did not start in this life; the ones it did
@@ -96,14 +97,76 @@ impl ProcessDriver {
             .ok()
     }
 
+    /// Signals every process of the sandbox: its shell's process group and, when the shell
+    /// leads a session of its own (setsid), every process group of that session, since the
+    /// runner starts the agent in a group of its own.
     fn signal(sandbox: &sandbox::Model, signal: Signal) -> Result<(), DriverError> {
         match Self::live_pid(&sandbox.driver_handle, &sandbox.id) {
-            Some(pid) => {
-                killpg(Pid::from_raw(pid), signal).map_err(|e| DriverError::Signal(e.to_string()))
-            }
+            Some(pid) => Self::signal_session(pid, signal),
             None => Ok(()),
         }
     }
+
+    /// Signals the process group of `leader` and every group of the session it leads
+    /// (whether or not the leader itself still lives).
+    fn signal_session(leader: i32, signal: Signal) -> Result<(), DriverError> {
+        let mut groups = vec![leader];
+        for (pgrp, _) in session_members(leader) {
+            if !groups.contains(&pgrp) {
+                groups.push(pgrp);
+            }
+        }
+        let mut failed = None;
+        for group in groups {
+            match killpg(Pid::from_raw(group), signal) {
+                Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                Err(e) => failed = Some(e),
+            }
+        }
+        match failed {
+            Some(e) => Err(DriverError::Signal(e.to_string())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// How long a destroyed sandbox gets between SIGTERM and SIGKILL.
+pub const DESTROY_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether `pid` names a process that has not exited (a zombie has, in all but name).
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
+/// `(process group, pid)` of every live process in the session `sid` (a session's id is
+/// its leader's pid).
+fn session_members(sid: i32) -> Vec<(i32, i32)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // After the parenthesised command name: state, ppid, pgrp, session, …
+            let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+            let state = fields.next()?;
+            let pgrp: i32 = fields.nth(1)?.parse().ok()?;
+            let session: i32 = fields.next()?.parse().ok()?;
+            (session == sid && state != "Z" && state != "X").then_some((pgrp, pid))
+        })
+        .collect()
 }
 
 impl Driver for ProcessDriver {
@@ -209,12 +272,34 @@ impl Driver for ProcessDriver {
         Box::pin(async move { result })
     }
 
+    /// SIGTERM then SIGCONT to the whole sandbox (a suspended one is stopped, and a
+    /// stopped process only acts on SIGTERM once continued), then SIGKILL to whatever of
+    /// its session is left after [`DESTROY_GRACE`]. Done when nothing of it is left.
     fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
-        let sandbox = sandbox.clone();
+        let leader = Self::live_pid(&sandbox.driver_handle, &sandbox.id);
         Box::pin(async move {
-            Self::signal(&sandbox, Signal::SIGTERM)?;
-            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
-            Self::signal(&sandbox, Signal::SIGKILL)
+            // Not running (never started, or gone already): nothing to stop.
+            let Some(leader) = leader else { return Ok(()) };
+            let gone = || !alive(leader) && session_members(leader).is_empty();
+            Self::signal_session(leader, Signal::SIGTERM)?;
+            Self::signal_session(leader, Signal::SIGCONT)?;
+            let deadline = tokio::time::Instant::now() + DESTROY_GRACE;
+            while tokio::time::Instant::now() < deadline {
+                if gone() {
+                    return Ok(());
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Self::signal_session(leader, Signal::SIGKILL)?;
+            for _ in 0..20 {
+                if gone() {
+                    return Ok(());
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(DriverError::Signal(format!(
+                "sandbox process {leader} still runs after SIGKILL"
+            )))
         })
     }
 }

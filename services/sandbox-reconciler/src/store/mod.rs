@@ -4,6 +4,9 @@
 //! - `sandboxes`: intent and observation of each sandbox. `execution_generation` is bumped
 //!   before any new execution; `loss_observed_at_us` is the first unconfirmed loss
 //!   observation. Every write the tick makes is a compare-and-set on the values it read.
+//!   `deleted` is final; a deleted row whose `observed_status` is not `deleted` yet still
+//!   owes a stop of its process (by its node, or by this reconciler for local ones), so a
+//!   crash between the deletion and the stop cannot leave the process running.
 //! - `route_identities`: which node serves a direct sandbox's sessions; read only while
 //!   the sandbox has an `active_node_id` (see `domain::placement`).
 //! - `nodes`: registered node agents and their endpoints.
@@ -32,6 +35,13 @@ type Result<T> = std::result::Result<T, ReconcilerError>;
 /// Statuses a sandbox can still leave on its own; only these are probed, stamped or
 /// failed.
 pub const LIVE: [&str; 4] = ["creating", "started", "suspended", "restoring"];
+
+/// The final status: destroyed. Its `observed_status` becomes `deleted` too once the
+/// process is known to be stopped.
+pub const DELETED: &str = "deleted";
+
+/// A wake's `last_error` when its sandbox ended before it was restored.
+pub const WAKE_SANDBOX_ENDED: &str = "the sandbox ended before it was restored";
 
 /// A placed sandbox's serving node, as the one placement query reads it.
 #[derive(Debug, Clone)]
@@ -243,9 +253,28 @@ impl Store {
     }
 
     /// The open wake of `sandbox_id`, queued now if there is none (one per sandbox).
+    /// An ended sandbox gets none (SANDBOX_ENDED): the insert is made under a guarded
+    /// write on the sandbox row, so it either lands before a deletion (whose transaction
+    /// then settles it) or sees the deletion and refuses.
     pub async fn queue_wake(&self, sandbox_id: &str, reason: &str) -> Result<wake::Model> {
         if let Some(open) = self.open_wake(sandbox_id).await? {
             return Ok(open);
+        }
+        let txn = self.db.begin().await?;
+        // Writes nothing new; takes the row's lock only while it has not ended.
+        let live = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::Status, Expr::col(sandbox::Column::Status))
+            .filter(sandbox::Column::Id.eq(sandbox_id))
+            .filter(sandbox::Column::Status.is_not_in(crate::domain::placement::ENDED))
+            .exec(&txn)
+            .await?;
+        if live.rows_affected != 1 {
+            txn.rollback().await?;
+            let row = self.sandbox(sandbox_id).await?;
+            return Err(ReconcilerError::SandboxEnded {
+                id: row.id,
+                status: row.status,
+            });
         }
         let row = wake::Model {
             id: uuid::Uuid::new_v4().to_string(),
@@ -259,15 +288,20 @@ impl Store {
             settled_at_us: None,
         };
         match wake::Entity::insert(row.clone().into_active_model())
-            .exec_without_returning(&self.db)
+            .exec_without_returning(&txn)
             .await
         {
-            Ok(_) => Ok(row),
+            Ok(_) => {
+                txn.commit().await?;
+                Ok(row)
+            }
             // A concurrent request queued it first.
-            Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => self
-                .open_wake(sandbox_id)
-                .await?
-                .ok_or(ReconcilerError::Storage(e)),
+            Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => {
+                txn.rollback().await?;
+                self.open_wake(sandbox_id)
+                    .await?
+                    .ok_or(ReconcilerError::Storage(e))
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -410,13 +444,105 @@ impl Store {
             .await?)
     }
 
-    /// Ends a sandbox that will never run (its run ended before it started).
+    /// Ends a sandbox for good: deleted, compare-and-set on the generation it was read at,
+    /// and its open wakes settled failed in the same transaction, so no node restores
+    /// what was destroyed. Only the call that deleted it gets `true`. Stopping its process
+    /// is owed from then on (see [`Store::destroys_owed`]).
     pub async fn mark_deleted(&self, id: &str, generation: i64) -> Result<bool> {
+        let txn = self.db.begin().await?;
+        let now = self.now_us();
         let done = sandbox::Entity::update_many()
-            .col_expr(sandbox::Column::Status, Expr::value("deleted"))
+            .col_expr(sandbox::Column::Status, Expr::value(DELETED))
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(now))
+            .filter(sandbox::Column::Id.eq(id))
+            .filter(sandbox::Column::ExecutionGeneration.eq(generation))
+            .filter(sandbox::Column::Status.ne(DELETED))
+            .exec(&txn)
+            .await?;
+        if done.rows_affected != 1 {
+            txn.rollback().await?;
+            return Ok(false);
+        }
+        Self::settle_wakes_of_ended(&txn, id, now).await?;
+        txn.commit().await?;
+        Ok(true)
+    }
+
+    /// Settles every open wake of `sandbox_id` (which has ended) as failed.
+    pub(crate) async fn settle_wakes_of_ended(
+        db: &impl sea_orm::ConnectionTrait,
+        sandbox_id: &str,
+        now_us: i64,
+    ) -> Result<u64> {
+        let done = wake::Entity::update_many()
+            .col_expr(wake::Column::State, Expr::value("failed"))
+            .col_expr(wake::Column::LastError, Expr::value(WAKE_SANDBOX_ENDED))
+            .col_expr(wake::Column::SettledAtUs, Expr::value(now_us))
+            .filter(wake::Column::SandboxId.eq(sandbox_id))
+            .filter(wake::Column::SettledAtUs.is_null())
+            .exec(db)
+            .await?;
+        Ok(done.rows_affected)
+    }
+
+    /// Sandboxes not deleted yet (whatever their status: creating, live, or an exit or
+    /// loss already confirmed), by id after `after`, at most `limit`: what the sweep of
+    /// terminal runs reads.
+    pub async fn not_deleted(
+        &self,
+        after: Option<&str>,
+        limit: u64,
+    ) -> Result<Vec<sandbox::Model>> {
+        let mut query = sandbox::Entity::find().filter(sandbox::Column::Status.ne(DELETED));
+        if let Some(after) = after {
+            query = query.filter(sandbox::Column::Id.gt(after));
+        }
+        Ok(query
+            .order_by(sandbox::Column::Id, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    /// Deleted sandboxes whose process `node_id` still owes a stop: placed there when
+    /// they were deleted, or suspended unplaced with a route identity naming it. A stop is
+    /// owed until the node (or, for [`LOCAL_NODE`](crate::reconcile::LOCAL_NODE), the
+    /// reconciler) acknowledges it with [`Store::acknowledge_destroyed`].
+    pub async fn destroys_owed(&self, node_id: &str, limit: u64) -> Result<Vec<sandbox::Model>> {
+        use sea_orm::sea_query::Query;
+        let routed_here = Query::select()
+            .column(route_identity::Column::SandboxId)
+            .from(route_identity::Entity)
+            .and_where(route_identity::Column::CurrentNodeId.eq(node_id))
+            .to_owned();
+        Ok(sandbox::Entity::find()
+            .filter(sandbox::Column::Status.eq(DELETED))
+            .filter(sandbox::Column::ObservedStatus.ne(DELETED))
+            .filter(
+                sea_orm::Condition::any()
+                    .add(sandbox::Column::ActiveNodeId.eq(node_id))
+                    .add(
+                        sea_orm::Condition::all()
+                            .add(sandbox::Column::ActiveNodeId.is_null())
+                            .add(sandbox::Column::Id.in_subquery(routed_here)),
+                    ),
+            )
+            .order_by(sandbox::Column::Id, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    /// Records that a deleted sandbox's process is stopped: nothing owes it a stop any
+    /// more. Only a deleted row at `generation` is acknowledged.
+    pub async fn acknowledge_destroyed(&self, id: &str, generation: i64) -> Result<bool> {
+        let done = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::ObservedStatus, Expr::value(DELETED))
             .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
             .filter(sandbox::Column::Id.eq(id))
             .filter(sandbox::Column::ExecutionGeneration.eq(generation))
+            .filter(sandbox::Column::Status.eq(DELETED))
+            .filter(sandbox::Column::ObservedStatus.ne(DELETED))
             .exec(&self.db)
             .await?;
         Ok(done.rows_affected == 1)

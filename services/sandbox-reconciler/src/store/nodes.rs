@@ -19,7 +19,13 @@ pub enum Assigned {
     Run(sandbox::Model),
     /// Restore this unplaced sandbox: the wake and its attempt number.
     Restore(sandbox::Model, wake::Model),
+    /// Stop this deleted sandbox's process, then acknowledge with a DELETED publication.
+    Destroy(sandbox::Model),
 }
+
+/// Destroys handed to a node per assignment list; the rest follow as these are
+/// acknowledged.
+pub const DESTROYS_PER_LIST: u64 = 100;
 
 /// A node's observation of one sandbox.
 #[derive(Debug, Clone)]
@@ -159,10 +165,18 @@ impl Store {
             if let Some(s) = sandbox::Entity::find_by_id(w.sandbox_id.clone())
                 .one(&self.db)
                 .await?
+                // An ended sandbox is never restored (its deletion settles its wakes).
+                .filter(|s| !crate::domain::placement::is_ended(s))
             {
                 out.push(Assigned::Restore(s, w));
             }
         }
+        out.extend(
+            self.destroys_owed(node_id, DESTROYS_PER_LIST)
+                .await?
+                .into_iter()
+                .map(Assigned::Destroy),
+        );
         Ok(out)
     }
 
@@ -189,6 +203,12 @@ impl Store {
                 node_id: node_id.to_owned(),
                 sandbox_id: row.id.clone(),
             });
+        }
+        if o.status == super::DELETED {
+            // The node stopped a deleted sandbox's process: its destroy is acknowledged.
+            let applied = row.execution_generation == o.generation
+                && self.acknowledge_destroyed(&row.id, o.generation).await?;
+            return Ok((applied, self.sandbox(o.sandbox_id).await?));
         }
         let mut update = sandbox::Entity::update_many()
             .col_expr(sandbox::Column::ObservedStatus, Expr::value(o.status))
@@ -228,8 +248,20 @@ impl Store {
             .all(&self.db)
             .await?;
         let mut assigned = 0;
-        for (i, w) in pending.iter().enumerate() {
+        let mut i = 0;
+        for w in &pending {
+            // A wake of a sandbox that ended is settled, never assigned (a deletion
+            // settles its wakes; this catches one queued as the deletion committed).
+            let ended = sandbox::Entity::find_by_id(w.sandbox_id.clone())
+                .one(&self.db)
+                .await?
+                .is_none_or(|s| crate::domain::placement::is_ended(&s));
+            if ended {
+                Store::settle_wakes_of_ended(&self.db, &w.sandbox_id, self.now_us()).await?;
+                continue;
+            }
             let node = &nodes[i % nodes.len()];
+            i += 1;
             let done = wake::Entity::update_many()
                 .col_expr(wake::Column::State, Expr::value("assigned"))
                 .col_expr(wake::Column::NodeId, Expr::value(node.id.clone()))
@@ -244,53 +276,85 @@ impl Store {
     }
 
     /// A wake restored its sandbox on `node_id`: placement and route identity are written
-    /// with the wake's settlement in one transaction.
+    /// with the wake's settlement in one transaction. An ended sandbox is never revived:
+    /// the restore is refused (SANDBOX_ENDED) and its wake settles failed. The sandbox row
+    /// is written before the wake, the order a deletion takes too, so the two serialize:
+    /// a deletion that committed first wins, and one that comes after destroys the
+    /// restored sandbox.
     pub async fn report_restored(
         &self,
         node_id: &str,
         wake_id: &str,
         attempt: i32,
     ) -> Result<sandbox::Model> {
+        let settled = || ReconcilerError::WakeSettled {
+            wake_id: wake_id.to_owned(),
+        };
+        let assigned_here = sea_orm::Condition::all()
+            .add(wake::Column::Id.eq(wake_id))
+            .add(wake::Column::NodeId.eq(node_id))
+            .add(wake::Column::Attempts.eq(attempt))
+            .add(wake::Column::State.eq("assigned"));
         let txn = self.db.begin().await?;
         let now = self.now_us();
-        let settled = wake::Entity::update_many()
-            .col_expr(wake::Column::State, Expr::value("restored"))
-            .col_expr(wake::Column::SettledAtUs, Expr::value(now))
-            .filter(wake::Column::Id.eq(wake_id))
-            .filter(wake::Column::NodeId.eq(node_id))
-            .filter(wake::Column::Attempts.eq(attempt))
-            .filter(wake::Column::State.eq("assigned"))
-            .exec(&txn)
-            .await?;
-        if settled.rows_affected != 1 {
-            return Err(ReconcilerError::WakeSettled {
-                wake_id: wake_id.to_owned(),
-            });
-        }
         let wake = wake::Entity::find_by_id(wake_id.to_owned())
             .one(&txn)
             .await?
-            .ok_or_else(|| ReconcilerError::WakeSettled {
-                wake_id: wake_id.to_owned(),
-            })?;
+            .ok_or_else(settled)?;
         let row = sandbox::Entity::find_by_id(wake.sandbox_id.clone())
             .one(&txn)
             .await?
             .ok_or_else(|| ReconcilerError::SandboxNotFound {
                 id: wake.sandbox_id.clone(),
             })?;
-        sandbox::Entity::update_many()
-            .col_expr(sandbox::Column::ActiveNodeId, Expr::value(node_id))
-            .col_expr(sandbox::Column::Status, Expr::value("started"))
-            .col_expr(
-                sandbox::Column::LossObservedAtUs,
-                Expr::value(Option::<i64>::None),
-            )
-            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(now))
-            .filter(sandbox::Column::Id.eq(row.id.as_str()))
-            .filter(sandbox::Column::ExecutionGeneration.eq(row.execution_generation))
+        let placed = if crate::domain::placement::is_ended(&row) {
+            0
+        } else {
+            sandbox::Entity::update_many()
+                .col_expr(sandbox::Column::ActiveNodeId, Expr::value(node_id))
+                .col_expr(sandbox::Column::Status, Expr::value("started"))
+                .col_expr(
+                    sandbox::Column::LossObservedAtUs,
+                    Expr::value(Option::<i64>::None),
+                )
+                .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(now))
+                .filter(sandbox::Column::Id.eq(row.id.as_str()))
+                .filter(sandbox::Column::ExecutionGeneration.eq(row.execution_generation))
+                // A deletion that committed since the row was read wins.
+                .filter(sandbox::Column::Status.is_in(super::LIVE))
+                .exec(&txn)
+                .await?
+                .rows_affected
+        };
+        if placed != 1 {
+            // Ended: settle this attempt's wake failed (a deletion has usually done so).
+            wake::Entity::update_many()
+                .col_expr(wake::Column::State, Expr::value("failed"))
+                .col_expr(
+                    wake::Column::LastError,
+                    Expr::value(super::WAKE_SANDBOX_ENDED),
+                )
+                .col_expr(wake::Column::SettledAtUs, Expr::value(now))
+                .filter(assigned_here)
+                .exec(&txn)
+                .await?;
+            txn.commit().await?;
+            let now = self.sandbox(&row.id).await?;
+            return Err(ReconcilerError::SandboxEnded {
+                id: now.id,
+                status: now.status,
+            });
+        }
+        let restored = wake::Entity::update_many()
+            .col_expr(wake::Column::State, Expr::value("restored"))
+            .col_expr(wake::Column::SettledAtUs, Expr::value(now))
+            .filter(assigned_here)
             .exec(&txn)
             .await?;
+        if restored.rows_affected != 1 {
+            txn.rollback().await?;
+            return Err(settled());
+        }
         route_identity::Entity::insert(
             route_identity::Model {
                 sandbox_id: row.id.clone(),
