@@ -4,6 +4,29 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+/// What an exit status means, for `--help`: the operator commands' rule, then how
+/// `runplane run` differs.
+macro_rules! exit_status {
+    () => {
+        "Exit status:\n  \
+        0  success\n  \
+        1  an error from the server (printed as `error: CODE: message (REASON)`) or from I/O\n  \
+        2  a usage error (an unknown command, flag or value)"
+    };
+}
+const EXIT_STATUS: &str = exit_status!();
+const ALL_EXIT_STATUS: &str = concat!(
+    exit_status!(),
+    "\n`runplane run` exits with the run's status instead: 0 when it succeeded, the \
+    agent's exit code when it failed (1 when it has none), 130 when it was cancelled."
+);
+const RUN_EXIT_STATUS: &str = "Exit status: the run's.\n  \
+    0    it succeeded\n  \
+    N    it failed: the agent's exit code, 1 when it has none (a deadline, a lost sandbox)\n  \
+    130  it was cancelled or interrupted\n  \
+    1    also: an error from the server or from I/O before the run ended\n  \
+    2    a usage error";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "runplane",
@@ -12,7 +35,8 @@ use clap::{Parser, Subcommand, ValueEnum};
     long_about = "The control plane that keeps AI-agent runs alive.\n\n\
         One binary serves any subset of runplane's four gRPC services (run store, sandbox \
         reconciler, stream recovery coordinator, credential health), runs all of them in \
-        one process for development, and carries the operator commands."
+        one process for development, and carries the operator commands.",
+    after_help = ALL_EXIT_STATUS
 )]
 pub struct Cli {
     /// Config file (TOML). RUNPLANE_<SECTION>__<FIELD> variables override its values,
@@ -43,8 +67,32 @@ pub enum Command {
         data_dir: PathBuf,
     },
     /// Create a run of CMD, follow its output live, print its verdict and receipt, and
-    /// exit with its status (0 succeeded, the agent's exit code when it failed).
+    /// exit with its status (0 succeeded, the agent's exit code when it failed, 1 when it
+    /// failed without one, 130 cancelled).
+    #[command(after_help = RUN_EXIT_STATUS)]
     Run(crate::run::RunArgs),
+    /// List runs, newest first: id, state, lead, credential, age and reason (every page,
+    /// or --limit).
+    #[command(after_help = EXIT_STATUS)]
+    Runs(crate::operator::RunsArgs),
+    /// Show one run: state, verdict, reason, credential and profile, sandbox, last
+    /// sequence, times, deadline, labels.
+    #[command(after_help = EXIT_STATUS)]
+    Get(crate::operator::GetArgs),
+    /// Print a run's output: its stdout lines on stdout, stderr lines and notes on stderr.
+    /// Without --follow, the events stored now; with it, until the run ends.
+    #[command(after_help = EXIT_STATUS)]
+    Logs(crate::operator::LogsArgs),
+    /// Cancel a run: it ends CANCELLED (reason cancelled) and its agent is stopped.
+    #[command(after_help = EXIT_STATUS)]
+    Cancel(crate::operator::CancelArgs),
+    /// Send a line to a running agent's stdin.
+    #[command(after_help = EXIT_STATUS)]
+    Steer(crate::operator::SteerArgs),
+    /// Interrupt a run's agent: SIGINT, then SIGTERM and SIGKILL after the grace (a run
+    /// still queued is cancelled at once).
+    #[command(after_help = EXIT_STATUS)]
+    Interrupt(crate::operator::InterruptArgs),
     /// Run a node agent of the direct substrate ([node] config): register with the
     /// reconciler at [sandbox_reconciler].endpoint, run, suspend and restore sandboxes.
     Node,
@@ -62,19 +110,24 @@ pub enum Command {
     Notices(crate::credentials::NoticesArgs),
     /// Print every RPC's replay-safety policy, as the proto method options declare it.
     Policies,
-    /// Receipts: make a signing key, verify a receipt offline.
+    /// Receipts: fetch one, make a signing key, verify a receipt offline.
     #[command(subcommand)]
     Receipt(ReceiptCommand),
 }
 
 #[derive(Debug, Subcommand)]
 pub enum ReceiptCommand {
+    /// Print a run's signed receipt as JSON (grpcurl's JSON of GetReceipt, what `verify`
+    /// reads); the signer's public key goes to stderr.
+    #[command(after_help = EXIT_STATUS)]
+    Get(crate::receipt::ReceiptGetArgs),
     /// Print a new Ed25519 receipt signing key (for run_store.receipt_signing_key) and its
     /// public key.
     Keygen,
     /// Verify a receipt offline: its Ed25519 signature and the body it signs.
     Verify {
-        /// The receipt as JSON: grpcurl's output of RunService/GetReceipt.
+        /// The receipt as JSON: what `runplane receipt get` prints (grpcurl's output of
+        /// RunService/GetReceipt).
         file: PathBuf,
         /// The signer's public key, 64 hex digits or base64 (GetReceiptPublicKey prints it).
         #[arg(long, value_name = "KEY")]
@@ -93,41 +146,49 @@ pub enum ServiceName {
     All,
 }
 
-pub async fn run(cli: Cli) -> anyhow::Result<()> {
+impl Command {
+    /// Long-running processes log their failure as `runplane: …`; the commands an
+    /// operator types answer like clap's usage errors, `error: …`.
+    pub fn is_daemon(&self) -> bool {
+        matches!(
+            self,
+            Self::Serve { .. } | Self::Dev { .. } | Self::Node | Self::Runner
+        )
+    }
+}
+
+/// Runs the command; the exit status to end with (see [`ALL_EXIT_STATUS`]).
+pub async fn run(cli: Cli) -> anyhow::Result<u8> {
+    let config = cli.config.as_deref();
+    let mut stdout = std::io::stdout();
     match cli.command {
-        Command::Serve { services } => crate::serve::serve(cli.config.as_deref(), &services).await,
-        Command::Dev { listen, data_dir } => {
-            crate::dev::dev(cli.config.as_deref(), &listen, &data_dir).await
-        }
-        Command::Runner => crate::runner::run(cli.config.as_deref()).await,
-        Command::Node => crate::node::run(cli.config.as_deref()).await,
+        Command::Serve { services } => crate::serve::serve(config, &services).await?,
+        Command::Dev { listen, data_dir } => crate::dev::dev(config, &listen, &data_dir).await?,
+        Command::Runner => crate::runner::run(config).await?,
+        Command::Node => crate::node::run(config).await?,
         Command::Run(args) => {
-            let code = crate::run::run(cli.config.as_deref(), args).await?;
-            if code != 0 {
-                std::process::exit(code);
-            }
-            Ok(())
+            // The run's status, 0..=255 by construction.
+            let code = crate::run::run(config, args).await?;
+            return Ok(u8::try_from(code).unwrap_or(1));
         }
+        Command::Runs(args) => crate::operator::runs(config, args, &mut stdout).await?,
+        Command::Get(args) => crate::operator::get(config, args, &mut stdout).await?,
+        Command::Logs(args) => crate::operator::logs(config, args).await?,
+        Command::Cancel(args) => crate::operator::cancel(config, args, &mut stdout).await?,
+        Command::Steer(args) => crate::operator::steer(config, args, &mut stdout).await?,
+        Command::Interrupt(args) => crate::operator::interrupt(config, args, &mut stdout).await?,
         Command::Credentials(args) => {
-            crate::credentials::credentials(
-                cli.config.as_deref(),
-                args,
-                &mut std::io::stdout().lock(),
-            )
-            .await
+            crate::credentials::credentials(config, args, &mut stdout).await?
         }
-        Command::Notices(args) => {
-            crate::credentials::notices(cli.config.as_deref(), args, &mut std::io::stdout()).await
+        Command::Notices(args) => crate::credentials::notices(config, args, &mut stdout).await?,
+        Command::Policies => crate::policies::print(&mut stdout)?,
+        Command::Receipt(ReceiptCommand::Get(args)) => {
+            crate::receipt::get(config, args, &mut stdout).await?
         }
-        Command::Policies => {
-            crate::policies::print(&mut std::io::stdout().lock())?;
-            Ok(())
-        }
-        Command::Receipt(ReceiptCommand::Keygen) => {
-            crate::receipt::keygen(&mut std::io::stdout().lock())
-        }
+        Command::Receipt(ReceiptCommand::Keygen) => crate::receipt::keygen(&mut stdout)?,
         Command::Receipt(ReceiptCommand::Verify { file, public_key }) => {
-            crate::receipt::verify_file(&file, &public_key, &mut std::io::stdout().lock())
+            crate::receipt::verify_file(&file, &public_key, &mut stdout)?
         }
     }
+    Ok(0)
 }

@@ -6,11 +6,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use runplane_config::Config;
-use runplane_grpc::client::Bearer;
 use runplane_proto::credentials::v1 as pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
-use runplane_transport::{RetryConfig, RetryLayer};
+
+use crate::output::table;
 
 /// Where to reach credential health and as whom.
 #[derive(Debug, clap::Args)]
@@ -51,28 +50,16 @@ pub struct NoticesArgs {
     count: Option<u64>,
 }
 
-type Client = CredentialHealthServiceClient<
-    tonic::service::interceptor::InterceptedService<runplane_transport::RunnerChannel, Bearer>,
->;
+type Client = CredentialHealthServiceClient<crate::connect::OperatorChannel>;
 
 fn client(config_file: Option<&Path>, connect: &Connect) -> anyhow::Result<Client> {
-    let config = Config::load(config_file)?;
-    runplane_grpc::tls::install(&config.tls)?;
-    let endpoint = connect
-        .endpoint
-        .clone()
-        .unwrap_or_else(|| config.credential_health.endpoint.clone());
-    let token = crate::run::token(&connect.token_file, &config)?;
-    let layer = RetryLayer::new(RetryConfig::default());
-    let channel = runplane_transport::connect_lazy(&endpoint, &layer)?;
-    Ok(CredentialHealthServiceClient::with_interceptor(
-        channel,
-        Bearer::new(token),
-    ))
-}
-
-fn failed(what: &str, status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what} failed: {:?}: {}", status.code(), status.message())
+    let channel = crate::connect::channel(
+        config_file,
+        connect.endpoint.as_deref(),
+        &connect.token_file,
+        |c| &c.credential_health.endpoint,
+    )?;
+    Ok(CredentialHealthServiceClient::new(channel))
 }
 
 /// Prints the fleet: one table per credential, one per profile.
@@ -88,7 +75,7 @@ pub async fn credentials(
             credential_id: args.credential.unwrap_or_default(),
         })
         .await
-        .map_err(|s| failed("reading the fleet", s))?
+        .map_err(crate::connect::rpc)?
         .into_inner();
     write_fleet(&fleet, out)?;
     Ok(())
@@ -96,22 +83,6 @@ pub async fn credentials(
 
 fn seconds(s: u32) -> String {
     if s == 0 { "-".into() } else { format!("{s}s") }
-}
-
-fn table(out: &mut impl Write, rows: &[Vec<String>]) -> std::io::Result<()> {
-    let columns = rows.first().map_or(0, Vec::len);
-    let widths: Vec<usize> = (0..columns)
-        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
-        .collect();
-    for row in rows {
-        let line: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(cell, w)| format!("{cell:<w$}"))
-            .collect();
-        writeln!(out, "{}", line.join("  ").trim_end())?;
-    }
-    Ok(())
 }
 
 /// The fleet as two aligned tables.
@@ -204,7 +175,7 @@ pub async fn notices(
                         | tonic::Code::PermissionDenied
                 ) =>
             {
-                return Err(failed("watching notices", status));
+                return Err(crate::connect::rpc(status));
             }
             Err(_) => {
                 tokio::time::sleep(Duration::from_secs(1)).await;
@@ -276,6 +247,7 @@ mod tests {
                 cooling_off_for_seconds: 42,
                 quarantined_for_seconds: 0,
                 open_incident: None,
+                ..Default::default()
             }],
             profiles: vec![pb::ProfileHealth {
                 profile: "sonnet".into(),
@@ -286,8 +258,9 @@ mod tests {
                 cooling_off_for_seconds: 42,
                 quarantined_for_seconds: 0,
                 open_incident_id: String::new(),
+                ..Default::default()
             }],
-            observed_at: None,
+            ..Default::default()
         };
         let mut out = Vec::new();
         write_fleet(&fleet, &mut out).unwrap();

@@ -1,21 +1,29 @@
 //! `runplane`: serve services, run everything for development, operator commands.
 
 mod cli;
+mod connect;
 mod credentials;
 mod dev;
+mod duration;
 mod node;
+mod operator;
+mod output;
 mod policies;
+mod protojson;
 mod receipt;
 mod run;
 mod runner;
 mod serve;
+mod watch;
 
 use std::process::ExitCode;
 
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // A usage error exits 2 here (clap's rule); everything else below.
     let cli = cli::Cli::parse();
+    let daemon = cli.command.is_daemon();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -27,9 +35,13 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(cli::run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Ok(code) => ExitCode::from(code),
+        Err(e) if daemon => {
             eprintln!("runplane: {e:#}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }

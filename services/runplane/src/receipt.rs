@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use base64::Engine;
+use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::Receipt;
 use runplane_run_store::domain::ids::hex;
 use runplane_run_store::domain::receipt::{ReceiptSigner, verify};
@@ -22,33 +23,77 @@ pub fn keygen(out: &mut impl Write) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Verifies the receipt in `file` (grpcurl's JSON of GetReceipt, or of a Receipt) against
-/// `public_key` (64 hex digits or base64, as GetReceiptPublicKey prints it).
+/// `runplane receipt get RUN`: GetReceipt's answer on `out`, as grpcurl prints it (what
+/// [`verify_file`] reads), and on stderr the signer's public key and the command that
+/// checks the receipt with it.
+pub async fn get(
+    config_file: Option<&Path>,
+    args: ReceiptGetArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let answer = client
+        .get_receipt(pb::GetReceiptRequest {
+            run_id: args.run.clone(),
+        })
+        .await
+        .map_err(crate::connect::rpc)?
+        .into_inner();
+    let json = crate::protojson::to_value(&answer, GET_RECEIPT_RESPONSE);
+    writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
+    out.flush()?;
+    let key_id = answer.receipt.map(|r| r.key_id).unwrap_or_default();
+    // A hint only: the receipt is printed whether or not the key can be fetched.
+    match client
+        .get_receipt_public_key(pb::GetReceiptPublicKeyRequest {
+            key_id: key_id.clone(),
+        })
+        .await
+    {
+        Ok(key) => eprintln!(
+            "runplane: signed by {key_id}, public key {key}; check with: runplane receipt verify FILE --public-key {key}",
+            key = hex(&key.into_inner().public_key)
+        ),
+        Err(status) => eprintln!(
+            "runplane: signed by {key_id}; its public key is not available: {}",
+            crate::connect::rpc(status)
+        ),
+    }
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReceiptGetArgs {
+    #[command(flatten)]
+    connect: crate::connect::RunStoreConnect,
+    /// Run id; the run must have ended (its receipt is sealed then).
+    run: String,
+}
+
+const GET_RECEIPT_RESPONSE: &str = "runplane.runstore.v1.GetReceiptResponse";
+
+/// Verifies the receipt in `file` (what `receipt get` prints: grpcurl's JSON of
+/// GetReceipt, or of a Receipt alone) against `public_key` (64 hex digits or base64, as
+/// GetReceiptPublicKey prints it). Only the signed payload is trusted: the body shown is
+/// the one the signature covers, not the file's `body` field.
 pub fn verify_file(file: &Path, public_key: &str, out: &mut impl Write) -> anyhow::Result<()> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
     let json: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not JSON", file.display()))?;
-    let receipt_json = json.get("receipt").unwrap_or(&json);
-    let bytes = |field: &str| -> anyhow::Result<Vec<u8>> {
-        let value = receipt_json
-            .get(field)
-            .and_then(|v| v.as_str())
-            .with_context(|| format!("the receipt has no {field}"))?;
-        base64::engine::general_purpose::STANDARD
-            .decode(value)
-            .with_context(|| format!("{field} is not base64"))
-    };
-    let receipt = Receipt {
-        body: None,
-        signed_payload: bytes("signedPayload")?,
-        signature: bytes("signature")?,
-        key_id: receipt_json
-            .get("keyId")
-            .and_then(|v| v.as_str())
+    let receipt = if json.get("receipt").is_some() {
+        crate::protojson::from_value::<pb::GetReceiptResponse>(json, GET_RECEIPT_RESPONSE)?
+            .receipt
             .unwrap_or_default()
-            .to_owned(),
+    } else {
+        crate::protojson::from_value::<Receipt>(json, "runplane.runstore.v1.Receipt")?
     };
+    if receipt.signed_payload.is_empty() {
+        bail!("the receipt has no signedPayload");
+    }
+    if receipt.signature.is_empty() {
+        bail!("the receipt has no signature");
+    }
     let key = parse_public_key(public_key)?;
     let body = verify(&receipt, &key)?;
     let verdict = body.verdict.clone().unwrap_or_default();

@@ -1,0 +1,517 @@
+//! The operator's daily commands on runs, on the model of `temporal workflow
+//! list/describe/cancel` and `nomad alloc logs -f`: `runs`, `get`, `logs`, `cancel`,
+//! `steer`, `interrupt`. Each writing call carries a fresh idempotency key, so the
+//! transport's retries of one invocation are deduped by the run store while a second
+//! invocation is a second request.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use clap::ValueEnum;
+use runplane_clock::{Clock, SystemClock};
+use runplane_proto::runstore::v1 as pb;
+
+use crate::connect::{RunStoreConnect, idempotency_key, rpc};
+use crate::output::{self, or_dash, state_name, timestamp};
+use crate::watch::{Until, print_events};
+
+/// ListRuns' largest page.
+const MAX_PAGE: u32 = 500;
+
+/// A run state as `--state` takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum StateArg {
+    Queued,
+    Starting,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+    BackendError,
+}
+
+impl From<StateArg> for pb::RunState {
+    fn from(state: StateArg) -> Self {
+        match state {
+            StateArg::Queued => Self::Queued,
+            StateArg::Starting => Self::Starting,
+            StateArg::Running => Self::Running,
+            StateArg::Succeeded => Self::Succeeded,
+            StateArg::Failed => Self::Failed,
+            StateArg::Cancelled => Self::Cancelled,
+            StateArg::BackendError => Self::BackendError,
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunsArgs {
+    #[command(flatten)]
+    connect: RunStoreConnect,
+    /// Only runs in these states (repeat or separate with commas).
+    #[arg(
+        long,
+        value_name = "STATE",
+        value_enum,
+        ignore_case = true,
+        value_delimiter = ','
+    )]
+    state: Vec<StateArg>,
+    /// Only runs of this lead.
+    #[arg(long, value_name = "LEAD")]
+    lead: Option<String>,
+    /// Only runs of this org (required with a token confined to one org).
+    #[arg(long, value_name = "ORG")]
+    org: Option<String>,
+    /// Only runs on this credential.
+    #[arg(long, value_name = "CREDENTIAL")]
+    credential: Option<String>,
+    /// Only runs of this profile.
+    #[arg(long, value_name = "PROFILE")]
+    profile: Option<String>,
+    /// At most this many runs, newest first (default: every page).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    limit: Option<u32>,
+    /// Print a JSON array of the runs (grpcurl's JSON of each Run) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GetArgs {
+    #[command(flatten)]
+    connect: RunStoreConnect,
+    /// Run id.
+    run: String,
+    /// Print the run as JSON (grpcurl's JSON of the Run).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    connect: RunStoreConnect,
+    /// Run id.
+    run: String,
+    /// Keep printing until the run ends (resuming after a dropped stream), instead of
+    /// exiting after the events stored now.
+    #[arg(long, short = 'f')]
+    follow: bool,
+    /// Print only the events after this sequence.
+    #[arg(long, value_name = "SEQ", default_value_t = 0)]
+    after: u64,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CancelArgs {
+    #[command(flatten)]
+    connect: RunStoreConnect,
+    /// Run id.
+    run: String,
+    /// Why, recorded as the verdict message (default "cancelled by an operator").
+    #[arg(long, value_name = "R")]
+    reason: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SteerArgs {
+    #[command(flatten)]
+    connect: RunStoreConnect,
+    /// Run id.
+    run: String,
+    /// The line written to the agent's stdin.
+    text: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct InterruptArgs {
+    #[command(flatten)]
+    connect: RunStoreConnect,
+    /// Run id.
+    run: String,
+    /// Why, recorded in the verdict message.
+    #[arg(long, value_name = "R")]
+    reason: Option<String>,
+    /// Wait after SIGINT before SIGTERM, and again before SIGKILL, e.g. 5s (server
+    /// default 10s, at most 5m).
+    #[arg(long, value_name = "DUR", value_parser = crate::duration::parse_positive)]
+    grace: Option<Duration>,
+}
+
+/// `runplane runs`: a table of runs, newest first.
+pub async fn runs(
+    config_file: Option<&Path>,
+    args: RunsArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let mut runs = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let remaining = args.limit.map(|l| l - runs.len() as u32);
+        let page = client
+            .list_runs(pb::ListRunsRequest {
+                org_id: args.org.clone().unwrap_or_default(),
+                lead_id: args.lead.clone().unwrap_or_default(),
+                credential_id: args.credential.clone().unwrap_or_default(),
+                profile: args.profile.clone().unwrap_or_default(),
+                states: args
+                    .state
+                    .iter()
+                    .map(|s| pb::RunState::from(*s) as i32)
+                    .collect(),
+                page_size: remaining.unwrap_or(MAX_PAGE).min(MAX_PAGE),
+                page_token: page_token.clone(),
+                run_ids: Vec::new(),
+            })
+            .await
+            .map_err(rpc)?
+            .into_inner();
+        runs.extend(page.runs);
+        if let Some(limit) = args.limit {
+            runs.truncate(limit as usize);
+        }
+        page_token = page.next_page_token;
+        if page_token.is_empty() || args.limit.is_some_and(|l| runs.len() >= l as usize) {
+            break;
+        }
+    }
+    if args.json {
+        let runs: Vec<_> = runs
+            .iter()
+            .map(|r| crate::protojson::to_value(r, "runplane.runstore.v1.Run"))
+            .collect();
+        writeln!(out, "{}", serde_json::to_string_pretty(&runs)?)?;
+    } else {
+        write_runs(&runs, SystemClock::new().now(), out)?;
+    }
+    Ok(())
+}
+
+/// The roster as an aligned table; `now` dates the AGE column.
+pub fn write_runs(
+    runs: &[pb::Run],
+    now: DateTime<Utc>,
+    out: &mut impl Write,
+) -> std::io::Result<()> {
+    let mut rows = vec![
+        ["ID", "STATE", "LEAD", "CREDENTIAL", "AGE", "REASON"]
+            .map(String::from)
+            .to_vec(),
+    ];
+    for run in runs {
+        let age = run
+            .created_at
+            .as_ref()
+            .and_then(output::time)
+            .map_or_else(|| "-".into(), |t| crate::duration::short(now - t));
+        rows.push(vec![
+            run.id.clone(),
+            state_name(run.state()),
+            or_dash(&run.lead_id),
+            or_dash(&run.credential_id),
+            age,
+            or_dash(output::reason(run)),
+        ]);
+    }
+    output::table(out, &rows)
+}
+
+/// `runplane get RUN`.
+pub async fn get(
+    config_file: Option<&Path>,
+    args: GetArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let run = client
+        .get_run(pb::GetRunRequest {
+            run_id: args.run.clone(),
+        })
+        .await
+        .map_err(rpc)?
+        .into_inner()
+        .run
+        .context("the run store answered without a run")?;
+    if args.json {
+        let json = crate::protojson::to_value(&run, "runplane.runstore.v1.Run");
+        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
+    } else {
+        write_run(&run, SystemClock::new().now(), out)?;
+    }
+    Ok(())
+}
+
+/// One run, a field a line; `now` says how long ago and how soon.
+pub fn write_run(run: &pb::Run, now: DateTime<Utc>, out: &mut impl Write) -> std::io::Result<()> {
+    let when = |t: &Option<prost_types::Timestamp>| -> String {
+        let Some(t) = t else { return "-".into() };
+        match output::time(t) {
+            Some(at) if at <= now => {
+                format!(
+                    "{} ({} ago)",
+                    timestamp(t),
+                    crate::duration::short(now - at)
+                )
+            }
+            Some(at) => format!("{} (in {})", timestamp(t), crate::duration::short(at - now)),
+            None => "-".into(),
+        }
+    };
+    let mut labels: Vec<_> = run.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    labels.sort();
+    let mut rows: Vec<(&str, String)> = vec![
+        ("id", run.id.clone()),
+        ("org", or_dash(&run.org_id)),
+        ("lead", or_dash(&run.lead_id)),
+        ("state", state_name(run.state())),
+        (
+            "verdict",
+            run.verdict.as_ref().map_or("-".into(), |v| {
+                output::verdict(&pb::Verdict {
+                    message: String::new(),
+                    ..v.clone()
+                })
+            }),
+        ),
+        (
+            "message",
+            or_dash(run.verdict.as_ref().map_or("", |v| v.message.as_str())),
+        ),
+        ("reason", or_dash(output::reason(run))),
+        ("credential", or_dash(&run.credential_id)),
+        ("profile", or_dash(&run.profile)),
+        ("command", output::command_line(&run.command, &run.args)),
+        ("sandbox_id", or_dash(&run.sandbox_id)),
+        ("sandbox_generation", run.sandbox_generation.to_string()),
+        ("last_sequence", run.last_sequence.to_string()),
+        ("created", when(&run.created_at)),
+        ("started", when(&run.started_at)),
+        ("ended", when(&run.ended_at)),
+        ("deadline", when(&run.deadline)),
+        ("labels", or_dash(&labels.join(", "))),
+    ];
+    if let Some(b) = &run.backend_error {
+        let kind = b
+            .kind()
+            .as_str_name()
+            .trim_start_matches("BACKEND_ERROR_KIND_")
+            .to_lowercase();
+        let incident = if b.incident_id.is_empty() {
+            String::new()
+        } else {
+            format!(", incident {}", b.incident_id)
+        };
+        rows.push((
+            "backend_error",
+            format!("{kind} on {}{incident}: {}", b.credential_id, b.reason),
+        ));
+    }
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (key, value) in rows {
+        writeln!(out, "{key:<width$}  {value}")?;
+    }
+    Ok(())
+}
+
+/// `runplane logs RUN`: the stored events, or with `--follow` every event to the run's
+/// end. Status notes go to stderr, so stdout holds the agent's stdout only.
+pub async fn logs(config_file: Option<&Path>, args: LogsArgs) -> anyhow::Result<()> {
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let until = if args.follow { Until::End } else { Until::Now };
+    let run = print_events(&mut client, &args.run, args.after, until).await?;
+    if run.state().is_terminal() {
+        eprintln!("runplane: {}", output::ending(&run));
+    }
+    Ok(())
+}
+
+/// `runplane cancel RUN`.
+pub async fn cancel(
+    config_file: Option<&Path>,
+    args: CancelArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let run = client
+        .cancel_run(pb::CancelRunRequest {
+            run_id: args.run.clone(),
+            reason: args.reason.unwrap_or_default(),
+            idempotency_key: idempotency_key("cancel"),
+        })
+        .await
+        .map_err(rpc)?
+        .into_inner()
+        .run
+        .context("the run store answered without a run")?;
+    let verdict = run
+        .verdict
+        .as_ref()
+        .map_or_else(String::new, |v| format!(": {}", output::verdict(v)));
+    writeln!(out, "run {} {}{verdict}", run.id, state_name(run.state()))?;
+    Ok(())
+}
+
+/// `runplane steer RUN TEXT`.
+pub async fn steer(
+    config_file: Option<&Path>,
+    args: SteerArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let message = client
+        .steer(pb::SteerRequest {
+            run_id: args.run.clone(),
+            text: args.text,
+            idempotency_key: idempotency_key("steer"),
+        })
+        .await
+        .map_err(rpc)?
+        .into_inner()
+        .message
+        .context("the run store answered without a message")?;
+    writeln!(
+        out,
+        "steer {} queued for run {} (message {} of the run)",
+        message.id, args.run, message.sequence
+    )?;
+    Ok(())
+}
+
+/// `runplane interrupt RUN`.
+pub async fn interrupt(
+    config_file: Option<&Path>,
+    args: InterruptArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let answer = client
+        .interrupt(pb::InterruptRequest {
+            run_id: args.run.clone(),
+            reason: args.reason.unwrap_or_default(),
+            grace: args.grace.map(crate::duration::to_proto),
+            idempotency_key: idempotency_key("interrupt"),
+        })
+        .await
+        .map_err(rpc)?
+        .into_inner();
+    match (answer.message, answer.run) {
+        (Some(message), _) => writeln!(
+            out,
+            "interrupt {} queued for run {} (message {} of the run)",
+            message.id, args.run, message.sequence
+        )?,
+        // A queued run has no agent to signal: the run store cancelled it directly.
+        (None, Some(run)) => writeln!(
+            out,
+            "run {} was still queued: {} before it started",
+            run.id,
+            state_name(run.state())
+        )?,
+        (None, None) => writeln!(out, "interrupt accepted for run {}", args.run)?,
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(seconds: i64) -> prost_types::Timestamp {
+        prost_types::Timestamp { seconds, nanos: 0 }
+    }
+
+    #[test]
+    fn the_roster_has_the_columns_an_operator_scans() {
+        let now = DateTime::from_timestamp(1_800_000_600, 0).unwrap();
+        let runs = [
+            pb::Run {
+                id: "0190-a".into(),
+                state: pb::RunState::Running as i32,
+                lead_id: "alice".into(),
+                credential_id: "local".into(),
+                created_at: Some(at(1_800_000_000)),
+                ..Default::default()
+            },
+            pb::Run {
+                id: "0190-b".into(),
+                state: pb::RunState::BackendError as i32,
+                lead_id: "bob".into(),
+                credential_id: "cred-b".into(),
+                failure_reason: "rate limited".into(),
+                created_at: Some(at(1_800_000_590)),
+                ..Default::default()
+            },
+        ];
+        let mut out = Vec::new();
+        write_runs(&runs, now, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0], "ID      STATE          LEAD   CREDENTIAL  AGE  REASON",
+            "{text}"
+        );
+        assert_eq!(
+            lines[1], "0190-a  running        alice  local       10m  -",
+            "{text}"
+        );
+        assert_eq!(
+            lines[2], "0190-b  backend_error  bob    cred-b      10s  rate limited",
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_run_shows_every_field_that_matters() {
+        let now = DateTime::from_timestamp(1_800_000_060, 0).unwrap();
+        let run = pb::Run {
+            id: "0190-a".into(),
+            org_id: "acme".into(),
+            state: pb::RunState::Cancelled as i32,
+            verdict: Some(pb::Verdict {
+                outcome: pb::VerdictOutcome::Cancelled as i32,
+                reason: "cancelled".into(),
+                message: "not needed".into(),
+                ..Default::default()
+            }),
+            failure_reason: "cancelled".into(),
+            credential_id: "local".into(),
+            profile: "default".into(),
+            command: "sleep".into(),
+            args: vec!["300".into()],
+            sandbox_generation: 1,
+            sandbox_id: "sbx-1".into(),
+            last_sequence: 2,
+            created_at: Some(at(1_800_000_000)),
+            deadline: Some(at(1_800_000_120)),
+            labels: [("team".into(), "infra".into())].into(),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        write_run(&run, now, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        for line in [
+            "state               cancelled",
+            "verdict             cancelled (cancelled)",
+            "message             not needed",
+            "reason              cancelled",
+            "credential          local",
+            "profile             default",
+            "command             sleep 300",
+            "sandbox_id          sbx-1",
+            "sandbox_generation  1",
+            "last_sequence       2",
+            "created             2027-01-15T08:00:00Z (1m ago)",
+            "started             -",
+            "deadline            2027-01-15T08:02:00Z (in 1m)",
+            "labels              team=infra",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! How the operator commands show things: aligned tables, state and verdict names as the
+//! CLI spells them, timestamps.
+
+use std::io::Write;
+
+use runplane_proto::runstore::v1 as pb;
+
+/// Rows as columns padded to their widest cell, two spaces apart; the first row is the
+/// header.
+pub fn table(out: &mut impl Write, rows: &[Vec<String>]) -> std::io::Result<()> {
+    let columns = rows.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    for row in rows {
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        writeln!(out, "{}", line.join("  ").trim_end())?;
+    }
+    Ok(())
+}
+
+/// `running`, `backend_error`: the name `--state` accepts.
+pub fn state_name(state: pb::RunState) -> String {
+    state
+        .as_str_name()
+        .trim_start_matches("RUN_STATE_")
+        .to_lowercase()
+}
+
+/// `succeeded (exit_zero, exit code 0)`, `cancelled (cancelled: no longer needed)`.
+pub fn verdict(verdict: &pb::Verdict) -> String {
+    let outcome = verdict
+        .outcome()
+        .as_str_name()
+        .trim_start_matches("VERDICT_OUTCOME_")
+        .to_lowercase();
+    let mut detail = verdict.reason.clone();
+    if let Some(code) = verdict.exit_code {
+        detail += &format!(", exit code {code}");
+    }
+    if let Some(signal) = verdict.signal {
+        detail += &format!(", signal {signal}");
+    }
+    if !verdict.message.is_empty() {
+        detail += &format!(": {}", verdict.message);
+    }
+    format!("{outcome} ({detail})")
+}
+
+/// How a run ended, as `runplane run` and `runplane logs` close: `succeeded (exit_zero,
+/// exit code 0)`, `failed (deadline_exceeded)`.
+pub fn ending(run: &pb::Run) -> String {
+    let verdict = run.verdict.clone().unwrap_or_default();
+    let exit = verdict
+        .exit_code
+        .map(|c| format!(", exit code {c}"))
+        .unwrap_or_default();
+    format!("{} ({}{exit})", state_name(run.state()), verdict.reason)
+}
+
+/// Why a run that did not succeed ended (the roster's reason), else the verdict's reason.
+pub fn reason(run: &pb::Run) -> &str {
+    if !run.failure_reason.is_empty() {
+        &run.failure_reason
+    } else {
+        run.verdict.as_ref().map_or("", |v| v.reason.as_str())
+    }
+}
+
+pub fn time(t: &prost_types::Timestamp) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::from_timestamp(t.seconds, t.nanos.clamp(0, 999_999_999) as u32)
+}
+
+/// `2026-12-01T10:00:00Z`.
+pub fn timestamp(t: &prost_types::Timestamp) -> String {
+    time(t).map_or_else(
+        || "-".into(),
+        |t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+    )
+}
+
+/// `-` for an empty cell.
+pub fn or_dash(s: &str) -> String {
+    if s.is_empty() { "-".into() } else { s.into() }
+}
+
+/// A command line as a shell would take it back: words with anything unusual in single
+/// quotes.
+pub fn command_line(command: &str, args: &[String]) -> String {
+    std::iter::once(command)
+        .chain(args.iter().map(String::as_str))
+        .map(|word| {
+            let plain = !word.is_empty()
+                && word
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b));
+            if plain {
+                word.to_owned()
+            } else {
+                format!("'{}'", word.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_read_as_one_line() {
+        let v = pb::Verdict {
+            outcome: pb::VerdictOutcome::Cancelled as i32,
+            reason: "cancelled".into(),
+            message: "no longer needed".into(),
+            ..Default::default()
+        };
+        assert_eq!(verdict(&v), "cancelled (cancelled: no longer needed)");
+        let v = pb::Verdict {
+            outcome: pb::VerdictOutcome::Succeeded as i32,
+            reason: "exit_zero".into(),
+            exit_code: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(verdict(&v), "succeeded (exit_zero, exit code 0)");
+    }
+
+    #[test]
+    fn command_lines_quote_what_a_shell_would_split() {
+        assert_eq!(
+            command_line("sh", &["-c".into(), "read l; echo got $l".into()]),
+            "sh -c 'read l; echo got $l'"
+        );
+        assert_eq!(command_line("echo", &["it's".into()]), r"echo 'it'\''s'");
+    }
+}

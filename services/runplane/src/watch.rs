@@ -1,0 +1,147 @@
+//! A run's events as `runplane run` and `runplane logs` print them: the agent's stdout
+//! lines on stdout, its stderr lines on stderr, everything else (state changes, life-cycle
+//! notes, steers applied, gaps) as `runplane: …` notes on stderr. A broken stream is
+//! resumed from the last sequence printed, so no line is printed twice or skipped.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::watch_run_response::Update;
+
+use crate::connect::RunStoreClient;
+use crate::output::state_name;
+
+/// How long the stream may stay broken before the command gives up.
+const GIVE_UP_AFTER: Duration = Duration::from_secs(300);
+const RECONNECT_DELAY: Duration = Duration::from_millis(500);
+
+/// Where printing stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// The events stored when the watch began (the first snapshot's last sequence).
+    Now,
+    /// The run's end: its terminal snapshot and every event before it.
+    End,
+}
+
+/// Prints the run's events after `after` until `until`; returns the last snapshot of the
+/// run seen.
+pub async fn print_events(
+    client: &mut RunStoreClient,
+    run_id: &str,
+    mut after: u64,
+    until: Until,
+) -> anyhow::Result<pb::Run> {
+    let mut last_state = pb::RunState::Unspecified;
+    let mut last_run: Option<pb::Run> = None;
+    // For Until::Now: the last sequence stored when the first snapshot was taken.
+    let mut stop_at: Option<u64> = None;
+    let mut broken_since: Option<tokio::time::Instant> = None;
+    loop {
+        let opened = client
+            .watch_run(pb::WatchRunRequest {
+                run_id: run_id.to_owned(),
+                after_sequence: after,
+                states_only: false,
+            })
+            .await;
+        let mut stream = match opened {
+            Ok(s) => s.into_inner(),
+            // A refusal will not change on a retry (the transport already retried the
+            // failures that might).
+            Err(status) if is_refusal(status.code()) => return Err(crate::connect::rpc(status)),
+            Err(status) => {
+                let since = *broken_since.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() > GIVE_UP_AFTER {
+                    bail!("lost the run's stream: {}", crate::connect::rpc(status));
+                }
+                tokio::time::sleep(RECONNECT_DELAY).await;
+                continue;
+            }
+        };
+        loop {
+            let update = match stream.message().await {
+                Ok(Some(item)) => item.update,
+                // The stream ends after the terminal snapshot and every event before it.
+                Ok(None) => {
+                    if let Some(run) = last_run.as_ref().filter(|r| r.state().is_terminal()) {
+                        return Ok(run.clone());
+                    }
+                    break;
+                }
+                Err(_) => {
+                    broken_since.get_or_insert_with(tokio::time::Instant::now);
+                    eprintln!("runplane: stream interrupted; resuming after event {after}");
+                    tokio::time::sleep(RECONNECT_DELAY).await;
+                    break;
+                }
+            };
+            broken_since = None;
+            match update {
+                Some(Update::Run(run)) => {
+                    if run.state() != last_state {
+                        last_state = run.state();
+                        eprintln!("runplane: {}", state_name(last_state));
+                    }
+                    if until == Until::Now && stop_at.is_none() {
+                        stop_at = Some(run.last_sequence);
+                    }
+                    last_run = Some(run);
+                }
+                Some(Update::Event(event)) => {
+                    after = event.sequence;
+                    print_event(&event)?;
+                }
+                Some(Update::Gap(gap)) => {
+                    eprintln!(
+                        "runplane: events {}..{} are no longer stored",
+                        gap.from_sequence, gap.to_sequence
+                    );
+                    after = after.max(gap.to_sequence);
+                }
+                None => {}
+            }
+            if let (Some(stop), Some(run)) = (stop_at, &last_run)
+                && after >= stop
+            {
+                return Ok(run.clone());
+            }
+        }
+    }
+}
+
+fn is_refusal(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::NotFound
+            | tonic::Code::InvalidArgument
+            | tonic::Code::PermissionDenied
+            | tonic::Code::Unauthenticated
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::Unimplemented
+    )
+}
+
+/// Fails only when stdout is gone (a closed pipe): nobody reads the lines any more.
+fn print_event(event: &pb::Event) -> anyhow::Result<()> {
+    match event.kind() {
+        pb::EventKind::Stdout => {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{}", event.text)
+                .and_then(|()| out.flush())
+                .context("writing to stdout")?;
+        }
+        pb::EventKind::Stderr => eprintln!("{}", event.text),
+        kind => eprintln!(
+            "runplane: [{}] {} {}",
+            kind.as_str_name()
+                .trim_start_matches("EVENT_KIND_")
+                .to_lowercase(),
+            event.name,
+            event.text
+        ),
+    }
+    Ok(())
+}
