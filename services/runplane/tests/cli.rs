@@ -16,12 +16,71 @@ fn help_names_every_command() {
     let out = runplane(&["--help"]);
     assert!(out.status.success());
     let help = String::from_utf8(out.stdout).unwrap();
-    for command in ["serve", "dev", "policies"] {
+    for command in [
+        "serve",
+        "dev",
+        "policies",
+        "run",
+        "runs",
+        "get",
+        "logs",
+        "cancel",
+        "steer",
+        "interrupt",
+        "receipt",
+    ] {
         assert!(
             help.contains(&format!("  {command} ")),
             "{command} missing:\n{help}"
         );
     }
+    assert!(help.contains("Exit status:\n  0  success\n  1  "), "{help}");
+    let out = runplane(&["receipt", "--help"]);
+    let help = String::from_utf8(out.stdout).unwrap();
+    for command in ["get", "keygen", "verify"] {
+        assert!(
+            help.contains(&format!("  {command} ")),
+            "{command}:\n{help}"
+        );
+    }
+}
+
+/// A usage error exits 2 and names what was wrong, before anything is sent.
+fn assert_usage_error(args: &[&str], expected: &[&str]) {
+    let out = runplane(args);
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+    for text in expected {
+        assert!(stderr.contains(text), "{args:?}: no {text:?} in {stderr}");
+    }
+}
+
+#[test]
+fn a_bad_state_is_a_usage_error_naming_the_accepted_values() {
+    assert_usage_error(
+        &["runs", "--state", "runing"],
+        &[
+            "invalid value 'runing' for '--state <STATE>'",
+            "[possible values: queued, starting, running, succeeded, failed, cancelled, backend_error]",
+        ],
+    );
+}
+
+#[test]
+fn a_zero_or_garbled_duration_is_a_usage_error() {
+    for bad in ["0", "0s", "soon", "90", "1h30"] {
+        assert_usage_error(
+            &["run", "--max-duration", bad, "--", "true"],
+            &[&format!("invalid value '{bad}' for '--max-duration <DUR>'")],
+        );
+    }
+    assert_usage_error(
+        &["interrupt", "some-run", "--grace", "5 seconds"],
+        &["'--grace <DUR>'", "like 90s, 10m, 2h or 1h30m"],
+    );
+    assert_usage_error(&["runs", "--limit", "0"], &["'--limit <N>'"]);
+    assert_usage_error(&["get"], &["<RUN>"]);
+    assert_usage_error(&["steer", "some-run"], &["<TEXT>"]);
 }
 
 #[test]
