@@ -1,0 +1,251 @@
+//! Convergence over real processes: a node agent idle-suspends a sandbox (SIGSTOP,
+//! published unplaced), the run is then ended through the run store, and within a round
+//! or two the reconciler shows the sandbox DELETED and the node agent has stopped every
+//! process of it, the stopped ones included (DESIGN.md "A run's life and its end").
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::{TestDatabase, free_local_addr};
+use tokio::process::{Child, Command};
+
+const TOKEN: &str = "convergence-test-operator-token-0123456789";
+const RECEIPT_KEY: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+
+fn authed<T>(message: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    r
+}
+
+/// A node agent with its own state directory, as on a host of its own.
+fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path) -> Child {
+    Command::new(runplane_bin())
+        .arg("node")
+        .env("RUNPLANE_NODE__ID", id)
+        .env("RUNPLANE_NODE__ENDPOINT", endpoint)
+        .env("RUNPLANE_NODE__STATE_DIR", state_dir)
+        .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start runplane node")
+}
+
+/// Polls `check` every 100 ms until it answers, for at most `limit`.
+async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The state letter of `pid` (`R`, `S`, `T` for stopped, …), None once it has exited
+/// (a zombie has, in all but name).
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+    (state != 'Z' && state != 'X').then_some(state)
+}
+
+/// Live processes of the session `sid` leads: the sandbox's shell, its runner and the
+/// agent the runner started in a process group of its own.
+fn session_members(sid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+                    Some(fields.first()? != &"Z" && fields.get(3)?.parse::<u32>().ok()? == sid)
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_stopped() {
+    let run_db = TestDatabase::new().await;
+    let reconciler_db = TestDatabase::new().await;
+    let state = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let endpoint = format!("http://{addr}");
+    let env: Vec<(&str, String)> = vec![
+        ("RUNPLANE_SERVER__LISTEN", addr.clone()),
+        ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN.to_owned()),
+        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
+        (
+            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
+            RECEIPT_KEY.to_owned(),
+        ),
+        // Not about admission: runs are created on the credential they name.
+        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
+        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
+            reconciler_db.url().to_owned(),
+        ),
+        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
+            "300".to_owned(),
+        ),
+        // Every sandbox goes to the node agent.
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES",
+            "false".to_owned(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS",
+            "2".to_owned(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
+            state.path().join("reconciler").display().to_string(),
+        ),
+    ];
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let _control_plane: Process =
+        start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
+    let node_dir = state.path().join("node-c");
+    let _agent = node("node-c", "127.0.0.1:17021", &endpoint, &node_dir);
+
+    let mut runs = RunServiceClient::new(channel(&endpoint).await);
+    let run = runs
+        .create_run(authed(pb::CreateRunRequest {
+            client_request_id: "convergence-request-0001".into(),
+            org_id: "acme".into(),
+            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            command: "sh".into(),
+            args: vec!["-c".into(), "exec sleep 120".into()],
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+
+    // Launched on the node, then suspended for idleness and published unplaced.
+    let api = SandboxServiceClient::new(channel(&endpoint).await);
+    let sandbox = eventually(Duration::from_secs(60), "the idle suspend", || {
+        let mut api = api.clone();
+        let run_id = run.id.clone();
+        async move {
+            api.list_sandboxes(authed(rpb::ListSandboxesRequest {
+                run_id,
+                ..Default::default()
+            }))
+            .await
+            .ok()?
+            .into_inner()
+            .sandboxes
+            .into_iter()
+            .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
+        }
+    })
+    .await;
+    let pid: u32 = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
+        .expect("the node recorded the sandbox's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    assert!(pid > 1);
+    // Every process of the sandbox is stopped: its shell, its runner and the agent.
+    let members = eventually(Duration::from_secs(10), "a frozen sandbox", || async move {
+        let members = session_members(pid);
+        (members.len() >= 3 && members.iter().all(|m| process_state(*m) == Some('T')))
+            .then_some(members)
+    })
+    .await;
+
+    // The run ends (an operator's cancel, or a service's FailRun where cancel is not
+    // served), while its sandbox is suspended and unplaced.
+    let cancelled = runs
+        .cancel_run(authed(pb::CancelRunRequest {
+            run_id: run.id.clone(),
+            reason: "convergence test".into(),
+            idempotency_key: "convergence-cancel-0001".into(),
+        }))
+        .await;
+    if let Err(status) = cancelled {
+        assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
+        runs.fail_run(authed(pb::FailRunRequest {
+            run_id: run.id.clone(),
+            reason: "ended_by_test".into(),
+            message: "ended while its sandbox was suspended".into(),
+            idempotency_key: "convergence-fail-0001".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    }
+
+    // Within a round or two: DELETED, and nothing of it runs any more.
+    eventually(Duration::from_secs(15), "the sandbox DELETED", || {
+        let mut api = api.clone();
+        let id = sandbox.id.clone();
+        async move {
+            let s = api
+                .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id: id }))
+                .await
+                .ok()?
+                .into_inner()
+                .sandbox?;
+            (s.status() == rpb::SandboxStatus::Deleted).then_some(())
+        }
+    })
+    .await;
+    let left = eventually(
+        Duration::from_secs(15),
+        "every process of the sandbox to be gone",
+        || {
+            let members = members.clone();
+            async move {
+                let left: Vec<u32> = members
+                    .iter()
+                    .copied()
+                    .filter(|m| process_state(*m).is_some())
+                    .collect();
+                (left.is_empty() && session_members(pid).is_empty()).then_some(left)
+            }
+        },
+    )
+    .await;
+    assert!(left.is_empty());
+    let run = runs
+        .get_run(authed(pb::GetRunRequest {
+            run_id: run.id.clone(),
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert!(run.state().is_terminal(), "{run:?}");
+}
