@@ -374,7 +374,7 @@ async fn cancel_ends_a_running_run_cancelled() {
     let out = dev.cli(&["cancel", &id, "--reason", "not needed"]).await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
-        text(&out.stdout).starts_with(&format!("run {id} cancelled")),
+        text(&out.stdout).starts_with(&format!("run {id}: cancelled (cancelled: not needed)")),
         "{out:?}"
     );
     let run = dev.wait_for_state(&id, "RUN_STATE_CANCELLED").await;

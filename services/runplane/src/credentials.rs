@@ -258,7 +258,6 @@ mod tests {
                 cooling_off_for_seconds: 42,
                 quarantined_for_seconds: 0,
                 open_incident_id: String::new(),
-                ..Default::default()
             }],
             ..Default::default()
         };

@@ -349,11 +349,11 @@ pub async fn cancel(
         .into_inner()
         .run
         .context("the run store answered without a run")?;
-    let verdict = run
+    let ending = run
         .verdict
         .as_ref()
-        .map_or_else(String::new, |v| format!(": {}", output::verdict(v)));
-    writeln!(out, "run {} {}{verdict}", run.id, state_name(run.state()))?;
+        .map_or_else(|| state_name(run.state()), output::verdict);
+    writeln!(out, "run {}: {ending}", run.id)?;
     Ok(())
 }
 
@@ -375,11 +375,7 @@ pub async fn steer(
         .into_inner()
         .message
         .context("the run store answered without a message")?;
-    writeln!(
-        out,
-        "steer {} queued for run {} (message {} of the run)",
-        message.id, args.run, message.sequence
-    )?;
+    writeln!(out, "steer {} queued for run {}", message.id, args.run)?;
     Ok(())
 }
 
@@ -401,11 +397,9 @@ pub async fn interrupt(
         .map_err(rpc)?
         .into_inner();
     match (answer.message, answer.run) {
-        (Some(message), _) => writeln!(
-            out,
-            "interrupt {} queued for run {} (message {} of the run)",
-            message.id, args.run, message.sequence
-        )?,
+        (Some(message), _) => {
+            writeln!(out, "interrupt {} queued for run {}", message.id, args.run)?
+        }
         // A queued run has no agent to signal: the run store cancelled it directly.
         (None, Some(run)) => writeln!(
             out,

@@ -81,9 +81,12 @@ pub async fn print_events(
             broken_since = None;
             match update {
                 Some(Update::Run(run)) => {
+                    // The terminal state is the caller's to print, with the verdict.
                     if run.state() != last_state {
                         last_state = run.state();
-                        eprintln!("runplane: {}", state_name(last_state));
+                        if !last_state.is_terminal() {
+                            eprintln!("runplane: {}", state_name(last_state));
+                        }
                     }
                     if until == Until::Now && stop_at.is_none() {
                         stop_at = Some(run.last_sequence);
