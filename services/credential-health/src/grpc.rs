@@ -368,7 +368,7 @@ impl CredentialHealthService for CredentialHealthApi {
                 let (state, incident) = states
                     .get(c)
                     .map_or((&default_state, None), |(st, i)| (st, i.as_ref()));
-                crate::view::credential(
+                let mut view = crate::view::credential(
                     c,
                     on.iter().map(|p| p.name.clone()).collect(),
                     on.iter().map(|p| p.capacity).sum(),
@@ -376,7 +376,9 @@ impl CredentialHealthService for CredentialHealthApi {
                     state,
                     incident,
                     now,
-                )
+                );
+                view.queued = counts.queued_by_credential.get(c).copied().unwrap_or(0);
+                view
             })
             .collect();
         let profiles = entries

@@ -31,6 +31,7 @@ pub fn credential(
         open_incident: open_incident
             .filter(|_| cooling > 0)
             .map(|i| incident_view(i, now_ms)),
+        queued: 0,
     }
 }
 

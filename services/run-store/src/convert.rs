@@ -51,6 +51,11 @@ pub fn run(model: &run::Model) -> pb::Run {
         traceparent: model.traceparent.clone(),
         deadline: model.deadline_at_us.map(timestamp),
         sandbox_id: model.sandbox_id.clone(),
+        waiting_reason: if model.state == state::QUEUED {
+            model.waiting_reason.clone()
+        } else {
+            String::new()
+        },
     }
 }
 

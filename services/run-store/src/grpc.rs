@@ -650,7 +650,49 @@ impl RunService for RunApi {
             active_by_credential: counts.by_credential,
             active_by_profile: counts.by_profile,
             active_by_profile_credential: counts.by_profile_credential,
+            queued_by_credential: counts.queued_by_credential,
             counted_at: Some(crate::store::timestamp(s.store.now_us())),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(credentials = request.get_ref().credentials.len(), claimed))]
+    async fn claim_slots(
+        &self,
+        request: Request<pb::ClaimSlotsRequest>,
+    ) -> std::result::Result<Response<pb::ClaimSlotsResponse>, Status> {
+        let s = &self.shared;
+        s.service(&request)?;
+        let req = request.get_ref();
+        if req.credentials.len() > 10_000 {
+            return Err(RunStoreError::invalid("credentials", "at most 10000 entries").into());
+        }
+        let max_runs = match req.max_runs {
+            0 => 100,
+            n @ 1..=500 => n,
+            _ => return Err(RunStoreError::invalid("max_runs", "must be 0 to 500").into()),
+        };
+        let mut capacity = std::collections::HashMap::new();
+        for c in &req.credentials {
+            validate::name("credentials.credential_id", &c.credential_id)?;
+            validate::bounded("credentials.unavailable", &c.unavailable, 0, 256)?;
+            capacity.insert(
+                c.credential_id.clone(),
+                crate::store::SlotLimit {
+                    capacity: c.capacity,
+                    unavailable: c.unavailable.clone(),
+                },
+            );
+        }
+        let claimed = s
+            .store
+            .claim_slots((!req.unlimited).then_some(&capacity), max_runs.into())
+            .await?;
+        tracing::Span::current().record("claimed", claimed.len());
+        for run in &claimed {
+            s.changes.notify(&run.id);
+        }
+        Ok(Response::new(pb::ClaimSlotsResponse {
+            claimed: claimed.iter().map(convert::run).collect(),
         }))
     }
 

@@ -62,7 +62,102 @@ suite!(
     a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone,
     a_terminal_runs_poll_answers_its_state_and_pending_abort,
     list_runs_by_ids,
+    claim_slots_fills_a_credential_to_its_capacity_oldest_first,
+    concurrent_claims_never_overfill_a_credential,
 );
+
+fn slots(credential: &str, capacity: u32, unavailable: &str) -> pb::CredentialSlots {
+    pb::CredentialSlots {
+        credential_id: credential.into(),
+        capacity,
+        unavailable: unavailable.into(),
+    }
+}
+
+async fn claim(h: &Harness, credentials: Vec<pb::CredentialSlots>) -> Vec<String> {
+    h.operator()
+        .await
+        .claim_slots(pb::ClaimSlotsRequest {
+            credentials,
+            unlimited: false,
+            max_runs: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .claimed
+        .into_iter()
+        .map(|r| {
+            assert_eq!(r.state(), pb::RunState::Starting);
+            r.id
+        })
+        .collect()
+}
+
+async fn claim_slots_fills_a_credential_to_its_capacity_oldest_first(h: Harness) {
+    let first = h.create_run("slots-first").await;
+    let second = h.create_run("slots-second").await;
+    let third = h.create_run("slots-third").await;
+    let cred_a = || vec![slots("cred-a", 2, "")];
+    assert_eq!(
+        claim(&h, cred_a()).await,
+        [first.id.clone(), second.id.clone()]
+    );
+    let waiting = h.get_run(&third.id).await;
+    assert_eq!(waiting.state(), pb::RunState::Queued);
+    assert_eq!(
+        waiting.waiting_reason,
+        "credential cred-a is full: 2 of 2 slots busy"
+    );
+    let counts = h
+        .operator()
+        .await
+        .count_active_runs(pb::CountActiveRunsRequest {
+            credential_ids: vec!["cred-a".into()],
+            profiles: vec![],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(counts.active_by_credential["cred-a"], 2);
+    assert_eq!(counts.queued_by_credential["cred-a"], 1);
+    // Claiming again changes nothing while both slots are busy.
+    assert!(claim(&h, cred_a()).await.is_empty());
+    // A cooling-off credential takes nothing and says why.
+    assert!(
+        claim(&h, vec![slots("cred-a", 5, "cooling off for 42 s")])
+            .await
+            .is_empty()
+    );
+    assert_eq!(
+        h.get_run(&third.id).await.waiting_reason,
+        "credential cred-a is cooling off for 42 s"
+    );
+    assert!(claim(&h, vec![]).await.is_empty());
+    assert_eq!(
+        h.get_run(&third.id).await.waiting_reason,
+        "credential cred-a is not in the fleet"
+    );
+    // One of the two ends: its slot goes to the waiting run.
+    h.operator()
+        .await
+        .cancel_run(cancel(&first.id, "", "cancel-frees-a-slot-1"))
+        .await
+        .unwrap();
+    assert_eq!(claim(&h, cred_a()).await, [third.id.as_str()]);
+    assert_eq!(h.get_run(&third.id).await.waiting_reason, "");
+}
+
+async fn concurrent_claims_never_overfill_a_credential(h: Harness) {
+    for i in 0..10 {
+        h.create_run(&format!("slots-race-{i}")).await;
+    }
+    let claims =
+        futures::future::join_all((0..4).map(|_| claim(&h, vec![slots("cred-a", 3, "")]))).await;
+    let claimed: Vec<String> = claims.into_iter().flatten().collect();
+    assert_eq!(claimed.len(), 3, "{claimed:?}");
+    assert_eq!(claimed.iter().collect::<HashSet<_>>().len(), 3);
+}
 
 fn cancel(run_id: &str, reason: &str, key: &str) -> pb::CancelRunRequest {
     pb::CancelRunRequest {

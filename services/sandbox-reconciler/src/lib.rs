@@ -14,6 +14,7 @@ pub mod drivers;
 pub mod error;
 pub mod grpc;
 pub mod reconcile;
+pub mod slots;
 pub mod store;
 
 use std::sync::Arc;
@@ -35,6 +36,8 @@ pub struct SandboxReconciler {
     run_store_endpoint: String,
     tick_interval: Duration,
     state_dir: std::path::PathBuf,
+    /// Credential health, whose fleet view caps dispatch; it runs where admission is on.
+    fleet: Option<slots::FleetClient>,
 }
 
 impl SandboxReconciler {
@@ -64,7 +67,23 @@ impl SandboxReconciler {
                 channel,
                 runplane_grpc::client::Bearer::new(token.expose()),
             );
+        // Capacity comes from credential health, which exists exactly where the run store
+        // asks it for admission (`[run_store] admission`).
+        let fleet = if config.run_store.admission {
+            let channel = runplane_grpc::client::connect_lazy(&config.credential_health.endpoint)
+                .map_err(|e| ReconcilerError::InvalidField {
+                field: "credential_health.endpoint",
+                reason: e.to_string(),
+            })?;
+            Some(runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient::with_interceptor(
+                channel,
+                runplane_grpc::client::Bearer::new(token.expose()),
+            ))
+        } else {
+            None
+        };
         Ok(Self {
+            fleet,
             shared: Arc::new(grpc::Shared {
                 store: store::Store::new(db, clock),
                 run_store,
@@ -106,7 +125,8 @@ impl SandboxReconciler {
         let store = self.shared.store.clone();
         let local = drivers::ProcessDriver::new(&self.state_dir, runplane_binary);
         let driver = Arc::new(drivers::RoutedDriver::new(local, store.clone()));
-        let reconciler = reconcile::Reconciler::new(store, driver, self.settings.clone());
+        let reconciler = reconcile::Reconciler::new(store, driver, self.settings.clone())
+            .with_fleet(self.fleet.clone());
         tokio::spawn(reconcile::run_loop(
             reconciler,
             self.shared.run_store.clone(),

@@ -71,6 +71,8 @@ pub struct Reconciler {
     store: Store,
     driver: Arc<dyn Driver>,
     settings: ReconcileSettings,
+    /// Credential health, for the fleet's capacity; `None` where none runs.
+    fleet: Option<crate::slots::FleetClient>,
 }
 
 impl Reconciler {
@@ -79,7 +81,14 @@ impl Reconciler {
             store,
             driver,
             settings,
+            fleet: None,
         }
+    }
+
+    /// Dispatch fills credentials only up to the capacity credential health reports.
+    pub fn with_fleet(mut self, fleet: Option<crate::slots::FleetClient>) -> Self {
+        self.fleet = fleet;
+        self
     }
 
     /// Probes every live sandbox once.
@@ -281,6 +290,7 @@ impl Reconciler {
                 &self.store,
                 self.driver.as_ref(),
                 run_store,
+                self.fleet.as_ref(),
                 endpoints,
                 self.settings.idle_timeout,
                 self.settings.local_sandboxes,
@@ -451,39 +461,36 @@ pub const LOCAL_NODE: &str = "local";
 /// The run key is asked of the run store per sandbox generation (a replay before the
 /// runner's Hello rotates the never-used secret), handed to the driver for the runner's
 /// environment, and dropped: it is never stored here.
+#[allow(clippy::too_many_arguments)]
 pub async fn dispatch(
     store: &Store,
     driver: &dyn Driver,
     run_store: &RunStoreClient,
+    fleet: Option<&crate::slots::FleetClient>,
     endpoints: &RunnerEndpoints,
     idle_timeout: Duration,
     local_sandboxes: bool,
 ) -> Result<u64, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
-    let queued = run_store
-        .clone()
-        .list_runs(pb::ListRunsRequest {
-            states: vec![pb::RunState::Queued as i32],
-            page_size: 100,
-            ..Default::default()
-        })
-        .await;
-    if let Ok(queued) = queued {
-        let nodes = store.ready_nodes(store.silent_since()).await?;
-        let queued = queued.into_inner();
-        if nodes.is_empty() && !local_sandboxes && !queued.runs.is_empty() {
-            tracing::debug!(
-                queued = queued.runs.len(),
-                "no node agent is ready and local sandboxes are off; runs wait"
-            );
-        }
-        let queued = if nodes.is_empty() && !local_sandboxes {
-            Vec::new()
-        } else {
-            queued.runs
-        };
-        for (i, run) in queued.into_iter().enumerate() {
+    let nodes = store.ready_nodes(store.silent_since()).await?;
+    // Slots are claimed only where a sandbox can be placed; otherwise runs wait queued.
+    let placeable = !nodes.is_empty() || local_sandboxes;
+    if !placeable {
+        tracing::debug!("no node agent is ready and local sandboxes are off; runs wait");
+    }
+    let to_place = if placeable {
+        crate::slots::runs_to_place(run_store, fleet)
+            .await
+            .map_err(|status| {
+                tracing::warn!(code = ?status.code(), message = status.message(), "no slots claimed this round; runs wait");
+            })
+            .ok()
+    } else {
+        None
+    };
+    if let Some(runs) = to_place {
+        for (i, run) in runs.into_iter().enumerate() {
             // Spread over ready node agents; with none, run it here.
             let node_id = nodes
                 .get(i % nodes.len().max(1))

@@ -43,6 +43,8 @@ pub mod run {
         pub sandbox_id: String,
         /// When the run fails with deadline_exceeded unless it ended first; NULL for none.
         pub deadline_at_us: Option<i64>,
+        /// Why a queued run has not started ('' when not waiting).
+        pub waiting_reason: String,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,

@@ -24,6 +24,12 @@ impl MigratorTrait for Migrator {
                 column: "sandbox_id",
             }),
             Box::new(AddDeadline),
+            // Why a queued run waits (`runs.waiting_reason`).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0006_run_waiting_reason",
+                table: "runs",
+                column: "waiting_reason",
+            }),
         ]
     }
 }

@@ -25,8 +25,8 @@ use runplane_clock::SharedClock;
 use runplane_proto::runstore::v1 as pb;
 use sea_orm::sea_query::{Expr, Order};
 use sea_orm::{
-    ActiveModelTrait, ColumnTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
-    IntoActiveModel, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, SqlErr,
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr,
+    EntityTrait, IntoActiveModel, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, SqlErr,
 };
 
 pub use migration::Migrator;
@@ -83,8 +83,33 @@ const TURN_FAILED: i32 = pb::EventKind::TurnFailed as i32;
 #[derive(Debug, Clone, Default)]
 pub struct ActiveCounts {
     pub by_credential: HashMap<String, u32>,
+    /// QUEUED runs per credential (waiting for a slot).
+    pub queued_by_credential: HashMap<String, u32>,
     pub by_profile: HashMap<String, u32>,
     pub by_profile_credential: HashMap<String, u32>,
+}
+
+/// What ClaimSlots may put on one credential.
+#[derive(Debug, Clone, Default)]
+pub struct SlotLimit {
+    pub capacity: u32,
+    /// Why it takes nothing now; empty when it may.
+    pub unavailable: String,
+}
+
+/// Why a queued run on `credential` is passed over, `free` being its slots left (≤ 0).
+fn waiting_reason(credential: &str, limit: Option<&SlotLimit>, free: i64) -> String {
+    match limit {
+        None => format!("credential {credential} is not in the fleet"),
+        Some(l) if !l.unavailable.is_empty() => {
+            format!("credential {credential} is {}", l.unavailable)
+        }
+        Some(l) => format!(
+            "credential {credential} is full: {} of {} slots busy",
+            i64::from(l.capacity) - free,
+            l.capacity
+        ),
+    }
 }
 
 /// A new run as CreateRun asks for it.
@@ -291,6 +316,7 @@ impl Store {
             traceparent: runplane_grpc::trace_context::current_traceparent().unwrap_or_default(),
             sandbox_id: String::new(),
             deadline_at_us: new.max_duration_us.map(|d| now.saturating_add(d)),
+            waiting_reason: String::new(),
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,
@@ -412,6 +438,25 @@ impl Store {
             .all(&self.db)
             .await?;
         let mut counts = ActiveCounts::default();
+        let mut queued = run::Entity::find()
+            .select_only()
+            .column(run::Column::CredentialId)
+            .column_as(run::Column::Id.count(), "n")
+            .filter(run::Column::State.eq(state::QUEUED))
+            .filter(run::Column::CredentialId.ne(""));
+        if !credential_ids.is_empty() {
+            queued = queued.filter(run::Column::CredentialId.is_in(credential_ids.iter().cloned()));
+        }
+        let queued: Vec<(String, i64)> = queued
+            .group_by(run::Column::CredentialId)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        for (credential, n) in queued {
+            counts
+                .queued_by_credential
+                .insert(credential, u32::try_from(n).unwrap_or(u32::MAX));
+        }
         for (credential, profile, n) in rows {
             let n = u32::try_from(n).unwrap_or(u32::MAX);
             if !credential.is_empty() {
@@ -428,6 +473,116 @@ impl Store {
             }
         }
         Ok(counts)
+    }
+
+    // --- slots ---------------------------------------------------------------------
+
+    /// Moves queued runs to STARTING, oldest first, while their credential has a free
+    /// slot: `capacity` (None: no limit) minus its runs in STARTING or RUNNING. Runs passed
+    /// over get a `waiting_reason`. One transaction holds a lock per credential for the
+    /// count and the claims, taken in id order so two claimers never deadlock: a second
+    /// replica's claim waits, then counts what the first one claimed.
+    pub async fn claim_slots(
+        &self,
+        capacity: Option<&HashMap<String, SlotLimit>>,
+        max_runs: u64,
+    ) -> Result<Vec<run::Model>> {
+        let txn = self.write_tx().await?;
+        // Oldest first; a bounded window of the queue per call.
+        let queued = run::Entity::find()
+            .filter(run::Column::State.eq(state::QUEUED))
+            .order_by(run::Column::CreatedAtUs, Order::Asc)
+            .order_by(run::Column::Id, Order::Asc)
+            .limit(max_runs.saturating_mul(4).max(100))
+            .all(&txn)
+            .await?;
+        let mut credentials: Vec<&str> = queued.iter().map(|r| r.credential_id.as_str()).collect();
+        credentials.sort_unstable();
+        credentials.dedup();
+        let mut free: HashMap<String, i64> = HashMap::new();
+        if let Some(capacity) = capacity {
+            if self.postgres {
+                for credential in &credentials {
+                    txn.execute_raw(sea_orm::Statement::from_sql_and_values(
+                        sea_orm::DbBackend::Postgres,
+                        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+                        [format!("runplane.slots:{credential}").into()],
+                    ))
+                    .await?;
+                }
+            }
+            let active: Vec<(String, i64)> = run::Entity::find()
+                .select_only()
+                .column(run::Column::CredentialId)
+                .column_as(run::Column::Id.count(), "n")
+                .filter(run::Column::State.is_in([state::STARTING, state::RUNNING]))
+                .filter(run::Column::CredentialId.is_in(credentials.iter().map(|c| c.to_string())))
+                .group_by(run::Column::CredentialId)
+                .into_tuple()
+                .all(&txn)
+                .await?;
+            let active: HashMap<String, i64> = active.into_iter().collect();
+            for credential in &credentials {
+                let limit = capacity.get(*credential);
+                let slots = match limit {
+                    Some(l) if l.unavailable.is_empty() => i64::from(l.capacity),
+                    _ => 0,
+                };
+                free.insert(
+                    credential.to_string(),
+                    slots - active.get(*credential).copied().unwrap_or(0),
+                );
+            }
+        }
+        let now = self.now_us();
+        let mut claimed = Vec::new();
+        for run in queued {
+            let why = match capacity {
+                _ if claimed.len() as u64 >= max_runs => None,
+                None => Some(String::new()),
+                Some(capacity) => {
+                    let left = free.get_mut(&run.credential_id).expect("counted above");
+                    if *left > 0 {
+                        *left -= 1;
+                        Some(String::new())
+                    } else {
+                        Some(waiting_reason(
+                            &run.credential_id,
+                            capacity.get(&run.credential_id),
+                            *left,
+                        ))
+                    }
+                }
+            };
+            let Some(why) = why else { break };
+            if why.is_empty() {
+                // Compare-and-set: a cancel that took the run first keeps it.
+                let done = run::Entity::update_many()
+                    .col_expr(run::Column::State, Expr::value(state::STARTING))
+                    .col_expr(run::Column::WaitingReason, Expr::value(""))
+                    .col_expr(run::Column::UpdatedAtUs, Expr::value(now))
+                    .filter(run::Column::Id.eq(run.id.as_str()))
+                    .filter(run::Column::State.eq(state::QUEUED))
+                    .exec(&txn)
+                    .await?;
+                if done.rows_affected == 1 {
+                    let mut run = run;
+                    run.state = state::STARTING.to_owned();
+                    run.waiting_reason.clear();
+                    run.updated_at_us = now;
+                    claimed.push(run);
+                }
+            } else if run.waiting_reason != why {
+                run::Entity::update_many()
+                    .col_expr(run::Column::WaitingReason, Expr::value(why))
+                    .filter(run::Column::Id.eq(run.id.as_str()))
+                    .filter(run::Column::State.eq(state::QUEUED))
+                    .exec(&txn)
+                    .await?;
+            }
+        }
+        txn.commit().await?;
+        Ok(claimed)
     }
 
     // --- run keys ------------------------------------------------------------------

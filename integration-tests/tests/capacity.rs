@@ -1,0 +1,150 @@
+//! A credential's capacity holds: with capacity 2, a third run waits QUEUED (and says
+//! why, in the run and in the fleet view) and starts when one of the two ends. Driven
+//! through `runplane dev` with its dispatch on, agents that write their pids.
+
+use std::path::Path;
+use std::time::Duration;
+
+use runplane_integration_tests::{channel, start_dev_with_env};
+use runplane_proto::credentials::v1 as ch;
+use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+
+fn authed<T>(message: T, secret: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {secret}").parse().unwrap());
+    request
+}
+
+async fn wait_for(what: &str, mut ready: impl AsyncFnMut() -> bool) {
+    for _ in 0..300 {
+        if ready().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what} did not happen within 30 s");
+}
+
+fn agent(pid_file: &Path) -> Vec<String> {
+    vec![
+        "-c".into(),
+        format!("echo $$ > {}; exec sleep 300", pid_file.display()),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_capacity_two_a_third_run_waits_queued_and_starts_when_a_slot_frees() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("runplane.toml");
+    std::fs::write(
+        &config,
+        r#"
+[[credential_health.profiles]]
+name = "small"
+credential_id = "local"
+capacity = 2
+error_pattern = "API Error:"
+exhausted_pattern = "quota exceeded"
+"#,
+    )
+    .unwrap();
+    let dev = start_dev_with_env(
+        &dir.path().join("data"),
+        &[("RUNPLANE_CONFIG", config.to_str().unwrap())],
+    )
+    .await;
+    let token = std::fs::read_to_string(dir.path().join("data/operator-token"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let mut op = RunServiceClient::new(channel(&dev.endpoint()).await);
+    let mut fleet = CredentialHealthServiceClient::new(channel(&dev.endpoint()).await);
+
+    let mut runs = Vec::new();
+    for i in 0..3 {
+        let pid_file = dir.path().join(format!("agent-{i}.pid"));
+        let run = op
+            .create_run(authed(
+                pb::CreateRunRequest {
+                    client_request_id: format!("capacity-run-{i:0>8}"),
+                    org_id: "acme".into(),
+                    lead_id: "lead-1".into(),
+                    target: Some(pb::create_run_request::Target::Profile("small".into())),
+                    command: "sh".into(),
+                    args: agent(&pid_file),
+                    ..Default::default()
+                },
+                &token,
+            ))
+            .await
+            .expect("admitted: a full fleet is not an outage")
+            .into_inner()
+            .run
+            .unwrap();
+        runs.push((run.id, pid_file));
+        // Oldest first: each run is created after the one before it is on its way.
+        if i < 2 {
+            let pid_file = runs[i].1.clone();
+            wait_for("the agent starts", async || pid_file.exists()).await;
+        }
+    }
+    let get = async |op: &mut RunServiceClient<tonic::transport::Channel>, id: &str| {
+        op.get_run(authed(pb::GetRunRequest { run_id: id.into() }, &token))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap()
+    };
+    let third = runs[2].0.clone();
+    wait_for("the third run says why it waits", async || {
+        get(&mut op, &third).await.waiting_reason == "credential local is full: 2 of 2 slots busy"
+    })
+    .await;
+    let waiting = get(&mut op, &third).await;
+    assert_eq!(waiting.state(), pb::RunState::Queued);
+    assert!(!runs[2].1.exists(), "the third agent did not start");
+
+    let view = fleet
+        .get_fleet(authed(ch::GetFleetRequest::default(), &token))
+        .await
+        .unwrap()
+        .into_inner();
+    let local = view
+        .credentials
+        .iter()
+        .find(|c| c.credential_id == "local")
+        .unwrap();
+    assert_eq!(
+        (local.capacity, local.busy, local.free, local.queued),
+        (2, 2, 0, 1),
+        "{local:?}"
+    );
+
+    // One of the two ends: the waiting run gets its slot.
+    op.cancel_run(authed(
+        pb::CancelRunRequest {
+            run_id: runs[0].0.clone(),
+            reason: "make room".into(),
+            idempotency_key: "capacity-cancel-first".into(),
+        },
+        &token,
+    ))
+    .await
+    .unwrap();
+    let third_pid = runs[2].1.clone();
+    wait_for("the third agent starts", async || third_pid.exists()).await;
+    wait_for("the third run runs", async || {
+        get(&mut op, &third).await.state() == pb::RunState::Running
+    })
+    .await;
+    assert_eq!(get(&mut op, &third).await.waiting_reason, "");
+    assert_eq!(
+        get(&mut op, &runs[1].0).await.state(),
+        pb::RunState::Running
+    );
+}

@@ -1,0 +1,127 @@
+//! Which queued runs may start now.
+//!
+//! A credential carries at most its capacity of runs at once. The numbers come from the
+//! two services that own them: capacity, cool-off and quarantine from credential
+//! health's fleet view (GetFleet), busy slots from the run store, which counts and claims
+//! under one lock per credential (ClaimSlots). So the count dispatch uses is the count
+//! the fleet view prints, and several reconciler replicas claiming at once never put
+//! more runs on a credential than it holds. A run that does not fit stays QUEUED, with a
+//! waiting reason, and is claimed oldest first when a slot frees; a full fleet is not an
+//! outage, so nothing is refused.
+
+use runplane_grpc::client::{Bearer, TracedChannel};
+use runplane_proto::credentials::v1 as ch;
+use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use tonic::service::interceptor::InterceptedService;
+
+use crate::reconcile::RunStoreClient;
+
+/// Credential health, asked for the fleet's capacity.
+pub type FleetClient = CredentialHealthServiceClient<InterceptedService<TracedChannel, Bearer>>;
+
+/// Most runs one round claims.
+const CLAIM_PER_ROUND: u32 = 100;
+
+/// The runs dispatch gives sandboxes now: those this call claimed, and those claimed
+/// earlier whose sandbox may not exist yet (an answer lost, a crash between the claim and
+/// the placement), which are STARTING without a run key. Placing a run twice is harmless:
+/// its sandbox is keyed by the run.
+///
+/// Without `fleet` (no credential health runs: `[run_store] admission` off) runs are
+/// claimed without a capacity. When the fleet cannot be read, nothing is claimed this
+/// round: runs wait rather than overfill a credential.
+pub async fn runs_to_place(
+    run_store: &RunStoreClient,
+    fleet: Option<&FleetClient>,
+) -> Result<Vec<pb::Run>, tonic::Status> {
+    let request = match fleet {
+        None => pb::ClaimSlotsRequest {
+            credentials: Vec::new(),
+            unlimited: true,
+            max_runs: CLAIM_PER_ROUND,
+        },
+        Some(fleet) => {
+            let view = fleet
+                .clone()
+                .get_fleet(ch::GetFleetRequest::default())
+                .await?
+                .into_inner();
+            pb::ClaimSlotsRequest {
+                credentials: view.credentials.iter().map(slots_of).collect(),
+                unlimited: false,
+                max_runs: CLAIM_PER_ROUND,
+            }
+        }
+    };
+    let mut runs = run_store
+        .clone()
+        .claim_slots(request)
+        .await?
+        .into_inner()
+        .claimed;
+    let starting = run_store
+        .clone()
+        .list_runs(pb::ListRunsRequest {
+            states: vec![pb::RunState::Starting as i32],
+            page_size: 500,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .runs;
+    for run in starting {
+        let unkeyed = run.sandbox_generation == 0;
+        if unkeyed && !runs.iter().any(|r| r.id == run.id) {
+            runs.push(run);
+        }
+    }
+    Ok(runs)
+}
+
+/// One credential of the fleet view as ClaimSlots fills it.
+fn slots_of(c: &ch::CredentialHealth) -> pb::CredentialSlots {
+    let unavailable = if c.quarantined_for_seconds > 0 {
+        format!(
+            "quarantined for {} s (exhausted)",
+            c.quarantined_for_seconds
+        )
+    } else if c.cooling_off_for_seconds > 0 {
+        format!(
+            "cooling off for {} s after repeated backend errors",
+            c.cooling_off_for_seconds
+        )
+    } else {
+        String::new()
+    };
+    pb::CredentialSlots {
+        credential_id: c.credential_id.clone(),
+        capacity: c.capacity,
+        unavailable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quarantine_and_cool_off_say_why_a_credential_takes_nothing() {
+        let mut c = ch::CredentialHealth {
+            credential_id: "cred-a".into(),
+            capacity: 2,
+            ..Default::default()
+        };
+        assert_eq!(slots_of(&c).unavailable, "");
+        c.cooling_off_for_seconds = 42;
+        assert_eq!(
+            slots_of(&c).unavailable,
+            "cooling off for 42 s after repeated backend errors"
+        );
+        c.quarantined_for_seconds = 1800;
+        assert_eq!(
+            slots_of(&c).unavailable,
+            "quarantined for 1800 s (exhausted)"
+        );
+    }
+}
