@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use runplane_integration_tests::{Process, channel, runplane_bin, start_dev};
+use runplane_integration_tests::{Process, channel, runplane_bin, start_dev, start_dev_on};
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::free_local_addr;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -23,6 +24,20 @@ impl Dev {
         let data = tempfile::tempdir().unwrap();
         let process = start_dev(data.path()).await;
         Self { process, data }
+    }
+
+    /// On a fixed address, so a restart keeps the CLI's endpoint.
+    async fn start_restartable() -> Self {
+        let data = tempfile::tempdir().unwrap();
+        let addr = free_local_addr().to_string();
+        let process = start_dev_on(data.path(), &addr, &[]).await;
+        Self { process, data }
+    }
+
+    async fn restart(&mut self) {
+        assert!(self.process.terminate().await.success());
+        let addr = self.process.address.clone();
+        self.process = start_dev_on(self.data.path(), &addr, &[]).await;
     }
 
     fn token_file(&self) -> PathBuf {
@@ -306,6 +321,48 @@ async fn logs_prints_a_finished_run_once_and_follows_a_running_one_to_its_end() 
         run["state"], "RUN_STATE_SUCCEEDED",
         "logs --follow returned only at the end"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_follow_resumes_across_a_control_plane_restart() {
+    let mut dev = Dev::start_restartable().await;
+    let script = "for i in $(seq 1 40); do echo $i; sleep 0.1; done";
+    let (child, id, output) = dev.start_run(&[], &["sh", "-c", script]).await;
+    let mut follow = dev
+        .command(&["logs", &id, "--follow"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(follow.stdout.take().unwrap()).lines();
+    let mut lines = Vec::new();
+    while lines.len() < 5 {
+        let line = tokio::time::timeout(Duration::from_secs(30), out.next_line())
+            .await
+            .expect("lines arrive live")
+            .unwrap()
+            .expect("more lines");
+        lines.push(line);
+    }
+    dev.restart().await;
+    while let Some(line) = tokio::time::timeout(Duration::from_secs(60), out.next_line())
+        .await
+        .expect("logs --follow keeps printing after the restart")
+        .unwrap()
+    {
+        lines.push(line);
+    }
+    let status = follow.wait().await.unwrap();
+    let stderr = read_all(follow.stderr.take().unwrap()).await;
+    assert!(status.success(), "{stderr}");
+    let expected: Vec<String> = (1..=40).map(|i| i.to_string()).collect();
+    assert_eq!(lines, expected, "every line once, in order: {stderr}");
+    assert!(
+        stderr.contains("succeeded (exit_zero, exit code 0)"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = finish(child, output).await;
+    assert_eq!(code, Some(0), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
