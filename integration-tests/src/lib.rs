@@ -7,6 +7,7 @@
 //! one `RUNPLANE_BIN` names.
 
 pub mod otlp;
+pub mod split;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

@@ -1,0 +1,228 @@
+//! A run's end in the split topology (each service its own `runplane serve`, on
+//! Postgres and Redis): a cancelled run's agent is gone and its sandbox destroyed; a run
+//! whose profile sets max_run_seconds ends deadline_exceeded and its agent is gone. The
+//! reconciler dispatches as in production; agents write their pids, and every check is on
+//! the pid and on the sandbox's recorded status.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use runplane_integration_tests::channel;
+use runplane_integration_tests::split::{Split, TOKEN};
+use runplane_proto::reconciler::v1 as rc;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+
+const GONE_WITHIN: Duration = Duration::from_secs(15);
+
+fn authed<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    request
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
+async fn wait_for(what: &str, within: Duration, mut ready: impl AsyncFnMut() -> bool) {
+    let started = tokio::time::Instant::now();
+    while !ready().await {
+        assert!(started.elapsed() < within, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+struct World {
+    split: Split,
+    dir: tempfile::TempDir,
+}
+
+impl World {
+    async fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("runplane.toml");
+        std::fs::write(
+            &config,
+            r#"
+[[credential_health.profiles]]
+name = "default"
+credential_id = "local"
+capacity = 8
+error_pattern = "API Error:"
+exhausted_pattern = "quota exceeded"
+
+[[credential_health.profiles]]
+name = "timed"
+credential_id = "timed-cred"
+capacity = 8
+error_pattern = "API Error:"
+exhausted_pattern = "quota exceeded"
+max_run_seconds = 3
+"#,
+        )
+        .unwrap();
+        let state = dir.path().join("sandboxes");
+        let split = Split::start(Some(&config), &state, &[]).await;
+        Self { split, dir }
+    }
+
+    async fn runs(&self) -> RunServiceClient<tonic::transport::Channel> {
+        RunServiceClient::new(channel(&self.split.url("run-store")).await)
+    }
+
+    /// A run of an agent that writes its pid; returns the run and the pid file.
+    async fn create(
+        &self,
+        name: &str,
+        target: pb::create_run_request::Target,
+    ) -> (pb::Run, PathBuf) {
+        let pid_file = self.dir.path().join(format!("{name}.pid"));
+        let run = self
+            .runs()
+            .await
+            .create_run(authed(pb::CreateRunRequest {
+                client_request_id: format!("split-end-{name:0>12}"),
+                org_id: "acme".into(),
+                lead_id: "lead-1".into(),
+                target: Some(target),
+                command: "sh".into(),
+                args: vec![
+                    "-c".into(),
+                    format!("echo $$ > {}; exec sleep 300", pid_file.display()),
+                ],
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap();
+        (run, pid_file)
+    }
+
+    async fn run(&self, run_id: &str) -> pb::Run {
+        self.runs()
+            .await
+            .get_run(authed(pb::GetRunRequest {
+                run_id: run_id.into(),
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap()
+    }
+
+    async fn sandboxes(&self, run_id: &str) -> Vec<rc::Sandbox> {
+        SandboxServiceClient::new(channel(&self.split.url("sandbox-reconciler")).await)
+            .list_sandboxes(authed(rc::ListSandboxesRequest {
+                run_id: run_id.into(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .sandboxes
+    }
+}
+
+async fn agent_pid(pid_file: &Path) -> i32 {
+    let mut pid = 0;
+    wait_for("the agent starts", Duration::from_secs(30), async || {
+        pid = std::fs::read_to_string(pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or(0);
+        pid != 0
+    })
+    .await;
+    pid
+}
+
+async fn assert_converged(w: &World, run_id: &str, pid: i32, what: &str) {
+    wait_for(
+        &format!("the agent is gone after {what}"),
+        GONE_WITHIN,
+        async || !alive(pid),
+    )
+    .await;
+    wait_for(
+        &format!("the sandbox is destroyed after {what}"),
+        GONE_WITHIN,
+        async || {
+            let sandboxes = w.sandboxes(run_id).await;
+            !sandboxes.is_empty()
+                && sandboxes
+                    .iter()
+                    .all(|s| s.status() == rc::SandboxStatus::Deleted)
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_run_in_the_split_topology_leaves_no_agent_and_no_sandbox() {
+    let w = World::start().await;
+    let (run, pid_file) = w
+        .create(
+            "cancel",
+            pb::create_run_request::Target::CredentialId("local".into()),
+        )
+        .await;
+    let pid = agent_pid(&pid_file).await;
+    wait_for("the run runs", Duration::from_secs(30), async || {
+        w.run(&run.id).await.state() == pb::RunState::Running
+    })
+    .await;
+    let cancelled = w
+        .runs()
+        .await
+        .cancel_run(authed(pb::CancelRunRequest {
+            run_id: run.id.clone(),
+            reason: "operator cancel".into(),
+            idempotency_key: "split-cancel-key-0001".into(),
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(cancelled.state(), pb::RunState::Cancelled);
+    assert_converged(&w, &run.id, pid, "CancelRun").await;
+    assert_eq!(w.run(&run.id).await.state(), pb::RunState::Cancelled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profiles_max_run_seconds_ends_its_run_deadline_exceeded() {
+    let w = World::start().await;
+    let (run, pid_file) = w
+        .create(
+            "deadline",
+            pb::create_run_request::Target::Profile("timed".into()),
+        )
+        .await;
+    assert!(
+        run.deadline.is_some(),
+        "the profile's default deadline applies"
+    );
+    let pid = agent_pid(&pid_file).await;
+    assert_converged(&w, &run.id, pid, "the deadline").await;
+    let after = w.run(&run.id).await;
+    assert_eq!(after.state(), pb::RunState::Failed);
+    assert_eq!(after.failure_reason, "deadline_exceeded");
+}
