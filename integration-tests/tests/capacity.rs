@@ -125,6 +125,30 @@ exhausted_pattern = "quota exceeded"
         "{local:?}"
     );
 
+    // What an operator sees: the run waiting and why, and the fleet's queue.
+    let cli = async |args: &[&str]| {
+        let out = tokio::process::Command::new(runplane_integration_tests::runplane_bin())
+            .args(args)
+            .args(["--endpoint", &dev.endpoint()])
+            .env_remove("RUNPLANE_CONFIG")
+            .env("RUNPLANE_TOKEN", &token)
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let queued = cli(&["runs", "--state", "queued", "--org", "acme"]).await;
+    assert!(
+        queued.contains(&third) && queued.contains("credential local is full: 2 of 2 slots busy"),
+        "{queued}"
+    );
+    let table = cli(&["credentials"]).await;
+    let header = table.lines().next().unwrap();
+    let row = table.lines().find(|l| l.starts_with("local ")).unwrap();
+    let column = header.find("QUEUED").expect("a QUEUED column");
+    assert_eq!(&row[column..column + 1], "1", "{table}");
+
     // One of the two ends: the waiting run gets its slot.
     op.cancel_run(authed(
         pb::CancelRunRequest {

@@ -404,6 +404,10 @@ async fn interrupt_stops_the_agent_and_the_run_ends_cancelled() {
     let run = dev.get_json(&id).await;
     assert_eq!(run["state"], "RUN_STATE_CANCELLED");
     assert_eq!(run["verdict"]["reason"], "interrupted");
+    assert_eq!(
+        run["verdict"]["message"], "enough",
+        "the operator's reason is recorded"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

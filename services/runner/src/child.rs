@@ -34,7 +34,8 @@ pub struct Agent {
 pub struct Control {
     pgid: Option<Pid>,
     stdin: Arc<tokio::sync::Mutex<Option<ChildStdin>>>,
-    interrupted: Arc<AtomicBool>,
+    /// The reason of the operator's interrupt, once one was applied ("" when it gave none).
+    interrupted: Arc<Mutex<Option<String>>>,
     exited: Arc<AtomicBool>,
 }
 
@@ -174,8 +175,11 @@ impl Control {
 
     /// SIGINT now, then SIGTERM and SIGKILL each after `grace` while the agent lives.
     /// Returns once SIGINT was sent (or the agent was already gone).
-    pub fn interrupt(&self, grace: Duration) {
-        self.interrupted.store(true, Ordering::SeqCst);
+    pub fn interrupt(&self, grace: Duration, reason: &str) {
+        self.interrupted
+            .lock()
+            .expect("interrupt reason poisoned")
+            .get_or_insert_with(|| reason.to_owned());
         self.escalate(Signal::SIGINT, grace);
     }
 
@@ -203,8 +207,12 @@ impl Control {
         });
     }
 
-    pub fn interrupted(&self) -> bool {
-        self.interrupted.load(Ordering::SeqCst)
+    /// The reason of the interrupt applied, if one was.
+    pub fn interrupted(&self) -> Option<String> {
+        self.interrupted
+            .lock()
+            .expect("interrupt reason poisoned")
+            .clone()
     }
 
     pub fn exited(&self) -> bool {

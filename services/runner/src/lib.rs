@@ -210,7 +210,16 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
 
     let verdict = match &stop {
         Some(ending::Stop::Abort(reason)) => verdict::aborted(status, reason),
-        _ => verdict::of(status, interrupted),
+        _ => {
+            let mut verdict = verdict::of(status, interrupted.is_some());
+            // An interrupted run's verdict carries the operator's reason.
+            if let Some(reason) = interrupted.filter(|r| !r.is_empty())
+                && verdict.outcome() == pb::VerdictOutcome::Cancelled
+            {
+                verdict.message = reason;
+            }
+            verdict
+        }
     };
     // The events are the agent's output and what steering did; the exit is in the verdict.
     let mut final_events = Vec::new();

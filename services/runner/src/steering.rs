@@ -170,7 +170,7 @@ async fn apply(
                 .filter(|g| !g.is_zero())
                 .unwrap_or(Duration::from_secs(10));
             // Sent (or moot because the agent already ended): the interrupt landed.
-            control.interrupt(grace);
+            control.interrupt(grace, &interrupt.reason);
             Applied::Yes
         }
         Some(Payload::Abort(abort)) => {

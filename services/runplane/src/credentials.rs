@@ -94,6 +94,7 @@ pub fn write_fleet(fleet: &pb::GetFleetResponse, out: &mut impl Write) -> std::i
             "CAPACITY",
             "BUSY",
             "FREE",
+            "QUEUED",
             "COOLING OFF",
             "QUARANTINED",
             "OPEN INCIDENT",
@@ -108,6 +109,7 @@ pub fn write_fleet(fleet: &pb::GetFleetResponse, out: &mut impl Write) -> std::i
             c.capacity.to_string(),
             c.busy.to_string(),
             c.free.to_string(),
+            c.queued.to_string(),
             seconds(c.cooling_off_for_seconds),
             seconds(c.quarantined_for_seconds),
             c.open_incident.as_ref().map_or("-".into(), |i| {
@@ -267,7 +269,7 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert!(
             lines[0].starts_with(
-                "CREDENTIAL  PROFILES  CAPACITY  BUSY  FREE  COOLING OFF  QUARANTINED"
+                "CREDENTIAL  PROFILES  CAPACITY  BUSY  FREE  QUEUED  COOLING OFF  QUARANTINED"
             ),
             "{text}"
         );

@@ -63,9 +63,12 @@ pub fn ending(run: &pb::Run) -> String {
 }
 
 /// Why a run that did not succeed ended (the roster's reason), else the verdict's reason.
+/// Why a run ended, or why a queued run still waits.
 pub fn reason(run: &pb::Run) -> &str {
     if !run.failure_reason.is_empty() {
         &run.failure_reason
+    } else if !run.waiting_reason.is_empty() {
+        &run.waiting_reason
     } else {
         run.verdict.as_ref().map_or("", |v| v.reason.as_str())
     }
