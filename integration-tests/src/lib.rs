@@ -223,3 +223,38 @@ pub async fn channel(endpoint: &str) -> tonic::transport::Channel {
         .await
         .unwrap_or_else(|e| panic!("connect to {endpoint}: {e}"))
 }
+
+/// `message` with `authorization: Bearer <secret>`, as every runplane client sends it.
+pub fn authed<T>(message: T, secret: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {secret}").parse().expect("a header value"),
+    );
+    request
+}
+
+/// Whether `pid` is a process that has not exited (a zombie has, in all but name).
+pub fn process_alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
+/// Polls `ready` every 100 ms until it holds; panics naming `what` after `within`.
+pub async fn wait_for(what: &str, within: Duration, mut ready: impl AsyncFnMut() -> bool) {
+    let started = tokio::time::Instant::now();
+    while !ready().await {
+        assert!(started.elapsed() < within, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -5,29 +5,11 @@
 use std::path::Path;
 use std::time::Duration;
 
-use runplane_integration_tests::{channel, start_dev_with_env};
+use runplane_integration_tests::{authed, channel, start_dev_with_env, wait_for};
 use runplane_proto::credentials::v1 as ch;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
-
-fn authed<T>(message: T, secret: &str) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request
-        .metadata_mut()
-        .insert("authorization", format!("Bearer {secret}").parse().unwrap());
-    request
-}
-
-async fn wait_for(what: &str, mut ready: impl AsyncFnMut() -> bool) {
-    for _ in 0..300 {
-        if ready().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{what} did not happen within 30 s");
-}
 
 fn agent(pid_file: &Path) -> Vec<String> {
     vec![
@@ -89,7 +71,10 @@ exhausted_pattern = "quota exceeded"
         // Oldest first: each run is created after the one before it is on its way.
         if i < 2 {
             let pid_file = runs[i].1.clone();
-            wait_for("the agent starts", async || pid_file.exists()).await;
+            wait_for("the agent starts", Duration::from_secs(30), async || {
+                pid_file.exists()
+            })
+            .await;
         }
     }
     let get = async |op: &mut RunServiceClient<tonic::transport::Channel>, id: &str| {
@@ -101,9 +86,14 @@ exhausted_pattern = "quota exceeded"
             .unwrap()
     };
     let third = runs[2].0.clone();
-    wait_for("the third run says why it waits", async || {
-        get(&mut op, &third).await.waiting_reason == "credential local is full: 2 of 2 slots busy"
-    })
+    wait_for(
+        "the third run says why it waits",
+        Duration::from_secs(30),
+        async || {
+            get(&mut op, &third).await.waiting_reason
+                == "credential local is full: 2 of 2 slots busy"
+        },
+    )
     .await;
     let waiting = get(&mut op, &third).await;
     assert_eq!(waiting.state(), pb::RunState::Queued);
@@ -161,8 +151,13 @@ exhausted_pattern = "quota exceeded"
     .await
     .unwrap();
     let third_pid = runs[2].1.clone();
-    wait_for("the third agent starts", async || third_pid.exists()).await;
-    wait_for("the third run runs", async || {
+    wait_for(
+        "the third agent starts",
+        Duration::from_secs(30),
+        async || third_pid.exists(),
+    )
+    .await;
+    wait_for("the third run runs", Duration::from_secs(30), async || {
         get(&mut op, &third).await.state() == pb::RunState::Running
     })
     .await;

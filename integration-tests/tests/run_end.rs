@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use runplane_integration_tests::{Process, channel, runplane_bin, start_dev_with_env};
+use runplane_integration_tests::{
+    Process, authed, channel, process_alive as alive, runplane_bin, start_dev_with_env,
+};
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tokio::io::AsyncReadExt;
@@ -18,14 +20,6 @@ use tonic::transport::Channel;
 const GONE_WITHIN: Duration = Duration::from_secs(15);
 /// The runner's breadcrumb when its verdict lost to one already recorded.
 const DISCARDED: &str = "result_discarded_run_terminal";
-
-fn authed<T>(message: T, secret: &str) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request
-        .metadata_mut()
-        .insert("authorization", format!("Bearer {secret}").parse().unwrap());
-    request
-}
 
 struct Dev {
     dev: Process,
@@ -181,22 +175,6 @@ impl Runner {
         }
         (status, logs)
     }
-}
-
-/// Whether `pid` is a process that has not exited (a zombie has, in all but name).
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            let state = stat
-                .rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .next()?
-                .to_owned();
-            Some(state != "Z" && state != "X")
-        })
-        .unwrap_or(false)
 }
 
 async fn assert_gone(pid: i32, what: &str) {

@@ -7,45 +7,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use runplane_integration_tests::channel;
 use runplane_integration_tests::split::{Split, TOKEN};
+use runplane_integration_tests::{authed, channel, process_alive as alive, wait_for};
 use runplane_proto::reconciler::v1 as rc;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 const GONE_WITHIN: Duration = Duration::from_secs(15);
-
-fn authed<T>(message: T) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request
-        .metadata_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    request
-}
-
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            let state = stat
-                .rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .next()?
-                .to_owned();
-            Some(state != "Z" && state != "X")
-        })
-        .unwrap_or(false)
-}
-
-async fn wait_for(what: &str, within: Duration, mut ready: impl AsyncFnMut() -> bool) {
-    let started = tokio::time::Instant::now();
-    while !ready().await {
-        assert!(started.elapsed() < within, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 struct World {
     split: Split,
@@ -95,18 +64,21 @@ max_run_seconds = 3
         let run = self
             .runs()
             .await
-            .create_run(authed(pb::CreateRunRequest {
-                client_request_id: format!("split-end-{name:0>12}"),
-                org_id: "acme".into(),
-                lead_id: "lead-1".into(),
-                target: Some(target),
-                command: "sh".into(),
-                args: vec![
-                    "-c".into(),
-                    format!("echo $$ > {}; exec sleep 300", pid_file.display()),
-                ],
-                ..Default::default()
-            }))
+            .create_run(authed(
+                pb::CreateRunRequest {
+                    client_request_id: format!("split-end-{name:0>12}"),
+                    org_id: "acme".into(),
+                    lead_id: "lead-1".into(),
+                    target: Some(target),
+                    command: "sh".into(),
+                    args: vec![
+                        "-c".into(),
+                        format!("echo $$ > {}; exec sleep 300", pid_file.display()),
+                    ],
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
             .await
             .unwrap()
             .into_inner()
@@ -118,9 +90,12 @@ max_run_seconds = 3
     async fn run(&self, run_id: &str) -> pb::Run {
         self.runs()
             .await
-            .get_run(authed(pb::GetRunRequest {
-                run_id: run_id.into(),
-            }))
+            .get_run(authed(
+                pb::GetRunRequest {
+                    run_id: run_id.into(),
+                },
+                TOKEN,
+            ))
             .await
             .unwrap()
             .into_inner()
@@ -130,10 +105,13 @@ max_run_seconds = 3
 
     async fn sandboxes(&self, run_id: &str) -> Vec<rc::Sandbox> {
         SandboxServiceClient::new(channel(&self.split.url("sandbox-reconciler")).await)
-            .list_sandboxes(authed(rc::ListSandboxesRequest {
-                run_id: run_id.into(),
-                ..Default::default()
-            }))
+            .list_sandboxes(authed(
+                rc::ListSandboxesRequest {
+                    run_id: run_id.into(),
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
             .await
             .unwrap()
             .into_inner()
@@ -192,11 +170,14 @@ async fn a_cancelled_run_in_the_split_topology_leaves_no_agent_and_no_sandbox() 
     let cancelled = w
         .runs()
         .await
-        .cancel_run(authed(pb::CancelRunRequest {
-            run_id: run.id.clone(),
-            reason: "operator cancel".into(),
-            idempotency_key: "split-cancel-key-0001".into(),
-        }))
+        .cancel_run(authed(
+            pb::CancelRunRequest {
+                run_id: run.id.clone(),
+                reason: "operator cancel".into(),
+                idempotency_key: "split-cancel-key-0001".into(),
+            },
+            TOKEN,
+        ))
         .await
         .unwrap()
         .into_inner()
