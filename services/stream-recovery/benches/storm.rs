@@ -29,6 +29,17 @@ const CONTROLLER_LIFE_MS: i64 = 1_000;
 async fn runplane_storm(store: &dyn RecoveryStore, run: &str, tails: usize) -> u32 {
     let mut resumes = 0;
     let mut now = 1_800_000_000_000;
+    // The run's first controller held the lease and died: there is one to replace.
+    store
+        .acquire(
+            run,
+            "first",
+            "first",
+            CONTROLLER_LIFE_MS,
+            now - CONTROLLER_LIFE_MS,
+        )
+        .await
+        .unwrap();
     let end = now + SIMULATED_MS;
     let mut next_poll = vec![now; tails];
     while now < end {
@@ -137,6 +148,19 @@ async fn main() {
     let conn = redis::aio::ConnectionManager::new(client).await.unwrap();
     let prefix = redis.prefix().to_owned();
 
+    // Claims: each run's first controller held its lease and lost it.
+    for i in 0..ops {
+        store
+            .acquire(
+                &format!("claim-{i}"),
+                "first",
+                "first",
+                5_000,
+                1_700_000_000_000,
+            )
+            .await
+            .unwrap();
+    }
     let claim_store = store.clone();
     let claim = rate(ops, workers, move |i| {
         let store = claim_store.clone();

@@ -275,6 +275,11 @@ impl Shared {
         if run.state().is_terminal() {
             return Ok((pb::RecoveryDecision::RunTerminal, None));
         }
+        // Only a lost controller is replaced: a run no runner has started has none, and
+        // the claim script checks the same for a running run whose runner never acquired.
+        if matches!(run.state(), rs::RunState::Queued | rs::RunState::Starting) {
+            return Ok((pb::RecoveryDecision::NoControllerYet, None));
+        }
         let token = new_token();
         let now = self.now_ms();
         let outcome = self
@@ -292,6 +297,7 @@ impl Shared {
             .await
             .map_err(store_error)?;
         let result = match &outcome {
+            ClaimOutcome::NoControllerYet => "no_controller_yet",
             ClaimOutcome::LeaseHeld => "lease_held",
             ClaimOutcome::Wait { .. } => "wait",
             ClaimOutcome::Exhausted { .. } => "exhausted",
@@ -300,6 +306,7 @@ impl Shared {
         runplane_telemetry::metrics::recovery_claims()
             .add(1, &[runplane_telemetry::metrics::attr("result", result)]);
         match outcome {
+            ClaimOutcome::NoControllerYet => Ok((pb::RecoveryDecision::NoControllerYet, None)),
             ClaimOutcome::LeaseHeld => Ok((pb::RecoveryDecision::LeaseHeld, None)),
             ClaimOutcome::Wait { not_before_ms } => Err(reason(
                 Code::FailedPrecondition,
@@ -707,6 +714,8 @@ async fn tail(
         next = first.first_available;
     }
     let mut caught_up = false;
+    // "No controller yet" is reported once, not on every plan while the run waits.
+    let mut last_decision = None;
     let mut last_plan = tokio::time::Instant::now() - Duration::from_secs(60);
     loop {
         let replay = s
@@ -767,7 +776,15 @@ async fn tail(
                         _ => None,
                     },
                 };
-                if let Some(decision) = decision.filter(|d| *d != pb::RecoveryDecision::LeaseHeld) {
+                let new = decision.filter(|d| {
+                    *d != pb::RecoveryDecision::LeaseHeld
+                        && !(*d == pb::RecoveryDecision::NoControllerYet
+                            && last_decision == Some(*d))
+                });
+                if decision.is_some() {
+                    last_decision = decision;
+                }
+                if let Some(decision) = new {
                     let b = s
                         .store
                         .budget(&req.run_id, s.now_ms())

@@ -35,6 +35,13 @@ struct World {
     _redis: TestRedis,
 }
 
+/// Where the coordinator keeps its state.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Redis,
+    Memory,
+}
+
 async fn serve(services: ServiceSet) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
@@ -50,6 +57,10 @@ async fn serve(services: ServiceSet) -> String {
 impl World {
     /// `dead_run_store`: the coordinator is pointed at a run store that is not there.
     async fn new(dead_run_store: bool) -> Self {
+        Self::on(dead_run_store, Backend::Redis).await
+    }
+
+    async fn on(dead_run_store: bool, backend: Backend) -> Self {
         let db = TestDatabase::new().await;
         let redis = TestRedis::new().await;
         let mut config = Config::default();
@@ -72,11 +83,16 @@ impl World {
             run_store_endpoint.clone()
         };
         let clock = ManualClock::new(chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap());
-        let store = RedisStore::connect(redis.url(), redis.prefix())
-            .await
-            .unwrap();
-        let coordinator =
-            StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone())).unwrap();
+        let coordinator = match backend {
+            Backend::Redis => {
+                let store = RedisStore::connect(redis.url(), redis.prefix())
+                    .await
+                    .unwrap();
+                StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone()))
+                    .unwrap()
+            }
+            Backend::Memory => StreamRecovery::embedded(&config, Arc::new(clock.clone())).unwrap(),
+        };
         let mut services = ServiceSet::new();
         coordinator.register(&mut services);
         let coordinator_endpoint = serve(services).await;
@@ -114,26 +130,42 @@ impl World {
 
     /// A running run and its key.
     async fn running_run(&self) -> (String, String) {
+        let run_id = self.queued_run().await;
+        let key = self.start(&run_id).await;
+        (run_id, key)
+    }
+
+    /// A run that waits in the queue: no sandbox, no runner.
+    async fn queued_run(&self) -> String {
         let mut op = RunServiceClient::with_interceptor(
             Self::channel(&self.run_store_endpoint).await,
             Bearer::new(TOKEN),
         );
-        let run = op
-            .create_run(rs::CreateRunRequest {
-                client_request_id: "recovery-test-request-1".into(),
-                org_id: "acme".into(),
-                target: Some(rs::create_run_request::Target::CredentialId("c".into())),
-                command: "agent".into(),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .run
-            .unwrap();
+        op.create_run(rs::CreateRunRequest {
+            client_request_id: "recovery-test-request-1".into(),
+            org_id: "acme".into(),
+            target: Some(rs::create_run_request::Target::CredentialId("c".into())),
+            command: "agent".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap()
+        .id
+    }
+
+    /// Issues the run's key and says Hello as its runner: the run is running, and its
+    /// runner has not acquired the stream lease yet.
+    async fn start(&self, run_id: &str) -> String {
+        let mut op = RunServiceClient::with_interceptor(
+            Self::channel(&self.run_store_endpoint).await,
+            Bearer::new(TOKEN),
+        );
         let key = op
             .issue_run_key(rs::IssueRunKeyRequest {
-                run_id: run.id.clone(),
+                run_id: run_id.to_owned(),
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: "recovery-test-key-0001".into(),
@@ -147,13 +179,28 @@ impl World {
             Bearer::new(key.clone()),
         )
         .hello(rs::HelloRequest {
-            run_id: run.id.clone(),
+            run_id: run_id.to_owned(),
             nonce: "recovery-runner-nonce-1".into(),
             runner_version: String::new(),
         })
         .await
         .unwrap();
-        (run.id, key)
+        key
+    }
+
+    /// The runner acquires the stream lease as the run's first controller.
+    async fn acquire(&self, run_id: &str, key: &str) -> String {
+        self.runner(key)
+            .await
+            .acquire_lease(pb::AcquireLeaseRequest {
+                run_id: run_id.to_owned(),
+                controller_id: "runner-first-controller".into(),
+                ttl: None,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .controller_token
     }
 
     /// The run's steering messages of `kind` (acknowledged or not).
@@ -593,7 +640,8 @@ async fn a_second_controller_must_come_through_a_claim_and_keys_are_checked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_window_starts_a_fresh_budget() {
     let w = World::new(false).await;
-    let (run_id, _) = w.running_run().await;
+    let (run_id, key) = w.running_run().await;
+    w.acquire(&run_id, &key).await;
     for attempt in 1..=2 {
         w.clock.advance(Duration::from_secs(61));
         let claim = w
@@ -625,6 +673,7 @@ async fn a_quiet_window_starts_a_fresh_budget() {
 async fn the_sweep_settles_runs_nobody_can_own_and_leaves_parked_ones() {
     let w = World::new(false).await;
     let (run_id, key) = w.running_run().await;
+    w.acquire(&run_id, &key).await;
     // Spend the budget without a successor ever starting.
     for _ in 0..5 {
         w.clock.advance(Duration::from_secs(61));
@@ -693,4 +742,151 @@ async fn the_sweep_settles_runs_nobody_can_own_and_leaves_parked_ones() {
         .unwrap()
         .into_inner();
     assert_eq!(action(&next), pb::OrphanAction::KeysDeleted);
+}
+
+/// A following tail, read in the background; `next` waits for its next item.
+struct Follower {
+    items: tokio::sync::mpsc::UnboundedReceiver<pb::tail_response::Item>,
+}
+
+impl Follower {
+    async fn open(w: &World, run_id: &str) -> Self {
+        let mut stream = w
+            .operator()
+            .await
+            .tail(pb::TailRequest {
+                run_id: run_id.to_owned(),
+                from_sequence: 0,
+                follow: true,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let (tx, items) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok(Some(item)) = stream.message().await {
+                if let Some(item) = item.item
+                    && tx.send(item).is_err()
+                {
+                    return;
+                }
+            }
+        });
+        Self { items }
+    }
+
+    async fn next(&mut self) -> pb::tail_response::Item {
+        tokio::time::timeout(Duration::from_secs(10), self.items.recv())
+            .await
+            .expect("the tail sends its next item")
+            .expect("the tail is open")
+    }
+
+    fn decision(item: &pb::tail_response::Item) -> Option<pb::RecoveryDecision> {
+        match item {
+            pb::tail_response::Item::Recovery(r) => Some(r.decision()),
+            _ => None,
+        }
+    }
+}
+
+async fn a_queued_run_is_never_taken_over_and_later_runs_normally(backend: Backend) {
+    let w = World::on(false, backend).await;
+    let run_id = w.queued_run().await;
+    let mut tail = Follower::open(&w, &run_id).await;
+    assert!(matches!(
+        tail.next().await,
+        pb::tail_response::Item::CaughtUp(_)
+    ));
+    // The tail plans as soon as it caught up, and says there is no controller to replace.
+    assert_eq!(
+        Follower::decision(&tail.next().await),
+        Some(pb::RecoveryDecision::NoControllerYet)
+    );
+    // Three simulated minutes of watchers planning every few seconds, as in the field.
+    for _ in 0..45 {
+        w.clock.advance(Duration::from_secs(4));
+        let answer = w
+            .operator()
+            .await
+            .plan_recovery(plan(&run_id))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(answer.decision(), pb::RecoveryDecision::NoControllerYet);
+    }
+    let spent = w.budget(&run_id).await;
+    assert_eq!(spent.budget.unwrap().attempts, 0, "nothing was spent");
+    assert_eq!(spent.lease.unwrap().state(), pb::LeaseState::Free);
+    assert_eq!(w.run_state(&run_id).await.state(), rs::RunState::Queued);
+    assert!(
+        w.messages(&run_id, rs::SteeringKind::ResumeStream)
+            .await
+            .is_empty()
+    );
+
+    // The run starts; until its runner acquires, a plan still finds no controller.
+    let key = w.start(&run_id).await;
+    w.clock.advance(Duration::from_secs(61));
+    let before_acquire = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        before_acquire.decision(),
+        pb::RecoveryDecision::NoControllerYet
+    );
+    // Its runner is the first controller: it acquires directly and streams.
+    let token = w.acquire(&run_id, &key).await;
+    w.runner(&key)
+        .await
+        .append_frames(pb::AppendFramesRequest {
+            run_id: run_id.clone(),
+            controller_token: token,
+            frames: frames(1..=3),
+        })
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        match tail.next().await {
+            pb::tail_response::Item::Frame(f) => seen.push(f.sequence),
+            pb::tail_response::Item::Recovery(r) => {
+                assert_eq!(
+                    r.decision(),
+                    pb::RecoveryDecision::NoControllerYet,
+                    "the tail never claims"
+                )
+            }
+            other => panic!("unexpected tail item {other:?}"),
+        }
+    }
+    assert_eq!(seen, [1, 2, 3], "the same tail keeps serving frames");
+    let held = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(held.decision(), pb::RecoveryDecision::LeaseHeld);
+    assert_eq!(w.budget(&run_id).await.budget.unwrap().attempts, 0);
+    assert!(
+        w.messages(&run_id, rs::SteeringKind::ResumeStream)
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tails_and_plans_of_a_queued_run_spend_nothing_on_redis() {
+    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tails_and_plans_of_a_queued_run_spend_nothing_in_memory() {
+    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Memory).await;
 }

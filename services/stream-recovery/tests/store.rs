@@ -45,7 +45,16 @@ conformance!(
     concurrent_claims_claim_once,
     a_claim_fences_the_previous_controller,
     an_orgs_hourly_budget_is_reserved_refused_and_refunded,
+    a_run_whose_lease_was_never_granted_is_never_claimed,
 );
+
+/// The run's first controller held the lease until `lapsed_at`: there is a lost
+/// controller to replace from then on.
+async fn started(s: &Arc<dyn RecoveryStore>, run: &str, lapsed_at: i64) {
+    s.acquire(run, "first-controller", "first-token", 500, lapsed_at - 500)
+        .await
+        .unwrap();
+}
 
 fn claim(now_ms: i64, token: &str) -> ClaimArgs<'_> {
     ClaimArgs {
@@ -164,6 +173,7 @@ async fn the_buffer_trims_and_reads_report_the_first_kept_frame(s: Arc<dyn Recov
 }
 
 async fn takeovers_are_immediate_then_wait_then_exhaust_after_five(s: Arc<dyn RecoveryStore>) {
+    started(&s, "run-4", T0 + 1).await;
     let mut now = T0;
     let mut gaps = Vec::new();
     let mut last_claim = None;
@@ -229,6 +239,7 @@ async fn takeovers_are_immediate_then_wait_then_exhaust_after_five(s: Arc<dyn Re
 }
 
 async fn a_quiet_window_starts_a_fresh_budget(s: Arc<dyn RecoveryStore>) {
+    started(&s, "run-5", T0).await;
     let mut now = T0;
     assert!(matches!(
         s.claim("run-5", &claim(now, "a")).await.unwrap(),
@@ -267,6 +278,7 @@ async fn a_parked_run_is_never_taken_over(s: Arc<dyn RecoveryStore>) {
 }
 
 async fn concurrent_claims_claim_once(s: Arc<dyn RecoveryStore>) {
+    started(&s, "run-7", T0).await;
     let (ca, cb, cc) = (claim(T0, "a"), claim(T0, "b"), claim(T0, "c"));
     let (a, b, c) = tokio::join!(
         s.claim("run-7", &ca),
@@ -330,4 +342,31 @@ async fn an_orgs_hourly_budget_is_reserved_refused_and_refunded(s: Arc<dyn Recov
     // Another hour, another org: budgets of their own.
     assert_eq!(s.charge_org("acme", 8, 10, 100).await.unwrap(), 90);
     assert_eq!(s.charge_org("globex", 7, 10, 100).await.unwrap(), 90);
+}
+
+async fn a_run_whose_lease_was_never_granted_is_never_claimed(s: Arc<dyn RecoveryStore>) {
+    for i in 0..20 {
+        let now = T0 + i * 61_000;
+        assert_eq!(
+            s.claim("run-9", &claim(now, &format!("thief-{i}")))
+                .await
+                .unwrap(),
+            ClaimOutcome::NoControllerYet
+        );
+    }
+    let budget = s.budget("run-9", T0 + 20 * 61_000).await.unwrap();
+    assert_eq!(
+        (budget.attempts, budget.lease),
+        (0, None),
+        "nothing was spent"
+    );
+    // Its runner then starts the stream as the first controller, not through a claim.
+    let first = s
+        .acquire("run-9", "late-runner", "late-token", TTL, T0 + 21 * 61_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        (first.token.as_str(), first.next_sequence),
+        ("late-token", 1)
+    );
 }

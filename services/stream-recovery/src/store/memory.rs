@@ -212,6 +212,9 @@ impl RecoveryStore for MemoryStore {
             if r.live_lease(a.now_ms).is_some() {
                 return Ok(ClaimOutcome::LeaseHeld);
             }
+            if !r.granted {
+                return Ok(ClaimOutcome::NoControllerYet);
+            }
             if r.exhausted {
                 return Ok(ClaimOutcome::Exhausted { newly: false });
             }
@@ -240,7 +243,6 @@ impl RecoveryStore for MemoryStore {
             r.attempts = attempts;
             r.claimed = Some(a.now_ms);
             r.not_before = Some(not_before);
-            r.granted = true;
             r.lease = Some(Lease {
                 controller: a.controller.to_owned(),
                 token: a.token.to_owned(),

@@ -88,6 +88,9 @@ pub struct BudgetState {
 /// What one claim attempt decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
+    /// No controller was ever granted the lease: there is none to replace, and nothing
+    /// was written.
+    NoControllerYet,
     /// A controller holds the lease (live or parked): never taken over.
     LeaseHeld,
     /// The backoff runs until then.

@@ -160,8 +160,9 @@ return {holder, expires, tonumber(b[1] or '0'), tonumber(b[2] or '-1'), tonumber
     )
 });
 
-/// Plan and claim in one step: lease free, not exhausted, budget window, not_before, then
-/// the new token and `{attempts, claimed, not_before}` together.
+/// Plan and claim in one step: a lease once granted (only a lost controller is replaced),
+/// lease free, not exhausted, budget window, not_before, then the new token and
+/// `{attempts, claimed, not_before}` together.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -172,6 +173,7 @@ local jitter = tonumber(ARGV[7])
 local reset_after, max_attempts = tonumber(ARGV[8]), tonumber(ARGV[9])
 local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
 if redis.call('HGET', KEYS[1], 'controller') and expires > now then return {'held'} end
+if redis.call('HGET', KEYS[3], 'granted') ~= '1' then return {'no_controller'} end
 local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
 if b[4] == '1' then return {'exhausted', 0} end
 local attempts = tonumber(b[1] or '0')
@@ -188,9 +190,7 @@ local not_before = now + math.floor(math.min(cap, d + d * jitter))
 redis.call('HSET', KEYS[2], 'attempts', attempts, 'claimed', now, 'not_before', not_before)
 redis.call('HSET', KEYS[1], 'controller', ARGV[3], 'token', ARGV[2], 'expires', now + ttl)
 redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[10]))
-redis.call('HSETNX', KEYS[3], 'next', 1)
-redis.call('HSET', KEYS[3], 'granted', '1')
-return {'claimed', attempts, tonumber(redis.call('HGET', KEYS[3], 'next')), not_before}
+return {'claimed', attempts, tonumber(redis.call('HGET', KEYS[3], 'next') or '1'), not_before}
 "#,
     )
 });
@@ -453,6 +453,7 @@ impl RecoveryStore for RedisStore {
             .await?;
         let outcome = match text(&out[0]).as_str() {
             "held" => ClaimOutcome::LeaseHeld,
+            "no_controller" => ClaimOutcome::NoControllerYet,
             "wait" => ClaimOutcome::Wait {
                 not_before_ms: int(&out[1]),
             },
