@@ -72,6 +72,19 @@ fn process_state(pid: u32) -> Option<char> {
 
 /// Live processes of the session `sid` leads: the sandbox's shell, its runner and the
 /// agent the runner started in a process group of its own.
+/// Kills every process of a sandbox's session when dropped.
+struct ReapSession(u32);
+
+impl Drop for ReapSession {
+    fn drop(&mut self) {
+        for member in session_members(self.0) {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &member.to_string()])
+                .status();
+        }
+    }
+}
+
 fn session_members(sid: u32) -> Vec<u32> {
     std::fs::read_dir("/proc")
         .unwrap()
@@ -176,6 +189,9 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
         .parse()
         .expect("a pid");
     assert!(pid > 1);
+    // A sandbox runs in a session of its own and outlives this test; should the test
+    // fail, its frozen processes must not stay behind on the machine.
+    let _reap = ReapSession(pid);
     // Every process of the sandbox is stopped: its shell, its runner and the agent.
     let members = eventually(Duration::from_secs(10), "a frozen sandbox", || async move {
         let members = session_members(pid);
