@@ -338,7 +338,15 @@ impl Shared {
                     why,
                     "claimed stream run for recovery"
                 );
-                let message = self
+                let token_for_undo = token.clone();
+                // The claim's effects are budget and lease (the script), index entry
+                // (the store) and the resume_stream message (here). They happen in full or
+                // not at all by compensating release, not an outbox: when the enqueue
+                // fails, the claim is undone (budget and lease as before) and the caller is
+                // told nothing changed. What compensation cannot cover is this process
+                // dying between the claim and the enqueue: then the claim's lease lapses
+                // within its TTL and the attempt stays spent, as for a controller that died.
+                let enqueued = self
                     .run_store
                     .clone()
                     .enqueue_control(rs::EnqueueControlRequest {
@@ -357,12 +365,32 @@ impl Shared {
                             },
                         )),
                     })
-                    .await
-                    .map_err(|s| upstream(&s))?
-                    .into_inner()
-                    .message
-                    .map(|m| m.id)
-                    .unwrap_or_default();
+                    .await;
+                let message = match enqueued {
+                    Ok(answer) => answer
+                        .into_inner()
+                        .message
+                        .map(|m| m.id)
+                        .unwrap_or_default(),
+                    Err(status) => {
+                        match self.store.unclaim(run_id, &token_for_undo).await {
+                            Ok(undone) => tracing::warn!(
+                                run_id,
+                                attempt,
+                                undone,
+                                code = ?status.code(),
+                                "resume_stream not enqueued; claim undone"
+                            ),
+                            Err(cause) => tracing::error!(
+                                run_id,
+                                attempt,
+                                %cause,
+                                "resume_stream not enqueued and the claim not undone; its lease lapses"
+                            ),
+                        }
+                        return Err(upstream(&status));
+                    }
+                };
                 Ok((
                     pb::RecoveryDecision::Claimed,
                     Some((message, next_sequence)),

@@ -3,6 +3,7 @@
 //! resume_stream, and end the run with exactly one abort.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use runplane_clock::{Clock, ManualClock};
@@ -26,8 +27,51 @@ const TOKEN: &str = "recovery-test-service-token-0123456789ab";
 
 type Coordinator = StreamRecoveryServiceClient<InterceptedService<Channel, Bearer>>;
 
+/// The run store's RunService, with EnqueueControl failing while `fail_enqueue` is set
+/// (the run store unreachable just for the hand-off after a claim).
+#[derive(Clone)]
+struct FaultyRunService<S> {
+    inner: S,
+    fail_enqueue: Arc<AtomicBool>,
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for FaultyRunService<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tower_service::Service<http::Request<tonic::body::Body>> for FaultyRunService<S>
+where
+    S: tower_service::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        >,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        if request.uri().path().ends_with("/EnqueueControl")
+            && self.fail_enqueue.load(Ordering::SeqCst)
+        {
+            return Box::pin(async { Ok(tonic::Status::unavailable("injected").into_http()) });
+        }
+        Box::pin(self.inner.call(request))
+    }
+}
+
 struct World {
     clock: ManualClock,
+    fail_enqueue: Arc<AtomicBool>,
     run_store: RunStore,
     run_store_endpoint: String,
     coordinator_endpoint: String,
@@ -73,8 +117,13 @@ impl World {
         let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
             .await
             .unwrap();
+        let fail_enqueue = Arc::new(AtomicBool::new(false));
+        let (runner_service, run_service) = run_store.services();
         let mut services = ServiceSet::new();
-        run_store.register(&mut services);
+        services.add(runner_service).add(FaultyRunService {
+            inner: run_service,
+            fail_enqueue: fail_enqueue.clone(),
+        });
         let run_store_endpoint = serve(services).await;
 
         config.run_store.endpoint = if dead_run_store {
@@ -98,6 +147,7 @@ impl World {
         let coordinator_endpoint = serve(services).await;
         Self {
             clock,
+            fail_enqueue,
             run_store,
             run_store_endpoint,
             coordinator_endpoint,
@@ -889,4 +939,63 @@ async fn tails_and_plans_of_a_queued_run_spend_nothing_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tails_and_plans_of_a_queued_run_spend_nothing_in_memory() {
     a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Memory).await;
+}
+
+async fn a_failed_hand_off_after_a_claim_changes_nothing(backend: Backend) {
+    let w = World::on(false, backend).await;
+    let (run_id, key) = w.running_run().await;
+    let old = w.acquire(&run_id, &key).await;
+    // One takeover already spent, so "unchanged" has a budget to compare with.
+    w.clock.advance(Duration::from_secs(31));
+    let first = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.decision(), pb::RecoveryDecision::Claimed);
+    w.clock.advance(Duration::from_secs(61));
+    let before = w.budget(&run_id).await;
+
+    w.fail_enqueue.store(true, Ordering::SeqCst);
+    let err = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    let after = w.budget(&run_id).await;
+    assert_eq!(after.budget, before.budget, "the budget is unchanged");
+    assert_eq!(after.lease, before.lease, "the lease is as it was (lapsed)");
+    assert_eq!(
+        w.messages(&run_id, rs::SteeringKind::ResumeStream)
+            .await
+            .len(),
+        1
+    );
+
+    // The run store answers again: the next plan claims attempt 2, not 3.
+    w.fail_enqueue.store(false, Ordering::SeqCst);
+    let second = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(second.decision(), pb::RecoveryDecision::Claimed);
+    assert_eq!(second.budget.unwrap().attempts, 2);
+    let _ = old;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis() {
+    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory() {
+    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Memory).await;
 }

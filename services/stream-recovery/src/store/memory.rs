@@ -25,6 +25,17 @@ struct Run {
     claimed: Option<i64>,
     not_before: Option<i64>,
     exhausted: bool,
+    /// What the latest claim replaced, so a failed hand-off can put it back.
+    undo: Option<Undo>,
+}
+
+#[derive(Debug)]
+struct Undo {
+    token: String,
+    attempts: u32,
+    claimed: Option<i64>,
+    not_before: Option<i64>,
+    lease: Option<Lease>,
 }
 
 #[derive(Debug, Clone)]
@@ -240,6 +251,13 @@ impl RecoveryStore for MemoryStore {
             let cap = BACKOFF_CAP.as_millis() as f64;
             let d = (base * 2f64.powi(attempts as i32 - 1)).min(cap);
             let not_before = a.now_ms + (d + d * a.jitter).min(cap).floor() as i64;
+            r.undo = Some(Undo {
+                token: a.token.to_owned(),
+                attempts: r.attempts,
+                claimed: r.claimed,
+                not_before: r.not_before,
+                lease: r.lease.clone(),
+            });
             r.attempts = attempts;
             r.claimed = Some(a.now_ms);
             r.not_before = Some(not_before);
@@ -253,6 +271,21 @@ impl RecoveryStore for MemoryStore {
                 next_sequence: r.next,
                 not_before_ms: not_before,
             })
+        })
+    }
+
+    async fn unclaim(&self, run: &str, token: &str) -> Result<bool> {
+        self.with(run, |r| {
+            let Some(undo) = r.undo.take_if(|u| u.token == token) else {
+                return Ok(false);
+            };
+            if r.lease.as_ref().is_some_and(|l| l.token == token) {
+                r.lease = undo.lease;
+            }
+            r.attempts = undo.attempts;
+            r.claimed = undo.claimed;
+            r.not_before = undo.not_before;
+            Ok(true)
         })
     }
 

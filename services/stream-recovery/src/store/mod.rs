@@ -145,6 +145,11 @@ pub trait RecoveryStore: Send + Sync + 'static {
     async fn budget(&self, run: &str, now_ms: i64) -> Result<BudgetState>;
     /// Plans and, when allowed, claims a takeover, all in one atomic step.
     async fn claim(&self, run: &str, args: &ClaimArgs<'_>) -> Result<ClaimOutcome>;
+    /// Undoes the claim made with `token` if it is still the run's latest: the budget and
+    /// the lease are put back as they were before it. The compensating half of a claim
+    /// whose hand-off (index entry, resume_stream message) failed. False when a later
+    /// claim or nothing was there to undo.
+    async fn unclaim(&self, run: &str, token: &str) -> Result<bool>;
     /// Reserves `bytes` of an org's budget for the hour `hour` (ms epoch / 3.6e6);
     /// returns what is left, or refuses without charging.
     async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64>;

@@ -187,10 +187,45 @@ if attempts > 0 and now < tonumber(b[3] or '0') then return {'wait', tonumber(b[
 attempts = attempts + 1
 local d = math.min(cap, base * math.pow(2, attempts - 1))
 local not_before = now + math.floor(math.min(cap, d + d * jitter))
+local l = redis.call('HMGET', KEYS[1], 'controller', 'token', 'expires')
+redis.call('HSET', KEYS[2], 'claim_token', ARGV[2], 'prev_attempts', b[1] or '',
+  'prev_claimed', b[2] or '', 'prev_not_before', b[3] or '', 'prev_controller', l[1] or '',
+  'prev_token', l[2] or '', 'prev_expires', l[3] or '')
 redis.call('HSET', KEYS[2], 'attempts', attempts, 'claimed', now, 'not_before', not_before)
 redis.call('HSET', KEYS[1], 'controller', ARGV[3], 'token', ARGV[2], 'expires', now + ttl)
 redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[10]))
 return {'claimed', attempts, tonumber(redis.call('HGET', KEYS[3], 'next') or '1'), not_before}
+"#,
+    )
+});
+
+/// Undoes the claim whose token is ARGV[1] if it is still the latest: the budget and the
+/// lease go back to what the claim script stashed. The lease is restored only if the
+/// claim's token still holds it.
+static UNCLAIM: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[2], 'claim_token') ~= ARGV[1] then return 0 end
+local p = redis.call('HMGET', KEYS[2], 'prev_attempts', 'prev_claimed', 'prev_not_before',
+  'prev_controller', 'prev_token', 'prev_expires')
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  if p[4] and p[4] ~= '' then
+    redis.call('HSET', KEYS[1], 'controller', p[4], 'token', p[5], 'expires', p[6])
+  else
+    redis.call('DEL', KEYS[1])
+  end
+end
+local fields = {'attempts', 'claimed', 'not_before'}
+for i = 1, 3 do
+  if p[i] and p[i] ~= '' then
+    redis.call('HSET', KEYS[2], fields[i], p[i])
+  else
+    redis.call('HDEL', KEYS[2], fields[i])
+  end
+end
+redis.call('HDEL', KEYS[2], 'claim_token', 'prev_attempts', 'prev_claimed', 'prev_not_before',
+  'prev_controller', 'prev_token', 'prev_expires')
+return 1
 "#,
     )
 });
@@ -466,10 +501,29 @@ impl RecoveryStore for RedisStore {
                 not_before_ms: int(&out[3]),
             },
         };
-        if matches!(outcome, ClaimOutcome::Claimed { .. }) {
-            self.remember(run).await?;
+        // The index entry is part of the claim's effects: without it the sweep could not
+        // find the run, so a failed ZADD undoes the claim (compensation, as in plan()).
+        if matches!(outcome, ClaimOutcome::Claimed { .. })
+            && let Err(e) = self.remember(run).await
+        {
+            if let Err(undo) = self.unclaim(run, a.token).await {
+                tracing::error!(run_id = run, cause = %undo, "claim not undone; its lease lapses");
+            }
+            return Err(e);
         }
         Ok(outcome)
+    }
+
+    async fn unclaim(&self, run: &str, token: &str) -> Result<bool> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let undone: i64 = UNCLAIM
+            .key(&k.lease)
+            .key(&k.budget)
+            .arg(token)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(undone == 1)
     }
 
     async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64> {
