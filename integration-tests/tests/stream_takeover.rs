@@ -17,6 +17,7 @@ use runplane_proto::runstore::v1 as rs;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
+use runplane_stream_recovery::store::RecoveryStore;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_testkit::{TestDatabase, TestRedis};
 use tonic::service::interceptor::InterceptedService;
@@ -206,6 +207,22 @@ impl World {
     }
 }
 
+impl World {
+    async fn attempts(&self, run_id: &str) -> u32 {
+        self.recovery()
+            .await
+            .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+                run_id: run_id.to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .budget
+            .unwrap()
+            .attempts
+    }
+}
+
 fn expected() -> Vec<String> {
     (1..=20).map(|i| format!("line {i}")).collect()
 }
@@ -319,15 +336,56 @@ async fn the_coordinator_serves_again_when_redis_returns_and_the_run_finishes() 
     let mut redis = PrivateRedis::start(port);
     redis.wait_ready().await;
 
-    // Served again; the lost lease is recovered like a dead controller's, and the runner
-    // re-sends what it holds from the claim's sequence.
-    let claimed = w.claim(&run_id).await;
-    assert_eq!(claimed.next_sequence, 1, "the buffer was lost with Redis");
+    // Served again. The lost lease is no fence and there is no lost controller to claim:
+    // the runner's next renewal or append takes the lease back, and it re-sends what it
+    // holds from where the emptied buffer starts.
     let status = tokio::time::timeout(Duration::from_secs(60), runner.wait())
         .await
         .unwrap()
         .unwrap();
     assert!(status.success(), "the run finishes");
     assert_eq!(w.lines(&run_id).await, expected());
+    assert_eq!(w.attempts(&run_id).await, 0, "nothing was taken over");
     redis.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_whose_keys_were_flushed_mid_run_resyncs_and_its_run_finishes() {
+    let redis = TestRedis::new().await;
+    let w = World::new(redis.url(), redis.prefix()).await;
+    let (run_id, mut runner) = w.start_run().await;
+    w.first_frames(&run_id).await;
+    // Every key of the run vanishes (eviction, the 24 h TTL, a flush) while it runs.
+    RedisStore::connect(redis.url(), redis.prefix())
+        .await
+        .unwrap()
+        .forget(&run_id)
+        .await
+        .unwrap();
+    // Watchers keep planning meanwhile; none of them takes the stream over.
+    for _ in 0..3 {
+        w.clock.advance(Duration::from_secs(31));
+        let plan = w
+            .recovery()
+            .await
+            .plan_recovery(pb::PlanRecoveryRequest {
+                run_id: run_id.clone(),
+                reason: "test".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_ne!(plan.decision(), pb::RecoveryDecision::Claimed);
+    }
+    let status = tokio::time::timeout(Duration::from_secs(60), runner.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "the run finishes");
+    assert_eq!(
+        w.lines(&run_id).await,
+        expected(),
+        "the runner re-sent what the flush lost"
+    );
+    assert_eq!(w.attempts(&run_id).await, 0);
 }

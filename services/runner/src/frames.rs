@@ -4,7 +4,10 @@
 //! and appends frames fenced by its token. Events stay the durable record; frames are
 //! what a tail replays and follows. When the lease is lost (fenced), the runner stops
 //! appending and waits for a `resume_stream` claim, then continues with the claim's
-//! token from the claim's sequence, re-sending what it still holds.
+//! token from the claim's sequence, re-sending what it still holds. A lease that is gone
+//! (the coordinator lost its keys) is no fence: the next append or renewal takes it
+//! back, and when the coordinator expects a sequence the ring no longer holds, the runner
+//! resyncs from its first kept frame (readers get a replay_gap).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -89,7 +92,9 @@ impl Frames {
         self.wake.notify_one();
     }
 
-    fn pending(&self) -> (Option<String>, Vec<pb::FrameInput>, bool) {
+    /// The token, the next batch, whether the batch must resync (the ring no longer holds
+    /// the sequence the coordinator expects) and whether the stream is finished.
+    fn pending(&self) -> (Option<String>, Vec<pb::FrameInput>, bool, bool) {
         let s = self.state.lock().expect("frames poisoned");
         let mut size = 0;
         let batch: Vec<pb::FrameInput> = s
@@ -106,7 +111,8 @@ impl Frames {
                 data: data.clone(),
             })
             .collect();
-        (s.token.clone(), batch, s.finished)
+        let resync = batch.first().is_some_and(|f| f.sequence > s.next_to_send);
+        (s.token.clone(), batch, resync, s.finished)
     }
 
     fn fenced(&self, token: &str) {
@@ -155,7 +161,7 @@ pub async fn stream(client: RecoveryClient, run_id: String, controller_id: Strin
     }
     let mut last_renewal = tokio::time::Instant::now();
     loop {
-        let (token, batch, finished) = frames.pending();
+        let (token, batch, resync, finished) = frames.pending();
         if let Some(token) = &token {
             if !batch.is_empty() {
                 match client
@@ -164,6 +170,7 @@ pub async fn stream(client: RecoveryClient, run_id: String, controller_id: Strin
                         run_id: run_id.clone(),
                         controller_token: token.clone(),
                         frames: batch,
+                        resync,
                     })
                     .await
                 {

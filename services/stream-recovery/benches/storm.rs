@@ -212,6 +212,7 @@ async fn main() {
                     )],
                     1_800_000_000_000,
                     &limits,
+                    false,
                 )
                 .await
                 .unwrap();

@@ -552,7 +552,14 @@ impl StreamRecoveryService for StreamRecoveryApi {
             .map_err(store_error)?;
         let appended = match s
             .store
-            .append(&req.run_id, &req.controller_token, &frames, now, &s.limits)
+            .append(
+                &req.run_id,
+                &req.controller_token,
+                &frames,
+                now,
+                &s.limits,
+                req.resync,
+            )
             .await
         {
             Ok(a) => a,
@@ -751,6 +758,18 @@ async fn tail(
             .read(&req.run_id, next, 256)
             .await
             .map_err(store_error)?;
+        // The buffer restarted past what this reader has (lost keys, a resync): say so.
+        if replay.first_available > next {
+            if !send(Item::ReplayGap(pb::ReplayGap {
+                requested_from: next,
+                first_available: replay.first_available,
+            }))
+            .await
+            {
+                return Ok(());
+            }
+            next = replay.first_available;
+        }
         for f in &replay.frames {
             next = f.sequence + 1;
             if !send(Item::Frame(pb::Frame {

@@ -338,6 +338,7 @@ async fn exhausts_after_five_takeovers_with_one_abort(tails: usize, failure: Fai
             run_id: run_id.clone(),
             controller_token: first.controller_token.clone(),
             frames: frames(1..=3),
+            resync: false,
         })
         .await
         .unwrap();
@@ -492,6 +493,7 @@ async fn the_first_takeover_is_immediate_and_completes_what_the_old_controller_c
             run_id: run_id.clone(),
             controller_token: old.clone(),
             frames: frames(1..=2),
+            resync: false,
         })
         .await
         .unwrap();
@@ -516,6 +518,7 @@ async fn the_first_takeover_is_immediate_and_completes_what_the_old_controller_c
             run_id: run_id.clone(),
             controller_token: old,
             frames: frames(3..=3),
+            resync: false,
         })
         .await
         .unwrap_err();
@@ -533,6 +536,7 @@ async fn the_first_takeover_is_immediate_and_completes_what_the_old_controller_c
             run_id: run_id.clone(),
             controller_token: p.controller_token.clone(),
             frames: frames(3..=4),
+            resync: false,
         })
         .await
         .unwrap()
@@ -897,6 +901,7 @@ async fn a_queued_run_is_never_taken_over_and_later_runs_normally(backend: Backe
             run_id: run_id.clone(),
             controller_token: token,
             frames: frames(1..=3),
+            resync: false,
         })
         .await
         .unwrap();

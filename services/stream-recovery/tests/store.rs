@@ -46,6 +46,7 @@ conformance!(
     a_claim_fences_the_previous_controller,
     an_orgs_hourly_budget_is_reserved_refused_and_refunded,
     a_run_whose_lease_was_never_granted_is_never_claimed,
+    a_lost_lease_is_no_fence_and_a_controller_resyncs_past_lost_frames,
 );
 
 /// The run's first controller held the lease until `lapsed_at`: there is a lost
@@ -118,33 +119,35 @@ async fn appends_are_fenced_idempotent_contiguous_and_budgeted(s: Arc<dyn Recove
     };
     s.acquire("run-2", "ctl", "tok", TTL, T0).await.unwrap();
     let a = s
-        .append("run-2", "tok", &frames(1..=3), T0, &limits)
+        .append("run-2", "tok", &frames(1..=3), T0, &limits, false)
         .await
         .unwrap();
     assert_eq!((a.next_sequence, a.stored), (4, 3));
     // A replay of 2..=3 with one new frame stores only the new one.
     let b = s
-        .append("run-2", "tok", &frames(2..=4), T0, &limits)
+        .append("run-2", "tok", &frames(2..=4), T0, &limits, false)
         .await
         .unwrap();
     assert_eq!((b.next_sequence, b.stored), (5, 1));
     let full_replay = s
-        .append("run-2", "tok", &frames(1..=4), T0, &limits)
+        .append("run-2", "tok", &frames(1..=4), T0, &limits, false)
         .await
         .unwrap();
     assert_eq!(full_replay.stored, 0);
     assert_eq!(
-        s.append("run-2", "tok", &frames(7..=8), T0, &limits).await,
+        s.append("run-2", "tok", &frames(7..=8), T0, &limits, false)
+            .await,
         Err(StoreError::Gap { next: 5 })
     );
     assert_eq!(
-        s.append("run-2", "not-the-token", &frames(5..=5), T0, &limits)
+        s.append("run-2", "not-the-token", &frames(5..=5), T0, &limits, false)
             .await,
         Err(StoreError::Fenced)
     );
     // 4 frames of 7 bytes are charged; 8 more would pass the 64-byte budget.
     assert_eq!(
-        s.append("run-2", "tok", &frames(5..=12), T0, &limits).await,
+        s.append("run-2", "tok", &frames(5..=12), T0, &limits, false)
+            .await,
         Err(StoreError::BudgetExceeded { scope: "stream" })
     );
     let after = s.read("run-2", 1, 100).await.unwrap();
@@ -159,7 +162,7 @@ async fn the_buffer_trims_and_reads_report_the_first_kept_frame(s: Arc<dyn Recov
         ..BufferLimits::default()
     };
     s.acquire("run-3", "ctl", "tok", TTL, T0).await.unwrap();
-    s.append("run-3", "tok", &frames(1..=5), T0, &limits)
+    s.append("run-3", "tok", &frames(1..=5), T0, &limits, false)
         .await
         .unwrap();
     let replay = s.read("run-3", 1, 100).await.unwrap();
@@ -310,7 +313,8 @@ async fn a_claim_fences_the_previous_controller(s: Arc<dyn RecoveryStore>) {
             "old",
             &frames(1..=1),
             later,
-            &BufferLimits::default()
+            &BufferLimits::default(),
+            false
         )
         .await,
         Err(StoreError::Fenced)
@@ -325,6 +329,7 @@ async fn a_claim_fences_the_previous_controller(s: Arc<dyn RecoveryStore>) {
         &frames(1..=1),
         later,
         &BufferLimits::default(),
+        false,
     )
     .await
     .unwrap();
@@ -368,5 +373,55 @@ async fn a_run_whose_lease_was_never_granted_is_never_claimed(s: Arc<dyn Recover
     assert_eq!(
         (first.token.as_str(), first.next_sequence),
         ("late-token", 1)
+    );
+}
+
+async fn a_lost_lease_is_no_fence_and_a_controller_resyncs_past_lost_frames(
+    s: Arc<dyn RecoveryStore>,
+) {
+    let limits = BufferLimits::default();
+    s.acquire("run-10", "ctl", "tok", TTL, T0).await.unwrap();
+    s.append("run-10", "tok", &frames(1..=3), T0, &limits, false)
+        .await
+        .unwrap();
+    // Every key of the run is lost (a Redis without persistence restarted).
+    s.forget("run-10").await.unwrap();
+    assert_eq!(
+        s.append("run-10", "tok", &frames(4..=5), T0, &limits, false)
+            .await,
+        Err(StoreError::Gap { next: 1 }),
+        "a lost lease is no fence: the controller learns where to resend from"
+    );
+    // A controller that still holds everything re-sends it all.
+    let again = s
+        .append("run-10", "tok", &frames(1..=5), T0, &limits, false)
+        .await
+        .unwrap();
+    assert_eq!((again.next_sequence, again.stored), (6, 5));
+    assert!(s.renew("run-10", "tok", TTL, T0 + 1).await.is_ok());
+    assert_eq!(
+        s.claim("run-10", &claim(T0 + 2, "thief")).await.unwrap(),
+        ClaimOutcome::LeaseHeld,
+        "the lease was taken back"
+    );
+    // One that no longer holds 6..=9 resyncs at 10: readers see the buffer start there.
+    s.forget("run-10").await.unwrap();
+    assert!(s.renew("run-10", "tok", TTL, T0 + 3).await.is_ok());
+    let resynced = s
+        .append("run-10", "tok", &frames(10..=11), T0 + 3, &limits, true)
+        .await
+        .unwrap();
+    assert_eq!(resynced.next_sequence, 12);
+    let replay = s.read("run-10", 1, 100).await.unwrap();
+    assert_eq!(replay.first_available, 10);
+    assert_eq!(
+        replay.frames.iter().map(|f| f.sequence).collect::<Vec<_>>(),
+        [10, 11]
+    );
+    // A lease held by another token still fences.
+    assert_eq!(
+        s.append("run-10", "other", &frames(12..=12), T0 + 3, &limits, false)
+            .await,
+        Err(StoreError::Fenced)
     );
 }

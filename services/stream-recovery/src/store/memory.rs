@@ -11,7 +11,9 @@ use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
     StoreError, StoredFrame,
 };
-use crate::policy::{BACKOFF_BASE, BACKOFF_CAP, BufferLimits, MAX_ATTEMPTS, RESET_AFTER};
+use crate::policy::{
+    BACKOFF_BASE, BACKOFF_CAP, BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER,
+};
 
 #[derive(Debug, Default)]
 struct Run {
@@ -124,7 +126,17 @@ impl RecoveryStore for MemoryStore {
                 lease.expires = now_ms + ttl_ms;
                 Ok(lease.expires)
             }
-            _ => Err(StoreError::Fenced),
+            Some(_) => Err(StoreError::Fenced),
+            // Lost, not taken: the run's controller takes it back.
+            None => {
+                r.granted = true;
+                r.lease = Some(Lease {
+                    controller: "resynced".into(),
+                    token: token.to_owned(),
+                    expires: now_ms + ttl_ms,
+                });
+                Ok(now_ms + ttl_ms)
+            }
         })
     }
 
@@ -146,13 +158,19 @@ impl RecoveryStore for MemoryStore {
         frames: &[(u64, Vec<u8>)],
         now_ms: i64,
         limits: &BufferLimits,
+        resync: bool,
     ) -> Result<Appended> {
         self.with(run, |r| {
-            if r.lease.as_ref().is_none_or(|l| l.token != token) {
+            if r.lease.as_ref().is_some_and(|l| l.token != token) {
                 return Err(StoreError::Fenced);
             }
-            if frames.first().is_some_and(|(s, _)| *s > r.next) {
-                return Err(StoreError::Gap { next: r.next });
+            if let Some(&(from, _)) = frames.first().filter(|(s, _)| *s > r.next) {
+                if !resync {
+                    return Err(StoreError::Gap { next: r.next });
+                }
+                r.frames.clear();
+                r.first = from;
+                r.next = from;
             }
             let add: u64 = frames
                 .iter()
@@ -161,6 +179,14 @@ impl RecoveryStore for MemoryStore {
                 .sum();
             if r.bytes + add > limits.stream_bytes {
                 return Err(StoreError::BudgetExceeded { scope: "stream" });
+            }
+            if r.lease.is_none() {
+                r.granted = true;
+                r.lease = Some(Lease {
+                    controller: "resynced".into(),
+                    token: token.to_owned(),
+                    expires: now_ms + DEFAULT_LEASE_TTL.as_millis() as i64,
+                });
             }
             let mut stored = 0;
             for (sequence, data) in frames {

@@ -128,11 +128,15 @@ pub trait RecoveryStore: Send + Sync + 'static {
         ttl_ms: i64,
         now_ms: i64,
     ) -> Result<Acquired>;
+    /// Extends the lease `token` holds; a lease that is gone is taken back (not a fence).
     async fn renew(&self, run: &str, token: &str, ttl_ms: i64, now_ms: i64) -> Result<i64>;
     /// Removes the lease if `token` holds it.
     async fn release(&self, run: &str, token: &str) -> Result<bool>;
     /// Appends frames fenced by `token`, idempotent by sequence, charged to the stream's
-    /// byte budget, trimmed to the buffer's length.
+    /// byte budget, trimmed to the buffer's length. Only a lease held by another token
+    /// fences: a lease that is gone (lost keys) is taken back by `token`. With `resync`,
+    /// a batch that starts past the next sequence restarts the buffer at its first frame
+    /// (the controller no longer holds the frames in between) instead of a `Gap`.
     async fn append(
         &self,
         run: &str,
@@ -140,6 +144,7 @@ pub trait RecoveryStore: Send + Sync + 'static {
         frames: &[(u64, Vec<u8>)],
         now_ms: i64,
         limits: &BufferLimits,
+        resync: bool,
     ) -> Result<Appended>;
     async fn read(&self, run: &str, from: u64, max: usize) -> Result<Replay>;
     async fn budget(&self, run: &str, now_ms: i64) -> Result<BudgetState>;

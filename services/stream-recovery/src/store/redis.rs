@@ -14,7 +14,9 @@ use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
     StoreError, StoredFrame,
 };
-use crate::policy::{BACKOFF_BASE, BACKOFF_CAP, BufferLimits, MAX_ATTEMPTS, RESET_AFTER};
+use crate::policy::{
+    BACKOFF_BASE, BACKOFF_CAP, BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER,
+};
 
 /// How much longer than the lease a lease key lives: a late renewal by the holder is still
 /// fenced by the token, and the key is garbage collected eventually.
@@ -52,8 +54,18 @@ return {'ok', ARGV[2], now + ttl, tonumber(redis.call('HGET', KEYS[2], 'next'))}
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {'fenced'} end
+local holder = redis.call('HGET', KEYS[1], 'token')
+if holder and holder ~= ARGV[1] then return {'fenced'} end
 local expires = tonumber(ARGV[3]) + tonumber(ARGV[2])
+if not holder then
+  -- The lease key was lost (Redis restarted, evicted, flushed): nobody else holds it, so
+  -- it is no fence; the run's own controller takes it back.
+  redis.call('HSET', KEYS[1], 'controller', 'resynced', 'token', ARGV[1])
+  redis.call('HSETNX', KEYS[2], 'next', 1)
+  redis.call('HSETNX', KEYS[2], 'first', 1)
+  redis.call('HSETNX', KEYS[2], 'bytes', 0)
+  redis.call('HSET', KEYS[2], 'granted', '1')
+end
 redis.call('HSET', KEYS[1], 'expires', expires)
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * tonumber(ARGV[4]))
 return {'ok', expires}
@@ -76,25 +88,45 @@ return 0
 static APPEND: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {'fenced'} end
+local holder = redis.call('HGET', KEYS[1], 'token')
+if holder and holder ~= ARGV[1] then return {'fenced'} end
 local now = ARGV[2]
 local max_frames = tonumber(ARGV[3])
 local budget = tonumber(ARGV[4])
 local ttl = ARGV[5]
+local lease_ttl = tonumber(ARGV[6])
+local resync = ARGV[7] == '1'
+local A = 8
 local next = tonumber(redis.call('HGET', KEYS[2], 'next') or '1')
 local first = tonumber(redis.call('HGET', KEYS[2], 'first') or '1')
 local bytes = tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0')
-local n = (#ARGV - 5) / 2
-if tonumber(ARGV[6]) > next then return {'gap', next} end
+local n = (#ARGV - A + 1) / 2
+local from = tonumber(ARGV[A])
+if from > next then
+  if not resync then return {'gap', next} end
+  -- The controller no longer holds the frames in between: the buffer restarts at its
+  -- first frame, and readers get a replay_gap for what was lost.
+  for s = first, next - 1 do
+    redis.call('HDEL', KEYS[3], s)
+    redis.call('HDEL', KEYS[4], s)
+  end
+  first, next = from, from
+end
 local add = 0
 for i = 0, n - 1 do
-  if tonumber(ARGV[6 + 2 * i]) >= next then add = add + string.len(ARGV[7 + 2 * i]) end
+  if tonumber(ARGV[A + 2 * i]) >= next then add = add + string.len(ARGV[A + 1 + 2 * i]) end
 end
 if bytes + add > budget then return {'budget'} end
+if not holder then
+  -- A lost lease key is no fence (see RENEW): the run's controller takes it back.
+  redis.call('HSET', KEYS[1], 'controller', 'resynced', 'token', ARGV[1], 'expires', tonumber(now) + lease_ttl)
+  redis.call('PEXPIRE', KEYS[1], lease_ttl * 4)
+  redis.call('HSET', KEYS[2], 'granted', '1')
+end
 local stored = 0
 for i = 0, n - 1 do
-  if tonumber(ARGV[6 + 2 * i]) == next then
-    redis.call('HSET', KEYS[3], next, ARGV[7 + 2 * i])
+  if tonumber(ARGV[A + 2 * i]) == next then
+    redis.call('HSET', KEYS[3], next, ARGV[A + 1 + 2 * i])
     redis.call('HSET', KEYS[4], next, now)
     next = next + 1
     stored = stored + 1
@@ -356,6 +388,7 @@ impl RecoveryStore for RedisStore {
         let mut conn = self.conn.clone();
         let out: Vec<Value> = RENEW
             .key(&k.lease)
+            .key(&k.meta)
             .arg(token)
             .arg(ttl_ms)
             .arg(now_ms)
@@ -386,6 +419,7 @@ impl RecoveryStore for RedisStore {
         frames: &[(u64, Vec<u8>)],
         now_ms: i64,
         limits: &BufferLimits,
+        resync: bool,
     ) -> Result<Appended> {
         let k = self.keys(run);
         let mut conn = self.conn.clone();
@@ -399,7 +433,9 @@ impl RecoveryStore for RedisStore {
             .arg(now_ms)
             .arg(limits.max_frames)
             .arg(limits.stream_bytes)
-            .arg(limits.ttl.as_millis() as u64);
+            .arg(limits.ttl.as_millis() as u64)
+            .arg(DEFAULT_LEASE_TTL.as_millis() as u64)
+            .arg(if resync { "1" } else { "0" });
         for (sequence, data) in frames {
             invocation.arg(*sequence).arg(data.as_slice());
         }
