@@ -61,16 +61,26 @@ pub fn endpoint(uri: &str) -> Result<Endpoint, ClientError> {
 
 /// [`endpoint`] with explicit TLS for `https://` URIs, whatever is installed.
 pub fn endpoint_with_tls(uri: &str, tls: Option<&ClientTls>) -> Result<Endpoint, ClientError> {
+    Ok(endpoint_settings(uri, tls)?.connect_timeout(CONNECT_TIMEOUT))
+}
+
+/// h2 keepalive: a ping every interval on a connection with calls open; no answer
+/// within the timeout breaks the connection.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// [`endpoint_with_tls`] without the connect timeout, for a caller whose own connector
+/// bounds the connect (the retrying transport does, and classifies it).
+pub fn endpoint_settings(uri: &str, tls: Option<&ClientTls>) -> Result<Endpoint, ClientError> {
     let invalid = |reason: String| ClientError::InvalidEndpoint {
         endpoint: uri.to_owned(),
         reason,
     };
     let endpoint = Endpoint::from_shared(uri.to_owned())
         .map_err(|e| invalid(e.to_string()))?
-        .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(10));
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT);
     if endpoint.uri().scheme_str() != Some("https") {
         return Ok(endpoint);
     }

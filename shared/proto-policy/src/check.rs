@@ -28,6 +28,9 @@ pub struct ClassifiedMethod {
     pub justification: String,
     pub client_streaming: bool,
     pub server_streaming: bool,
+    /// The number of the request's `google.protobuf.Duration wait` field of a unary
+    /// method: a long poll.
+    pub long_poll_wait_field: Option<u32>,
 }
 
 /// One reason a method's classification is refused.
@@ -109,6 +112,7 @@ pub fn check(pool: &DescriptorPool) -> Result<Vec<ClassifiedMethod>, CheckError>
                     path: path.clone(),
                     client_streaming: method.is_client_streaming(),
                     server_streaming: method.is_server_streaming(),
+                    long_poll_wait_field: long_poll_wait_field(&method),
                     ..c
                 }),
                 Err(problems) => problems.into_iter().for_each(&mut problem),
@@ -223,8 +227,23 @@ fn classify(
             justification,
             client_streaming: false,
             server_streaming: false,
+            long_poll_wait_field: None,
         }),
         _ => Err(problems),
+    }
+}
+
+/// A unary method whose request has a `google.protobuf.Duration wait` is a long poll.
+fn long_poll_wait_field(method: &MethodDescriptor) -> Option<u32> {
+    if method.is_client_streaming() || method.is_server_streaming() {
+        return None;
+    }
+    let field = method.input().get_field_by_name("wait")?;
+    match field.kind() {
+        Kind::Message(m) if m.full_name() == "google.protobuf.Duration" && !field.is_list() => {
+            Some(field.number())
+        }
+        _ => None,
     }
 }
 
@@ -265,8 +284,13 @@ pub fn render_table(methods: &[ClassifiedMethod]) -> String {
             OutageBudget::Terminal => "Terminal",
         };
         out.push_str(&format!(
-            "    ::runplane_proto_policy::MethodPolicy {{\n        path: {:?},\n        replay_safety: ::runplane_proto_policy::ReplaySafety::{replay_safety},\n        key_field: {:?},\n        outage_budget: ::runplane_proto_policy::OutageBudget::{outage_budget},\n        justification: {:?},\n        client_streaming: {},\n        server_streaming: {},\n    }},\n",
-            m.path, m.key_field, m.justification, m.client_streaming, m.server_streaming
+            "    ::runplane_proto_policy::MethodPolicy {{\n        path: {:?},\n        replay_safety: ::runplane_proto_policy::ReplaySafety::{replay_safety},\n        key_field: {:?},\n        outage_budget: ::runplane_proto_policy::OutageBudget::{outage_budget},\n        justification: {:?},\n        client_streaming: {},\n        server_streaming: {},\n        long_poll_wait_field: {:?},\n    }},\n",
+            m.path,
+            m.key_field,
+            m.justification,
+            m.client_streaming,
+            m.server_streaming,
+            m.long_poll_wait_field
         ));
     }
     out.push_str("];\n");

@@ -74,6 +74,33 @@ pub struct MethodPolicy {
     pub justification: &'static str,
     pub client_streaming: bool,
     pub server_streaming: bool,
+    /// A long poll: the field number of the request's `google.protobuf.Duration wait`,
+    /// for a unary method that has one. Its attempts get the wait plus a margin as their
+    /// deadline instead of an ordinary call's.
+    pub long_poll_wait_field: Option<u32>,
+}
+
+/// How a client bounds one attempt of a method, derived from its shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallClass {
+    /// An ordinary unary call: the ordinary attempt deadline.
+    Unary,
+    /// A unary call that waits for a change: the request's wait plus a margin.
+    LongPoll { wait_field: u32 },
+    /// A server stream: no deadline, but a stream silent past its heartbeat is broken.
+    Stream,
+}
+
+impl MethodPolicy {
+    pub const fn call_class(&self) -> CallClass {
+        if self.server_streaming {
+            CallClass::Stream
+        } else if let Some(wait_field) = self.long_poll_wait_field {
+            CallClass::LongPoll { wait_field }
+        } else {
+            CallClass::Unary
+        }
+    }
 }
 
 /// Looks a path up in a table sorted by path (the generated table is).

@@ -6,7 +6,7 @@
 //! - [`METHOD_POLICIES`] and [`policy_for`]: each RPC's replay-safety policy, from its
 //!   `runplane.options.v1.policy` option.
 
-pub use runplane_proto_policy::{MethodPolicy, OutageBudget, ReplaySafety};
+pub use runplane_proto_policy::{CallClass, MethodPolicy, OutageBudget, ReplaySafety};
 
 /// The encoded `FileDescriptorSet` of every runplane proto and its imports, with options.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

@@ -46,7 +46,7 @@ pub fn error(error: &(dyn std::error::Error + 'static)) -> Failure {
     while let Some(e) = cause {
         // tonic wraps everything its connector reports (refused, DNS, no route, connect
         // timeout) in its ConnectError: no byte of the request was written.
-        if format!("{e:?}").starts_with("ConnectError(") {
+        if e.is::<tonic::ConnectError>() {
             return Failure::ProvenNotSent;
         }
         if let Some(io) = e.downcast_ref::<std::io::Error>() {
@@ -73,6 +73,30 @@ pub fn error(error: &(dyn std::error::Error + 'static)) -> Failure {
         cause = e.source();
     }
     Failure::MaybeProcessed
+}
+
+/// A connect that failed: the connection is no good, try the next address.
+pub fn is_connect(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if e.is::<tonic::ConnectError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+/// tonic's channel ended the attempt at the `grpc-timeout` it was sent with.
+pub fn is_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if e.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// The server's pushback: `grpc-retry-pushback-ms`, else `google.rpc.RetryInfo`.

@@ -25,6 +25,8 @@
 //! responses are handed on as they come; only failures before their headers are retried.
 
 mod classify;
+mod deadline;
+mod upstream;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,6 +44,9 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 pub use classify::Failure;
+use runplane_grpc::client::TracedChannel;
+use upstream::Conn;
+pub use upstream::Upstream;
 
 /// Errors the layer returns: the inner channel's, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -73,6 +78,16 @@ pub struct RetryConfig {
     /// Retry throttle: bucket size and what a success puts back.
     pub throttle_max_tokens: f64,
     pub throttle_token_ratio: f64,
+    /// Deadline of one attempt of an ordinary unary call (sent as `grpc-timeout`), and
+    /// how long any attempt may wait for its response headers.
+    pub attempt_timeout: Duration,
+    /// A long poll's attempt deadline is its request's wait plus this.
+    pub long_poll_margin: Duration,
+    /// How long a TCP connect may take.
+    pub connect_timeout: Duration,
+    /// How long a connection may stay silent (not one byte, not even the server's
+    /// SETTINGS) before an attempt on it counts as never sent.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for RetryConfig {
@@ -89,6 +104,10 @@ impl Default for RetryConfig {
             rate_limit_retries: 10,
             throttle_max_tokens: 10.0,
             throttle_token_ratio: 0.1,
+            attempt_timeout: Duration::from_secs(10),
+            long_poll_margin: Duration::from_secs(5),
+            connect_timeout: runplane_grpc::client::CONNECT_TIMEOUT,
+            handshake_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -214,14 +233,18 @@ impl RetryLayer {
     pub fn stats(&self) -> Arc<RetryStats> {
         self.shared.stats.clone()
     }
+
+    pub fn config(&self) -> &RetryConfig {
+        &self.shared.config
+    }
 }
 
-impl<S> Layer<S> for RetryLayer {
-    type Service = Retry<S>;
+impl Layer<Upstream> for RetryLayer {
+    type Service = Retry;
 
-    fn layer(&self, inner: S) -> Retry<S> {
+    fn layer(&self, upstream: Upstream) -> Retry {
         Retry {
-            inner,
+            upstream,
             shared: self.shared.clone(),
         }
     }
@@ -235,11 +258,18 @@ fn record_budget_spent(method: &impl std::fmt::Display, spent: Duration) {
     );
 }
 
-/// The retrying service.
+/// The retrying service, over the connections of one upstream.
 #[derive(Debug, Clone)]
-pub struct Retry<S> {
-    inner: S,
+pub struct Retry {
+    upstream: Upstream,
     shared: Arc<Shared>,
+}
+
+impl Retry {
+    /// The upstream this service sends to.
+    pub fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
 }
 
 /// A method the table does not know is treated as unsafe: only provably unsent
@@ -252,14 +282,10 @@ const UNKNOWN: MethodPolicy = MethodPolicy {
     justification: "not in the policy table",
     client_streaming: false,
     server_streaming: false,
+    long_poll_wait_field: None,
 };
 
-impl<S> Service<http::Request<Body>> for Retry<S>
-where
-    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: Send + 'static,
-{
+impl Service<http::Request<Body>> for Retry {
     type Response = http::Response<Body>;
     type Error = BoxError;
     type Future = BoxFuture<'static, Result<http::Response<Body>, BoxError>>;
@@ -270,9 +296,9 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let inner = self.inner.clone();
+        let upstream = self.upstream.clone();
         let shared = self.shared.clone();
-        Box::pin(async move { shared.call(inner, request).await })
+        Box::pin(async move { shared.call(upstream, request).await })
     }
 }
 
@@ -284,20 +310,28 @@ enum Attempt {
         /// The response to hand on if this failure is final (a gRPC status), or the error.
         last: Result<http::Response<Body>, BoxError>,
         pushback: Option<Duration>,
+        /// The connection is condemned: retry on a new one.
+        reconnect: bool,
     },
 }
 
+impl Attempt {
+    fn error(failure: Failure, status: tonic::Status) -> Self {
+        Attempt::Failed {
+            failure,
+            last: Err(Box::new(status)),
+            pushback: None,
+            reconnect: true,
+        }
+    }
+}
+
 impl Shared {
-    async fn call<S>(
+    async fn call(
         &self,
-        mut inner: S,
+        upstream: Upstream,
         request: http::Request<Body>,
-    ) -> Result<http::Response<Body>, BoxError>
-    where
-        S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
-        S::Error: Into<BoxError>,
-        S::Future: Send + 'static,
-    {
+    ) -> Result<http::Response<Body>, BoxError> {
         let path = request.uri().path().to_owned();
         let policy = runplane_proto_policy_lookup(self.table, &path).unwrap_or(&UNKNOWN);
         let (parts, body) = request.into_parts();
@@ -307,6 +341,7 @@ impl Shared {
             .await
             .map_err(|e| Box::new(e) as BoxError)?
             .to_bytes();
+        let deadline = deadline::of(&self.config, policy.call_class(), &parts.headers, &body);
         let budget = self.config.budget(policy.outage_budget);
         let started = Instant::now();
         let mut retries: u32 = 0;
@@ -314,8 +349,14 @@ impl Shared {
 
         loop {
             self.stats.attempts.fetch_add(1, Ordering::Relaxed);
+            let conn = upstream.current();
             let attempt = self
-                .attempt(&mut inner, rebuild(&parts, body.clone()), policy)
+                .bounded(
+                    &conn,
+                    rebuild(&parts, body.clone(), deadline),
+                    policy,
+                    deadline,
+                )
                 .await;
             let (failure, last, pushback) = match attempt {
                 Attempt::Done(response) => {
@@ -329,7 +370,13 @@ impl Shared {
                     failure,
                     last,
                     pushback,
-                } => (failure, last, pushback),
+                    reconnect,
+                } => {
+                    if reconnect {
+                        upstream.replace(conn.generation);
+                    }
+                    (failure, last, pushback)
+                }
             };
 
             let retryable = match failure {
@@ -349,6 +396,7 @@ impl Shared {
                     self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
                         rpc.method = %path,
+                        address = %conn.address,
                         attempts = retries + rate_limited + 1,
                         classification = failure.as_str(),
                         replay_safety = policy.replay_safety.as_str(),
@@ -402,6 +450,7 @@ impl Shared {
             );
             tracing::info!(
                 rpc.method = %path,
+                address = %conn.address,
                 attempt = retries + rate_limited + 1,
                 classification = failure.as_str(),
                 delay_ms = delay.as_millis() as u64,
@@ -417,28 +466,83 @@ impl Shared {
         }
     }
 
-    async fn attempt<S>(
+    /// One attempt under its deadline and the connection's handshake timeout.
+    async fn bounded(
         &self,
-        inner: &mut S,
+        conn: &Conn,
         request: http::Request<Body>,
         policy: &MethodPolicy,
-    ) -> Attempt
-    where
-        S: Service<http::Request<Body>, Response = http::Response<Body>> + Send,
-        S::Error: Into<BoxError>,
-    {
+        deadline: Option<Duration>,
+    ) -> Attempt {
+        let started = Instant::now();
+        // A stream has no deadline, but its response headers must come in time.
+        let deadline_at = started + deadline.unwrap_or(self.config.attempt_timeout);
+        let handshake_at = started + self.config.handshake_timeout;
+        let attempt = self.attempt(conn.channel.clone(), request, policy);
+        tokio::pin!(attempt);
+        let past_deadline = || {
+            // Past its deadline, an attempt is like a reset: it may have been processed,
+            // unless the server never said a word.
+            let failure = if conn.heard.load(Ordering::SeqCst) {
+                Failure::MaybeProcessed
+            } else {
+                Failure::ProvenNotSent
+            };
+            Attempt::error(
+                failure,
+                tonic::Status::deadline_exceeded(format!(
+                    "no answer from {} within the {} ms attempt deadline",
+                    conn.address,
+                    (deadline_at - started).as_millis()
+                )),
+            )
+        };
+        let mut handshake_checked = false;
+        loop {
+            tokio::select! {
+                done = &mut attempt => return match done {
+                    // tonic's channel enforces the `grpc-timeout` we send as well.
+                    Attempt::Failed { last: Err(e), .. } if classify::is_timeout(&*e) => {
+                        past_deadline()
+                    }
+                    done => done,
+                },
+                () = tokio::time::sleep_until(handshake_at), if !handshake_checked => {
+                    handshake_checked = true;
+                    if !conn.heard.load(Ordering::SeqCst) {
+                        return Attempt::error(Failure::ProvenNotSent, tonic::Status::unavailable(format!(
+                            "no answer from {}: it sent nothing within the {} ms handshake timeout",
+                            conn.address,
+                            self.config.handshake_timeout.as_millis()
+                        )));
+                    }
+                }
+                () = tokio::time::sleep_until(deadline_at) => return past_deadline(),
+            }
+        }
+    }
+
+    async fn attempt(
+        &self,
+        mut inner: TracedChannel,
+        request: http::Request<Body>,
+        policy: &MethodPolicy,
+    ) -> Attempt {
         let ready = std::future::poll_fn(|cx| inner.poll_ready(cx))
             .await
-            .map_err(Into::into);
+            .map_err(BoxError::from);
         let response = match ready {
-            Ok(()) => inner.call(request).await.map_err(Into::into),
+            Ok(()) => inner.call(request).await.map_err(BoxError::from),
             Err(e) => Err(e),
         };
         let response = match response {
             Ok(r) => r,
             Err(e) => {
+                let failure = classify::error(&*e);
                 return Attempt::Failed {
-                    failure: classify::error(&*e),
+                    failure,
+                    // A connect that failed: try the next address.
+                    reconnect: classify::is_connect(&*e),
                     last: Err(e),
                     pushback: None,
                 };
@@ -454,6 +558,7 @@ impl Shared {
                 failure: classify::code(status.code()),
                 last: Ok(response),
                 pushback,
+                reconnect: false,
             };
         }
         if policy.server_streaming {
@@ -466,6 +571,7 @@ impl Shared {
                 failure: Failure::MaybeProcessed,
                 last: Err(Box::new(e)),
                 pushback: None,
+                reconnect: false,
             },
             Ok(collected) => {
                 let trailers = collected.trailers().cloned();
@@ -478,12 +584,14 @@ impl Shared {
                         failure: classify::code(s.code()),
                         pushback: trailers.as_ref().and_then(|t| classify::pushback(t, &s)),
                         last: Ok(response),
+                        reconnect: false,
                     },
                     // No trailers at all: the stream ended without a status, cut short.
                     None => Attempt::Failed {
                         failure: Failure::MaybeProcessed,
                         last: Ok(response),
                         pushback: None,
+                        reconnect: false,
                     },
                     Some(_) => Attempt::Done(response),
                 }
@@ -492,34 +600,35 @@ impl Shared {
     }
 }
 
-/// A channel every runner client uses: W3C trace context, then this layer's retries.
-pub type RunnerChannel = Retry<runplane_grpc::client::TracedChannel>;
+/// A channel every runner client uses: W3C trace context, then this layer's retries,
+/// over fresh connections when one is condemned.
+pub type RunnerChannel = Retry;
 
-/// A lazily connecting channel to `endpoint` through `layer`. Reuse one layer per
-/// upstream so its clients share the retry throttle.
+/// A lazily connecting channel to `endpoint` through `layer`. `endpoint` is one URI or
+/// several separated by commas (replicas: an attempt that stalls or cannot connect moves
+/// on to the next). Reuse one layer per upstream so its clients share the retry throttle.
 pub fn connect_lazy(
     endpoint: &str,
     layer: &RetryLayer,
 ) -> Result<RunnerChannel, runplane_grpc::client::ClientError> {
-    Ok(layer.layer(runplane_grpc::client::connect_lazy(endpoint)?))
+    Ok(layer.layer(Upstream::new(endpoint, layer.config().connect_timeout)?))
 }
 
-fn runplane_proto_policy_lookup<'a>(
-    table: &'a [MethodPolicy],
-    path: &str,
-) -> Option<&'a MethodPolicy> {
-    table
-        .binary_search_by(|p| p.path.cmp(path))
-        .ok()
-        .map(|i| &table[i])
-}
-
-fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Body> {
+fn rebuild(
+    parts: &http::request::Parts,
+    body: Bytes,
+    deadline: Option<Duration>,
+) -> http::Request<Body> {
     let mut request = http::Request::new(Body::new(http_body_util::Full::new(body)));
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = parts.uri.clone();
     *request.version_mut() = parts.version;
     *request.headers_mut() = parts.headers.clone();
+    if let Some(d) = deadline {
+        request
+            .headers_mut()
+            .insert("grpc-timeout", deadline::header(d));
+    }
     request
 }
 
@@ -533,4 +642,14 @@ fn whole_body(data: Bytes, trailers: Option<http::HeaderMap>) -> Body {
     Body::new(http_body_util::StreamBody::new(futures::stream::iter(
         frames,
     )))
+}
+
+fn runplane_proto_policy_lookup<'a>(
+    table: &'a [MethodPolicy],
+    path: &str,
+) -> Option<&'a MethodPolicy> {
+    table
+        .binary_search_by(|p| p.path.cmp(path))
+        .ok()
+        .map(|i| &table[i])
 }

@@ -89,6 +89,15 @@ impl RunnerService for Script {
     ) -> Result<Response<pb::AppendEventsResponse>, Status> {
         self.answer().await
     }
+    /// Waits the whole wait it is asked for, as a poll with nothing pending does.
+    async fn poll_steering(
+        &self,
+        request: Request<pb::PollSteeringRequest>,
+    ) -> Result<Response<pb::PollSteeringResponse>, Status> {
+        let wait = request.into_inner().wait.unwrap_or_default();
+        tokio::time::sleep(Duration::from_millis(wait.seconds as u64 * 1000)).await;
+        self.answer().await
+    }
 }
 
 /// Cuts the next `n` response bodies after the handler answered.
@@ -235,6 +244,7 @@ static UNSAFE_HELLO: &[MethodPolicy] = &[
         justification: "test",
         client_streaming: false,
         server_streaming: false,
+        long_poll_wait_field: None,
     },
     MethodPolicy {
         path: "/runplane.runstore.v1.RunnerService/Hello",
@@ -244,6 +254,7 @@ static UNSAFE_HELLO: &[MethodPolicy] = &[
         justification: "test",
         client_streaming: false,
         server_streaming: false,
+        long_poll_wait_field: None,
     },
 ];
 
@@ -471,4 +482,113 @@ async fn a_live_server_failing_repeatedly_drains_the_throttle() {
     // Once drained, every retry waited the cap instead of the short backoff.
     let delays = stats.delays.lock().unwrap().clone();
     assert_eq!(delays.last().copied(), Some(fast().cap));
+}
+
+/// Accepts TCP connections and never says a word: a wedged replica, or a balancer in
+/// front of one. The sockets are kept open, never read.
+async fn silent() -> (String, tokio::task::JoinHandle<()>) {
+    let (l, addr) = listener().await;
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = l.accept().await {
+            held.push(socket);
+        }
+    });
+    (addr, task)
+}
+
+fn deadlines() -> RetryConfig {
+    RetryConfig {
+        attempt_timeout: Duration::from_millis(800),
+        handshake_timeout: Duration::from_millis(300),
+        long_poll_margin: Duration::from_millis(300),
+        ..fast()
+    }
+}
+
+#[tokio::test]
+async fn a_server_that_accepts_and_never_answers_fails_over_to_the_next_address() {
+    let (silent_addr, _silent) = silent().await;
+    let (l, good_addr) = listener().await;
+    let script = Script::default();
+    let _server = Server::start(l, script.clone(), 0).await;
+    // Hello unsafe: a connection that never heard the server proves nothing was sent.
+    let layer = RetryLayer::with_table(deadlines(), UNSAFE_HELLO);
+    let channel = runplane_transport::connect_lazy(
+        &format!("http://{silent_addr},http://{good_addr}"),
+        &layer,
+    )
+    .unwrap();
+    let upstream = channel.upstream().clone();
+    let started = tokio::time::Instant::now();
+    RunnerServiceClient::new(channel)
+        .hello(pb::HelloRequest::default())
+        .await
+        .expect("the call moved on to the second address");
+    assert!(
+        started.elapsed() < fast().ordinary_budget,
+        "within its budget: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(script.calls(), 1);
+    assert_eq!(upstream.replacements(), 1);
+    assert_eq!(layer.stats().proven_not_sent.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_long_poll_outlives_the_ordinary_deadline() {
+    let (l, addr) = listener().await;
+    let script = Script::default();
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(deadlines());
+    let mut c = client(&addr, &layer);
+    // Twice the ordinary attempt deadline: a long poll's is its wait plus the margin.
+    c.poll_steering(pb::PollSteeringRequest {
+        wait: Some(prost_types::Duration {
+            seconds: 2,
+            nanos: 0,
+        }),
+        ..Default::default()
+    })
+    .await
+    .expect("the long poll survives");
+    assert_eq!(
+        script.calls(),
+        1,
+        "one attempt, not cut at the ordinary deadline"
+    );
+    assert_eq!(layer.stats().retries(), 0);
+}
+
+#[tokio::test]
+async fn an_attempt_past_its_deadline_is_retried_on_a_new_connection() {
+    let (l, addr) = listener().await;
+    let script = Script::new([Answer::Stall(Duration::from_secs(30))]);
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(deadlines());
+    let channel = runplane_transport::connect_lazy(&format!("http://{addr}"), &layer).unwrap();
+    let upstream = channel.upstream().clone();
+    let mut c = RunnerServiceClient::new(channel);
+    append(&mut c)
+        .await
+        .expect("the replay after the deadline succeeds");
+    assert_eq!(script.calls(), 2);
+    assert_eq!(
+        upstream.replacements(),
+        1,
+        "the stalled connection was replaced"
+    );
+    assert_eq!(layer.stats().maybe_processed.load(Ordering::SeqCst), 1);
+
+    // Unsafe: past its deadline on a server that spoke, it may have been processed.
+    let script = Script::new([Answer::Stall(Duration::from_secs(30))]);
+    let (l, addr) = listener().await;
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::with_table(deadlines(), UNSAFE_HELLO);
+    let err = client(&addr, &layer)
+        .hello(pb::HelloRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert_eq!(script.calls(), 1, "not replayed");
 }
