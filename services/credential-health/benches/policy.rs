@@ -399,6 +399,7 @@ async fn report_direct(
         request_digest: r.turn_id.clone(),
         turn_id: r.turn_id,
         run_id: r.run_id,
+        org_id: r.org_id,
         lead_id: r.lead_id,
         credential_id: r.credential_id.clone(),
         outcome,
@@ -487,10 +488,11 @@ fn in_process(config: &Config, tails: &Tails, reports: usize) {
         let state = states.entry(r.credential_id.clone()).or_default();
         match outcome {
             ch::TurnOutcome::BackendError => {
-                let effect = state.backend_error(&policy, &r.run_id, &r.lead_id, now(), || {
-                    incident += 1;
-                    format!("inc-{incident}")
-                });
+                let effect =
+                    state.backend_error(&policy, &r.run_id, &r.org_id, &r.lead_id, now(), || {
+                        incident += 1;
+                        format!("inc-{incident}")
+                    });
                 opened += usize::from(matches!(effect, ErrorEffect::Opened { .. }));
             }
             ch::TurnOutcome::BackendExhausted => {

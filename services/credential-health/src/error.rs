@@ -35,11 +35,22 @@ pub enum CredentialHealthError {
         cooling_off_for_seconds: u32,
         quarantined_for_seconds: u32,
     },
+    #[error("{target} belongs to other orgs than `{org}`")]
+    NotOwned {
+        org: String,
+        /// `credential c1` or `profile p1`, as the run asked.
+        target: String,
+        /// `credential_id` or `profile`, for the ErrorInfo metadata.
+        field: &'static str,
+        value: String,
+    },
+    #[error("this token acts only in its own org, not in `{org}`")]
+    OrgDenied { org: String },
     #[error("the run store is unavailable: {0}")]
     Upstream(String),
     #[error("{0}")]
     CursorInvalid(String),
-    #[error("a configured service token is required as `authorization: Bearer <token>`")]
+    #[error("a configured token is required as `authorization: Bearer <token>`")]
     Unauthenticated,
 }
 
@@ -102,6 +113,20 @@ impl From<CredentialHealthError> for Status {
                         quarantined_for_seconds.to_string(),
                     ),
                 ],
+            ),
+            E::NotOwned {
+                org, field, value, ..
+            } => status_with_reason(
+                Code::PermissionDenied,
+                ErrorReason::CredentialNotOwned,
+                message,
+                [("org_id".to_owned(), org), (field.to_owned(), value)],
+            ),
+            E::OrgDenied { org } => status_with_reason(
+                Code::PermissionDenied,
+                ErrorReason::PermissionDenied,
+                message,
+                [("org_id", org)],
             ),
             E::Upstream(_) => status_with_reason(
                 Code::Unavailable,

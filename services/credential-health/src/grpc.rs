@@ -1,5 +1,6 @@
 //! The tonic side of credential health: `runplane.credentials.v1.CredentialHealthService`.
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,6 +39,9 @@ pub struct Shared {
     pub profiles: Profiles,
     pub run_store: RunStoreClient,
     pub token_hash: Option<[u8; 32]>,
+    /// SHA-256 of each org token (`auth.org_tokens`) to its org; only WatchNotices
+    /// takes one.
+    pub org_token_hashes: HashMap<[u8; 32], String>,
     /// Bumped when this process creates notices.
     pub notices: watch::Sender<u64>,
     /// Bumped when this process owes the run store a call.
@@ -52,8 +56,25 @@ impl std::fmt::Debug for Shared {
     }
 }
 
+/// Who is calling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// The operator (service) token: any org.
+    AnyOrg,
+    /// An org token: only its org.
+    Org(String),
+}
+
 impl Shared {
+    /// Calls only runplane's services and operators make: an org token is refused.
     fn authenticate<T>(&self, request: &Request<T>) -> Result<(), CredentialHealthError> {
+        match self.caller(request)? {
+            Caller::AnyOrg => Ok(()),
+            Caller::Org(org) => Err(CredentialHealthError::OrgDenied { org }),
+        }
+    }
+
+    fn caller<T>(&self, request: &Request<T>) -> Result<Caller, CredentialHealthError> {
         let token = request
             .metadata()
             .get("authorization")
@@ -64,10 +85,13 @@ impl Shared {
             })
             .ok_or(CredentialHealthError::Unauthenticated)?;
         let hash: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
-        match self.token_hash {
-            Some(expected) if expected == hash => Ok(()),
-            _ => Err(CredentialHealthError::Unauthenticated),
+        if self.token_hash == Some(hash) {
+            return Ok(Caller::AnyOrg);
         }
+        self.org_token_hashes
+            .get(&hash)
+            .map(|org| Caller::Org(org.clone()))
+            .ok_or(CredentialHealthError::Unauthenticated)
     }
 
     /// Active runs per credential and per `profile/credential`, from the run store.
@@ -193,6 +217,7 @@ impl CredentialHealthService for CredentialHealthApi {
         let report = Report {
             turn_id: req.turn_id,
             run_id: req.run_id,
+            org_id: req.org_id,
             lead_id: req.lead_id,
             credential_id: req.credential_id,
             request_digest,
@@ -237,28 +262,58 @@ impl CredentialHealthService for CredentialHealthApi {
         s.authenticate(&request)?;
         let req = request.into_inner();
         name("org_id", &req.org_id, false)?;
+        let org = req.org_id.as_str();
+        let not_owned = |field: &'static str, value: &str| CredentialHealthError::NotOwned {
+            org: org.to_owned(),
+            target: format!(
+                "{} {value}",
+                if field == "profile" {
+                    "profile"
+                } else {
+                    "credential"
+                }
+            ),
+            field,
+            value: value.to_owned(),
+        };
         let mut max_run_seconds = 0;
         let (profile, candidates): (String, Vec<(String, u32)>) = match &req.target {
             Some(Target::Profile(p)) => {
                 name("profile", p, true)?;
+                if s.profiles.named(p).next().is_none() {
+                    return Err(CredentialHealthError::ProfileUnknown(p.clone()).into());
+                }
+                // Only the org's own (or shared) credentials of the pool are candidates:
+                // another org's credential is neither chosen nor reported on.
                 let entries: Vec<(String, u32)> = s
                     .profiles
                     .named(p)
+                    .filter(|e| e.admits(org))
                     .map(|e| {
                         max_run_seconds = max_run_seconds.max(e.max_run_seconds);
                         (e.credential_id.clone(), e.capacity)
                     })
                     .collect();
                 if entries.is_empty() {
-                    return Err(CredentialHealthError::ProfileUnknown(p.clone()).into());
+                    return Err(not_owned("profile", p).into());
                 }
                 (p.clone(), entries)
             }
             Some(Target::CredentialId(c)) => {
                 name("credential_id", c, true)?;
-                let capacity: u32 = s.profiles.on_credential(c).map(|e| e.capacity).sum();
-                if capacity == 0 {
+                if s.profiles.on_credential(c).next().is_none() {
                     return Err(CredentialHealthError::CredentialUnknown(c.clone()).into());
+                }
+                // A credential named directly is the org's when some profile on it admits
+                // the org; its capacity is what those profiles give.
+                let capacity: u32 = s
+                    .profiles
+                    .on_credential(c)
+                    .filter(|e| e.admits(org))
+                    .map(|e| e.capacity)
+                    .sum();
+                if capacity == 0 {
+                    return Err(not_owned("credential_id", c).into());
                 }
                 (String::new(), vec![(c.clone(), capacity)])
             }
@@ -421,14 +476,26 @@ impl CredentialHealthService for CredentialHealthApi {
         request: Request<pb::WatchNoticesRequest>,
     ) -> Result<Response<NoticeStream>, Status> {
         let s = self.shared.clone();
-        s.authenticate(&request)?;
+        let caller = s.caller(&request)?;
         let req = request.into_inner();
         if req.lead_id.is_empty() || req.lead_id.len() > 128 {
             return Err(CredentialHealthError::invalid("lead_id", "must be 1-128 bytes").into());
         }
+        // Notices are keyed by (org, lead): the org comes from an org token, or is named
+        // by an operator, never guessed.
+        let org = match caller {
+            Caller::Org(own) if req.org_id.is_empty() || req.org_id == own => own,
+            Caller::Org(_) => {
+                return Err(CredentialHealthError::OrgDenied { org: req.org_id }.into());
+            }
+            Caller::AnyOrg => {
+                name("org_id", &req.org_id, true)?;
+                req.org_id.clone()
+            }
+        };
         let mut cursor = match req.after_cursor.as_str() {
             "" => 0,
-            c => parse_cursor(c, s.store.last_notice_seq(&req.lead_id).await?)?,
+            c => parse_cursor(c, s.store.last_notice_seq(&org, &req.lead_id).await?)?,
         };
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         tokio::spawn(async move {
@@ -436,7 +503,7 @@ impl CredentialHealthService for CredentialHealthApi {
             let mut closing = s.closing.subscribe();
             loop {
                 wake.mark_unchanged();
-                let batch = match s.store.notices_after(&req.lead_id, cursor, 100).await {
+                let batch = match s.store.notices_after(&org, &req.lead_id, cursor, 100).await {
                     Ok(batch) => batch,
                     Err(e) => {
                         let _ = tx.send(Err(Status::from(e))).await;
@@ -620,6 +687,7 @@ fn notice_view(n: &crate::store::entities::notice::Model) -> pb::Notice {
     pb::Notice {
         id: n.id.clone(),
         cursor: n.seq.to_string(),
+        org_id: n.org_id.clone(),
         lead_id: n.lead_id.clone(),
         kind: match n.kind.as_str() {
             "incident_opened" => pb::NoticeKind::IncidentOpened,

@@ -50,6 +50,15 @@ impl CredentialHealth {
         clock: SharedClock,
     ) -> Result<Self, CredentialHealthError> {
         let profiles = profiles::Profiles::compile(config)?;
+        if !config.auth.org_tokens.is_empty() {
+            for p in profiles.all().iter().filter(|p| p.orgs.is_empty()) {
+                tracing::warn!(
+                    profile = %p.name,
+                    credential_id = %p.credential_id,
+                    "profile lists no orgs: every org's runs may use its credential"
+                );
+            }
+        }
         let db = runplane_db::connect_and_migrate::<store::Migrator>(
             &config.credential_health.database_url,
         )
@@ -68,6 +77,17 @@ impl CredentialHealth {
                 run_store,
                 token_hash: (!token.is_empty())
                     .then(|| Sha256::digest(token.expose().as_bytes()).into()),
+                org_token_hashes: config
+                    .auth
+                    .org_tokens
+                    .iter()
+                    .map(|(org, token)| {
+                        (
+                            Sha256::digest(token.expose().as_bytes()).into(),
+                            org.clone(),
+                        )
+                    })
+                    .collect(),
                 notices: tokio::sync::watch::channel(0).0,
                 outbox: tokio::sync::watch::channel(0).0,
                 closing: tokio::sync::watch::channel(false).0,

@@ -66,6 +66,10 @@ impl PolicyConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Evidence {
     pub run_id: String,
+    /// The run's org: its lead is told as a lead of this org. Empty in evidence written
+    /// before orgs owned their credentials.
+    #[serde(default)]
+    pub org_id: String,
     pub lead_id: String,
     pub at_ms: i64,
 }
@@ -136,6 +140,7 @@ impl CredentialState {
         &mut self,
         config: &PolicyConfig,
         run_id: &str,
+        org_id: &str,
         lead_id: &str,
         now_ms: i64,
         new_incident_id: impl FnOnce() -> String,
@@ -152,10 +157,12 @@ impl CredentialState {
             // The same run failing again is still one target: it refreshes its evidence.
             Some(e) => {
                 e.at_ms = now;
+                e.org_id = org_id.to_owned();
                 e.lead_id = lead_id.to_owned();
             }
             None => self.evidence.push(Evidence {
                 run_id: run_id.to_owned(),
+                org_id: org_id.to_owned(),
                 lead_id: lead_id.to_owned(),
                 at_ms: now,
             }),
@@ -211,7 +218,7 @@ mod tests {
     };
 
     fn error(s: &mut CredentialState, run: &str, at_ms: i64) -> ErrorEffect {
-        s.backend_error(&C, run, "lead", at_ms, || format!("inc-{at_ms}"))
+        s.backend_error(&C, run, "org", "lead", at_ms, || format!("inc-{at_ms}"))
     }
 
     #[test]

@@ -23,11 +23,19 @@ pub struct Profile {
     pub capacity: u32,
     /// The deadline of a run admitted through this profile without one of its own (s; 0 none).
     pub max_run_seconds: u32,
+    /// The orgs whose runs may use it; empty: every org (a shared credential).
+    pub orgs: Vec<String>,
     error: Regex,
     exhausted: Regex,
 }
 
 impl Profile {
+    /// Whether a run of `org` may use the credential through this profile. An empty org
+    /// (a caller that named none) is admitted only by a shared profile.
+    pub fn admits(&self, org: &str) -> bool {
+        self.orgs.is_empty() || self.orgs.iter().any(|o| o == org)
+    }
+
     /// Classifies `tail`: exhaustion first (a tail matching both means the credential is
     /// spent, which must not be mistaken for a blip), then a backend error, else a member
     /// problem. The reason is the first matching line.
@@ -100,6 +108,7 @@ impl Profiles {
                 credential_id: p.credential_id.clone(),
                 capacity: p.capacity,
                 max_run_seconds: p.max_run_seconds,
+                orgs: p.orgs.clone(),
                 error,
                 exhausted,
             });

@@ -24,6 +24,8 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 const TOKEN: &str = "gate-service-token-0123456789abcdef0123";
+const ACME_TOKEN: &str = "gate-acme-org-token-0123456789abcdef01";
+const GLOBEX_TOKEN: &str = "gate-globex-org-token-0123456789abcdef";
 const OUTAGE: &str = "thinking…\nAPI Error: No response from API\n";
 const SPENT: &str = "Error: Your credit balance is too low to access the API\n";
 
@@ -54,6 +56,10 @@ impl Gate {
     }
 
     async fn with_profiles(profiles: Vec<ProfileConfig>) -> Self {
+        Self::with_config(profiles, |_| {}).await
+    }
+
+    async fn with_config(profiles: Vec<ProfileConfig>, tune: impl FnOnce(&mut Config)) -> Self {
         let (run_db, health_db) = (TestDatabase::new().await, TestDatabase::new().await);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
@@ -66,6 +72,7 @@ impl Gate {
         config.credential_health.database_url = health_db.url().to_owned();
         config.credential_health.endpoint = endpoint.clone();
         config.credential_health.profiles = profiles;
+        tune(&mut config);
         config.validate().unwrap();
         let clock = ManualClock::new(chrono::Utc::now());
         let shared: runplane_clock::SharedClock = Arc::new(clock.clone());
@@ -102,11 +109,19 @@ impl Gate {
     }
 
     async fn runs(&self) -> RunClient {
-        RunServiceClient::with_interceptor(self.channel().await, Bearer::new(TOKEN))
+        self.runs_as(TOKEN).await
+    }
+
+    async fn runs_as(&self, token: &str) -> RunClient {
+        RunServiceClient::with_interceptor(self.channel().await, Bearer::new(token))
     }
 
     async fn credentials(&self) -> HealthClient {
-        CredentialHealthServiceClient::with_interceptor(self.channel().await, Bearer::new(TOKEN))
+        self.credentials_as(TOKEN).await
+    }
+
+    async fn credentials_as(&self, token: &str) -> HealthClient {
+        CredentialHealthServiceClient::with_interceptor(self.channel().await, Bearer::new(token))
     }
 
     async fn create(
@@ -115,11 +130,24 @@ impl Gate {
         lead: &str,
         target: pb::create_run_request::Target,
     ) -> Result<pb::Run, tonic::Status> {
-        self.runs()
+        self.create_as(TOKEN, "acme", request_id, lead, target)
+            .await
+    }
+
+    /// CreateRun with `token` for a run of `org`.
+    async fn create_as(
+        &self,
+        token: &str,
+        org: &str,
+        request_id: &str,
+        lead: &str,
+        target: pb::create_run_request::Target,
+    ) -> Result<pb::Run, tonic::Status> {
+        self.runs_as(token)
             .await
             .create_run(pb::CreateRunRequest {
                 client_request_id: format!("{request_id:0>16}"),
-                org_id: "acme".into(),
+                org_id: org.into(),
                 lead_id: lead.into(),
                 target: Some(target),
                 command: "agent".into(),
@@ -131,8 +159,19 @@ impl Gate {
 
     /// A run on `credential` whose runner said Hello; returns its id and key.
     async fn running(&self, request_id: &str, lead: &str, credential: &str) -> (String, String) {
+        self.running_in("acme", request_id, lead, credential).await
+    }
+
+    /// A run of `org` on `credential` whose runner said Hello.
+    async fn running_in(
+        &self,
+        org: &str,
+        request_id: &str,
+        lead: &str,
+        credential: &str,
+    ) -> (String, String) {
         let run = self
-            .create(request_id, lead, credential_target(credential))
+            .create_as(TOKEN, org, request_id, lead, credential_target(credential))
             .await
             .expect("admitted");
         self.start_run(&run.id).await
@@ -251,17 +290,28 @@ impl Gate {
             .unwrap()
     }
 
-    /// Every notice `lead` can read now (the watch is cut once it is idle).
+    /// Every notice `lead` of acme can read now (the watch is cut once it is idle).
     async fn notices(&self, lead: &str, after: &str) -> Vec<ch::watch_notices_response::Item> {
+        self.notices_as(TOKEN, "acme", lead, after).await.unwrap()
+    }
+
+    /// Every notice `lead` of `org` can read now, asked with `token`.
+    async fn notices_as(
+        &self,
+        token: &str,
+        org: &str,
+        lead: &str,
+        after: &str,
+    ) -> Result<Vec<ch::watch_notices_response::Item>, tonic::Status> {
         let mut stream = self
-            .credentials()
+            .credentials_as(token)
             .await
             .watch_notices(ch::WatchNoticesRequest {
                 lead_id: lead.into(),
                 after_cursor: after.into(),
+                org_id: org.into(),
             })
-            .await
-            .unwrap()
+            .await?
             .into_inner();
         let mut items = Vec::new();
         while let Ok(Ok(Some(next))) =
@@ -269,7 +319,7 @@ impl Gate {
         {
             items.push(next.item.unwrap());
         }
-        items
+        Ok(items)
     }
 }
 
@@ -404,6 +454,182 @@ async fn two_runs_failing_on_one_credential_refuse_the_next_run_mark_both_and_te
     expected.sort();
     assert_eq!(affected, expected);
     assert_eq!(notice.cooling_off_for_seconds, 60);
+}
+
+fn owned(name: &str, credential: &str, orgs: &[&str]) -> ProfileConfig {
+    ProfileConfig {
+        orgs: orgs.iter().map(|o| o.to_string()).collect(),
+        ..profile(name, credential)
+    }
+}
+
+/// Two orgs with their own tokens: acme owns cred-a, globex owns cred-g, cred-s is shared.
+async fn two_orgs() -> Gate {
+    Gate::with_config(
+        vec![
+            owned("sonnet", "cred-a", &["acme"]),
+            owned("sonnet", "cred-g", &["globex"]),
+            owned("opus", "cred-a", &["acme"]),
+            owned("shared", "cred-s", &[]),
+        ],
+        |config| {
+            config
+                .auth
+                .org_tokens
+                .insert("acme".into(), Secret::new(ACME_TOKEN));
+            config
+                .auth
+                .org_tokens
+                .insert("globex".into(), Secret::new(GLOBEX_TOKEN));
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn an_org_token_cannot_use_another_orgs_credential() {
+    let gate = two_orgs().await;
+    // Named directly, or through a profile whose every credential is acme's.
+    for (i, target) in [credential_target("cred-a"), profile_target("opus")]
+        .into_iter()
+        .enumerate()
+    {
+        let refused = gate
+            .create_as(
+                GLOBEX_TOKEN,
+                "globex",
+                &format!("not-ours-{i}"),
+                "lead-1",
+                target,
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        assert_eq!(
+            reason(&refused),
+            ErrorReason::CredentialNotOwned.as_str_name()
+        );
+        assert_eq!(metadata(&refused, "org_id"), "globex");
+    }
+    // Refused before anything was stored: globex has no runs.
+    let listed = gate
+        .runs_as(GLOBEX_TOKEN)
+        .await
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .runs;
+    assert!(listed.is_empty(), "{listed:?}");
+    // A pool spanning both orgs places globex only on its own credential, even when
+    // acme's has more free slots.
+    for i in 0..3 {
+        let run = gate
+            .create_as(
+                GLOBEX_TOKEN,
+                "globex",
+                &format!("pool-{i}"),
+                "lead-1",
+                profile_target("sonnet"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(run.credential_id, "cred-g");
+        gate.start_run(&run.id).await;
+    }
+    // A shared credential and the org's own are usable.
+    gate.create_as(
+        GLOBEX_TOKEN,
+        "globex",
+        "shared-1",
+        "lead-1",
+        credential_target("cred-s"),
+    )
+    .await
+    .unwrap();
+    gate.create_as(
+        ACME_TOKEN,
+        "acme",
+        "own-1",
+        "lead-1",
+        credential_target("cred-a"),
+    )
+    .await
+    .unwrap();
+    // The operator token creating a run for globex is held to globex's credentials too.
+    let refused = gate
+        .create_as(
+            TOKEN,
+            "globex",
+            "operator-1",
+            "lead-1",
+            credential_target("cred-a"),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        reason(&refused),
+        ErrorReason::CredentialNotOwned.as_str_name()
+    );
+}
+
+#[tokio::test]
+async fn notices_of_two_orgs_with_the_same_lead_id_do_not_mix() {
+    let gate = two_orgs().await;
+    // acme's lead-1 opens an incident on the shared credential; globex's lead-1 fails
+    // on it during the cool-off and is a lead of its own, told once.
+    let a = gate.running_in("acme", "mix-a", "lead-1", "cred-s").await;
+    let b = gate.running_in("acme", "mix-b", "lead-1", "cred-s").await;
+    let g = gate.running_in("globex", "mix-g", "lead-1", "cred-s").await;
+    gate.fail(&a, OUTAGE).await.unwrap();
+    gate.fail(&b, OUTAGE).await.unwrap();
+    gate.settle().await;
+    gate.fail(&g, OUTAGE).await.unwrap();
+    gate.settle().await;
+
+    let acme = notices_only(&gate.notices_as(ACME_TOKEN, "", "lead-1", "").await.unwrap());
+    assert_eq!(acme.len(), 1, "{acme:?}");
+    assert_eq!(acme[0].org_id, "acme");
+    let mut affected = acme[0].affected_run_ids.clone();
+    affected.sort();
+    let mut expected = vec![a.0.clone(), b.0.clone()];
+    expected.sort();
+    assert_eq!(affected, expected);
+
+    let globex = notices_only(
+        &gate
+            .notices_as(GLOBEX_TOKEN, "", "lead-1", "")
+            .await
+            .unwrap(),
+    );
+    assert_eq!(globex.len(), 1, "{globex:?}");
+    assert_eq!(globex[0].org_id, "globex");
+    assert_eq!(globex[0].affected_run_ids, vec![g.0.clone()]);
+    assert_eq!(globex[0].incident_id, acme[0].incident_id);
+
+    // The operator names the org; an org token cannot name another.
+    let by_operator = notices_only(
+        &gate
+            .notices_as(TOKEN, "globex", "lead-1", "")
+            .await
+            .unwrap(),
+    );
+    assert_eq!(by_operator, globex);
+    let denied = gate
+        .notices_as(ACME_TOKEN, "globex", "lead-1", "")
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+    let unnamed = gate.notices_as(TOKEN, "", "lead-1", "").await.unwrap_err();
+    assert_eq!(unnamed.code(), tonic::Code::InvalidArgument, "{unnamed:?}");
+    // An org token is no service token: it cannot read the fleet (or report failures).
+    let fleet = gate
+        .credentials_as(ACME_TOKEN)
+        .await
+        .get_fleet(ch::GetFleetRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(fleet.code(), tonic::Code::PermissionDenied, "{fleet:?}");
 }
 
 #[tokio::test]
@@ -718,6 +944,7 @@ async fn notices_resume_from_a_cursor_and_follow_live() {
         .watch_notices(ch::WatchNoticesRequest {
             lead_id: "lead-9".into(),
             after_cursor: String::new(),
+            org_id: "acme".into(),
         })
         .await
         .unwrap()
@@ -753,6 +980,7 @@ async fn notices_resume_from_a_cursor_and_follow_live() {
         .watch_notices(ch::WatchNoticesRequest {
             lead_id: "lead-9".into(),
             after_cursor: "999999".into(),
+            org_id: "acme".into(),
         })
         .await
         .unwrap_err();

@@ -74,7 +74,8 @@ const ADMISSION_TIMEOUT: Duration = Duration::from_secs(5);
 impl Shared {
     /// Asks credential health whether the run may start on `target`; returns what it
     /// admitted the run on. Refusals come back as credential health answered them
-    /// (COOLING_OFF, EXHAUSTED, PROFILE_UNKNOWN, CREDENTIAL_UNKNOWN).
+    /// (COOLING_OFF, EXHAUSTED, PROFILE_UNKNOWN, CREDENTIAL_UNKNOWN, and
+    /// CREDENTIAL_NOT_OWNED for another org's credential or profile).
     async fn admit(
         &self,
         org_id: &str,
@@ -117,6 +118,7 @@ impl Shared {
                     tonic::Code::FailedPrecondition
                         | tonic::Code::NotFound
                         | tonic::Code::InvalidArgument
+                        | tonic::Code::PermissionDenied
                 ) =>
             {
                 tracing::info!(code = ?status.code(), message = status.message(), "run refused by admission");

@@ -41,6 +41,10 @@ pub struct NoticesArgs {
     /// Lead whose notices to follow.
     #[arg(long)]
     lead: String,
+    /// Org of the lead (`runplane run --org`'s default too). An org token reads only its
+    /// own org's notices.
+    #[arg(long, default_value = "dev")]
+    org: String,
     /// Cursor of the last notice already seen (printed with each notice); empty starts
     /// at the oldest notice kept.
     #[arg(long, value_name = "CURSOR", default_value = "")]
@@ -164,6 +168,7 @@ pub async fn notices(
             .watch_notices(pb::WatchNoticesRequest {
                 lead_id: args.lead.clone(),
                 after_cursor: cursor.clone(),
+                org_id: args.org.clone(),
             })
             .await;
         let mut stream = match stream {

@@ -364,6 +364,12 @@ pub struct ProfileConfig {
     /// seconds; 0 for none.
     #[serde(default, alias = "maxRunSeconds")]
     pub max_run_seconds: u32,
+    /// The orgs whose runs may use this profile's credential through it. Empty: every
+    /// org (a shared credential, as the embedded default is); list the orgs on every
+    /// profile of a deployment with org tokens, or one org's failures cool off another's
+    /// runs.
+    #[serde(default)]
+    pub orgs: Vec<String>,
 }
 
 impl Default for ProfileConfig {
@@ -377,6 +383,7 @@ impl Default for ProfileConfig {
             error_pattern: r"(?i)API Error:|No response from API|overloaded_error|\b(502|503|504|529)\b.*(Bad Gateway|Unavailable|Timeout|Overloaded)".to_owned(),
             exhausted_pattern: r"(?i)credit balance is too low|insufficient_quota|quota exceeded|usage limit reached".to_owned(),
             max_run_seconds: 0,
+            orgs: Vec::new(),
         }
     }
 }
@@ -636,6 +643,12 @@ impl Config {
                     ));
                 }
             }
+            if let Some(j) = p.orgs.iter().position(|org| !is_name(org)) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.orgs[{j}]"),
+                    "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                ));
+            }
             if !(1..=100_000).contains(&p.capacity) {
                 return Err(ConfigError::invalid(
                     format!("{field}.capacity"),
@@ -826,6 +839,21 @@ mod tests {
         assert!(config.tls.serves_tls());
         assert!(config.tls.requires_client_certificates());
         assert_eq!(config.tls.ca_file, "ca.pem");
+    }
+
+    #[test]
+    fn a_profiles_orgs_are_names_and_an_absent_list_shares_it() {
+        let profile = "[[credential_health.profiles]]\nname = \"p\"\ncredential_id = \"c\"\ncapacity = 1\nerror_pattern = \"e\"\nexhausted_pattern = \"x\"\n";
+        let shared = load_with(profile, &[]).unwrap();
+        assert!(shared.credential_health.profiles[0].orgs.is_empty());
+        let owned = load_with(&format!("{profile}orgs = [\"acme\", \"globex\"]\n"), &[]).unwrap();
+        assert_eq!(owned.credential_health.profiles[0].orgs, ["acme", "globex"]);
+        let err = load_with(&format!("{profile}orgs = [\"acme\", \"a b\"]\n"), &[]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("invalid config: credential_health.profiles[0].orgs[1]:"),
+            "{err}"
+        );
     }
 
     #[test]

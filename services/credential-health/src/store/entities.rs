@@ -39,7 +39,7 @@ pub mod incident {
         /// JSON array of run ids.
         pub opening_run_ids: String,
         pub failures_during_cool_off: i32,
-        /// JSON array of lead ids.
+        /// JSON array of the leads told, each `<org_id>/<lead_id>`.
         pub notified_lead_ids: String,
         pub opened_at_ms: i64,
         pub cool_off_ends_at_ms: i64,
@@ -80,13 +80,16 @@ pub mod turn_failure {
 pub mod notice {
     use sea_orm::entity::prelude::*;
 
-    /// A notice for a lead. `seq` counts the lead's notices, allocated from the lead's
+    /// A notice for a lead of an org. A lead is (org, lead id): the same lead id in two
+    /// orgs is two leads. `seq` counts the lead's notices, allocated from the lead's
     /// `counters` row inside the creating transaction, so a lead's notices commit in
     /// `seq` order and a watcher following `seq > cursor` never skips one that commits
     /// late; notices to different leads do not wait on each other.
     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
     #[sea_orm(table_name = "notices")]
     pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub org_id: String,
         #[sea_orm(primary_key, auto_increment = false)]
         pub lead_id: String,
         #[sea_orm(primary_key, auto_increment = false)]

@@ -8,7 +8,7 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(CreateCredentialHealth)]
+        vec![Box::new(CreateCredentialHealth), Box::new(NoticesByOrg)]
     }
 }
 
@@ -76,30 +76,7 @@ impl MigrationTrait for CreateCredentialHealth {
                     .to_owned(),
             )
             .await?;
-        manager
-            .create_table(
-                Table::create()
-                    .table(Alias::new("notices"))
-                    .col(col("lead_id").text().not_null())
-                    .col(col("seq").big_integer().not_null())
-                    .col(col("id").text().not_null().unique_key())
-                    .col(col("kind").text().not_null())
-                    .col(col("credential_id").text().not_null())
-                    .col(col("incident_id").text().not_null())
-                    .col(col("affected_run_ids").text().not_null())
-                    .col(col("message").text().not_null())
-                    .col(col("cooling_off_for_seconds").integer().not_null())
-                    .col(col("quarantined_for_seconds").integer().not_null())
-                    .col(col("created_at_ms").big_integer().not_null())
-                    .col(col("pruned").boolean().not_null())
-                    .primary_key(
-                        Index::create()
-                            .col(Alias::new("lead_id"))
-                            .col(Alias::new("seq")),
-                    )
-                    .to_owned(),
-            )
-            .await?;
+        manager.create_table(notices_table(false)).await?;
         manager
             .create_table(
                 Table::create()
@@ -131,4 +108,68 @@ impl MigrationTrait for CreateCredentialHealth {
         }
         Ok(())
     }
+}
+
+/// Notices are keyed by (org, lead): a lead id is unique only within its org. The
+/// notices kept before cannot be given an org after the fact, and showing them to every
+/// org's lead of that id is the leak this closes, so they are dropped (they are advisory
+/// and retention drops them within a week anyway) with their sequence counters.
+struct NoticesByOrg;
+
+impl MigrationName for NoticesByOrg {
+    fn name(&self) -> &str {
+        "m0002_notices_by_org"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for NoticesByOrg {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(Alias::new("notices")).to_owned())
+            .await?;
+        manager
+            .get_connection()
+            .execute_unprepared("DELETE FROM counters WHERE name LIKE 'notice_seq:%'")
+            .await?;
+        manager.create_table(notices_table(true)).await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(Alias::new("notices")).to_owned())
+            .await?;
+        manager
+            .get_connection()
+            .execute_unprepared("DELETE FROM counters WHERE name LIKE 'notice_seq:%'")
+            .await?;
+        manager.create_table(notices_table(false)).await
+    }
+}
+
+/// The notices table, keyed by (org, lead, seq) or, before orgs, by (lead, seq).
+fn notices_table(by_org: bool) -> TableCreateStatement {
+    let mut table = Table::create();
+    table.table(Alias::new("notices"));
+    let mut key = Index::create();
+    if by_org {
+        table.col(col("org_id").text().not_null());
+        key.col(Alias::new("org_id"));
+    }
+    key.col(Alias::new("lead_id")).col(Alias::new("seq"));
+    table
+        .col(col("lead_id").text().not_null())
+        .col(col("seq").big_integer().not_null())
+        .col(col("id").text().not_null().unique_key())
+        .col(col("kind").text().not_null())
+        .col(col("credential_id").text().not_null())
+        .col(col("incident_id").text().not_null())
+        .col(col("affected_run_ids").text().not_null())
+        .col(col("message").text().not_null())
+        .col(col("cooling_off_for_seconds").integer().not_null())
+        .col(col("quarantined_for_seconds").integer().not_null())
+        .col(col("created_at_ms").big_integer().not_null())
+        .col(col("pruned").boolean().not_null())
+        .primary_key(&mut key)
+        .to_owned()
 }

@@ -4,7 +4,8 @@
 //!   compare-and-set on `version`, so replicas sharing the database agree;
 //! - `incidents`: every outage incident, open or closed;
 //! - `turn_failures`: each reported turn, classified once, with the answer a replay gets;
-//! - `notices` and `counters`: lead notices in commit order (see `entities::notice`);
+//! - `notices` and `counters`: lead notices in commit order, per (org, lead) (see
+//!   `entities::notice`);
 //! - `outbox`: the MarkBackendError calls owed to the run store.
 
 pub mod entities;
@@ -38,6 +39,8 @@ const CAS_ATTEMPTS: usize = 16;
 pub struct Report {
     pub turn_id: String,
     pub run_id: String,
+    /// The run's org; its lead is told as a lead of this org.
+    pub org_id: String,
     pub lead_id: String,
     pub credential_id: String,
     pub request_digest: String,
@@ -136,10 +139,14 @@ impl Store {
         let mut notices: Vec<NewNotice> = Vec::new();
         match report.outcome {
             pb::TurnOutcome::BackendError => {
-                let effect =
-                    state.backend_error(&self.policy, &report.run_id, &report.lead_id, now, || {
-                        uuid::Uuid::now_v7().to_string()
-                    });
+                let effect = state.backend_error(
+                    &self.policy,
+                    &report.run_id,
+                    &report.org_id,
+                    &report.lead_id,
+                    now,
+                    || uuid::Uuid::now_v7().to_string(),
+                );
                 match effect {
                     ErrorEffect::Counted => {}
                     ErrorEffect::Opened {
@@ -158,6 +165,7 @@ impl Store {
                 changes.quarantined = fresh;
                 if fresh && !report.lead_id.is_empty() {
                     notices.push(NewNotice {
+                        org_id: report.org_id.clone(),
                         lead_id: report.lead_id.clone(),
                         kind: "credential_quarantined",
                         credential_id: report.credential_id.clone(),
@@ -315,7 +323,7 @@ impl Store {
         now: i64,
     ) -> Result<incident::Model> {
         let leads_of = |notices: &[NewNotice]| -> Vec<String> {
-            notices.iter().map(|n| n.lead_id.clone()).collect()
+            notices.iter().map(NewNotice::lead).collect()
         };
         match incident::Entity::find_by_id(id.to_owned()).one(txn).await? {
             None => {
@@ -341,9 +349,11 @@ impl Store {
                 model.failures_during_cool_off += 1;
                 let mut leads: Vec<String> =
                     serde_json::from_str(&model.notified_lead_ids).unwrap_or_default();
-                if !report.lead_id.is_empty() && !leads.contains(&report.lead_id) {
-                    leads.push(report.lead_id.clone());
+                let lead = lead_key(&report.org_id, &report.lead_id);
+                if !report.lead_id.is_empty() && !leads.contains(&lead) {
+                    leads.push(lead);
                     notices.push(NewNotice {
+                        org_id: report.org_id.clone(),
                         lead_id: report.lead_id.clone(),
                         kind: "incident_opened",
                         credential_id: report.credential_id.clone(),
@@ -379,7 +389,7 @@ impl Store {
         now: i64,
     ) -> Result<()> {
         // The lead's own sequence: notices to different leads never wait on each other.
-        let name = notice_counter(&n.lead_id);
+        let name = notice_counter(&n.org_id, &n.lead_id);
         counter::Entity::insert(
             counter::Model {
                 name: name.clone(),
@@ -432,6 +442,7 @@ impl Store {
             notice::Model {
                 seq,
                 id: uuid::Uuid::now_v7().to_string(),
+                org_id: n.org_id.clone(),
                 lead_id: n.lead_id.clone(),
                 kind: n.kind.to_owned(),
                 credential_id: n.credential_id.clone(),
@@ -569,14 +580,17 @@ impl Store {
             .await?)
     }
 
-    /// `lead_id`'s notices after `seq`, oldest first (pruned ones included, bodiless).
+    /// The notices of `lead_id` of `org_id` after `seq`, oldest first (pruned ones
+    /// included, bodiless).
     pub async fn notices_after(
         &self,
+        org_id: &str,
         lead_id: &str,
         after_seq: i64,
         limit: u64,
     ) -> Result<Vec<notice::Model>> {
         Ok(notice::Entity::find()
+            .filter(notice::Column::OrgId.eq(org_id))
             .filter(notice::Column::LeadId.eq(lead_id))
             .filter(notice::Column::Seq.gt(after_seq))
             .order_by(notice::Column::Seq, Order::Asc)
@@ -585,9 +599,9 @@ impl Store {
             .await?)
     }
 
-    /// The last notice seq issued to `lead_id`.
-    pub async fn last_notice_seq(&self, lead_id: &str) -> Result<i64> {
-        Ok(counter::Entity::find_by_id(notice_counter(lead_id))
+    /// The last notice seq issued to `lead_id` of `org_id`.
+    pub async fn last_notice_seq(&self, org_id: &str, lead_id: &str) -> Result<i64> {
+        Ok(counter::Entity::find_by_id(notice_counter(org_id, lead_id))
             .one(&self.db)
             .await?
             .map_or(0, |c| c.value))
@@ -608,9 +622,16 @@ impl Store {
     }
 }
 
-/// The counter row of `lead_id`'s notice sequence.
-fn notice_counter(lead_id: &str) -> String {
-    format!("notice_seq:{lead_id}")
+/// The counter row of the notice sequence of `lead_id` of `org_id`. `/` is in no name,
+/// so two (org, lead) pairs never share a row.
+fn notice_counter(org_id: &str, lead_id: &str) -> String {
+    format!("notice_seq:{org_id}/{lead_id}")
+}
+
+/// A lead as an incident's `notified_lead_ids` names it: a lead id is unique only
+/// within its org.
+fn lead_key(org_id: &str, lead_id: &str) -> String {
+    format!("{org_id}/{lead_id}")
 }
 
 /// `credential_health → run_store.mark_backend_error`.
@@ -618,6 +639,7 @@ pub const OUTBOX_MARK_BACKEND_ERROR: &str = "run_store.mark_backend_error";
 
 #[derive(Debug, Clone)]
 struct NewNotice {
+    org_id: String,
     lead_id: String,
     kind: &'static str,
     credential_id: String,
@@ -625,8 +647,8 @@ struct NewNotice {
     runs: Vec<String>,
 }
 
-/// One notice per lead among the failures that opened an incident, naming that lead's
-/// runs. Failures without a lead are counted but nobody is told of them.
+/// One notice per (org, lead) among the failures that opened an incident, naming that
+/// lead's runs. Failures without a lead are counted but nobody is told of them.
 fn incident_notices(
     credential_id: &str,
     incident_id: &str,
@@ -634,9 +656,13 @@ fn incident_notices(
 ) -> Vec<NewNotice> {
     let mut by_lead: Vec<NewNotice> = Vec::new();
     for e in opening {
-        match by_lead.iter_mut().find(|n| n.lead_id == e.lead_id) {
+        match by_lead
+            .iter_mut()
+            .find(|n| n.org_id == e.org_id && n.lead_id == e.lead_id)
+        {
             Some(n) => n.runs.push(e.run_id.clone()),
             None => by_lead.push(NewNotice {
+                org_id: e.org_id.clone(),
                 lead_id: e.lead_id.clone(),
                 kind: "incident_opened",
                 credential_id: credential_id.to_owned(),
@@ -647,6 +673,12 @@ fn incident_notices(
     }
     by_lead.retain(|n| !n.lead_id.is_empty());
     by_lead
+}
+
+impl NewNotice {
+    fn lead(&self) -> String {
+        lead_key(&self.org_id, &self.lead_id)
+    }
 }
 
 fn state_of(row: &credential::Model) -> CredentialState {
