@@ -17,6 +17,7 @@ use runplane_proto::runstore::v1 as rs;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
+use runplane_stream_recovery::policy::BufferLimits;
 use runplane_stream_recovery::store::RecoveryStore;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_testkit::{TestDatabase, TestRedis};
@@ -52,11 +53,16 @@ struct World {
     clock: ManualClock,
     run_store_endpoint: String,
     coordinator_endpoint: String,
+    run_store: RunStore,
     _db: TestDatabase,
 }
 
 impl World {
     async fn new(redis_url: &str, prefix: &str) -> Self {
+        Self::with_limits(redis_url, prefix, BufferLimits::default()).await
+    }
+
+    async fn with_limits(redis_url: &str, prefix: &str, limits: BufferLimits) -> Self {
         let db = TestDatabase::new().await;
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
@@ -76,7 +82,9 @@ impl World {
         let clock = ManualClock::new(chrono::Utc::now());
         let store = RedisStore::connect(redis_url, prefix).await.unwrap();
         let coordinator =
-            StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone())).unwrap();
+            StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone()))
+                .unwrap()
+                .with_limits(limits);
         let mut services = ServiceSet::new();
         coordinator.register(&mut services);
         let coordinator_endpoint = serve(services).await;
@@ -84,6 +92,7 @@ impl World {
             clock,
             run_store_endpoint,
             coordinator_endpoint,
+            run_store,
             _db: db,
         }
     }
@@ -388,4 +397,76 @@ async fn a_runner_whose_keys_were_flushed_mid_run_resyncs_and_its_run_finishes()
         "the runner re-sent what the flush lost"
     );
     assert_eq!(w.attempts(&run_id).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_refusal_ends_the_stream_turn_and_the_run_goes_on() {
+    let redis = TestRedis::new().await;
+    // Room for about ten "line N" frames, not twenty.
+    let limits = BufferLimits {
+        stream_bytes: 70,
+        ..BufferLimits::default()
+    };
+    let w = World::with_limits(redis.url(), redis.prefix(), limits).await;
+    let (run_id, mut runner) = w.start_run().await;
+    let status = tokio::time::timeout(Duration::from_secs(60), runner.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "the agent ran to the end");
+    let run = w.run_state(&run_id).await;
+    assert_eq!(run.state(), rs::RunState::Succeeded);
+
+    let events = w
+        .run_store
+        .store()
+        .events_after(&run_id, 0, 1000)
+        .await
+        .unwrap();
+    let events: Vec<rs::Event> = events
+        .iter()
+        .map(runplane_run_store::convert::event)
+        .collect();
+    let stdout: Vec<String> = events
+        .iter()
+        .filter(|e| e.kind() == rs::EventKind::Stdout)
+        .map(|e| e.text.clone())
+        .collect();
+    assert_eq!(stdout, expected(), "the run store got every line");
+    let ended: Vec<&rs::Event> = events
+        .iter()
+        .filter(|e| e.name == "live_stream_ended")
+        .collect();
+    assert_eq!(ended.len(), 1, "one event says what was dropped");
+    let streamed = w.lines(&run_id).await;
+    assert!(
+        !streamed.is_empty() && streamed.len() < 20,
+        "the stream kept what fitted: {streamed:?}"
+    );
+    assert_eq!(streamed[..], expected()[..streamed.len()]);
+    assert!(
+        ended[0]
+            .text
+            .contains(&format!("frame {}", streamed.len() + 1)),
+        "{}",
+        ended[0].text
+    );
+    assert_eq!(w.attempts(&run_id).await, 0, "a refusal is not a hand-off");
+}
+
+impl World {
+    async fn run_state(&self, run_id: &str) -> rs::Run {
+        RunServiceClient::with_interceptor(
+            channel(&self.run_store_endpoint).await,
+            Bearer::new(TOKEN),
+        )
+        .get_run(rs::GetRunRequest {
+            run_id: run_id.to_owned(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap()
+    }
 }

@@ -16,7 +16,8 @@ use std::time::Duration;
 use runplane_grpc::{ErrorReason, error_info};
 use runplane_proto::recovery::v1 as pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
-use tokio::sync::Notify;
+use runplane_proto::runstore::v1::EventInput;
+use tokio::sync::{Notify, mpsc};
 use tonic::service::interceptor::InterceptedService;
 
 /// Frames kept for re-sending after a takeover.
@@ -37,6 +38,9 @@ struct State {
     next_sequence: u64,
     ring: VecDeque<(u64, Vec<u8>)>,
     finished: bool,
+    /// The coordinator refused the stream's bytes (its replay budget is spent): this
+    /// stream turn is over, and later output goes only to the run's events.
+    refused: bool,
 }
 
 /// The runner's handle on its stream.
@@ -44,6 +48,9 @@ struct State {
 pub struct Frames {
     state: Arc<Mutex<State>>,
     wake: Arc<Notify>,
+    /// Where the one "live stream ended" event goes; weak, so it never keeps the event
+    /// drain open.
+    events: Arc<Mutex<Option<mpsc::WeakSender<EventInput>>>>,
 }
 
 impl Default for Frames {
@@ -61,12 +68,21 @@ impl Frames {
                 ..State::default()
             })),
             wake: Arc::new(Notify::new()),
+            events: Arc::default(),
         }
+    }
+
+    /// Reports what a budget refusal drops as an event on the run's event queue.
+    pub fn report_to(&self, events: &mpsc::Sender<EventInput>) {
+        *self.events.lock().expect("frames poisoned") = Some(events.downgrade());
     }
 
     /// Queues one output frame.
     pub fn push(&self, data: Vec<u8>) {
         let mut s = self.state.lock().expect("frames poisoned");
+        if s.refused {
+            return;
+        }
         let sequence = s.next_sequence;
         s.next_sequence += 1;
         s.ring.push_back((sequence, data));
@@ -113,6 +129,59 @@ impl Frames {
             .collect();
         let resync = batch.first().is_some_and(|f| f.sequence > s.next_to_send);
         (s.token.clone(), batch, resync, s.finished)
+    }
+
+    /// The coordinator refused the batch for its budget: drop what is pending and stop
+    /// streaming; returns the first sequence that was not streamed, once.
+    fn refuse(&self) -> Option<u64> {
+        let mut s = self.state.lock().expect("frames poisoned");
+        if s.refused {
+            return None;
+        }
+        s.refused = true;
+        s.ring.clear();
+        Some(s.next_to_send)
+    }
+
+    fn report_refusal(&self, from_sequence: u64, scope: &str) {
+        let Some(events) = self
+            .events
+            .lock()
+            .expect("frames poisoned")
+            .as_ref()
+            .and_then(mpsc::WeakSender::upgrade)
+        else {
+            return;
+        };
+        let number = |n: f64| prost_types::Value {
+            kind: Some(prost_types::value::Kind::NumberValue(n)),
+        };
+        let text = |t: &str| prost_types::Value {
+            kind: Some(prost_types::value::Kind::StringValue(t.to_owned())),
+        };
+        let event = EventInput {
+            kind: runplane_proto::runstore::v1::EventKind::Lifecycle as i32,
+            name: "live_stream_ended".into(),
+            text: format!(
+                "the live stream's {scope} replay budget is spent: output from frame {from_sequence} on is not streamed to tails; the run's events keep every line"
+            ),
+            data: Some(prost_types::Struct {
+                fields: [
+                    ("reason".to_owned(), text("budget_exceeded")),
+                    ("budget_scope".to_owned(), text(scope)),
+                    (
+                        "dropped_from_sequence".to_owned(),
+                        number(from_sequence as f64),
+                    ),
+                ]
+                .into(),
+            }),
+            observed_at: Some(crate::child::now()),
+            ..Default::default()
+        };
+        if events.try_send(event).is_err() {
+            tracing::warn!("the live_stream_ended event could not be queued");
+        }
     }
 
     fn fenced(&self, token: &str) {
@@ -191,6 +260,25 @@ pub async fn stream(client: RecoveryClient, run_id: String, controller_id: Strin
                         frames.sent(token, next);
                     }
                     Err(s) if reason_is(&s, ErrorReason::RunTerminal) => return,
+                    // The stream's (or org's) replay budget is spent: retrying cannot help,
+                    // and handing off would only spend the restart budget. This stream turn
+                    // ends: one event says what was dropped, the lease stays held (so no
+                    // tail takes the run over) until the agent ends, and the agent and its
+                    // events to the run store go on.
+                    Err(s) if reason_is(&s, ErrorReason::BudgetExceeded) => {
+                        let scope = error_info(&s)
+                            .and_then(|i| i.metadata.get("budget_scope").cloned())
+                            .unwrap_or_else(|| "stream".into());
+                        if let Some(from) = frames.refuse() {
+                            tracing::warn!(
+                                from_sequence = from,
+                                scope,
+                                "replay budget spent; the live stream ends here"
+                            );
+                            frames.report_refusal(from, &scope);
+                        }
+                        continue;
+                    }
                     // Unreadable outcome (the transport spent its budget): that proves
                     // nothing about the lease; try again later, fenced writes decide.
                     Err(s) => tracing::warn!(code = ?s.code(), "frames not appended yet"),

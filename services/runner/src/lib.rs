@@ -137,6 +137,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
 
     let ending = ending::Ending::new();
     let (events_tx, events_rx) = events::channel();
+    live.report_to(&events_tx);
     let mut agent = child::Agent::spawn(
         &run.command,
         &run.args,

@@ -87,8 +87,14 @@ fn store_error(e: StoreError) -> Status {
             message,
             vec![("next_sequence", next.to_string())],
         ),
+        // A stream's byte budget never refills, so retrying cannot help: FAILED_PRECONDITION
+        // (a transport does not retry it). An org's hour does refill: RESOURCE_EXHAUSTED.
         StoreError::BudgetExceeded { scope } => reason(
-            Code::ResourceExhausted,
+            if scope == "stream" {
+                Code::FailedPrecondition
+            } else {
+                Code::ResourceExhausted
+            },
             ErrorReason::BudgetExceeded,
             message,
             vec![("budget_scope", scope.into())],

@@ -83,6 +83,14 @@ impl StreamRecovery {
         })
     }
 
+    /// With other replay-buffer bounds (tests use small ones). Call before `register`.
+    pub fn with_limits(mut self, limits: policy::BufferLimits) -> Self {
+        Arc::get_mut(&mut self.shared)
+            .expect("limits are set before the coordinator is shared")
+            .limits = limits;
+        self
+    }
+
     /// Adds the coordinator's gRPC service to `services`.
     pub fn register(&self, services: &mut ServiceSet) {
         services.add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
