@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::bail;
 use runplane_config::Config;
@@ -17,12 +18,32 @@ use tonic::service::interceptor::InterceptedService;
 /// Where to reach the run store and as whom.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunStoreConnect {
-    /// Run store endpoint; defaults to [run_store].endpoint.
+    /// Run store endpoint; defaults to [run_store].endpoint. Several, separated by
+    /// commas, are replicas: a call that cannot connect or stalls moves to the next.
     #[arg(long, value_name = "URL")]
     pub endpoint: Option<String>,
     /// File holding the operator token (RUNPLANE_TOKEN overrides it).
     #[arg(long, value_name = "FILE", default_value = ".runplane/operator-token")]
     pub token_file: PathBuf,
+    /// How long one call keeps retrying while the run store is unreachable or silent
+    /// (a restart, a wedged replica), e.g. 30s, 2m; then the command fails.
+    #[arg(long, value_name = "DUR", default_value = "30s", value_parser = crate::duration::parse_positive)]
+    pub retry_for: Duration,
+}
+
+/// How long an operator call keeps retrying by default: long enough to ride out a
+/// restart, short enough that a dead endpoint is an error, not a hang.
+pub const RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// The transport's policy for a command: the runner's, with `retry_for` as the outage
+/// budget of every call. Every attempt is still bounded by its deadline and the
+/// handshake timeout, so a silent endpoint fails within the budget.
+pub fn retry_config(retry_for: Duration) -> RetryConfig {
+    RetryConfig {
+        ordinary_budget: retry_for,
+        terminal_budget: retry_for,
+        ..RetryConfig::default()
+    }
 }
 
 /// A channel that carries the operator token on every call.
@@ -58,14 +79,31 @@ pub fn channel(
     token_file: &Path,
     default_endpoint: impl FnOnce(&Config) -> &str,
 ) -> anyhow::Result<OperatorChannel> {
+    channel_retrying_for(
+        config_file,
+        endpoint,
+        token_file,
+        default_endpoint,
+        RETRY_FOR,
+    )
+}
+
+/// [`channel`] whose calls keep retrying for `retry_for` at most.
+pub fn channel_retrying_for(
+    config_file: Option<&Path>,
+    endpoint: Option<&str>,
+    token_file: &Path,
+    default_endpoint: impl FnOnce(&Config) -> &str,
+    retry_for: Duration,
+) -> anyhow::Result<OperatorChannel> {
     let config = Config::load(config_file)?;
     runplane_grpc::tls::install(&config.tls)?;
     let endpoint = endpoint
         .unwrap_or_else(|| default_endpoint(&config))
         .to_owned();
     let token = token(token_file, &config)?;
-    // The CLI rides out a control-plane restart like the runner does.
-    let layer = RetryLayer::new(RetryConfig::default());
+    // The CLI rides out a control-plane restart like the runner does, for `retry_for`.
+    let layer = RetryLayer::new(retry_config(retry_for));
     let channel = runplane_transport::connect_lazy(&endpoint, &layer)?;
     Ok(InterceptedService::new(channel, Bearer::new(token)))
 }
@@ -75,11 +113,12 @@ pub fn run_store(
     config_file: Option<&Path>,
     connect: &RunStoreConnect,
 ) -> anyhow::Result<RunStoreClient> {
-    let channel = channel(
+    let channel = channel_retrying_for(
         config_file,
         connect.endpoint.as_deref(),
         &connect.token_file,
         |c| &c.run_store.endpoint,
+        connect.retry_for,
     )?;
     Ok(RunServiceClient::new(channel))
 }

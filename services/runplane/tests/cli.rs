@@ -227,3 +227,49 @@ fn receipt_keygen_and_verify_work_offline() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A TCP server that accepts and never says a word: `runplane run` must not hang on it.
+#[test]
+fn run_at_a_silent_endpoint_fails_within_its_budget_with_a_clear_error() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for socket in listener.incoming() {
+            held.push(socket);
+        }
+    });
+    let started = std::time::Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_runplane"))
+        .args([
+            "run",
+            "--endpoint",
+            &format!("http://{addr}"),
+            "--retry-for",
+            "1s",
+            "--",
+            "true",
+        ])
+        .env_remove("RUNPLANE_CONFIG")
+        .env("RUNPLANE_TOKEN", "silent-endpoint-test-token")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Generous: the budget is 1 s, each attempt a few seconds at most.
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > std::time::Duration::from_secs(40) {
+            child.kill().unwrap();
+            panic!("runplane run hung on a silent endpoint");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("UNAVAILABLE: no answer from http://{addr}"))
+            && stderr.contains("handshake timeout"),
+        "a clear error: {stderr}"
+    );
+}
