@@ -113,6 +113,18 @@ pub enum Command {
     /// Receipts: fetch one, make a signing key, verify a receipt offline.
     #[command(subcommand)]
     Receipt(ReceiptCommand),
+    /// The stream recovery coordinator: run its orphan sweep by hand.
+    #[command(subcommand)]
+    Recovery(RecoveryCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RecoveryCommand {
+    /// One full pass of the orphan sweep (the coordinator also runs it by itself): keys of
+    /// terminal and unknown runs deleted, runs with a spent budget ended; parked and
+    /// owned runs left alone. --dry-run changes nothing.
+    #[command(after_help = EXIT_STATUS)]
+    Sweep(crate::recovery::SweepArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -186,6 +198,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
             crate::receipt::get(config, args, &mut stdout).await?
         }
         Command::Receipt(ReceiptCommand::Keygen) => crate::receipt::keygen(&mut stdout)?,
+        Command::Recovery(RecoveryCommand::Sweep(args)) => {
+            crate::recovery::sweep(config, args, &mut stdout).await?
+        }
         Command::Receipt(ReceiptCommand::Verify { file, public_key }) => {
             crate::receipt::verify_file(&file, &public_key, &mut stdout)?
         }

@@ -11,6 +11,7 @@ mod output;
 mod policies;
 mod protojson;
 mod receipt;
+mod recovery;
 mod run;
 mod runner;
 mod serve;

@@ -406,6 +406,100 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// One bounded batch of the orphan sweep, after `cursor` (in run id order): runs the
+    /// run store reports terminal or unknown lose their keys; a live run whose lease is
+    /// free, not parked, and whose budget is spent within the reset window is ended as
+    /// exhausted. The reset rule is a claim's: a spent budget whose last takeover is more
+    /// than RESET_AFTER old would start afresh on the next claim, so it is left alone.
+    /// Every settlement is guarded and keyed, so replicas sweeping at once, or a batch
+    /// replayed, change nothing twice. Returns the results and the next cursor (empty at
+    /// the end of a pass).
+    pub async fn sweep(
+        &self,
+        cursor: &str,
+        limit: usize,
+        dry_run: bool,
+    ) -> Result<(Vec<pb::OrphanResult>, String), Status> {
+        let runs = self.store.runs(cursor, limit).await.map_err(store_error)?;
+        let mut results = Vec::new();
+        for run_id in &runs {
+            let now = self.now_ms();
+            let action = match self.run(run_id).await {
+                Err(status) if status.code() == Code::NotFound => pb::OrphanAction::KeysDeleted,
+                Err(status) => return Err(status),
+                Ok(run) if run.state().is_terminal() => pb::OrphanAction::KeysDeleted,
+                Ok(_) => {
+                    let b = self.store.budget(run_id, now).await.map_err(store_error)?;
+                    let in_window = b
+                        .claimed_ms
+                        .is_some_and(|c| now - c <= RESET_AFTER.as_millis() as i64);
+                    if b.lease.is_none()
+                        && (b.exhausted || (b.attempts >= MAX_ATTEMPTS && in_window))
+                    {
+                        pb::OrphanAction::RunEnded
+                    } else {
+                        pb::OrphanAction::Skipped
+                    }
+                }
+            };
+            if !dry_run {
+                match action {
+                    pb::OrphanAction::KeysDeleted => {
+                        self.store.forget(run_id).await.map_err(store_error)?
+                    }
+                    pb::OrphanAction::RunEnded => self.end_exhausted(run_id).await?,
+                    _ => {}
+                }
+            }
+            results.push(pb::OrphanResult {
+                run_id: run_id.clone(),
+                action: action as i32,
+            });
+        }
+        let next = if runs.len() == limit {
+            runs.last().cloned().unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok((results, next))
+    }
+}
+
+/// The scheduled sweep: one bounded batch every `every`, continuing from the previous
+/// batch's cursor, so a pass over many runs is spread over rounds. A failed round is
+/// logged and retried from the same cursor at the next tick. Runs until aborted.
+pub async fn sweep_forever(shared: Arc<Shared>, every: Duration, batch: usize) {
+    let mut cursor = String::new();
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        match shared.sweep(&cursor, batch, false).await {
+            Ok((results, next)) => {
+                let count =
+                    |a: pb::OrphanAction| results.iter().filter(|r| r.action() == a).count();
+                let (deleted, ended) = (
+                    count(pb::OrphanAction::KeysDeleted),
+                    count(pb::OrphanAction::RunEnded),
+                );
+                if deleted + ended > 0 {
+                    tracing::info!(
+                        examined = results.len(),
+                        deleted,
+                        ended,
+                        "orphan sweep settled runs"
+                    );
+                }
+                cursor = next;
+            }
+            Err(status) => {
+                tracing::warn!(code = ?status.code(), message = status.message(), "orphan sweep round failed")
+            }
+        }
+    }
+}
+
 fn bearer<T>(request: &Request<T>) -> Option<String> {
     let value = request.metadata().get("authorization")?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
@@ -674,49 +768,10 @@ impl StreamRecoveryService for StreamRecoveryApi {
             n @ 1..=500 => n as usize,
             _ => return Err(invalid("limit", "must be 0 to 500")),
         };
-        let runs = s
-            .store
-            .runs(&req.cursor, limit)
-            .await
-            .map_err(store_error)?;
-        let mut results = Vec::new();
-        for run_id in &runs {
-            let now = s.now_ms();
-            let state = s.run(run_id).await;
-            let action = match state {
-                Err(status) if status.code() == Code::NotFound => pb::OrphanAction::KeysDeleted,
-                Err(status) => return Err(status),
-                Ok(run) if run.state().is_terminal() => pb::OrphanAction::KeysDeleted,
-                Ok(_) => {
-                    let b = s.store.budget(run_id, now).await.map_err(store_error)?;
-                    if b.lease.is_none() && (b.exhausted || b.attempts >= MAX_ATTEMPTS) {
-                        pb::OrphanAction::RunEnded
-                    } else {
-                        pb::OrphanAction::Skipped
-                    }
-                }
-            };
-            if !req.dry_run {
-                match action {
-                    pb::OrphanAction::KeysDeleted => {
-                        s.store.forget(run_id).await.map_err(store_error)?
-                    }
-                    pb::OrphanAction::RunEnded => s.end_exhausted(run_id).await?,
-                    _ => {}
-                }
-            }
-            results.push(pb::OrphanResult {
-                run_id: run_id.clone(),
-                action: action as i32,
-            });
-        }
+        let (results, next_cursor) = s.sweep(&req.cursor, limit, req.dry_run).await?;
         Ok(Response::new(pb::SweepOrphansResponse {
-            next_cursor: if runs.len() == limit {
-                runs.last().cloned().unwrap_or_default()
-            } else {
-                String::new()
-            },
             results,
+            next_cursor,
         }))
     }
 }

@@ -12,6 +12,7 @@ pub mod policy;
 pub mod store;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
@@ -30,6 +31,7 @@ pub enum RecoveryError {
 #[derive(Debug, Clone)]
 pub struct StreamRecovery {
     shared: Arc<grpc::Shared>,
+    sweep_every: Duration,
 }
 
 impl StreamRecovery {
@@ -80,6 +82,7 @@ impl StreamRecovery {
                 token_hash: (!token.is_empty())
                     .then(|| Sha256::digest(token.expose().as_bytes()).into()),
             }),
+            sweep_every: policy::SWEEP_EVERY,
         })
     }
 
@@ -91,10 +94,25 @@ impl StreamRecovery {
         self
     }
 
-    /// Adds the coordinator's gRPC service to `services`.
+    /// How often the orphan sweep runs a batch (`policy::SWEEP_EVERY` unless set).
+    pub fn with_sweep_every(mut self, every: Duration) -> Self {
+        self.sweep_every = every;
+        self
+    }
+
+    /// Adds the coordinator's gRPC service to `services` and starts its orphan sweep,
+    /// which stops when the server begins shutting down (a sweep cut short loses nothing:
+    /// the next start begins a new pass). Call inside a tokio runtime.
     pub fn register(&self, services: &mut ServiceSet) {
-        services.add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
-            shared: self.shared.clone(),
-        }));
+        let sweeper = tokio::spawn(grpc::sweep_forever(
+            self.shared.clone(),
+            self.sweep_every,
+            policy::SWEEP_BATCH,
+        ));
+        services
+            .add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
+                shared: self.shared.clone(),
+            }))
+            .on_shutdown(move || sweeper.abort());
     }
 }

@@ -15,6 +15,9 @@ pub const MAX_ATTEMPTS: u32 = 5;
 pub const BACKOFF_BASE: Duration = Duration::from_secs(1);
 pub const BACKOFF_CAP: Duration = Duration::from_secs(60);
 pub const RESET_AFTER: Duration = Duration::from_secs(5 * 60);
+/// How often the scheduled orphan sweep examines a batch, and how many runs at most.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(30);
+pub const SWEEP_BATCH: usize = 100;
 /// Lease time to live when the caller asks for none.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 

@@ -17,11 +17,18 @@ use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
+use runplane_stream_recovery::policy::SWEEP_EVERY;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_testkit::{TestDatabase, TestRedis};
 use tonic::Code;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
+
+/// A number no other call in this process got, for client keys.
+fn unique() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    NEXT.fetch_add(1, Ordering::SeqCst)
+}
 
 const TOKEN: &str = "recovery-test-service-token-0123456789ab";
 
@@ -105,6 +112,11 @@ impl World {
     }
 
     async fn on(dead_run_store: bool, backend: Backend) -> Self {
+        Self::sweeping(dead_run_store, backend, SWEEP_EVERY).await
+    }
+
+    /// With the coordinator's own sweep running every `sweep_every`.
+    async fn sweeping(dead_run_store: bool, backend: Backend, sweep_every: Duration) -> Self {
         let db = TestDatabase::new().await;
         let redis = TestRedis::new().await;
         let mut config = Config::default();
@@ -141,7 +153,8 @@ impl World {
                     .unwrap()
             }
             Backend::Memory => StreamRecovery::embedded(&config, Arc::new(clock.clone())).unwrap(),
-        };
+        }
+        .with_sweep_every(sweep_every);
         let mut services = ServiceSet::new();
         coordinator.register(&mut services);
         let coordinator_endpoint = serve(services).await;
@@ -192,7 +205,7 @@ impl World {
             Bearer::new(TOKEN),
         );
         op.create_run(rs::CreateRunRequest {
-            client_request_id: "recovery-test-request-1".into(),
+            client_request_id: format!("recovery-test-request-{}", unique()),
             org_id: "acme".into(),
             target: Some(rs::create_run_request::Target::CredentialId("c".into())),
             command: "agent".into(),
@@ -218,7 +231,7 @@ impl World {
                 run_id: run_id.to_owned(),
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
-                idempotency_key: "recovery-test-key-0001".into(),
+                idempotency_key: format!("recovery-test-key-{:04}", unique()),
             })
             .await
             .unwrap()
@@ -1003,4 +1016,84 @@ async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory() {
     a_failed_hand_off_after_a_claim_changes_nothing(Backend::Memory).await;
+}
+
+/// Spends a running run's whole budget: five takeovers, each controller dying at once.
+/// Leaves the fifth claim's lease held.
+async fn spend_budget(w: &World, run_id: &str) {
+    for attempt in 1..=5 {
+        w.clock.advance(Duration::from_secs(61));
+        let claim = w
+            .operator()
+            .await
+            .plan_recovery(plan(run_id))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(claim.budget.unwrap().attempts, attempt);
+    }
+}
+
+async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    for _ in 0..200 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what} never happened");
+}
+
+async fn the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(backend: Backend) {
+    let w = World::sweeping(false, backend, Duration::from_millis(100)).await;
+    // A run whose budget was spent more than 5 minutes ago: a claim would start afresh.
+    let (quiet, key) = w.running_run().await;
+    w.acquire(&quiet, &key).await;
+    spend_budget(&w, &quiet).await;
+    // One jump, while the fifth claim's lease is still held, past the reset window.
+    w.clock.advance(Duration::from_secs(5 * 60 + 1));
+    // A run whose budget is spent now.
+    let (spent, key) = w.running_run().await;
+    w.acquire(&spent, &key).await;
+    spend_budget(&w, &spent).await;
+    w.clock.advance(Duration::from_secs(61));
+
+    // Nobody calls SweepOrphans: the coordinator's own sweep ends the spent run...
+    wait_for("the sweep ending the spent run", async || {
+        w.run_state(&spent).await.state() == rs::RunState::Failed
+    })
+    .await;
+    assert_eq!(
+        w.run_state(&spent).await.failure_reason,
+        "stream_recovery_exhausted"
+    );
+    assert_eq!(w.messages(&spent, rs::SteeringKind::Abort).await.len(), 1);
+    // ...and, the run being terminal, a later round deletes its state.
+    wait_for("the sweep deleting the ended run's keys", async || {
+        w.budget(&spent).await.budget.unwrap().attempts == 0
+    })
+    .await;
+
+    // The quiet run was left alone, and its next takeover starts a fresh budget.
+    assert_eq!(w.run_state(&quiet).await.state(), rs::RunState::Running);
+    assert!(w.messages(&quiet, rs::SteeringKind::Abort).await.is_empty());
+    let fresh = w
+        .operator()
+        .await
+        .plan_recovery(plan(&quiet))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fresh.decision(), pb::RecoveryDecision::Claimed);
+    assert_eq!(fresh.budget.unwrap().attempts, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_runs_by_itself_and_respects_the_reset_on_redis() {
+    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_runs_by_itself_and_respects_the_reset_in_memory() {
+    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Memory).await;
 }
