@@ -99,18 +99,29 @@ pub fn is_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// What the server said about retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushback {
+    /// Nothing: the client's own backoff decides.
+    None,
+    /// Wait at least this long.
+    After(Duration),
+    /// A pushback that cannot be read (negative, garbled): gRFC A6 says stop retrying.
+    Stop,
+}
+
 /// The server's pushback: `grpc-retry-pushback-ms`, else `google.rpc.RetryInfo`.
-pub fn pushback(headers: &http::HeaderMap, status: &tonic::Status) -> Option<Duration> {
-    if let Some(ms) = headers
-        .get("grpc-retry-pushback-ms")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-    {
-        return Some(Duration::from_millis(ms));
+pub fn pushback(headers: &http::HeaderMap, status: &tonic::Status) -> Pushback {
+    if let Some(value) = headers.get("grpc-retry-pushback-ms") {
+        return match value.to_str().ok().map(str::trim).map(str::parse::<u64>) {
+            Some(Ok(ms)) => Pushback::After(Duration::from_millis(ms)),
+            _ => Pushback::Stop,
+        };
     }
-    status
-        .get_details_retry_info()
-        .and_then(|info| info.retry_delay)
+    match status.get_details_retry_info() {
+        Some(info) => info.retry_delay.map_or(Pushback::Stop, Pushback::After),
+        None => Pushback::None,
+    }
 }
 
 #[cfg(test)]

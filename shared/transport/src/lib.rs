@@ -15,10 +15,21 @@
 //!   so one stalled attempt cannot eat the budget. Server pushback
 //!   (`grpc-retry-pushback-ms`, `google.rpc.RetryInfo`) is honoured but never below the
 //!   backoff.
-//! - `RESOURCE_EXHAUSTED` is rate limiting: its own bounded counter, outside the budget.
+//!   A pushback that cannot be read (negative, garbled) stops retrying (gRFC A6).
+//! - Backoff follows what the failure proves: a connect that was refused, failed or
+//!   never heard back cost the server nothing and is retried on a short schedule
+//!   (100 ms base, 1 s cap, full jitter); a failure after sending keeps the longer one.
+//! - `RESOURCE_EXHAUSTED` is rate limiting: its own bounded counter, outside the budget,
+//!   each sleep capped at [`RetryConfig::rate_limit_max_sleep`].
 //! - A token bucket per upstream (gRPC's retry throttling) notices a live server that
-//!   keeps answering with failures; while it is drained, retries wait the backoff cap
-//!   instead of amplifying the overload.
+//!   keeps answering with failures; while it is drained, those retries are suppressed
+//!   instead of amplifying the overload. A `RESOURCE_EXHAUSTED` with pushback is the
+//!   server pacing its clients, not failing, and takes no token.
+//! - Every attempt has a deadline from its method's class (the `deadline` module); a connection
+//!   that never heard the server within [`RetryConfig::handshake_timeout`] fails the
+//!   attempt as never sent. An attempt past its deadline counts as a reset (replayed only
+//!   when replay-safe), and a stalled or failed connection is replaced by a fresh one to
+//!   the next address ([`Upstream`]), so a wedged replica cannot trap a client.
 //!
 //! Unary responses are read whole before they are handed on, so a body cut mid-way is
 //! seen (and retried) here rather than surfacing later in the codec. Server-streaming
@@ -43,7 +54,7 @@ use tonic::body::Body;
 use tower_layer::Layer;
 use tower_service::Service;
 
-pub use classify::Failure;
+pub use classify::{Failure, Pushback};
 use runplane_grpc::client::TracedChannel;
 use upstream::Conn;
 pub use upstream::Upstream;
@@ -75,6 +86,12 @@ pub struct RetryConfig {
     pub terminal_budget: Duration,
     /// Most `RESOURCE_EXHAUSTED` answers retried in one call.
     pub rate_limit_retries: u32,
+    /// Longest sleep before retrying a `RESOURCE_EXHAUSTED`, whatever the pushback says.
+    pub rate_limit_max_sleep: Duration,
+    /// Backoff after a connect that was refused, failed or never heard back: it cost
+    /// the server nothing, so it is short (full jitter, exponential from the base).
+    pub connect_base: Duration,
+    pub connect_cap: Duration,
     /// Retry throttle: bucket size and what a success puts back.
     pub throttle_max_tokens: f64,
     pub throttle_token_ratio: f64,
@@ -102,6 +119,9 @@ impl Default for RetryConfig {
             ordinary_budget: Duration::from_secs(OutageBudget::Ordinary.seconds()),
             terminal_budget: Duration::from_secs(OutageBudget::Terminal.seconds()),
             rate_limit_retries: 10,
+            rate_limit_max_sleep: Duration::from_secs(30),
+            connect_base: Duration::from_millis(100),
+            connect_cap: Duration::from_secs(1),
             throttle_max_tokens: 10.0,
             throttle_token_ratio: 0.1,
             attempt_timeout: Duration::from_secs(10),
@@ -130,6 +150,16 @@ impl RetryConfig {
         }
     }
 
+    /// The delay before retry number `retry` (0-based) after a failed connect: full
+    /// jitter under `min(connect_cap, connect_base * 2^retry)`.
+    pub fn connect_backoff(&self, retry: u32) -> Duration {
+        let ceiling = self
+            .connect_base
+            .saturating_mul(2u32.saturating_pow(retry.min(30)))
+            .min(self.connect_cap);
+        Duration::from_millis(rand::random_range(0..=ceiling.as_millis() as u64))
+    }
+
     /// The delay before retry number `retry` (0-based).
     pub fn backoff(&self, retry: u32) -> Duration {
         let ceiling = self
@@ -151,7 +181,7 @@ pub struct RetryStats {
     pub proven_not_sent: AtomicU64,
     pub maybe_processed: AtomicU64,
     pub rate_limited: AtomicU64,
-    /// Retries that waited the cap because the throttle was drained.
+    /// Retries the drained throttle suppressed.
     pub throttled: AtomicU64,
     /// Calls that ended in a failure after retrying (budget spent or not replay-safe).
     pub gave_up: AtomicU64,
@@ -309,7 +339,7 @@ enum Attempt {
         failure: Failure,
         /// The response to hand on if this failure is final (a gRPC status), or the error.
         last: Result<http::Response<Body>, BoxError>,
-        pushback: Option<Duration>,
+        pushback: Pushback,
         /// The connection is condemned: retry on a new one.
         reconnect: bool,
     },
@@ -320,7 +350,7 @@ impl Attempt {
         Attempt::Failed {
             failure,
             last: Err(Box::new(status)),
-            pushback: None,
+            pushback: Pushback::None,
             reconnect: true,
         }
     }
@@ -358,7 +388,7 @@ impl Shared {
                     deadline,
                 )
                 .await;
-            let (failure, last, pushback) = match attempt {
+            let (failure, last, pushback, condemned) = match attempt {
                 Attempt::Done(response) => {
                     self.throttle.success();
                     if retries + rate_limited > 0 {
@@ -375,10 +405,18 @@ impl Shared {
                     if reconnect {
                         upstream.replace(conn.generation);
                     }
-                    (failure, last, pushback)
+                    (failure, last, pushback, reconnect)
                 }
             };
 
+            let answered = last.is_ok();
+            // A live server failing takes a token; one pacing us with pushback does not.
+            if answered
+                && (failure == Failure::MaybeProcessed
+                    || (failure == Failure::RateLimited && !matches!(pushback, Pushback::After(_))))
+            {
+                self.throttle.failure();
+            }
             let retryable = match failure {
                 Failure::ProvenNotSent => true,
                 Failure::MaybeProcessed => policy.replay_safety.is_replay_safe(),
@@ -388,7 +426,19 @@ impl Shared {
             // The budget is spent in full, but the first retry is always granted.
             let within_budget =
                 failure == Failure::RateLimited || retries == 0 || started.elapsed() < budget;
-            if !retryable || !within_budget {
+            // gRFC A6: a pushback that cannot be read means "do not retry"; a drained
+            // throttle suppresses retries of failures a live server answered.
+            let stop = if !retryable || !within_budget {
+                None
+            } else if pushback == Pushback::Stop {
+                Some("malformed pushback")
+            } else if failure != Failure::ProvenNotSent && self.throttle.drained() {
+                self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+                Some("retry throttle drained")
+            } else {
+                Some("")
+            };
+            if stop != Some("") {
                 if retries + rate_limited > 0 {
                     record_budget_spent(&path, started.elapsed());
                 }
@@ -400,28 +450,28 @@ impl Shared {
                         attempts = retries + rate_limited + 1,
                         classification = failure.as_str(),
                         replay_safety = policy.replay_safety.as_str(),
+                        reason = stop.unwrap_or("not retryable or budget spent"),
                         "giving up"
                     );
                 }
                 return last;
             }
 
-            if matches!(failure, Failure::MaybeProcessed | Failure::RateLimited) && last.is_ok() {
-                // A live server answered with a failure.
-                self.throttle.failure();
-            }
-            let backoff = self.config.backoff(if failure == Failure::RateLimited {
-                rate_limited
+            let backoff = if failure == Failure::RateLimited {
+                self.config.backoff(rate_limited)
+            } else if failure == Failure::ProvenNotSent && condemned {
+                // A refused or failed connect cost the server nothing: come back soon.
+                self.config.connect_backoff(retries)
             } else {
-                retries
-            });
-            let mut delay = pushback.map_or(backoff, |p| p.max(backoff));
-            let throttled = failure != Failure::ProvenNotSent && self.throttle.drained();
-            if throttled {
-                delay = delay.max(self.config.cap);
-                self.stats.throttled.fetch_add(1, Ordering::Relaxed);
-            }
-            if failure != Failure::RateLimited {
+                self.config.backoff(retries)
+            };
+            let mut delay = match pushback {
+                Pushback::After(p) => p.max(backoff),
+                _ => backoff,
+            };
+            if failure == Failure::RateLimited {
+                delay = delay.min(self.config.rate_limit_max_sleep);
+            } else {
                 // Never sleep past the budget's end; the retry after it still happens.
                 let left = budget.saturating_sub(started.elapsed());
                 if retries > 0 || !left.is_zero() {
@@ -454,7 +504,6 @@ impl Shared {
                 attempt = retries + rate_limited + 1,
                 classification = failure.as_str(),
                 delay_ms = delay.as_millis() as u64,
-                throttled,
                 "retry"
             );
             if failure == Failure::RateLimited {
@@ -544,7 +593,7 @@ impl Shared {
                     // A connect that failed: try the next address.
                     reconnect: classify::is_connect(&*e),
                     last: Err(e),
-                    pushback: None,
+                    pushback: Pushback::None,
                 };
             }
         };
@@ -570,7 +619,7 @@ impl Shared {
             Err(e) => Attempt::Failed {
                 failure: Failure::MaybeProcessed,
                 last: Err(Box::new(e)),
-                pushback: None,
+                pushback: Pushback::None,
                 reconnect: false,
             },
             Ok(collected) => {
@@ -582,7 +631,9 @@ impl Shared {
                 match status {
                     Some(s) if s.code() != tonic::Code::Ok => Attempt::Failed {
                         failure: classify::code(s.code()),
-                        pushback: trailers.as_ref().and_then(|t| classify::pushback(t, &s)),
+                        pushback: trailers
+                            .as_ref()
+                            .map_or(Pushback::None, |t| classify::pushback(t, &s)),
                         last: Ok(response),
                         reconnect: false,
                     },
@@ -590,7 +641,7 @@ impl Shared {
                     None => Attempt::Failed {
                         failure: Failure::MaybeProcessed,
                         last: Ok(response),
-                        pushback: None,
+                        pushback: Pushback::None,
                         reconnect: false,
                     },
                     Some(_) => Attempt::Done(response),

@@ -29,6 +29,10 @@ enum Answer {
     Status(Code, Option<u64>),
     /// Wait, then answer with the next scripted answer.
     Stall(Duration),
+    /// A status whose pushback is a `google.rpc.RetryInfo` detail.
+    RetryInfo(Code, Duration),
+    /// A status with this exact `grpc-retry-pushback-ms` value.
+    RawPushback(Code, &'static str),
 }
 
 #[derive(Clone, Default)]
@@ -61,6 +65,21 @@ impl Script {
             match next {
                 Answer::Ok => return Ok(Response::new(T::default())),
                 Answer::Stall(d) => tokio::time::sleep(d).await,
+                Answer::RetryInfo(code, delay) => {
+                    use tonic_types::{ErrorDetails, StatusExt};
+                    return Err(Status::with_error_details(
+                        code,
+                        "scripted",
+                        ErrorDetails::with_retry_info(Some(delay)),
+                    ));
+                }
+                Answer::RawPushback(code, value) => {
+                    let mut status = Status::new(code, "scripted");
+                    status
+                        .metadata_mut()
+                        .insert("grpc-retry-pushback-ms", value.parse().unwrap());
+                    return Err(status);
+                }
                 Answer::Status(code, pushback) => {
                     let mut status = Status::new(code, "scripted");
                     if let Some(ms) = pushback {
@@ -471,17 +490,90 @@ async fn resource_exhausted_has_its_own_counter_outside_the_budget() {
 }
 
 #[tokio::test]
-async fn a_live_server_failing_repeatedly_drains_the_throttle() {
+async fn a_drained_throttle_suppresses_retries() {
     let (l, addr) = listener().await;
-    let script = Script::new((0..8).map(|_| Answer::Status(Code::Unavailable, None)));
+    let script = Script::new((0..100).map(|_| Answer::Status(Code::Unavailable, None)));
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(fast());
+    let err = append(&mut client(&addr, &layer)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let stats = layer.stats();
+    assert_eq!(stats.throttled.load(Ordering::SeqCst), 1);
+    // 10 tokens, drained at half: the fifth failure of a live server stops retrying,
+    // well inside the 5 s budget that would otherwise keep it going.
+    assert_eq!(script.calls(), 5);
+    assert_eq!(stats.gave_up.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn retry_info_is_honoured() {
+    let (l, addr) = listener().await;
+    let script = Script::new([Answer::RetryInfo(
+        Code::Unavailable,
+        Duration::from_millis(600),
+    )]);
     let _server = Server::start(l, script.clone(), 0).await;
     let layer = RetryLayer::new(fast());
     append(&mut client(&addr, &layer)).await.unwrap();
-    let stats = layer.stats();
-    assert!(stats.throttled.load(Ordering::SeqCst) >= 1);
-    // Once drained, every retry waited the cap instead of the short backoff.
-    let delays = stats.delays.lock().unwrap().clone();
-    assert_eq!(delays.last().copied(), Some(fast().cap));
+    assert_eq!(script.calls(), 2);
+    let delays = layer.stats().delays.lock().unwrap().clone();
+    assert_eq!(
+        delays,
+        vec![Duration::from_millis(600)],
+        "the RetryInfo delay wins"
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_pushback_stops_retries() {
+    for value in ["-1", "soon"] {
+        let (l, addr) = listener().await;
+        let script = Script::new([Answer::RawPushback(Code::Unavailable, value)]);
+        let _server = Server::start(l, script.clone(), 0).await;
+        let layer = RetryLayer::new(fast());
+        let err = append(&mut client(&addr, &layer)).await.unwrap_err();
+        assert_eq!(err.code(), Code::Unavailable);
+        assert_eq!(script.calls(), 1, "pushback {value:?}: not retried");
+    }
+}
+
+#[tokio::test]
+async fn a_rate_limited_sleep_is_capped() {
+    let config = RetryConfig {
+        rate_limit_max_sleep: Duration::from_millis(150),
+        ..fast()
+    };
+    let (l, addr) = listener().await;
+    let script = Script::new([Answer::Status(Code::ResourceExhausted, Some(60_000))]);
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(config);
+    append(&mut client(&addr, &layer)).await.unwrap();
+    let delays = layer.stats().delays.lock().unwrap().clone();
+    assert_eq!(
+        delays,
+        vec![Duration::from_millis(150)],
+        "not the minute asked for"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_connect_is_retried_on_the_short_schedule() {
+    let (l, addr) = listener().await;
+    drop(l);
+    let config = RetryConfig {
+        base: Duration::from_secs(5),
+        cap: Duration::from_secs(5),
+        ordinary_budget: Duration::from_millis(1500),
+        ..fast()
+    };
+    let layer = RetryLayer::new(config.clone());
+    append(&mut client(&addr, &layer)).await.unwrap_err();
+    let delays = layer.stats().delays.lock().unwrap().clone();
+    assert!(delays.len() >= 2, "{delays:?}");
+    assert!(
+        delays.iter().all(|d| *d <= config.connect_cap),
+        "never the long backoff after a refused connect: {delays:?}"
+    );
 }
 
 /// Accepts TCP connections and never says a word: a wedged replica, or a balancer in
