@@ -715,6 +715,11 @@ impl StreamRecoveryService for StreamRecoveryApi {
         Ok(Response::new(pb::GetRecoveryBudgetResponse {
             budget: Some(budget_of(&b)),
             lease: Some(match &b.lease {
+                Some((controller, _)) if b.parked => pb::LeaseInfo {
+                    state: pb::LeaseState::Parked as i32,
+                    controller_id: controller.clone(),
+                    expires_at: None,
+                },
                 Some((controller, expires)) => pb::LeaseInfo {
                     state: pb::LeaseState::Held as i32,
                     controller_id: controller.clone(),
@@ -754,6 +759,38 @@ impl StreamRecoveryService for StreamRecoveryApi {
             resume_message_id,
             next_sequence,
         }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn park_stream(
+        &self,
+        request: Request<pb::ParkStreamRequest>,
+    ) -> Result<Response<pb::ParkStreamResponse>, Status> {
+        let s = &self.shared;
+        s.operator(&request)?;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        let parked = s.store.park(&req.run_id).await.map_err(store_error)?;
+        tracing::info!(sandbox_id = %req.sandbox_id, parked, "stream parked for a suspend");
+        Ok(Response::new(pb::ParkStreamResponse { parked }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn unpark_stream(
+        &self,
+        request: Request<pb::UnparkStreamRequest>,
+    ) -> Result<Response<pb::UnparkStreamResponse>, Status> {
+        let s = &self.shared;
+        s.operator(&request)?;
+        let req = request.get_ref();
+        run_id_of(&req.run_id)?;
+        let ttl = ttl_ms(req.ttl.as_ref())?;
+        let unparked = s
+            .store
+            .unpark(&req.run_id, ttl, s.now_ms())
+            .await
+            .map_err(store_error)?;
+        Ok(Response::new(pb::UnparkStreamResponse { unparked }))
     }
 
     async fn sweep_orphans(

@@ -1097,3 +1097,109 @@ async fn the_sweep_runs_by_itself_and_respects_the_reset_on_redis() {
 async fn the_sweep_runs_by_itself_and_respects_the_reset_in_memory() {
     the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Memory).await;
 }
+
+async fn a_parked_run_sleeps_through_any_number_of_leases(backend: Backend) {
+    let w = World::on(false, backend).await;
+    let (run_id, key) = w.running_run().await;
+    let token = w.acquire(&run_id, &key).await;
+    let mut runner = w.runner(&key).await;
+    let append = |range| pb::AppendFramesRequest {
+        run_id: run_id.clone(),
+        controller_token: token.clone(),
+        frames: frames(range),
+        resync: false,
+    };
+    runner.append_frames(append(1..=3)).await.unwrap();
+    let mut tail = Follower::open(&w, &run_id).await;
+
+    // The node agent parks the stream, then suspends the sandbox: the runner renews
+    // nothing from here on.
+    let parked = w
+        .operator()
+        .await
+        .park_stream(pb::ParkStreamRequest {
+            run_id: run_id.clone(),
+            sandbox_id: "sbx".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(parked.parked);
+    // Six leases' worth of suspension, tailed and planned all along.
+    for _ in 0..6 {
+        w.clock.advance(Duration::from_secs(31));
+        let answer = w
+            .operator()
+            .await
+            .plan_recovery(plan(&run_id))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(answer.decision(), pb::RecoveryDecision::LeaseHeld);
+        // Room for the following tail to plan too.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let swept = w
+        .operator()
+        .await
+        .sweep_orphans(pb::SweepOrphansRequest {
+            cursor: String::new(),
+            limit: 10,
+            dry_run: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        swept
+            .results
+            .iter()
+            .all(|r| r.action() == pb::OrphanAction::Skipped),
+        "the sweep leaves a parked run alone"
+    );
+    let state = w.budget(&run_id).await;
+    assert_eq!(state.lease.unwrap().state(), pb::LeaseState::Parked);
+    assert_eq!(state.budget.unwrap().attempts, 0);
+    assert!(
+        w.messages(&run_id, rs::SteeringKind::ResumeStream)
+            .await
+            .is_empty()
+    );
+
+    // The restore hands the lease back; the same runner goes on with the same token.
+    let unparked = w
+        .operator()
+        .await
+        .unpark_stream(pb::UnparkStreamRequest {
+            run_id: run_id.clone(),
+            ttl: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(unparked.unparked);
+    runner.append_frames(append(4..=6)).await.unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 6 {
+        match tail.next().await {
+            pb::tail_response::Item::Frame(f) => seen.push(f.sequence),
+            pb::tail_response::Item::CaughtUp(_) => {}
+            other => panic!("a parked run's tail got {other:?}"),
+        }
+    }
+    assert_eq!(seen, [1, 2, 3, 4, 5, 6], "every frame once, no replay_gap");
+    assert_eq!(
+        w.budget(&run_id).await.lease.unwrap().state(),
+        pb::LeaseState::Held
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_redis() {
+    a_parked_run_sleeps_through_any_number_of_leases(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory() {
+    a_parked_run_sleeps_through_any_number_of_leases(Backend::Memory).await;
+}

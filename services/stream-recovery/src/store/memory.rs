@@ -45,6 +45,7 @@ struct Lease {
     controller: String,
     token: String,
     expires: i64,
+    parked: bool,
 }
 
 impl Run {
@@ -57,7 +58,7 @@ impl Run {
     }
 
     fn live_lease(&self, now: i64) -> Option<&Lease> {
-        self.lease.as_ref().filter(|l| l.expires > now)
+        self.lease.as_ref().filter(|l| l.parked || l.expires > now)
     }
 }
 
@@ -111,6 +112,7 @@ impl RecoveryStore for MemoryStore {
                 controller: controller.to_owned(),
                 token: token.to_owned(),
                 expires: now_ms + ttl_ms,
+                parked: false,
             });
             Ok(Acquired {
                 token: token.to_owned(),
@@ -124,6 +126,7 @@ impl RecoveryStore for MemoryStore {
         self.with(run, |r| match r.lease.as_mut() {
             Some(lease) if lease.token == token => {
                 lease.expires = now_ms + ttl_ms;
+                lease.parked = false;
                 Ok(lease.expires)
             }
             Some(_) => Err(StoreError::Fenced),
@@ -134,6 +137,7 @@ impl RecoveryStore for MemoryStore {
                     controller: "resynced".into(),
                     token: token.to_owned(),
                     expires: now_ms + ttl_ms,
+                    parked: false,
                 });
                 Ok(now_ms + ttl_ms)
             }
@@ -186,6 +190,7 @@ impl RecoveryStore for MemoryStore {
                     controller: "resynced".into(),
                     token: token.to_owned(),
                     expires: now_ms + DEFAULT_LEASE_TTL.as_millis() as i64,
+                    parked: false,
                 });
             }
             let mut stored = 0;
@@ -240,6 +245,7 @@ impl RecoveryStore for MemoryStore {
                     .live_lease(now_ms)
                     .map(|l| (l.controller.clone(), l.expires)),
                 next_sequence: r.next,
+                parked: r.lease.as_ref().is_some_and(|l| l.parked),
             })
         })
     }
@@ -291,6 +297,7 @@ impl RecoveryStore for MemoryStore {
                 controller: a.controller.to_owned(),
                 token: a.token.to_owned(),
                 expires: a.now_ms + a.lease_ttl_ms,
+                parked: false,
             });
             Ok(ClaimOutcome::Claimed {
                 attempt: attempts,
@@ -331,6 +338,29 @@ impl RecoveryStore for MemoryStore {
             *used = used.saturating_sub(bytes);
         }
         Ok(())
+    }
+
+    async fn park(&self, run: &str) -> Result<bool> {
+        self.with(run, |r| {
+            Ok(r.lease
+                .as_mut()
+                .map(|l| {
+                    l.parked = true;
+                    l.expires = super::PARKED_EXPIRES_MS;
+                })
+                .is_some())
+        })
+    }
+
+    async fn unpark(&self, run: &str, ttl_ms: i64, now_ms: i64) -> Result<bool> {
+        self.with(run, |r| match r.lease.as_mut() {
+            Some(l) if l.parked => {
+                l.parked = false;
+                l.expires = now_ms + ttl_ms;
+                Ok(true)
+            }
+            _ => Ok(false),
+        })
     }
 
     async fn forget(&self, run: &str) -> Result<()> {

@@ -41,6 +41,9 @@ impl From<::redis::RedisError> for StoreError {
 
 pub type Result<T> = std::result::Result<T, StoreError>;
 
+/// A parked lease's expiry: never, in practice (year 2255).
+pub const PARKED_EXPIRES_MS: i64 = 9_000_000_000_000;
+
 /// A lease granted to a run's first controller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Acquired {
@@ -82,6 +85,8 @@ pub struct BudgetState {
     pub exhausted: bool,
     /// The lease holder and expiry, when held (unexpired at the read's `now`).
     pub lease: Option<(String, i64)>,
+    /// The lease is parked (its sandbox suspended).
+    pub parked: bool,
     pub next_sequence: u64,
 }
 
@@ -160,6 +165,11 @@ pub trait RecoveryStore: Send + Sync + 'static {
     async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64>;
     /// Gives back bytes a reservation did not use.
     async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()>;
+    /// Parks the run's lease (its sandbox is being suspended): held with no expiry until
+    /// `unpark`. False when there is no lease to park.
+    async fn park(&self, run: &str) -> Result<bool>;
+    /// Hands a parked lease back: it expires `ttl_ms` after `now_ms` again, same token.
+    async fn unpark(&self, run: &str, ttl_ms: i64, now_ms: i64) -> Result<bool>;
     /// Forgets everything about a run (the orphan sweep).
     async fn forget(&self, run: &str) -> Result<()>;
     /// Runs with state, in id order after `cursor`, at most `limit`.

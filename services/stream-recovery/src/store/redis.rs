@@ -67,8 +67,33 @@ if not holder then
   redis.call('HSET', KEYS[2], 'granted', '1')
 end
 redis.call('HSET', KEYS[1], 'expires', expires)
+redis.call('HDEL', KEYS[1], 'parked')
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * tonumber(ARGV[4]))
 return {'ok', expires}
+"#,
+    )
+});
+
+/// Parks a lease with a token: no expiry, no key TTL, until UNPARK (or a renewal).
+static PARK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if not redis.call('HGET', KEYS[1], 'token') then return 0 end
+redis.call('HSET', KEYS[1], 'parked', '1', 'expires', ARGV[1])
+redis.call('PERSIST', KEYS[1])
+return 1
+"#,
+    )
+});
+
+static UNPARK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'parked') ~= '1' then return 0 end
+redis.call('HDEL', KEYS[1], 'parked')
+redis.call('HSET', KEYS[1], 'expires', tonumber(ARGV[2]) + tonumber(ARGV[1]))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * tonumber(ARGV[3]))
+return 1
 "#,
     )
 });
@@ -187,7 +212,8 @@ local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
 if expires <= now then holder = ''; expires = 0 end
 local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
 return {holder, expires, tonumber(b[1] or '0'), tonumber(b[2] or '-1'), tonumber(b[3] or '-1'),
-        b[4] or '0', tonumber(redis.call('HGET', KEYS[3], 'next') or '1')}
+        b[4] or '0', tonumber(redis.call('HGET', KEYS[3], 'next') or '1'),
+        redis.call('HGET', KEYS[1], 'parked') or '0'}
 "#,
     )
 });
@@ -204,6 +230,7 @@ local base, cap = tonumber(ARGV[5]), tonumber(ARGV[6])
 local jitter = tonumber(ARGV[7])
 local reset_after, max_attempts = tonumber(ARGV[8]), tonumber(ARGV[9])
 local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
+if redis.call('HGET', KEYS[1], 'parked') == '1' then return {'held'} end
 if redis.call('HGET', KEYS[1], 'controller') and expires > now then return {'held'} end
 if redis.call('HGET', KEYS[3], 'granted') ~= '1' then return {'no_controller'} end
 local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
@@ -500,6 +527,7 @@ impl RecoveryStore for RedisStore {
             not_before_ms: optional(int(&out[4])),
             exhausted: text(&out[5]) == "1",
             next_sequence: int(&out[6]) as u64,
+            parked: text(&out[7]) == "1",
         })
     }
 
@@ -589,6 +617,30 @@ impl RecoveryStore for RedisStore {
             .query_async(&mut conn)
             .await?;
         Ok(())
+    }
+
+    async fn park(&self, run: &str) -> Result<bool> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let parked: i64 = PARK
+            .key(&k.lease)
+            .arg(super::PARKED_EXPIRES_MS)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(parked == 1)
+    }
+
+    async fn unpark(&self, run: &str, ttl_ms: i64, now_ms: i64) -> Result<bool> {
+        let k = self.keys(run);
+        let mut conn = self.conn.clone();
+        let unparked: i64 = UNPARK
+            .key(&k.lease)
+            .arg(ttl_ms)
+            .arg(now_ms)
+            .arg(LEASE_GC_FACTOR)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(unparked == 1)
     }
 
     async fn forget(&self, run: &str) -> Result<()> {
