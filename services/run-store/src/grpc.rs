@@ -705,6 +705,7 @@ impl RunService for RunApi {
         let s = self.shared.clone();
         let operator = s.operator(&request)?;
         let req = request.into_inner();
+        validate::int64("after_sequence", req.after_sequence)?;
         let first = s.visible_run(&operator, &req.run_id).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
@@ -728,7 +729,7 @@ impl RunService for RunApi {
         validate::run_id(&req.run_id)?;
         validate::name("sandbox_id", &req.sandbox_id)?;
         validate::client_key("idempotency_key", &req.idempotency_key)?;
-        if req.sandbox_generation == 0 || req.sandbox_generation > i64::MAX as u64 {
+        if validate::int64("sandbox_generation", req.sandbox_generation)? == 0 {
             return Err(RunStoreError::invalid("sandbox_generation", "must be at least 1").into());
         }
         let (key, secret) = s
@@ -966,6 +967,9 @@ impl RunService for RunApi {
         validate::client_key("idempotency_key", &req.idempotency_key)?;
         if !req.if_sandbox_id.is_empty() {
             validate::name("if_sandbox_id", &req.if_sandbox_id)?;
+        }
+        if let Some(generation) = req.if_sandbox_generation {
+            validate::int64("if_sandbox_generation", generation)?;
         }
         // Without a sandbox guard the digest is what it was before the guard existed, so a
         // FailRun owed across an upgrade still replays as itself.

@@ -64,6 +64,7 @@ suite!(
     list_runs_by_ids,
     claim_slots_fills_a_credential_to_its_capacity_oldest_first,
     concurrent_claims_never_overfill_a_credential,
+    numbers_past_their_columns_are_invalid_argument_and_change_nothing,
 );
 
 fn slots(credential: &str, capacity: u32, unavailable: &str) -> pb::CredentialSlots {
@@ -1565,4 +1566,53 @@ async fn shutdown_answers_long_polls_instead_of_cutting_them(mut h: Harness) {
     let answer = poller.await.unwrap();
     let answer = answer.expect("the long poll is answered, not cut");
     assert!(answer.into_inner().messages.is_empty());
+}
+
+async fn numbers_past_their_columns_are_invalid_argument_and_change_nothing(h: Harness) {
+    let (run_id, _) = h.running_run("numbers-past-i64").await;
+    let mut op = h.operator().await;
+    let field = |e: &tonic::Status| {
+        assert_reason(e, Code::InvalidArgument, ErrorReason::InvalidField);
+        error_info(e).unwrap().metadata["field"].clone()
+    };
+    let past = i64::MAX as u64 + 1;
+    // A wrapped after_sequence would be negative: every event again, not a refusal.
+    let watched = match op
+        .watch_run(pb::WatchRunRequest {
+            run_id: run_id.clone(),
+            after_sequence: past,
+            states_only: false,
+        })
+        .await
+    {
+        Err(e) => e,
+        Ok(stream) => match stream.into_inner().next().await {
+            Some(Err(e)) => e,
+            other => panic!("watched past i64::MAX: {other:?}"),
+        },
+    };
+    assert_eq!(field(&watched), "after_sequence");
+    let e = op
+        .fail_run(pb::FailRunRequest {
+            run_id: run_id.clone(),
+            reason: "sandbox_lost".into(),
+            message: String::new(),
+            idempotency_key: "fail-past-i64-max-01".into(),
+            if_sandbox_generation: Some(u64::MAX),
+            if_sandbox_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(field(&e), "if_sandbox_generation");
+    let e = op
+        .issue_run_key(pb::IssueRunKeyRequest {
+            run_id: run_id.clone(),
+            sandbox_id: "sbx-past".into(),
+            sandbox_generation: past,
+            idempotency_key: "issue-past-i64-max-1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(field(&e), "sandbox_generation");
+    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
 }

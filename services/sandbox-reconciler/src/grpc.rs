@@ -14,7 +14,7 @@ use crate::domain::placement;
 use crate::domain::route_token::{self, RouteClaims};
 use crate::error::ReconcilerError;
 use crate::store::entities::{node, sandbox, wake};
-use crate::store::nodes::{Assigned, Observation};
+use crate::store::nodes::{Assigned, MAX_WAKE_ERROR_BYTES, Observation};
 use crate::store::{Placement, Store};
 
 /// How soon a client told NOT_PLACED should try again.
@@ -262,7 +262,7 @@ impl NodeService for NodeApi {
         s.store
             .heartbeat(
                 &req.node_id,
-                req.epoch as i64,
+                int64("epoch", req.epoch)?,
                 req.used.min(i32::MAX as u32) as i32,
             )
             .await?;
@@ -288,7 +288,7 @@ impl NodeService for NodeApi {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             s.store
-                .node_at_epoch(&req.node_id, req.epoch as i64)
+                .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
                 .await?;
             let assignments: Vec<pb::Assignment> = s
                 .store
@@ -322,7 +322,7 @@ impl NodeService for NodeApi {
         node_name("node_id", &req.node_id)?;
         sandbox_id(&req.sandbox_id)?;
         s.store
-            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
             .await?;
         let row = s.store.sandbox(&req.sandbox_id).await?;
         if placement::is_ended(&row) {
@@ -374,7 +374,7 @@ impl NodeService for NodeApi {
         node_name("node_id", &req.node_id)?;
         sandbox_id(&req.sandbox_id)?;
         s.store
-            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
             .await?;
         let status = match req.status() {
             pb::SandboxStatus::Started => "started",
@@ -398,7 +398,7 @@ impl NodeService for NodeApi {
                 &req.node_id,
                 &Observation {
                     sandbox_id: &req.sandbox_id,
-                    generation: req.execution_generation as i64,
+                    generation: int64("execution_generation", req.execution_generation)?,
                     seq: req.observation_seq.min(i64::MAX as u64) as i64,
                     status,
                     placed: req.placed,
@@ -423,11 +423,15 @@ impl NodeService for NodeApi {
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         s.store
-            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
             .await?;
         let row = s
             .store
-            .report_restored(&req.node_id, &req.wake_id, req.wake_attempt as i32)
+            .report_restored(
+                &req.node_id,
+                &req.wake_id,
+                int32("wake_attempt", req.wake_attempt)?,
+            )
             .await?;
         tracing::info!(sandbox_id = %row.id, "wake restored; placement and route identity written");
         let placement = s.store.placement(&row.id).await?;
@@ -443,16 +447,18 @@ impl NodeService for NodeApi {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
+        // Checked first: nothing of an oversized error is written or logged.
+        at_most("error", &req.error, MAX_WAKE_ERROR_BYTES)?;
         node_name("node_id", &req.node_id)?;
         s.store
-            .node_at_epoch(&req.node_id, req.epoch as i64)
+            .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
             .await?;
         let wake = s
             .store
             .report_wake_failed(
                 &req.node_id,
                 &req.wake_id,
-                req.wake_attempt as i32,
+                int32("wake_attempt", req.wake_attempt)?,
                 &req.error,
             )
             .await?;
@@ -460,6 +466,37 @@ impl NodeService for NodeApi {
             wake: Some(wake_of(&wake)),
         }))
     }
+}
+
+/// Longest `reason` of DestroySandbox and RequestWake, as their protos document.
+const MAX_REASON_BYTES: usize = 256;
+
+/// Refuses a client string longer than its documented bound.
+fn at_most(field: &'static str, value: &str, max: usize) -> Result<(), ReconcilerError> {
+    if value.len() > max {
+        return Err(ReconcilerError::InvalidField {
+            field,
+            reason: format!("at most {max} bytes"),
+        });
+    }
+    Ok(())
+}
+
+/// A client's unsigned number as the signed column it is compared with: one past
+/// `i64::MAX` would wrap to a negative value, so it is refused instead.
+fn int64(field: &'static str, value: u64) -> Result<i64, ReconcilerError> {
+    i64::try_from(value).map_err(|_| ReconcilerError::InvalidField {
+        field,
+        reason: format!("must be at most {}", i64::MAX),
+    })
+}
+
+/// As [`int64`], for 32-bit columns.
+fn int32(field: &'static str, value: u32) -> Result<i32, ReconcilerError> {
+    i32::try_from(value).map_err(|_| ReconcilerError::InvalidField {
+        field,
+        reason: format!("must be at most {}", i32::MAX),
+    })
 }
 
 fn sandbox_id(id: &str) -> Result<(), ReconcilerError> {
@@ -648,6 +685,8 @@ impl SandboxService for SandboxApi {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
+        // Checked first: nothing of an oversized reason is written or logged.
+        at_most("reason", &req.reason, MAX_REASON_BYTES)?;
         sandbox_id(&req.sandbox_id)?;
         let row = s.store.sandbox(&req.sandbox_id).await?;
         // Its node is handed a DESTROY assignment; a local one is stopped here (and by the
@@ -835,13 +874,7 @@ impl SandboxService for SandboxApi {
         s.authenticate(&request)?;
         let req = request.get_ref();
         sandbox_id(&req.sandbox_id)?;
-        if req.reason.len() > 256 {
-            return Err(ReconcilerError::InvalidField {
-                field: "reason",
-                reason: "at most 256 bytes".into(),
-            }
-            .into());
-        }
+        at_most("reason", &req.reason, MAX_REASON_BYTES)?;
         let p = s.live_placement(&req.sandbox_id).await?;
         if placement::serving_node(&p.sandbox, p.route.as_ref()).is_some() {
             return Ok(Response::new(pb::RequestWakeResponse {

@@ -989,6 +989,118 @@ mod node_protocol {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn numbers_past_their_columns_and_oversized_strings_are_refused_before_any_write() {
+        use runplane_sandbox_reconciler::store::entities::wake;
+        use sea_orm::EntityTrait;
+        let w = World::new().await;
+        let b = register(&w, "node-b", "b").await;
+        let row = w
+            .store
+            .insert_sandbox(w.row(
+                &uuid::Uuid::new_v4().to_string(),
+                "run-bounds",
+                "direct",
+                "suspended",
+                None,
+            ))
+            .await
+            .unwrap();
+        let queued = w.store.queue_wake(&row.id, "test").await.unwrap();
+        assert_eq!(w.store.assign_wakes(0).await.unwrap(), 1);
+        let wake_of = || async {
+            wake::Entity::find_by_id(queued.id.clone())
+                .one(w.store.database())
+                .await
+                .unwrap()
+                .unwrap()
+        };
+        let assigned = wake_of().await;
+        let mut client = nodes(&w).await;
+        let failed = |epoch: u64, attempt: u32, error: String| {
+            authed(
+                rpb::ReportWakeFailedRequest {
+                    node_id: "node-b".into(),
+                    epoch,
+                    wake_id: queued.id.clone(),
+                    wake_attempt: attempt,
+                    error,
+                },
+                TOKEN,
+            )
+        };
+        let field = |e: &tonic::Status| {
+            assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+            error_info(e).unwrap().metadata["field"].clone()
+        };
+        // 2 bytes a character: 513 bytes over the bound, ending inside a character at 512.
+        let long = format!("x{}", "é".repeat(256));
+        let e = client
+            .report_wake_failed(failed(b, 1, long.clone()))
+            .await
+            .unwrap_err();
+        assert_eq!(field(&e), "error");
+        let e = client
+            .report_wake_failed(failed(u64::MAX, 1, "boom".into()))
+            .await
+            .unwrap_err();
+        assert_eq!(field(&e), "epoch");
+        let e = client
+            .report_wake_failed(failed(b, u32::MAX, "boom".into()))
+            .await
+            .unwrap_err();
+        assert_eq!(field(&e), "wake_attempt");
+        assert_eq!(wake_of().await, assigned, "nothing written");
+
+        let e = client
+            .publish_sandbox_state(authed(
+                rpb::PublishSandboxStateRequest {
+                    node_id: "node-b".into(),
+                    epoch: b,
+                    sandbox_id: row.id.clone(),
+                    execution_generation: u64::MAX,
+                    observation_seq: 1,
+                    status: rpb::SandboxStatus::Started as i32,
+                    placed: true,
+                    exit_code: None,
+                    observed_at: None,
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(field(&e), "execution_generation");
+
+        // Inside the service the store still bounds the error, at a character boundary.
+        let stored = w
+            .store
+            .report_wake_failed("node-b", &queued.id, 1, &long)
+            .await
+            .unwrap();
+        let kept = stored.last_error;
+        assert!(kept.len() <= 512 && long.starts_with(&kept), "{kept}");
+
+        let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
+            .await
+            .unwrap();
+        let e = api
+            .destroy_sandbox(authed(
+                rpb::DestroySandboxRequest {
+                    sandbox_id: row.id.clone(),
+                    reason: "r".repeat(257),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(field(&e), "reason");
+        assert_ne!(
+            w.store.sandbox(&row.id).await.unwrap().status,
+            runplane_sandbox_reconciler::store::DELETED,
+            "an oversized reason destroys nothing"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_oversized_page_is_refused_by_both_lists() {
         let w = World::new().await;
         let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())

@@ -50,6 +50,13 @@ pub fn name(field: &'static str, value: &str) -> Result<(), RunStoreError> {
     Ok(())
 }
 
+/// A client's unsigned number as the signed column it is compared with or stored in:
+/// past `i64::MAX` it would wrap to a negative value, so it is refused instead.
+pub fn int64(field: &'static str, value: u64) -> Result<i64, RunStoreError> {
+    i64::try_from(value)
+        .map_err(|_| RunStoreError::invalid(field, format!("must be at most {}", i64::MAX)))
+}
+
 pub fn run_id(value: &str) -> Result<(), RunStoreError> {
     if !crate::domain::ids::is_run_id(value) {
         return Err(RunStoreError::invalid(

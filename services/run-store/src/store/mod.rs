@@ -1184,7 +1184,7 @@ impl Store {
         }
         let (outcome, run) = if state::is_terminal(&run.state) {
             (pb::FailRunOutcome::AlreadyTerminal, run)
-        } else if guard_generation.is_some_and(|g| g as i64 != run.sandbox_generation)
+        } else if guard_generation.is_some_and(|g| i64::try_from(g) != Ok(run.sandbox_generation))
             || guard_sandbox.is_some_and(|id| id != run.sandbox_id)
         {
             (pb::FailRunOutcome::GuardMismatch, run)

@@ -12,6 +12,19 @@ use crate::error::ReconcilerError;
 
 type Result<T> = std::result::Result<T, ReconcilerError>;
 
+/// Longest wake error kept (ReportWakeFailed's documented bound).
+pub const MAX_WAKE_ERROR_BYTES: usize = 512;
+
+/// `s` cut to at most `max` bytes, at a character boundary (`String::truncate` inside a
+/// character panics). `str::floor_char_boundary` is newer than the workspace's MSRV.
+fn truncated(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
 /// What a node is asked to do with one sandbox.
 #[derive(Debug, Clone)]
 pub enum Assigned {
@@ -378,6 +391,7 @@ impl Store {
     }
 
     /// A wake could not restore here: back to the queue, or failed after its attempts.
+    /// `error` is kept to its first [`MAX_WAKE_ERROR_BYTES`], cut at a character.
     pub async fn report_wake_failed(
         &self,
         node_id: &str,
@@ -385,8 +399,9 @@ impl Store {
         attempt: i32,
         error: &str,
     ) -> Result<wake::Model> {
-        let mut error = error.to_owned();
-        error.truncate(512);
+        // The API refuses a longer error; a caller inside the service may still pass
+        // one, and a cut inside a character would panic.
+        let error = truncated(error, MAX_WAKE_ERROR_BYTES);
         let current = wake::Entity::find_by_id(wake_id.to_owned())
             .one(&self.db)
             .await?
