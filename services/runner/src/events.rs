@@ -7,6 +7,13 @@
 //! fails for good (the outage outlived the budget) is counted as lost, the drain stops
 //! sending and keeps emptying the queue so the agent can still run to its end, and the
 //! loss is reported as an `events_lost` event once the run store answers again.
+//!
+//! Batches respect the limits Hello returned (`max_batch_events`, `max_batch_bytes`, as
+//! the run store counts them: the events' encoded sizes). One event larger than a whole
+//! batch is cut to fit, with a marker saying how much was cut, never dropped silently.
+//! While degraded, the probe that tries to report the loss runs beside the drain, bounded
+//! by [`PROBE_DEADLINE`], so the drain keeps emptying the queue and the agent never
+//! waits on the run store.
 
 use std::time::Duration;
 
@@ -22,6 +29,31 @@ pub const QUEUE_EVENTS: usize = 4096;
 pub const FLUSH_AFTER: Duration = Duration::from_millis(200);
 /// While degraded, how often the drain tries to report the loss (and so reconnect).
 pub const PROBE_EVERY: Duration = Duration::from_secs(5);
+/// How long one probe may take, retries included, before it counts as failed.
+pub const PROBE_DEADLINE: Duration = Duration::from_secs(2);
+/// The batch size when Hello named none.
+const DEFAULT_BATCH_BYTES: usize = 1 << 20;
+
+/// Cuts `event`'s text so the event's encoded size fits `max_bytes`, ending it with a
+/// marker naming how many bytes were cut. An event that fits is left alone.
+pub fn fit(mut event: pb::EventInput, max_bytes: usize) -> pb::EventInput {
+    let size = event.encoded_len();
+    if size <= max_bytes {
+        return event;
+    }
+    let over = size - max_bytes;
+    // Room for the marker, whose own length varies with the count.
+    let mut keep = event.text.len().saturating_sub(over + 64);
+    while !event.text.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    let cut = event.text.len() - keep;
+    event.text.truncate(keep);
+    event.text.push_str(&format!(
+        " [runplane: {cut} bytes cut to fit the batch limit]"
+    ));
+    event
+}
 
 pub fn channel() -> (mpsc::Sender<pb::EventInput>, mpsc::Receiver<pb::EventInput>) {
     mpsc::channel(QUEUE_EVENTS)
@@ -66,22 +98,33 @@ pub async fn drain(
     ending: crate::ending::Ending,
 ) -> DrainReport {
     let max_events = limits.max_batch_events.clamp(1, 500) as usize;
-    // Leave room for the request's own framing.
-    let max_bytes = (limits.max_batch_bytes.max(64 << 10) as usize) - 4096;
+    let max_bytes = match limits.max_batch_bytes {
+        0 => DEFAULT_BATCH_BYTES,
+        n => n as usize,
+    };
     let mut report = DrainReport::default();
     let mut batch_number: u64 = 0;
     let mut next = queue.recv().await;
     let mut degraded_since: Option<tokio::time::Instant> = None;
+    let mut probe: Option<(tokio::task::JoinHandle<Result<(), Stop>>, u64)> = None;
 
     while let Some(first) = next.take() {
+        let first = fit(first, max_bytes);
+        let mut bytes = first.encoded_len();
         let mut batch = vec![first];
-        let mut bytes = batch[0].encoded_len();
         let deadline = tokio::time::Instant::now() + FLUSH_AFTER;
         while batch.len() < max_events {
             tokio::select! {
                 event = queue.recv() => match event {
-                    Some(e) if bytes + e.encoded_len() > max_bytes => { next = Some(e); break; }
-                    Some(e) => { bytes += e.encoded_len(); batch.push(e); }
+                    Some(e) => {
+                        let e = fit(e, max_bytes);
+                        if bytes + e.encoded_len() > max_bytes {
+                            next = Some(e);
+                            break;
+                        }
+                        bytes += e.encoded_len();
+                        batch.push(e);
+                    }
                     None => break,
                 },
                 () = tokio::time::sleep_until(deadline) => break,
@@ -89,19 +132,19 @@ pub async fn drain(
         }
 
         if let Some(since) = degraded_since {
-            // Degraded: do not hold the agent up. Count the batch, and now and then try
-            // to report the loss, which is also how the drain learns the way is clear.
+            // Degraded: do not hold the agent up. Count the batch; now and then a probe,
+            // beside the drain, tries to report the loss, which is also how the drain
+            // learns the way is clear.
             report.lost += batch.len() as u64;
-            if since.elapsed() >= PROBE_EVERY {
-                batch_number += 1;
-                let probe = vec![lost_event(report.lost)];
-                match append(&client, &run_id, &format!("{nonce}-{batch_number}"), probe).await {
+            if let Some((handle, reported)) = probe.take_if(|(h, _)| h.is_finished()) {
+                match handle.await.unwrap_or(Err(Stop::Failed)) {
                     Ok(()) => {
                         tracing::warn!(
-                            lost = report.lost,
+                            lost = reported,
                             "run store reachable again; reported lost events"
                         );
-                        report.lost = 0;
+                        // What was lost while the probe was out goes in the final report.
+                        report.lost -= reported;
                         degraded_since = None;
                     }
                     Err(Stop::RunTerminal) => {
@@ -110,6 +153,21 @@ pub async fn drain(
                     }
                     Err(Stop::Failed) => degraded_since = Some(tokio::time::Instant::now()),
                 }
+            } else if probe.is_none() && since.elapsed() >= PROBE_EVERY {
+                batch_number += 1;
+                let reported = report.lost;
+                let client = client.clone();
+                let run_id = run_id.clone();
+                let key = format!("{nonce}-{batch_number}");
+                probe = Some((
+                    tokio::spawn(async move {
+                        let probe = append(&client, &run_id, &key, vec![lost_event(reported)]);
+                        tokio::time::timeout(PROBE_DEADLINE, probe)
+                            .await
+                            .unwrap_or(Err(Stop::Failed))
+                    }),
+                    reported,
+                ));
             }
         } else {
             batch_number += 1;
@@ -133,6 +191,11 @@ pub async fn drain(
         if next.is_none() {
             next = queue.recv().await;
         }
+    }
+    if let Some((handle, reported)) = probe
+        && let Ok(Ok(())) = handle.await
+    {
+        report.lost -= reported;
     }
     report
 }

@@ -171,3 +171,125 @@ async fn a_drain_that_fails_for_good_releases_the_pipes_and_reports_the_loss() {
     assert!(reported as usize >= produced - 100, "reported {reported}");
     server.shutdown_background();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_respect_a_small_server_limit_and_an_oversized_event_is_cut_with_a_marker() {
+    let sqlite = runplane_testkit::TestSqlite::new();
+    let mut config = Config::default();
+    config.auth.operator_token = Secret::new(TOKEN);
+    config.run_store.database_url = sqlite.url();
+    config.run_store.receipt_signing_key =
+        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+    config.run_store.admission = false;
+    config.run_store.max_batch_bytes = 1024;
+    config.run_store.max_batch_events = 5;
+    let addr = runplane_testkit::free_local_addr().to_string();
+    let endpoint = format!("http://{addr}");
+    let server = serve(&config, addr.clone());
+    let channel = loop {
+        if let Ok(c) = tonic::transport::Endpoint::from_shared(endpoint.clone())
+            .unwrap()
+            .connect()
+            .await
+        {
+            break c;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut op = RunServiceClient::new(channel);
+    let run = op
+        .create_run(authed(pb::CreateRunRequest {
+            client_request_id: "drain-limit-request-01".into(),
+            org_id: "acme".into(),
+            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            command: "agent".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let key = op
+        .issue_run_key(authed(pb::IssueRunKeyRequest {
+            run_id: run.id.clone(),
+            sandbox_id: "sbx".into(),
+            sandbox_generation: 1,
+            idempotency_key: "drain-limit-key-000001".into(),
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run_key;
+    let layer = RetryLayer::new(RetryConfig::default());
+    let mut client = RunnerServiceClient::with_interceptor(
+        runplane_transport::connect_lazy(&endpoint, &layer).unwrap(),
+        Bearer::new(key),
+    );
+    let limits = client
+        .hello(pb::HelloRequest {
+            run_id: run.id.clone(),
+            nonce: "drain-limit-nonce-01".into(),
+            runner_version: "test".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .limits
+        .unwrap();
+    assert_eq!(limits.max_batch_bytes, 1024);
+
+    let (tx, rx) = events::channel();
+    let drain = tokio::spawn(events::drain(
+        client,
+        run.id.clone(),
+        "drain-limit-nonce".into(),
+        limits,
+        rx,
+        runplane_runner::ending::Ending::new(),
+    ));
+    let texts: Vec<String> = (0..40)
+        .map(|i| {
+            if i == 20 {
+                "x".repeat(5000)
+            } else {
+                format!("line {i} {}", "y".repeat(150))
+            }
+        })
+        .collect();
+    for text in &texts {
+        tx.send(pb::EventInput {
+            kind: pb::EventKind::Stdout as i32,
+            text: text.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    drop(tx);
+    let report = drain.await.unwrap();
+    assert_eq!(
+        (report.sent, report.lost),
+        (40, 0),
+        "nothing lost to BATCH_TOO_LARGE"
+    );
+
+    let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
+        .await
+        .unwrap();
+    let stored = store.store().events_after(&run.id, 0, 100).await.unwrap();
+    assert_eq!(stored.len(), 40);
+    for (got, sent) in stored.iter().zip(&texts) {
+        if sent.len() > 1000 {
+            assert!(got.text.starts_with("xxxx"), "{}", got.text);
+            assert!(
+                got.text.ends_with("bytes cut to fit the batch limit]"),
+                "{}",
+                got.text
+            );
+        } else {
+            assert_eq!(&got.text, sent);
+        }
+    }
+    server.shutdown_background();
+}
