@@ -517,9 +517,17 @@ fn unauthenticated() -> Status {
     )
 }
 
+/// A run id is a lowercase UUID, as the run store mints them; anything else is refused
+/// before any key is read or written.
 fn run_id_of(id: &str) -> Result<(), Status> {
-    if id.is_empty() || id.len() > 64 {
-        return Err(invalid("run_id", "must be a run id"));
+    let b = id.as_bytes();
+    let well_formed = b.len() == 36
+        && b.iter().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => *c == b'-',
+            _ => c.is_ascii_digit() || (b'a'..=b'f').contains(c),
+        });
+    if !well_formed {
+        return Err(invalid("run_id", "must be a run id (a lowercase UUID)"));
     }
     Ok(())
 }
@@ -688,6 +696,8 @@ impl StreamRecoveryService for StreamRecoveryApi {
         s.operator(&request)?;
         let req = request.into_inner();
         run_id_of(&req.run_id)?;
+        // An unknown run is NOT_FOUND before anything is read or written for it.
+        s.run(&req.run_id).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
             if let Err(status) = tail(&s, &req, &tx).await {
@@ -707,6 +717,8 @@ impl StreamRecoveryService for StreamRecoveryApi {
         s.operator(&request)?;
         let req = request.get_ref();
         run_id_of(&req.run_id)?;
+        // A read: it creates no state, and needs no run store (an unknown run reads as
+        // an empty budget and a free lease).
         let b = s
             .store
             .budget(&req.run_id, s.now_ms())

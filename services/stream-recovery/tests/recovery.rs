@@ -1203,3 +1203,76 @@ async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_redis() 
 async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory() {
     a_parked_run_sleeps_through_any_number_of_leases(Backend::Memory).await;
 }
+
+async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
+    let w = World::on(false, backend).await;
+    let unknown = "01a22b9d-7bd7-76e7-a072-4dd6efe3ec58";
+    for (run_id, code) in [
+        (unknown, Code::NotFound),
+        ("not-a-run", Code::InvalidArgument),
+        (
+            "01A22B9D-7BD7-76E7-A072-4DD6EFE3EC58",
+            Code::InvalidArgument,
+        ),
+    ] {
+        let mut op = w.operator().await;
+        let plan = op.plan_recovery(plan(run_id)).await.unwrap_err();
+        assert_eq!(plan.code(), code, "plan of {run_id}: {plan:?}");
+        let tail = op
+            .tail(pb::TailRequest {
+                run_id: run_id.into(),
+                from_sequence: 0,
+                follow: true,
+            })
+            .await;
+        let tail = match tail {
+            Err(status) => status,
+            Ok(stream) => stream.into_inner().message().await.unwrap_err(),
+        };
+        assert_eq!(tail.code(), code, "tail of {run_id}: {tail:?}");
+        // A budget read of an unknown run answers an empty budget; a malformed id is
+        // refused. Neither writes anything.
+        let budget = op
+            .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+                run_id: run_id.into(),
+            })
+            .await;
+        if code == Code::InvalidArgument {
+            assert_eq!(budget.unwrap_err().code(), code);
+        } else {
+            assert_eq!(budget.unwrap().into_inner().budget.unwrap().attempts, 0);
+        }
+    }
+    let swept = w
+        .operator()
+        .await
+        .sweep_orphans(pb::SweepOrphansRequest {
+            cursor: String::new(),
+            limit: 10,
+            dry_run: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(swept.results.is_empty(), "no state: {:?}", swept.results);
+    if backend == Backend::Redis {
+        let client = redis::Client::open(w._redis.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}*", w._redis.prefix()))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(keys.is_empty(), "no keys: {keys:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_and_malformed_runs_are_refused_with_no_keys_on_redis() {
+    bad_run_ids_are_refused_and_leave_no_state(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_and_malformed_runs_are_refused_with_no_state_in_memory() {
+    bad_run_ids_are_refused_and_leave_no_state(Backend::Memory).await;
+}

@@ -57,6 +57,15 @@ impl Run {
         }
     }
 
+    fn is_blank(&self) -> bool {
+        self.lease.is_none()
+            && !self.granted
+            && self.frames.is_empty()
+            && self.next == 1
+            && self.attempts == 0
+            && !self.exhausted
+    }
+
     fn live_lease(&self, now: i64) -> Option<&Lease> {
         self.lease.as_ref().filter(|l| l.parked || l.expires > now)
     }
@@ -73,9 +82,19 @@ impl MemoryStore {
         Self::default()
     }
 
+    /// Runs `f` on the run's state; a run with no state gets an entry only if `f` leaves
+    /// something in it (as a Redis script that only reads creates no key).
     fn with<T>(&self, run: &str, f: impl FnOnce(&mut Run) -> T) -> T {
         let mut runs = self.runs.lock().expect("memory store poisoned");
-        f(runs.entry(run.to_owned()).or_insert_with(Run::fresh))
+        if let Some(r) = runs.get_mut(run) {
+            return f(r);
+        }
+        let mut fresh = Run::fresh();
+        let out = f(&mut fresh);
+        if !fresh.is_blank() {
+            runs.insert(run.to_owned(), fresh);
+        }
+        out
     }
 }
 
