@@ -181,30 +181,6 @@ impl Shared {
         Ok(run)
     }
 
-    /// CreateRun's `max_duration`: positive and at most `[run_store]
-    /// max_run_duration_seconds`.
-    fn checked_max_duration(&self, d: &prost_types::Duration) -> Result<Duration> {
-        let bound = self.settings.max_run_duration_seconds;
-        let out_of_range = || {
-            RunStoreError::invalid(
-                "max_duration",
-                format!("must be more than 0 s and at most {bound} s"),
-            )
-        };
-        if d.seconds < 0
-            || d.nanos < 0
-            || d.nanos >= 1_000_000_000
-            || (d.seconds, d.nanos) == (0, 0)
-        {
-            return Err(out_of_range());
-        }
-        let d = Duration::new(d.seconds as u64, d.nanos as u32);
-        if d > Duration::from_secs(bound.into()) {
-            return Err(out_of_range());
-        }
-        Ok(d)
-    }
-
     fn limits(&self) -> pb::RunnerLimits {
         let l = &self.settings.limits;
         pb::RunnerLimits {
@@ -385,7 +361,98 @@ impl RunnerService for RunnerApi {
     }
 }
 
-fn check_acks(acks: &[pb::SteeringAck], max: usize) -> Result<Vec<Ack>> {
+/// What CreateRun's checks made of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedCreateRun {
+    /// The profile asked for; empty when a credential was named.
+    pub profile: String,
+    /// The credential named; empty when a profile was asked for.
+    pub credential_id: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub max_duration: Option<Duration>,
+}
+
+/// CreateRun's checks of its request, before anything is asked or written: every field
+/// against its documented bound, `max_duration` against `max_run_duration_seconds`.
+/// Pure, so it is fuzzed (`tests/fuzz.rs`).
+pub fn check_create_run(
+    req: &pb::CreateRunRequest,
+    max_run_duration_seconds: u32,
+) -> Result<CheckedCreateRun> {
+    use pb::create_run_request::Target;
+    validate::client_key("client_request_id", &req.client_request_id)?;
+    validate::name("org_id", &req.org_id)?;
+    if !req.lead_id.is_empty() {
+        validate::name("lead_id", &req.lead_id)?;
+    }
+    let (profile, credential_id) = match &req.target {
+        Some(Target::Profile(p)) => {
+            validate::name("profile", p)?;
+            (p.clone(), String::new())
+        }
+        Some(Target::CredentialId(c)) => {
+            validate::name("credential_id", c)?;
+            (String::new(), c.clone())
+        }
+        None => {
+            return Err(RunStoreError::invalid(
+                "target",
+                "exactly one of profile or credential_id is required",
+            ));
+        }
+    };
+    validate::bounded("command", &req.command, 1, 4096)?;
+    if req.args.len() > 256 {
+        return Err(RunStoreError::invalid("args", "at most 256 arguments"));
+    }
+    for arg in &req.args {
+        validate::bounded("args", arg, 0, 4096)?;
+    }
+    if req.labels.len() > 32 {
+        return Err(RunStoreError::invalid("labels", "at most 32 labels"));
+    }
+    let labels: std::collections::BTreeMap<String, String> = req
+        .labels
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    for (k, v) in &labels {
+        validate::bounded("labels", k, 1, 63)?;
+        validate::bounded("labels", v, 0, 256)?;
+    }
+    let max_duration = match req.max_duration.as_ref() {
+        None => None,
+        Some(d) => Some(checked_max_duration(d, max_run_duration_seconds)?),
+    };
+    Ok(CheckedCreateRun {
+        profile,
+        credential_id,
+        labels,
+        max_duration,
+    })
+}
+
+/// CreateRun's `max_duration`: positive and at most `[run_store]
+/// max_run_duration_seconds`.
+fn checked_max_duration(d: &prost_types::Duration, bound: u32) -> Result<Duration> {
+    let out_of_range = || {
+        RunStoreError::invalid(
+            "max_duration",
+            format!("must be more than 0 s and at most {bound} s"),
+        )
+    };
+    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 || (d.seconds, d.nanos) == (0, 0) {
+        return Err(out_of_range());
+    }
+    let d = Duration::new(d.seconds as u64, d.nanos as u32);
+    if d > Duration::from_secs(bound.into()) {
+        return Err(out_of_range());
+    }
+    Ok(d)
+}
+
+/// PollSteering's checks of its acknowledgements; pure, so it is fuzzed.
+pub fn check_acks(acks: &[pb::SteeringAck], max: usize) -> Result<Vec<Ack>> {
     if acks.len() > max {
         return Err(RunStoreError::AckInvalid {
             index: max,
@@ -440,56 +507,16 @@ impl RunService for RunApi {
         &self,
         request: Request<pb::CreateRunRequest>,
     ) -> std::result::Result<Response<pb::CreateRunResponse>, Status> {
-        use pb::create_run_request::Target;
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
-        validate::client_key("client_request_id", &req.client_request_id)?;
-        validate::name("org_id", &req.org_id)?;
+        let CheckedCreateRun {
+            profile,
+            credential_id,
+            labels,
+            max_duration,
+        } = check_create_run(req, s.settings.max_run_duration_seconds)?;
         operator.may_act_in(&req.org_id)?;
-        if !req.lead_id.is_empty() {
-            validate::name("lead_id", &req.lead_id)?;
-        }
-        let (profile, credential_id) = match &req.target {
-            Some(Target::Profile(p)) => {
-                validate::name("profile", p)?;
-                (p.clone(), String::new())
-            }
-            Some(Target::CredentialId(c)) => {
-                validate::name("credential_id", c)?;
-                (String::new(), c.clone())
-            }
-            None => {
-                return Err(RunStoreError::invalid(
-                    "target",
-                    "exactly one of profile or credential_id is required",
-                )
-                .into());
-            }
-        };
-        validate::bounded("command", &req.command, 1, 4096)?;
-        if req.args.len() > 256 {
-            return Err(RunStoreError::invalid("args", "at most 256 arguments").into());
-        }
-        for arg in &req.args {
-            validate::bounded("args", arg, 0, 4096)?;
-        }
-        if req.labels.len() > 32 {
-            return Err(RunStoreError::invalid("labels", "at most 32 labels").into());
-        }
-        let labels: std::collections::BTreeMap<String, String> = req
-            .labels
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (k, v) in &labels {
-            validate::bounded("labels", k, 1, 63)?;
-            validate::bounded("labels", v, 0, 256)?;
-        }
-        let max_duration = match req.max_duration.as_ref() {
-            None => None,
-            Some(d) => Some(s.checked_max_duration(d)?),
-        };
         let mut body = serde_json::to_value((
             &req.org_id,
             &req.lead_id,

@@ -154,6 +154,44 @@ fn page_size(requested: u32) -> Result<u32, ReconcilerError> {
     })
 }
 
+/// PublishSandboxState's checks of its request, before the node's epoch is read or
+/// anything is written: the node's epoch and the observation to publish. Pure, so it is
+/// fuzzed (`tests/fuzz.rs`).
+pub fn check_publication(
+    req: &pb::PublishSandboxStateRequest,
+) -> Result<(i64, Observation<'_>), ReconcilerError> {
+    node_name("node_id", &req.node_id)?;
+    sandbox_id(&req.sandbox_id)?;
+    let epoch = int64("epoch", req.epoch)?;
+    let status = match req.status() {
+        pb::SandboxStatus::Started => "started",
+        pb::SandboxStatus::Suspended => "suspended",
+        pb::SandboxStatus::Restoring => "restoring",
+        pb::SandboxStatus::Exited => "exited",
+        pb::SandboxStatus::Lost => "lost",
+        // The acknowledgement of a DESTROY assignment: the process is stopped.
+        pb::SandboxStatus::Deleted => crate::store::DELETED,
+        _ => {
+            return Err(ReconcilerError::InvalidField {
+                field: "status",
+                reason: "must be started, suspended, restoring, exited, lost or deleted".into(),
+            });
+        }
+    };
+    Ok((
+        epoch,
+        Observation {
+            sandbox_id: &req.sandbox_id,
+            generation: int64("execution_generation", req.execution_generation)?,
+            // Newer-than is all a sequence is compared for: past i64::MAX it stays newest.
+            seq: req.observation_seq.min(i64::MAX as u64) as i64,
+            status,
+            placed: req.placed,
+            exit_code: req.exit_code,
+        },
+    ))
+}
+
 fn node_name(field: &'static str, value: &str) -> Result<(), ReconcilerError> {
     if value.is_empty()
         || value.len() > 128
@@ -371,40 +409,11 @@ impl NodeService for NodeApi {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
-        node_name("node_id", &req.node_id)?;
-        sandbox_id(&req.sandbox_id)?;
-        s.store
-            .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
-            .await?;
-        let status = match req.status() {
-            pb::SandboxStatus::Started => "started",
-            pb::SandboxStatus::Suspended => "suspended",
-            pb::SandboxStatus::Restoring => "restoring",
-            pb::SandboxStatus::Exited => "exited",
-            pb::SandboxStatus::Lost => "lost",
-            // The acknowledgement of a DESTROY assignment: the process is stopped.
-            pb::SandboxStatus::Deleted => crate::store::DELETED,
-            _ => {
-                return Err(ReconcilerError::InvalidField {
-                    field: "status",
-                    reason: "must be started, suspended, restoring, exited, lost or deleted".into(),
-                }
-                .into());
-            }
-        };
+        let (epoch, observation) = check_publication(req)?;
+        s.store.node_at_epoch(&req.node_id, epoch).await?;
         let (applied, row) = s
             .store
-            .publish_observation(
-                &req.node_id,
-                &Observation {
-                    sandbox_id: &req.sandbox_id,
-                    generation: int64("execution_generation", req.execution_generation)?,
-                    seq: req.observation_seq.min(i64::MAX as u64) as i64,
-                    status,
-                    placed: req.placed,
-                    exit_code: req.exit_code,
-                },
-            )
+            .publish_observation(&req.node_id, &observation)
             .await?;
         let placement = s.store.placement(&row.id).await?;
         Ok(Response::new(pb::PublishSandboxStateResponse {

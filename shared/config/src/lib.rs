@@ -698,10 +698,27 @@ impl Config {
 
 /// Figment's message plus where the bad value came from; never the value of a secret,
 /// because figment only quotes values for type errors and secrets are plain strings.
+/// Fields whose values are secrets, by key name.
+const SECRET_KEYS: &[&str] = &["operator_token", "receipt_signing_key", "route_token_key"];
+
 fn describe(error: figment::Error) -> String {
     error
         .into_iter()
-        .map(|e| e.to_string())
+        .map(|e| {
+            // serde's messages quote the value they could not take; for a secret (an
+            // unquoted numeric token, say) that would print it.
+            let secret = e.path.last().is_some_and(|key| {
+                SECRET_KEYS.iter().any(|s| key.eq_ignore_ascii_case(s))
+            }) || e.path.iter().any(|key| key.eq_ignore_ascii_case("org_tokens"));
+            if secret {
+                format!(
+                    "key \"{}\" holds a value of the wrong type (a secret: not shown); expected a string",
+                    e.path.join(".")
+                )
+            } else {
+                e.to_string()
+            }
+        })
         .collect::<Vec<_>>()
         .join("; ")
 }

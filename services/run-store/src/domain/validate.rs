@@ -236,7 +236,12 @@ pub fn batch(
             let observed_at_us = match &e.observed_at {
                 None => None,
                 Some(t) if (0..1_000_000_000).contains(&t.nanos) => {
-                    Some(t.seconds.saturating_mul(1_000_000) + i64::from(t.nanos / 1000))
+                    // Saturating: a client's far-off time must not overflow (and panic).
+                    Some(
+                        t.seconds
+                            .saturating_mul(1_000_000)
+                            .saturating_add(i64::from(t.nanos / 1000)),
+                    )
                 }
                 Some(_) => return Err(malformed("observed_at has invalid nanos".into())),
             };
