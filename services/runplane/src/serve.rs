@@ -139,10 +139,11 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
 
 pub async fn run_until(
     listener: TcpListener,
-    services: ServiceSet,
+    mut services: ServiceSet,
     config: &Config,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    services.limits(runplane_grpc::ServerLimits::from(&config.server));
     let stopped =
         runplane_grpc::serve(listener, services, shutdown, config.shutdown_grace()).await?;
     tracing::info!(?stopped, "stopped");

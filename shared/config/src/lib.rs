@@ -160,6 +160,28 @@ pub struct ServerConfig {
     pub listen: String,
     /// How long in-flight calls get to finish after SIGTERM/SIGINT.
     pub shutdown_grace_seconds: u64,
+    /// HTTP/2 streams one connection may have open at once; a well-behaved client
+    /// queues past it, a stream opened anyway is refused (REFUSED_STREAM).
+    pub max_concurrent_streams: u32,
+    /// Streams of one connection the server may reset for the client's errors
+    /// (refused, malformed) before it closes the connection with ENHANCE_YOUR_CALM:
+    /// the reset-flood guard (RUSTSEC-2024-0003).
+    pub max_local_error_reset_streams: u32,
+    /// An HTTP/2 PING after this many idle seconds on a connection; 0 for none.
+    pub keepalive_interval_seconds: u64,
+    /// A connection whose PING is unanswered this many seconds is closed.
+    pub keepalive_timeout_seconds: u64,
+    /// A connection older than this many seconds is sent GOAWAY, so clients behind an L4
+    /// balancer spread out again; 0 for no limit.
+    pub max_connection_age_seconds: u64,
+    /// How long calls on an aged-out connection get to finish before it is closed.
+    pub max_connection_age_grace_seconds: u64,
+    /// The largest request message a service decodes, in bytes; a larger one is refused
+    /// (INVALID_ARGUMENT, MESSAGE_TOO_LARGE) before its handler runs.
+    pub max_decoding_message_bytes: u32,
+    /// Per-service overrides of `max_decoding_message_bytes`, by full service name
+    /// (e.g. `"runplane.runstore.v1.RunnerService" = 2097152`).
+    pub max_decoding_message_bytes_by_service: std::collections::BTreeMap<String, u32>,
 }
 
 impl Default for ServerConfig {
@@ -167,6 +189,14 @@ impl Default for ServerConfig {
         Self {
             listen: DEFAULT_LISTEN.to_owned(),
             shutdown_grace_seconds: 10,
+            max_concurrent_streams: 256,
+            max_local_error_reset_streams: 1024,
+            keepalive_interval_seconds: 30,
+            keepalive_timeout_seconds: 10,
+            max_connection_age_seconds: 0,
+            max_connection_age_grace_seconds: 60,
+            max_decoding_message_bytes: 4 * 1024 * 1024,
+            max_decoding_message_bytes_by_service: Default::default(),
         }
     }
 }
@@ -436,6 +466,7 @@ impl Config {
                 "must be between 1 and 600",
             ));
         }
+        self.validate_server_limits()?;
         if !self.auth.operator_token.is_empty() && self.auth.operator_token.expose().len() < 32 {
             return Err(ConfigError::invalid(
                 "auth.operator_token",
@@ -571,6 +602,44 @@ impl Config {
 
     /// Pairs the TLS fields must come in; that the files are readable PEM is checked
     /// when they are read (`runplane_grpc::tls::install`).
+    fn validate_server_limits(&self) -> Result<(), ConfigError> {
+        let server = &self.server;
+        if server.max_concurrent_streams == 0 {
+            return Err(ConfigError::invalid(
+                "server.max_concurrent_streams",
+                "must be at least 1",
+            ));
+        }
+        if server.max_local_error_reset_streams == 0 {
+            return Err(ConfigError::invalid(
+                "server.max_local_error_reset_streams",
+                "must be at least 1",
+            ));
+        }
+        if server.keepalive_interval_seconds > 0 && server.keepalive_timeout_seconds == 0 {
+            return Err(ConfigError::invalid(
+                "server.keepalive_timeout_seconds",
+                "must be at least 1 when keepalive_interval_seconds is set",
+            ));
+        }
+        const MESSAGE_BYTES: std::ops::RangeInclusive<u32> = 1024..=(64 * 1024 * 1024);
+        if !MESSAGE_BYTES.contains(&server.max_decoding_message_bytes) {
+            return Err(ConfigError::invalid(
+                "server.max_decoding_message_bytes",
+                "must be between 1024 and 67108864",
+            ));
+        }
+        for (service, bytes) in &server.max_decoding_message_bytes_by_service {
+            if !MESSAGE_BYTES.contains(bytes) {
+                return Err(ConfigError::invalid(
+                    "server.max_decoding_message_bytes_by_service",
+                    format!("{service}: must be between 1024 and 67108864"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn validate_tls(&self) -> Result<(), ConfigError> {
         let t = &self.tls;
         if !t.cert_file.is_empty() && t.key_file.is_empty() {

@@ -3,6 +3,8 @@
 //! - [`server::ServiceSet`] and [`server::serve`]: health per service (NOT_SERVING while
 //!   shutting down), reflection v1 and v1alpha, a request span per call joined to the
 //!   caller's W3C trace context, graceful shutdown with a deadline.
+//! - [`guard`]: a call without a well-formed bearer, or a message over its service's
+//!   decoding limit, is refused before any handler reads the body.
 //! - [`client`]: channels that inject the current trace context into every request.
 //! - [`tls`]: rustls TLS and mutual TLS of servers and `https://` channels, from `[tls]`.
 //! - [`error`]: `tonic::Status` with `google.rpc.ErrorInfo` carrying a stable reason.
@@ -10,12 +12,13 @@
 
 pub mod client;
 pub mod error;
+pub mod guard;
 pub mod server;
 pub mod tls;
 pub mod trace_context;
 
 pub use error::{ErrorReason, error_info, status_with_reason};
-pub use server::{ServiceSet, Stopped, serve, serve_with_tls};
+pub use server::{ServerLimits, ServiceSet, Stopped, serve, serve_with_tls};
 
 /// A `std::time::Duration` as the protobuf `Duration` the contract carries.
 pub fn proto_duration(d: std::time::Duration) -> prost_types::Duration {

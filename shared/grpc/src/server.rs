@@ -13,6 +13,7 @@ use tonic::service::RoutesBuilder;
 use tonic_health::ServingStatus;
 use tower_service::Service;
 
+use crate::guard::{MessageLimits, RequestGuardLayer};
 use crate::tls::ServerTls;
 use crate::trace_context::ServerTraceLayer;
 
@@ -26,6 +27,45 @@ pub enum ServeError {
     Tls(String),
 }
 
+/// What one server allows a connection and a call, from `[server]`.
+#[derive(Debug, Clone)]
+pub struct ServerLimits {
+    pub max_concurrent_streams: u32,
+    pub max_local_error_reset_streams: usize,
+    pub keepalive_interval: Option<Duration>,
+    pub keepalive_timeout: Duration,
+    pub max_connection_age: Option<Duration>,
+    pub max_connection_age_grace: Duration,
+    pub max_decoding_message_bytes: usize,
+    pub max_decoding_message_bytes_by_service: std::collections::BTreeMap<String, usize>,
+}
+
+impl From<&runplane_config::ServerConfig> for ServerLimits {
+    fn from(server: &runplane_config::ServerConfig) -> Self {
+        let seconds = |s: u64| (s > 0).then(|| Duration::from_secs(s));
+        Self {
+            max_concurrent_streams: server.max_concurrent_streams,
+            max_local_error_reset_streams: server.max_local_error_reset_streams as usize,
+            keepalive_interval: seconds(server.keepalive_interval_seconds),
+            keepalive_timeout: Duration::from_secs(server.keepalive_timeout_seconds),
+            max_connection_age: seconds(server.max_connection_age_seconds),
+            max_connection_age_grace: Duration::from_secs(server.max_connection_age_grace_seconds),
+            max_decoding_message_bytes: server.max_decoding_message_bytes as usize,
+            max_decoding_message_bytes_by_service: server
+                .max_decoding_message_bytes_by_service
+                .iter()
+                .map(|(service, bytes)| (service.clone(), *bytes as usize))
+                .collect(),
+        }
+    }
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        Self::from(&runplane_config::ServerConfig::default())
+    }
+}
+
 /// The runplane services one server will host. Health and reflection are added by
 /// [`serve`]; their names come from here.
 #[derive(Default)]
@@ -33,6 +73,7 @@ pub struct ServiceSet {
     routes: RoutesBuilder,
     names: Vec<&'static str>,
     on_shutdown: Vec<Box<dyn FnOnce() + Send>>,
+    limits: ServerLimits,
 }
 
 impl ServiceSet {
@@ -66,6 +107,12 @@ impl ServiceSet {
     /// Full names of the services added so far.
     pub fn names(&self) -> &[&'static str] {
         &self.names
+    }
+
+    /// Replaces the default [`ServerLimits`] (those of `[server]`'s defaults).
+    pub fn limits(&mut self, limits: ServerLimits) -> &mut Self {
+        self.limits = limits;
+        self
     }
 }
 
@@ -107,6 +154,7 @@ pub async fn serve_with_tls(
         mut routes,
         names,
         on_shutdown,
+        limits,
     } = services;
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -141,7 +189,17 @@ pub async fn serve_with_tls(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
 
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        // tonic turns hyper's reset-flood guard off unless this is set (RUSTSEC-2024-0003).
+        .http2_max_local_error_reset_streams(Some(limits.max_local_error_reset_streams))
+        .http2_keepalive_interval(limits.keepalive_interval)
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout));
+    if let Some(age) = limits.max_connection_age {
+        builder = builder
+            .max_connection_age(age)
+            .max_connection_age_grace(limits.max_connection_age_grace);
+    }
     let tls_mode = tls.as_ref().map_or("off", ServerTls::mode);
     if let Some(tls) = tls {
         // Applies to `serve_with_incoming` too: each accepted stream is handshaken first.
@@ -157,6 +215,10 @@ pub async fn serve_with_tls(
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = builder
         .layer(ServerTraceLayer)
+        .layer(RequestGuardLayer::new(MessageLimits::new(
+            limits.max_decoding_message_bytes,
+            limits.max_decoding_message_bytes_by_service,
+        )))
         .add_routes(routes.routes())
         .serve_with_incoming_shutdown(incoming(listener), async {
             let _ = stop_rx.await;
