@@ -18,6 +18,7 @@ pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
             endpoint: config.node.endpoint.clone(),
             capacity: config.node.capacity,
             reconciler_endpoint: config.sandbox_reconciler.endpoint.clone(),
+            recovery_endpoint: config.stream_recovery.endpoint.clone(),
             token,
             state_dir: config.node.state_dir.clone().into(),
             runplane_binary: std::env::current_exe()

@@ -8,7 +8,9 @@
 //! situation), publishes exits, and stops every deleted sandbox it is handed a DESTROY
 //! for, suspended ones included, acknowledging each stop with a DELETED publication.
 //! runplane has no session traffic of its own yet, so a sandbox's idle clock starts at its
-//! launch or restore.
+//! launch or restore. A suspend is preceded by ParkStream on the stream recovery
+//! coordinator (a frozen runner renews nothing, and its lapsed lease must not look like a
+//! lost controller) and a restore followed by UnparkStream.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -17,6 +19,8 @@ use std::time::Duration;
 use runplane_config::Secret;
 use runplane_proto::reconciler::v1 as pb;
 use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
+use runplane_proto::recovery::v1 as rpb;
+use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
 use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 
@@ -31,6 +35,9 @@ pub struct AgentConfig {
     pub endpoint: String,
     pub capacity: u32,
     pub reconciler_endpoint: String,
+    /// The stream recovery coordinator, asked to park a run's stream before its sandbox
+    /// is suspended and to hand it back after the restore.
+    pub recovery_endpoint: String,
     pub token: Secret,
     pub state_dir: PathBuf,
     pub runplane_binary: PathBuf,
@@ -47,6 +54,13 @@ pub enum AgentError {
 type Client = NodeServiceClient<
     InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
 >;
+
+type Recovery = StreamRecoveryServiceClient<
+    InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
+>;
+
+/// The lease time a restored runner gets before its next renewal (the runner's own).
+const UNPARK_TTL: Duration = Duration::from_secs(30);
 
 /// A sandbox this node runs.
 struct Local {
@@ -77,6 +91,10 @@ pub async fn run(
     let channel = runplane_transport::connect_lazy(&config.reconciler_endpoint, &layer)?;
     let client: Client = NodeServiceClient::with_interceptor(
         channel,
+        runplane_grpc::client::Bearer::new(config.token.expose()),
+    );
+    let recovery: Recovery = StreamRecoveryServiceClient::with_interceptor(
+        runplane_transport::connect_lazy(&config.recovery_endpoint, &layer)?,
         runplane_grpc::client::Bearer::new(config.token.expose()),
     );
     let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary);
@@ -154,7 +172,7 @@ pub async fn run(
                     }
                 }
                 for a in assignments {
-                    act(&client, &config, epoch, &driver, &mut locals, a).await;
+                    act(&client, &recovery, &config, epoch, &driver, &mut locals, a).await;
                 }
             }
             Err(status) => {
@@ -162,7 +180,7 @@ pub async fn run(
             }
         }
         stops.reap();
-        look_after(&client, &config, epoch, &driver, &mut locals).await;
+        look_after(&client, &recovery, &config, epoch, &driver, &mut locals).await;
         if last_heartbeat.elapsed() >= Duration::from_secs(2) {
             let used = locals.values().filter(|l| !l.suspended).count() as u32;
             if let Err(status) = client
@@ -366,6 +384,7 @@ async fn adopt_or_report_lost(
 
 async fn act(
     client: &Client,
+    recovery: &Recovery,
     config: &AgentConfig,
     epoch: u64,
     driver: &ProcessDriver,
@@ -427,6 +446,7 @@ async fn act(
             let restored =
                 driver.resume(&row).await.is_ok() && driver.status(&row).await == Probe::Alive;
             if restored {
+                unpark(recovery, &row).await;
                 let report = client
                     .clone()
                     .report_restored(pb::ReportRestoredRequest {
@@ -473,6 +493,7 @@ async fn act(
 /// Suspends sandboxes idle past their timeout and publishes exits.
 async fn look_after(
     client: &Client,
+    recovery: &Recovery,
     config: &AgentConfig,
     epoch: u64,
     driver: &ProcessDriver,
@@ -498,8 +519,12 @@ async fn look_after(
             continue;
         }
         let idle = Duration::from_millis(local.row.idle_timeout_ms.max(0) as u64);
+        // A stream that could not be parked stays running this time: suspended, its
+        // runner would stop renewing and the lapsed lease be taken over as if lost.
+        // The next round tries again.
         if !idle.is_zero()
             && local.active_since.elapsed() >= idle
+            && park(recovery, &local.row).await
             && driver.suspend(&local.row).await.is_ok()
         {
             local.suspended = true;
@@ -518,5 +543,42 @@ async fn look_after(
     }
     for id in ended {
         locals.remove(&id);
+    }
+}
+
+/// Parks `row`'s run's stream for a suspend; false when the coordinator did not answer
+/// that it did (a run whose lease was never granted has nothing to park, which is fine).
+async fn park(recovery: &Recovery, row: &sandbox::Model) -> bool {
+    let parked = recovery
+        .clone()
+        .park_stream(rpb::ParkStreamRequest {
+            run_id: row.run_id.clone(),
+            sandbox_id: row.id.clone(),
+        })
+        .await;
+    match parked {
+        Ok(answer) => {
+            tracing::debug!(sandbox_id = %row.id, parked = answer.get_ref().parked, "stream parked");
+            true
+        }
+        Err(s) => {
+            tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "stream not parked; not suspending this time");
+            false
+        }
+    }
+}
+
+/// Hands a restored sandbox's stream back to its runner. Should this fail, the lease stays
+/// parked (never taken over) until the runner's next renewal or append takes it back.
+async fn unpark(recovery: &Recovery, row: &sandbox::Model) {
+    let unparked = recovery
+        .clone()
+        .unpark_stream(rpb::UnparkStreamRequest {
+            run_id: row.run_id.clone(),
+            ttl: Some(runplane_grpc::proto_duration(UNPARK_TTL)),
+        })
+        .await;
+    if let Err(s) = unparked {
+        tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "stream not unparked");
     }
 }
