@@ -182,6 +182,14 @@ pub struct ServerConfig {
     /// Per-service overrides of `max_decoding_message_bytes`, by full service name
     /// (e.g. `"runplane.runstore.v1.RunnerService" = 2097152`).
     pub max_decoding_message_bytes_by_service: std::collections::BTreeMap<String, u32>,
+    /// Ordinary calls (not long polls or streams) one service handles at once; past it a
+    /// call is refused at once with RESOURCE_EXHAUSTED (RATE_LIMITED) and pushback. 0 for
+    /// no limit.
+    pub max_concurrent_requests: u32,
+    /// Per-service overrides of `max_concurrent_requests`, by full service name.
+    pub max_concurrent_requests_by_service: std::collections::BTreeMap<String, u32>,
+    /// The pushback a shed call is told to wait, in milliseconds.
+    pub overload_pushback_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -197,6 +205,9 @@ impl Default for ServerConfig {
             max_connection_age_grace_seconds: 60,
             max_decoding_message_bytes: 4 * 1024 * 1024,
             max_decoding_message_bytes_by_service: Default::default(),
+            max_concurrent_requests: 512,
+            max_concurrent_requests_by_service: Default::default(),
+            overload_pushback_ms: 250,
         }
     }
 }
@@ -425,6 +436,7 @@ fn default_endpoint() -> String {
 impl Config {
     /// Defaults, then `file` (when given), then `RUNPLANE_*` variables; validated.
     pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        refuse_unreadable_env()?;
         Self::from_figment(Self::figment(file)?)
     }
 
@@ -637,6 +649,12 @@ impl Config {
                 ));
             }
         }
+        if server.overload_pushback_ms == 0 || server.overload_pushback_ms > 60_000 {
+            return Err(ConfigError::invalid(
+                "server.overload_pushback_ms",
+                "must be between 1 and 60000",
+            ));
+        }
         Ok(())
     }
 
@@ -767,6 +785,28 @@ impl Config {
 
 /// Figment's message plus where the bad value came from; never the value of a secret,
 /// because figment only quotes values for type errors and secrets are plain strings.
+/// figment 0.10 reads a `\\` escape in an environment value by character index as if it
+/// were a byte index: after a non-ASCII character it panics (or garbles the value). Such
+/// a variable is refused, naming its field, before figment sees it (found by fuzzing).
+fn refuse_unreadable_env() -> Result<(), ConfigError> {
+    for (key, value) in std::env::vars_os() {
+        let (Some(key), Some(value)) = (key.to_str(), value.to_str()) else {
+            continue;
+        };
+        let Some(field) = key.strip_prefix(ENV_PREFIX).filter(|f| f.contains("__")) else {
+            continue;
+        };
+        let before_escape = value.split('\\').next().unwrap_or_default();
+        if value.contains('\\') && !before_escape.is_ascii() {
+            return Err(ConfigError::invalid(
+                field.to_lowercase().replace("__", "."),
+                "a backslash after a non-ASCII character cannot be read from the environment; set it in the config file",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Fields whose values are secrets, by key name.
 const SECRET_KEYS: &[&str] = &["operator_token", "receipt_signing_key", "route_token_key"];
 

@@ -5,6 +5,8 @@
 //!   caller's W3C trace context, graceful shutdown with a deadline.
 //! - [`guard`]: a call without a well-formed bearer, or a message over its service's
 //!   decoding limit, is refused before any handler reads the body.
+//! - [`shed`]: past its concurrency limit a service answers `RESOURCE_EXHAUSTED` with
+//!   pushback at once instead of queueing.
 //! - [`client`]: channels that inject the current trace context into every request.
 //! - [`tls`]: rustls TLS and mutual TLS of servers and `https://` channels, from `[tls]`.
 //! - [`error`]: `tonic::Status` with `google.rpc.ErrorInfo` carrying a stable reason.
@@ -14,6 +16,7 @@ pub mod client;
 pub mod error;
 pub mod guard;
 pub mod server;
+pub mod shed;
 pub mod tls;
 pub mod trace_context;
 

@@ -14,6 +14,7 @@ use tonic_health::ServingStatus;
 use tower_service::Service;
 
 use crate::guard::{MessageLimits, RequestGuardLayer};
+use crate::shed::LoadShedLayer;
 use crate::tls::ServerTls;
 use crate::trace_context::ServerTraceLayer;
 
@@ -38,6 +39,27 @@ pub struct ServerLimits {
     pub max_connection_age_grace: Duration,
     pub max_decoding_message_bytes: usize,
     pub max_decoding_message_bytes_by_service: std::collections::BTreeMap<String, usize>,
+    /// Ordinary calls one service handles at once (`None`: no limit), and overrides.
+    pub max_concurrent_requests: Option<usize>,
+    pub max_concurrent_requests_by_service: std::collections::BTreeMap<String, usize>,
+    pub overload_pushback: Duration,
+}
+
+impl ServerLimits {
+    /// The concurrency limit of each of `services`, where it has one.
+    fn concurrency_limits<'a>(
+        &'a self,
+        services: &'a [&'static str],
+    ) -> impl Iterator<Item = (String, usize)> + 'a {
+        services.iter().filter_map(|name| {
+            let limit = match self.max_concurrent_requests_by_service.get(*name) {
+                Some(0) => None,
+                Some(n) => Some(*n),
+                None => self.max_concurrent_requests,
+            };
+            limit.map(|n| ((*name).to_owned(), n))
+        })
+    }
 }
 
 impl From<&runplane_config::ServerConfig> for ServerLimits {
@@ -56,6 +78,14 @@ impl From<&runplane_config::ServerConfig> for ServerLimits {
                 .iter()
                 .map(|(service, bytes)| (service.clone(), *bytes as usize))
                 .collect(),
+            max_concurrent_requests: (server.max_concurrent_requests > 0)
+                .then_some(server.max_concurrent_requests as usize),
+            max_concurrent_requests_by_service: server
+                .max_concurrent_requests_by_service
+                .iter()
+                .map(|(service, n)| (service.clone(), *n as usize))
+                .collect(),
+            overload_pushback: Duration::from_millis(server.overload_pushback_ms),
         }
     }
 }
@@ -212,6 +242,10 @@ pub async fn serve_with_tls(
         tracing::info!(%address, services = ?names, tls = tls_mode, "serving");
     }
 
+    let shed = LoadShedLayer::new(
+        limits.concurrency_limits(&names).collect::<Vec<_>>(),
+        limits.overload_pushback,
+    );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = builder
         .layer(ServerTraceLayer)
@@ -219,6 +253,7 @@ pub async fn serve_with_tls(
             limits.max_decoding_message_bytes,
             limits.max_decoding_message_bytes_by_service,
         )))
+        .layer(shed)
         .add_routes(routes.routes())
         .serve_with_incoming_shutdown(incoming(listener), async {
             let _ = stop_rx.await;

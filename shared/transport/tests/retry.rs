@@ -684,3 +684,83 @@ async fn an_attempt_past_its_deadline_is_retried_on_a_new_connection() {
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
     assert_eq!(script.calls(), 1, "not replayed");
 }
+
+/// A server over its concurrency limit sheds with pushback, and the transport waits it
+/// out: the shed call completes once the slot frees, outside the outage budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shedding_server_paces_calls_with_pushback_and_they_complete() {
+    let (l, addr) = listener().await;
+    // The first call holds the service's only slot for a while.
+    let script = Script::new([Answer::Stall(Duration::from_millis(400))]);
+    let mut services = runplane_grpc::ServiceSet::new();
+    services.add(RunnerServiceServer::new(script.clone()));
+    let mut limits = runplane_grpc::ServerLimits::default();
+    limits
+        .max_concurrent_requests_by_service
+        .insert("runplane.runstore.v1.RunnerService".to_owned(), 1);
+    limits.overload_pushback = Duration::from_millis(100);
+    services.limits(limits);
+    tokio::spawn(runplane_grpc::serve(
+        l,
+        services,
+        std::future::pending(),
+        Duration::from_secs(1),
+    ));
+
+    fn authed(request: pb::AppendEventsRequest) -> Request<pb::AppendEventsRequest> {
+        let mut request = Request::new(request);
+        request
+            .metadata_mut()
+            .insert("authorization", "Bearer test-token".parse().unwrap());
+        request
+    }
+    let layer = RetryLayer::new(fast());
+    let mut holder = client(&addr, &layer);
+    let holding = tokio::spawn(async move {
+        holder
+            .append_events(authed(pb::AppendEventsRequest::default()))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // Without the transport: the refusal itself, with both forms of pushback.
+    let channel = runplane_grpc::client::endpoint(&format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let refused = RunnerServiceClient::new(channel)
+        .append_events(authed(pb::AppendEventsRequest::default()))
+        .await
+        .expect_err("shed while the slot is held");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(
+        refused
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .and_then(|v| v.to_str().ok()),
+        Some("100")
+    );
+    {
+        use tonic_types::StatusExt;
+        let details = refused.get_error_details();
+        assert_eq!(
+            details.retry_info().and_then(|r| r.retry_delay),
+            Some(Duration::from_millis(100))
+        );
+        assert_eq!(
+            details.error_info().map(|i| i.reason.as_str()),
+            Some("RATE_LIMITED")
+        );
+    }
+
+    // Through the transport: paced by the pushback, then served.
+    let shed_layer = RetryLayer::new(fast());
+    client(&addr, &shed_layer)
+        .append_events(authed(pb::AppendEventsRequest::default()))
+        .await
+        .expect("served once the slot frees");
+    assert!(shed_layer.stats().rate_limited.load(Ordering::SeqCst) >= 1);
+    assert_eq!(shed_layer.stats().gave_up.load(Ordering::SeqCst), 0);
+    holding.await.unwrap().expect("the holder completes");
+}
