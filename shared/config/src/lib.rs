@@ -783,11 +783,10 @@ impl Config {
     }
 }
 
-/// Figment's message plus where the bad value came from; never the value of a secret,
-/// because figment only quotes values for type errors and secrets are plain strings.
-/// figment 0.10 reads a `\\` escape in an environment value by character index as if it
-/// were a byte index: after a non-ASCII character it panics (or garbles the value). Such
-/// a variable is refused, naming its field, before figment sees it (found by fuzzing).
+/// figment 0.10 reads a backslash escape in an environment value by character index as
+/// if it were a byte index: after a non-ASCII character it panics (or garbles the value).
+/// Such a variable is refused, naming its field, before figment sees it (found by
+/// fuzzing).
 fn refuse_unreadable_env() -> Result<(), ConfigError> {
     for (key, value) in std::env::vars_os() {
         let (Some(key), Some(value)) = (key.to_str(), value.to_str()) else {
@@ -810,6 +809,8 @@ fn refuse_unreadable_env() -> Result<(), ConfigError> {
 /// Fields whose values are secrets, by key name.
 const SECRET_KEYS: &[&str] = &["operator_token", "receipt_signing_key", "route_token_key"];
 
+/// Figment's message plus where the bad value came from; never the value of a secret,
+/// because figment only quotes values for type errors and secrets are plain strings.
 fn describe(error: figment::Error) -> String {
     error
         .into_iter()
