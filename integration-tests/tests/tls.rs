@@ -2,7 +2,8 @@
 //! only clients with a certificate its client CA signed (mutual TLS), server-only TLS
 //! admits any TLS client, unusable files stop the start naming the field, and a run of
 //! `runplane dev` with `[tls]` in its config file completes end to end: the CLI, the
-//! services among themselves and the sandbox's runner all over mutual TLS.
+//! services among themselves and the sandbox's runner (opted in to the launcher's client
+//! identity) all over mutual TLS.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -211,7 +212,16 @@ async fn a_run_completes_over_mutual_tls_end_to_end() {
     .unwrap();
     let data = dir.path().join("data");
     let config_env = path(&config);
-    let mut dev = start_dev_with_env(&data, &[("RUNPLANE_CONFIG", config_env.as_str())]).await;
+    // The servers require a client certificate, so the sandbox's runner needs the
+    // launcher's: a credential a sandbox inherits only when the operator opts in.
+    let mut dev = start_dev_with_env(
+        &data,
+        &[
+            ("RUNPLANE_CONFIG", config_env.as_str()),
+            ("RUNPLANE_SANDBOX_INHERIT", "tls_client_identity"),
+        ],
+    )
+    .await;
     assert!(
         dev.stdout_lines.iter().any(|l| l.contains("-cacert")),
         "the banner's grpcurl lines use TLS: {:?}",
