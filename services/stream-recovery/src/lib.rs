@@ -57,7 +57,8 @@ impl StreamRecovery {
         config: &runplane_config::Config,
         clock: SharedClock,
     ) -> Result<Self, RecoveryError> {
-        Self::with_store(Arc::new(store::memory::MemoryStore::new()), config, clock)
+        let store = store::memory::MemoryStore::with_clock(clock.clone());
+        Self::with_store(Arc::new(store), config, clock)
     }
 
     pub fn with_store(

@@ -3,7 +3,12 @@
 //! - The first takeover of a run is immediate: a deploy or crash should cost nothing.
 //! - Later takeovers wait `not_before`: 1 s doubling to a 60 s cap, plus up to as much
 //!   again of jitter so that tabs and pods polling the same run do not claim in step;
-//!   five takeovers spend about 30 s of backoff in total.
+//!   five takeovers spend about 30 s of backoff in total. With 5 attempts the longest
+//!   wait actually taken is 8–16 s (before the fifth takeover; the claim after it ends
+//!   the run without waiting): the seed's 60 s cap is kept as the formula's bound, but
+//!   it binds only from the seventh attempt, so under `MAX_ATTEMPTS` it is never reached.
+//!   [`backoff_ms`] is the one formula: the memory store calls it and the Redis claim
+//!   script is handed its values (see `store/redis.rs`).
 //! - After 5 takeovers the next claim ends the run (`stream_recovery_exhausted`): a run
 //!   whose controllers keep dying is a bug, not an outage, and must not loop forever.
 //! - A takeover more than 5 minutes after the previous one starts a fresh budget: an
@@ -20,6 +25,15 @@ pub const SWEEP_EVERY: Duration = Duration::from_secs(30);
 pub const SWEEP_BATCH: usize = 100;
 /// Lease time to live when the caller asks for none.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
+/// How long a run's state lives untouched: its meta after the last grant, renewal or
+/// claim, a buffer after its last append (the default of [`BufferLimits::ttl`]), a
+/// restart budget after its last claim, the index of runs after its last entry. A run idle that long is settled by then or never will be.
+pub const STATE_TTL: Duration = Duration::from_secs(24 * 3600);
+/// A lease key outlives its lease this many times over: a late renewal by the holder is
+/// still fenced by the token, and the key is garbage collected eventually.
+pub const LEASE_GC_FACTOR: i64 = 4;
+/// How long one org's hourly byte counter is kept: its hour and the next.
+pub const ORG_HOUR_TTL: Duration = Duration::from_secs(2 * 3600);
 
 /// Bounds of one run's replay buffer.
 #[derive(Debug, Clone, Copy)]
@@ -40,13 +54,14 @@ impl Default for BufferLimits {
             max_frames: 10_000,
             stream_bytes: 64 << 20,
             org_hour_bytes: 1 << 30,
-            ttl: Duration::from_secs(24 * 3600),
+            ttl: STATE_TTL,
         }
     }
 }
 
 /// The wait before the takeover after `attempts` takeovers: `d = min(cap, base·2^(n-1))`,
-/// plus jitter in `[0, d)`, never past the cap. `jitter` is a draw from `[0, 1)`.
+/// plus jitter in `[0, d)`, never past the cap. `jitter` is a draw from `[0, 1)`. The one
+/// backoff formula: both stores use it.
 pub fn backoff_ms(attempts: u32, jitter: f64) -> i64 {
     let base = BACKOFF_BASE.as_millis() as f64;
     let cap = BACKOFF_CAP.as_millis() as f64;
@@ -65,5 +80,15 @@ mod tests {
         assert_eq!(backoff_ms(2, 0.0), 2000);
         assert_eq!(backoff_ms(5, 0.0), 16_000);
         assert_eq!(backoff_ms(8, 0.5), 60_000);
+    }
+
+    #[test]
+    fn under_five_attempts_the_longest_wait_is_under_sixteen_seconds() {
+        // The wait set by the fifth takeover is never served: the next claim exhausts.
+        let longest = backoff_ms(MAX_ATTEMPTS - 1, 0.999_999);
+        assert!((15_000..16_000).contains(&longest), "{longest}");
+        let total: i64 = (1..MAX_ATTEMPTS).map(|n| backoff_ms(n, 0.5)).sum();
+        assert_eq!(total, 22_500, "about 30 s of backoff at most");
+        assert!(longest < BACKOFF_CAP.as_millis() as i64);
     }
 }

@@ -1,9 +1,16 @@
 //! One conformance suite for the recovery store, run against real Redis and against the
-//! embedded store. Time is passed in, so every gap is exact.
+//! embedded store. Time is passed in, so every gap is exact. Key expiry runs on the
+//! store's own time (Redis's server clock, the memory store's clock): the timed suite
+//! moves it by hand, a manual clock for memory and, for Redis, every key of the test's
+//! prefix aged by the same amount (`PEXPIRE` to what would be left, `DEL` when nothing).
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use runplane_stream_recovery::policy::{BufferLimits, MAX_ATTEMPTS, RESET_AFTER};
+use runplane_clock::ManualClock;
+use runplane_stream_recovery::policy::{
+    BufferLimits, LEASE_GC_FACTOR, MAX_ATTEMPTS, ORG_HOUR_TTL, RESET_AFTER, STATE_TTL, backoff_ms,
+};
 use runplane_stream_recovery::store::memory::MemoryStore;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_stream_recovery::store::{ClaimArgs, ClaimOutcome, RecoveryStore, StoreError};
@@ -35,7 +42,99 @@ macro_rules! conformance {
     };
 }
 
+/// Moves a store's own time (its key expiry) forward.
+enum Time {
+    Manual(ManualClock),
+    Redis(String, String),
+}
+
+impl Time {
+    async fn pass(&self, by: Duration) {
+        match self {
+            Time::Manual(clock) => clock.advance(by),
+            Time::Redis(url, prefix) => {
+                let client = ::redis::Client::open(url.as_str()).unwrap();
+                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                let by = by.as_millis() as i64;
+                let mut keys: Vec<String> = Vec::new();
+                let mut cursor: u64 = 0;
+                loop {
+                    let (next, batch): (u64, Vec<String>) = ::redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(format!("{prefix}*"))
+                        .arg("COUNT")
+                        .arg(500)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    keys.extend(batch);
+                    if next == 0 {
+                        break;
+                    }
+                    cursor = next;
+                }
+                for key in keys {
+                    let left: i64 = ::redis::cmd("PTTL")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    if left < 0 {
+                        continue; // no TTL (-1: it lives for ever) or gone (-2)
+                    }
+                    let cmd = if left > by {
+                        let mut c = ::redis::cmd("PEXPIRE");
+                        c.arg(&key).arg(left - by);
+                        c
+                    } else {
+                        let mut c = ::redis::cmd("DEL");
+                        c.arg(&key);
+                        c
+                    };
+                    let _: i64 = cmd.query_async(&mut conn).await.unwrap();
+                }
+            }
+        }
+    }
+}
+
+macro_rules! timed_conformance {
+    ($($name:ident),* $(,)?) => {
+        mod timed_redis_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let redis = super::TestRedis::new().await;
+                    let store = super::RedisStore::connect(redis.url(), redis.prefix()).await.unwrap();
+                    let time = super::Time::Redis(redis.url().to_owned(), redis.prefix().to_owned());
+                    super::$name(std::sync::Arc::new(store), time).await;
+                }
+            )*
+        }
+        mod timed_memory_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let clock = runplane_clock::ManualClock::new(chrono::Utc::now());
+                    let store = super::MemoryStore::with_clock(std::sync::Arc::new(clock.clone()));
+                    super::$name(std::sync::Arc::new(store), super::Time::Manual(clock)).await;
+                }
+            )*
+        }
+    };
+}
+
+timed_conformance!(
+    an_idle_buffer_expires_after_its_ttl,
+    a_lease_key_lives_four_leases_and_a_parked_one_until_unparked,
+    a_budget_lives_a_day_after_its_last_claim,
+    an_orgs_hour_is_pruned_and_a_late_refund_leaves_nothing,
+    the_index_of_runs_expires,
+);
+
 conformance!(
+    the_claims_wait_what_backoff_ms_says,
     only_the_first_controller_acquires_and_the_holder_gets_its_token_back,
     appends_are_fenced_idempotent_contiguous_and_budgeted,
     the_buffer_trims_and_reads_report_the_first_kept_frame,
@@ -424,4 +523,123 @@ async fn a_lost_lease_is_no_fence_and_a_controller_resyncs_past_lost_frames(
             .await,
         Err(StoreError::Fenced)
     );
+}
+
+const SECOND: Duration = Duration::from_secs(1);
+
+async fn an_idle_buffer_expires_after_its_ttl(s: Arc<dyn RecoveryStore>, t: Time) {
+    let limits = BufferLimits {
+        ttl: Duration::from_secs(600),
+        ..BufferLimits::default()
+    };
+    s.acquire("run-t1", "ctl", "tok", TTL, T0).await.unwrap();
+    s.append("run-t1", "tok", &frames(1..=3), T0, &limits, false)
+        .await
+        .unwrap();
+    t.pass(limits.ttl - SECOND).await;
+    let kept = s.read("run-t1", 1, 100).await.unwrap();
+    assert_eq!((kept.frames.len(), kept.next_sequence), (3, 4));
+    t.pass(2 * SECOND).await;
+    let gone = s.read("run-t1", 1, 100).await.unwrap();
+    assert_eq!((gone.frames.len(), gone.next_sequence), (0, 1), "{gone:?}");
+    // A run granted and never appended to: its lost controller is known as lost (a
+    // claim replaces it) until the state's TTL, long after its lease key went.
+    s.acquire("run-t1b", "ctl", "tok", TTL, T0).await.unwrap();
+    t.pass(STATE_TTL - SECOND).await;
+    assert!(matches!(
+        s.claim("run-t1b", &claim(T0 + 10 * TTL, "t"))
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed { attempt: 1, .. }
+    ));
+    s.acquire("run-t1c", "ctl", "tok", TTL, T0).await.unwrap();
+    t.pass(STATE_TTL + SECOND).await;
+    assert_eq!(
+        s.claim("run-t1c", &claim(T0 + 10 * TTL, "t"))
+            .await
+            .unwrap(),
+        ClaimOutcome::NoControllerYet,
+        "nothing is left of it"
+    );
+}
+
+async fn a_lease_key_lives_four_leases_and_a_parked_one_until_unparked(
+    s: Arc<dyn RecoveryStore>,
+    t: Time,
+) {
+    let gc = Duration::from_millis((TTL * LEASE_GC_FACTOR) as u64);
+    s.acquire("run-t2", "ctl", "tok", TTL, T0).await.unwrap();
+    t.pass(gc - SECOND).await;
+    assert!(s.budget("run-t2", T0).await.unwrap().lease.is_some());
+    t.pass(2 * SECOND).await;
+    assert!(
+        s.budget("run-t2", T0).await.unwrap().lease.is_none(),
+        "the lease key expired"
+    );
+
+    s.acquire("run-t3", "ctl", "tok", TTL, T0).await.unwrap();
+    assert!(s.park("run-t3").await.unwrap());
+    t.pass(STATE_TTL * 2).await;
+    let parked = s.budget("run-t3", T0 + 10 * TTL).await.unwrap();
+    assert!(parked.parked && parked.lease.is_some(), "{parked:?}");
+    assert!(s.unpark("run-t3", TTL, T0).await.unwrap());
+    t.pass(gc + SECOND).await;
+    assert!(s.budget("run-t3", T0).await.unwrap().lease.is_none());
+}
+
+async fn a_budget_lives_a_day_after_its_last_claim(s: Arc<dyn RecoveryStore>, t: Time) {
+    started(&s, "run-t4", T0).await;
+    assert!(matches!(
+        s.claim("run-t4", &claim(T0, "t1")).await.unwrap(),
+        ClaimOutcome::Claimed { attempt: 1, .. }
+    ));
+    t.pass(STATE_TTL - SECOND).await;
+    assert_eq!(s.budget("run-t4", T0).await.unwrap().attempts, 1);
+    t.pass(2 * SECOND).await;
+    assert_eq!(s.budget("run-t4", T0).await.unwrap().attempts, 0);
+}
+
+async fn an_orgs_hour_is_pruned_and_a_late_refund_leaves_nothing(
+    s: Arc<dyn RecoveryStore>,
+    t: Time,
+) {
+    assert_eq!(s.charge_org("acme", 9, 60, 100).await.unwrap(), 40);
+    t.pass(ORG_HOUR_TTL - SECOND).await;
+    assert!(
+        s.charge_org("acme", 9, 60, 100).await.is_err(),
+        "still counted"
+    );
+    t.pass(2 * SECOND).await;
+    // The counter is gone: a refund for it gives nothing back, and the hour starts at 0.
+    s.refund_org("acme", 9, 60).await.unwrap();
+    assert_eq!(s.charge_org("acme", 9, 100, 100).await.unwrap(), 0);
+}
+
+async fn the_index_of_runs_expires(s: Arc<dyn RecoveryStore>, t: Time) {
+    s.acquire("run-t5", "ctl", "tok", TTL, T0).await.unwrap();
+    assert_eq!(s.runs("", 10).await.unwrap(), ["run-t5"]);
+    t.pass(STATE_TTL + SECOND).await;
+    assert!(s.runs("", 10).await.unwrap().is_empty());
+}
+
+async fn the_claims_wait_what_backoff_ms_says(s: Arc<dyn RecoveryStore>) {
+    started(&s, "run-b", T0).await;
+    let mut now = T0;
+    for attempt in 1..=MAX_ATTEMPTS {
+        let token = format!("t{attempt}");
+        let args = ClaimArgs {
+            jitter: 0.37,
+            ..short_claim(now, &token)
+        };
+        let ClaimOutcome::Claimed { not_before_ms, .. } = s.claim("run-b", &args).await.unwrap()
+        else {
+            panic!("claim {attempt} was not made");
+        };
+        assert_eq!(
+            not_before_ms - now,
+            backoff_ms(attempt, 0.37),
+            "claim {attempt}"
+        );
+        now = not_before_ms;
+    }
 }

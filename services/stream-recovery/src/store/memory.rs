@@ -1,19 +1,31 @@
 //! The embedded store for `runplane dev`: the same semantics as the Redis scripts, each
 //! operation under one lock (as each script is one atomic step). State is lost with the
 //! process, like a Redis without persistence.
+//!
+//! Bounded like Redis: every key the scripts give a TTL expires here at the same moment
+//! (see `store/redis.rs`), on this store's clock (the coordinator's, as Redis uses its
+//! server's): a lease, a run's meta and buffer, its budget, an org's hourly counter.
+//! Expired state is dropped when its run is next touched, and every run's by the sweep's
+//! listing (`runs`), which the coordinator calls every 30 s.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use async_trait::async_trait;
+use runplane_clock::{SharedClock, SystemClock};
 
 use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
     StoreError, StoredFrame,
 };
 use crate::policy::{
-    BACKOFF_BASE, BACKOFF_CAP, BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER,
+    BufferLimits, DEFAULT_LEASE_TTL, LEASE_GC_FACTOR, MAX_ATTEMPTS, ORG_HOUR_TTL, RESET_AFTER,
+    STATE_TTL, backoff_ms,
 };
+
+/// When a key expires, on the store's clock; `None` while it has no TTL (Redis's
+/// `PERSIST`, or a key not written yet).
+type Expiry = Option<i64>;
 
 #[derive(Debug, Default)]
 struct Run {
@@ -29,6 +41,12 @@ struct Run {
     exhausted: bool,
     /// What the latest claim replaced, so a failed hand-off can put it back.
     undo: Option<Undo>,
+    /// The lease key's expiry.
+    lease_until: Expiry,
+    /// The meta and buffer keys' (next, first, bytes, granted, frames).
+    meta_until: Expiry,
+    /// The budget key's (attempts, claimed, not_before, exhausted, undo).
+    budget_until: Expiry,
 }
 
 #[derive(Debug)]
@@ -69,30 +87,98 @@ impl Run {
     fn live_lease(&self, now: i64) -> Option<&Lease> {
         self.lease.as_ref().filter(|l| l.parked || l.expires > now)
     }
+
+    /// Drops what has expired by `now`, key by key, as Redis would have.
+    fn expire(&mut self, now: i64) {
+        let gone = |until: &mut Expiry| {
+            let expired = until.is_some_and(|t| t <= now);
+            if expired {
+                *until = None;
+            }
+            expired
+        };
+        if gone(&mut self.lease_until) {
+            self.lease = None;
+        }
+        if gone(&mut self.meta_until) {
+            self.granted = false;
+            self.next = 1;
+            self.first = 1;
+            self.bytes = 0;
+            self.frames.clear();
+        }
+        if gone(&mut self.budget_until) {
+            self.attempts = 0;
+            self.claimed = None;
+            self.not_before = None;
+            self.exhausted = false;
+            self.undo = None;
+        }
+    }
+
+    /// Redis's `PEXPIRE lease`.
+    fn lease_lives(&mut self, now: i64, ms: i64) {
+        self.lease_until = Some(now + ms);
+    }
+
+    /// The script's `keep(meta, ms)`: the meta and buffer live at least `ms` more.
+    fn keep_meta(&mut self, now: i64, ms: i64) {
+        if self.meta_until.is_none_or(|t| t < now + ms) {
+            self.meta_until = Some(now + ms);
+        }
+    }
 }
 
+/// One org's hourly byte counter.
 #[derive(Debug, Default)]
+struct OrgHour {
+    used: u64,
+    until: i64,
+}
+
+#[derive(Debug)]
 pub struct MemoryStore {
     runs: Mutex<HashMap<String, Run>>,
-    org_hours: Mutex<HashMap<(String, i64), u64>>,
+    org_hours: Mutex<HashMap<(String, i64), OrgHour>>,
+    clock: SharedClock,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl MemoryStore {
+    /// Expiring on the system clock.
     pub fn new() -> Self {
-        Self::default()
+        Self::with_clock(SystemClock::shared())
     }
 
-    /// Runs `f` on the run's state; a run with no state gets an entry only if `f` leaves
-    /// something in it (as a Redis script that only reads creates no key).
-    fn with<T>(&self, run: &str, f: impl FnOnce(&mut Run) -> T) -> T {
-        let mut runs = self.runs.lock().expect("memory store poisoned");
-        if let Some(r) = runs.get_mut(run) {
-            return f(r);
+    /// Expiring on `clock` (the coordinator's; a manual one in tests).
+    pub fn with_clock(clock: SharedClock) -> Self {
+        Self {
+            runs: Mutex::default(),
+            org_hours: Mutex::default(),
+            clock,
         }
-        let mut fresh = Run::fresh();
-        let out = f(&mut fresh);
-        if !fresh.is_blank() {
-            runs.insert(run.to_owned(), fresh);
+    }
+
+    fn now(&self) -> i64 {
+        self.clock.now().timestamp_millis()
+    }
+
+    /// Runs `f` on the run's unexpired state and the store's time; a run with no state
+    /// gets an entry only if `f` leaves something in it (as a Redis script that only
+    /// reads creates no key), and one left with nothing is dropped.
+    fn with<T>(&self, run: &str, f: impl FnOnce(&mut Run, i64) -> T) -> T {
+        let now = self.now();
+        let mut runs = self.runs.lock().expect("memory store poisoned");
+        let mut state = runs.remove(run).unwrap_or_else(Run::fresh);
+        state.expire(now);
+        let out = f(&mut state, now);
+        if !state.is_blank() {
+            runs.insert(run.to_owned(), state);
         }
         out
     }
@@ -108,7 +194,7 @@ impl RecoveryStore for MemoryStore {
         ttl_ms: i64,
         now_ms: i64,
     ) -> Result<Acquired> {
-        self.with(run, |r| {
+        self.with(run, |r, t| {
             if let Some(lease) = r.live_lease(now_ms).cloned() {
                 if lease.controller != controller {
                     return Err(StoreError::Held {
@@ -117,11 +203,14 @@ impl RecoveryStore for MemoryStore {
                 }
                 let lease = r.lease.as_mut().expect("live lease");
                 lease.expires = now_ms + ttl_ms;
-                return Ok(Acquired {
+                let acquired = Acquired {
                     token: lease.token.clone(),
                     expires_ms: lease.expires,
                     next_sequence: r.next,
-                });
+                };
+                r.lease_lives(t, ttl_ms * LEASE_GC_FACTOR);
+                r.keep_meta(t, STATE_TTL.as_millis() as i64);
+                return Ok(acquired);
             }
             if r.granted {
                 return Err(StoreError::TakeoverRequired);
@@ -133,6 +222,8 @@ impl RecoveryStore for MemoryStore {
                 expires: now_ms + ttl_ms,
                 parked: false,
             });
+            r.lease_lives(t, ttl_ms * LEASE_GC_FACTOR);
+            r.keep_meta(t, STATE_TTL.as_millis() as i64);
             Ok(Acquired {
                 token: token.to_owned(),
                 expires_ms: now_ms + ttl_ms,
@@ -142,31 +233,35 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn renew(&self, run: &str, token: &str, ttl_ms: i64, now_ms: i64) -> Result<i64> {
-        self.with(run, |r| match r.lease.as_mut() {
-            Some(lease) if lease.token == token => {
-                lease.expires = now_ms + ttl_ms;
-                lease.parked = false;
-                Ok(lease.expires)
+        self.with(run, |r, t| {
+            match r.lease.as_mut() {
+                Some(lease) if lease.token == token => {
+                    lease.expires = now_ms + ttl_ms;
+                    lease.parked = false;
+                }
+                Some(_) => return Err(StoreError::Fenced),
+                // Lost, not taken: the run's controller takes it back.
+                None => {
+                    r.granted = true;
+                    r.lease = Some(Lease {
+                        controller: "resynced".into(),
+                        token: token.to_owned(),
+                        expires: now_ms + ttl_ms,
+                        parked: false,
+                    });
+                }
             }
-            Some(_) => Err(StoreError::Fenced),
-            // Lost, not taken: the run's controller takes it back.
-            None => {
-                r.granted = true;
-                r.lease = Some(Lease {
-                    controller: "resynced".into(),
-                    token: token.to_owned(),
-                    expires: now_ms + ttl_ms,
-                    parked: false,
-                });
-                Ok(now_ms + ttl_ms)
-            }
+            r.lease_lives(t, ttl_ms * LEASE_GC_FACTOR);
+            r.keep_meta(t, STATE_TTL.as_millis() as i64);
+            Ok(now_ms + ttl_ms)
         })
     }
 
     async fn release(&self, run: &str, token: &str) -> Result<bool> {
-        self.with(run, |r| {
+        self.with(run, |r, _| {
             if r.lease.as_ref().is_some_and(|l| l.token == token) {
                 r.lease = None;
+                r.lease_until = None;
                 Ok(true)
             } else {
                 Ok(false)
@@ -183,7 +278,7 @@ impl RecoveryStore for MemoryStore {
         limits: &BufferLimits,
         resync: bool,
     ) -> Result<Appended> {
-        self.with(run, |r| {
+        self.with(run, |r, t| {
             if r.lease.as_ref().is_some_and(|l| l.token != token) {
                 return Err(StoreError::Fenced);
             }
@@ -211,6 +306,7 @@ impl RecoveryStore for MemoryStore {
                     expires: now_ms + DEFAULT_LEASE_TTL.as_millis() as i64,
                     parked: false,
                 });
+                r.lease_lives(t, DEFAULT_LEASE_TTL.as_millis() as i64 * LEASE_GC_FACTOR);
             }
             let mut stored = 0;
             for (sequence, data) in frames {
@@ -225,6 +321,7 @@ impl RecoveryStore for MemoryStore {
                 r.first += 1;
             }
             r.bytes += add;
+            r.meta_until = Some(t + limits.ttl.as_millis() as i64);
             Ok(Appended {
                 next_sequence: r.next,
                 stored,
@@ -235,7 +332,7 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn read(&self, run: &str, from: u64, max: usize) -> Result<Replay> {
-        self.with(run, |r| {
+        self.with(run, |r, _| {
             Ok(Replay {
                 first_available: r.first,
                 next_sequence: r.next,
@@ -254,7 +351,7 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn budget(&self, run: &str, now_ms: i64) -> Result<BudgetState> {
-        self.with(run, |r| {
+        self.with(run, |r, _| {
             Ok(BudgetState {
                 attempts: r.attempts,
                 claimed_ms: r.claimed,
@@ -270,7 +367,8 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn claim(&self, run: &str, a: &ClaimArgs<'_>) -> Result<ClaimOutcome> {
-        self.with(run, |r| {
+        self.with(run, |r, t| {
+            let state_ttl = STATE_TTL.as_millis() as i64;
             if r.live_lease(a.now_ms).is_some() {
                 return Ok(ClaimOutcome::LeaseHeld);
             }
@@ -288,6 +386,7 @@ impl RecoveryStore for MemoryStore {
             }
             if attempts >= MAX_ATTEMPTS {
                 r.exhausted = true;
+                r.budget_until = Some(t + state_ttl);
                 return Ok(ClaimOutcome::Exhausted { newly: true });
             }
             if attempts > 0
@@ -298,10 +397,7 @@ impl RecoveryStore for MemoryStore {
                 });
             }
             attempts += 1;
-            let base = BACKOFF_BASE.as_millis() as f64;
-            let cap = BACKOFF_CAP.as_millis() as f64;
-            let d = (base * 2f64.powi(attempts as i32 - 1)).min(cap);
-            let not_before = a.now_ms + (d + d * a.jitter).min(cap).floor() as i64;
+            let not_before = a.now_ms + backoff_ms(attempts, a.jitter);
             r.undo = Some(Undo {
                 token: a.token.to_owned(),
                 attempts: r.attempts,
@@ -318,6 +414,9 @@ impl RecoveryStore for MemoryStore {
                 expires: a.now_ms + a.lease_ttl_ms,
                 parked: false,
             });
+            r.budget_until = Some(t + state_ttl);
+            r.lease_lives(t, a.lease_ttl_ms * LEASE_GC_FACTOR);
+            r.keep_meta(t, state_ttl);
             Ok(ClaimOutcome::Claimed {
                 attempt: attempts,
                 next_sequence: r.next,
@@ -327,11 +426,16 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn unclaim(&self, run: &str, token: &str) -> Result<bool> {
-        self.with(run, |r| {
+        self.with(run, |r, _| {
             let Some(undo) = r.undo.take_if(|u| u.token == token) else {
                 return Ok(false);
             };
             if r.lease.as_ref().is_some_and(|l| l.token == token) {
+                // Redis restores the stashed fields into the claim's key (its TTL
+                // stays), or deletes the key when there was no lease before.
+                if undo.lease.is_none() {
+                    r.lease_until = None;
+                }
                 r.lease = undo.lease;
             }
             r.attempts = undo.attempts;
@@ -342,40 +446,47 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64> {
+        let now = self.now();
         let mut hours = self.org_hours.lock().expect("memory store poisoned");
-        let used = hours.entry((org.to_owned(), hour)).or_default();
-        if *used + bytes > limit {
+        hours.retain(|_, h| h.until > now);
+        let used = hours.get(&(org.to_owned(), hour)).map_or(0, |h| h.used);
+        if used + bytes > limit {
             return Err(StoreError::BudgetExceeded { scope: "org_hour" });
         }
-        *used += bytes;
-        Ok(limit - *used)
+        let counter = hours.entry((org.to_owned(), hour)).or_default();
+        counter.used += bytes;
+        counter.until = now + ORG_HOUR_TTL.as_millis() as i64;
+        Ok(limit - counter.used)
     }
 
     async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()> {
+        let now = self.now();
         let mut hours = self.org_hours.lock().expect("memory store poisoned");
-        if let Some(used) = hours.get_mut(&(org.to_owned(), hour)) {
-            *used = used.saturating_sub(bytes);
+        hours.retain(|_, h| h.until > now);
+        if let Some(counter) = hours.get_mut(&(org.to_owned(), hour)) {
+            counter.used = counter.used.saturating_sub(bytes);
         }
         Ok(())
     }
 
     async fn park(&self, run: &str) -> Result<bool> {
-        self.with(run, |r| {
-            Ok(r.lease
-                .as_mut()
-                .map(|l| {
-                    l.parked = true;
-                    l.expires = super::PARKED_EXPIRES_MS;
-                })
-                .is_some())
+        self.with(run, |r, _| {
+            let Some(l) = r.lease.as_mut() else {
+                return Ok(false);
+            };
+            l.parked = true;
+            l.expires = super::PARKED_EXPIRES_MS;
+            r.lease_until = None;
+            Ok(true)
         })
     }
 
     async fn unpark(&self, run: &str, ttl_ms: i64, now_ms: i64) -> Result<bool> {
-        self.with(run, |r| match r.lease.as_mut() {
+        self.with(run, |r, t| match r.lease.as_mut() {
             Some(l) if l.parked => {
                 l.parked = false;
                 l.expires = now_ms + ttl_ms;
+                r.lease_lives(t, ttl_ms * LEASE_GC_FACTOR);
                 Ok(true)
             }
             _ => Ok(false),
@@ -388,7 +499,12 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn runs(&self, cursor: &str, limit: usize) -> Result<Vec<String>> {
-        let runs = self.runs.lock().expect("memory store poisoned");
+        let now = self.now();
+        let mut runs = self.runs.lock().expect("memory store poisoned");
+        runs.retain(|_, r| {
+            r.expire(now);
+            !r.is_blank()
+        });
         let mut ids: Vec<String> = runs
             .keys()
             .filter(|id| id.as_str() > cursor)

@@ -3,6 +3,14 @@
 //! `Script` does both). A run's keys share the hash tag `{run:<id>}`, so every script
 //! touches one slot and Redis Cluster works; the index of runs (for the sweep) is a
 //! separate key written outside the scripts, and only ever read as a hint.
+//!
+//! Every key expires (Redis server time; garbage collection only, decisions use the
+//! caller's `now`): a lease key `LEASE_GC_FACTOR` leases after its last grant or renewal
+//! (a parked one never, until unparked); a run's meta and buffer `STATE_TTL` after its
+//! last grant, renewal or claim (a lost controller stays known as lost) and `limits.ttl`
+//! after its last append; a budget `STATE_TTL` after its last
+//! claim; the index `STATE_TTL` after its last entry; an org's hourly counter
+//! `ORG_HOUR_TTL` after its last charge. The memory store mirrors exactly this.
 
 use std::sync::LazyLock;
 
@@ -15,15 +23,25 @@ use super::{
     StoreError, StoredFrame,
 };
 use crate::policy::{
-    BACKOFF_BASE, BACKOFF_CAP, BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER,
+    BufferLimits, DEFAULT_LEASE_TTL, LEASE_GC_FACTOR, MAX_ATTEMPTS, ORG_HOUR_TTL, RESET_AFTER,
+    STATE_TTL, backoff_ms,
 };
 
-/// How much longer than the lease a lease key lives: a late renewal by the holder is still
-/// fenced by the token, and the key is garbage collected eventually.
-const LEASE_GC_FACTOR: i64 = 4;
+/// `keep(key, ms)`: the key, if it exists, lives at least `ms` more (never shortened).
+const KEEP: &str = r#"
+local function keep(key, ms)
+  local t = redis.call('PTTL', key)
+  if t == -1 or (t >= 0 and t < ms) then redis.call('PEXPIRE', key, ms) end
+end
+"#;
+
+/// A script whose body may call `keep`.
+fn with_keep(body: &str) -> Script {
+    Script::new(&format!("{KEEP}{body}"))
+}
 
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_keep(
         r#"
 local now = tonumber(ARGV[4])
 local ttl = tonumber(ARGV[3])
@@ -33,6 +51,7 @@ if holder and expires > now then
   if holder == ARGV[1] then
     redis.call('HSET', KEYS[1], 'expires', now + ttl)
     redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[5]))
+    for k = 2, 4 do keep(KEYS[k], tonumber(ARGV[6])) end
     return {'ok', redis.call('HGET', KEYS[1], 'token'), now + ttl, tonumber(redis.call('HGET', KEYS[2], 'next') or '1')}
   end
   return {'held', holder}
@@ -46,13 +65,14 @@ redis.call('HSETNX', KEYS[2], 'next', 1)
 redis.call('HSETNX', KEYS[2], 'first', 1)
 redis.call('HSETNX', KEYS[2], 'bytes', 0)
 redis.call('HSET', KEYS[2], 'granted', '1')
+for k = 2, 4 do keep(KEYS[k], tonumber(ARGV[6])) end
 return {'ok', ARGV[2], now + ttl, tonumber(redis.call('HGET', KEYS[2], 'next'))}
 "#,
     )
 });
 
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_keep(
         r#"
 local holder = redis.call('HGET', KEYS[1], 'token')
 if holder and holder ~= ARGV[1] then return {'fenced'} end
@@ -69,6 +89,7 @@ end
 redis.call('HSET', KEYS[1], 'expires', expires)
 redis.call('HDEL', KEYS[1], 'parked')
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * tonumber(ARGV[4]))
+for k = 2, 4 do keep(KEYS[k], tonumber(ARGV[5])) end
 return {'ok', expires}
 "#,
     )
@@ -179,8 +200,19 @@ local used = tonumber(redis.call('GET', KEYS[1]) or '0')
 local bytes, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 if used + bytes > limit then return -1 end
 used = redis.call('INCRBY', KEYS[1], bytes)
-redis.call('PEXPIRE', KEYS[1], 7200000)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return limit - used
+"#,
+    )
+});
+
+/// Gives bytes back to a counter that still exists: a refund after the hour's counter
+/// expired must not leave a negative key without a TTL behind.
+static REFUND_ORG: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], ARGV[1]) end
+return 0
 "#,
     )
 });
@@ -220,15 +252,17 @@ return {holder, expires, tonumber(b[1] or '0'), tonumber(b[2] or '-1'), tonumber
 
 /// Plan and claim in one step: a lease once granted (only a lost controller is replaced),
 /// lease free, not exhausted, budget window, not_before, then the new token and
-/// `{attempts, claimed, not_before}` together.
+/// `{attempts, claimed, not_before}` together. The wait after the n-th takeover is
+/// `ARGV[8 + n]`, computed by `policy::backoff_ms` (the one formula) for this claim's
+/// jitter draw.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_keep(
         r#"
 local now = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[4])
-local base, cap = tonumber(ARGV[5]), tonumber(ARGV[6])
-local jitter = tonumber(ARGV[7])
-local reset_after, max_attempts = tonumber(ARGV[8]), tonumber(ARGV[9])
+local state_ttl = tonumber(ARGV[5])
+local reset_after, max_attempts = tonumber(ARGV[6]), tonumber(ARGV[7])
+local gc = ttl * tonumber(ARGV[8])
 local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
 if redis.call('HGET', KEYS[1], 'parked') == '1' then return {'held'} end
 if redis.call('HGET', KEYS[1], 'controller') and expires > now then return {'held'} end
@@ -240,19 +274,21 @@ local claimed = tonumber(b[2] or '0')
 if attempts > 0 and now - claimed > reset_after then attempts = 0 end
 if attempts >= max_attempts then
   redis.call('HSET', KEYS[2], 'exhausted', '1')
+  redis.call('PEXPIRE', KEYS[2], state_ttl)
   return {'exhausted', 1}
 end
 if attempts > 0 and now < tonumber(b[3] or '0') then return {'wait', tonumber(b[3])} end
 attempts = attempts + 1
-local d = math.min(cap, base * math.pow(2, attempts - 1))
-local not_before = now + math.floor(math.min(cap, d + d * jitter))
+local not_before = now + tonumber(ARGV[8 + attempts])
 local l = redis.call('HMGET', KEYS[1], 'controller', 'token', 'expires')
 redis.call('HSET', KEYS[2], 'claim_token', ARGV[2], 'prev_attempts', b[1] or '',
   'prev_claimed', b[2] or '', 'prev_not_before', b[3] or '', 'prev_controller', l[1] or '',
   'prev_token', l[2] or '', 'prev_expires', l[3] or '')
 redis.call('HSET', KEYS[2], 'attempts', attempts, 'claimed', now, 'not_before', not_before)
+redis.call('PEXPIRE', KEYS[2], state_ttl)
 redis.call('HSET', KEYS[1], 'controller', ARGV[3], 'token', ARGV[2], 'expires', now + ttl)
-redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[10]))
+redis.call('PEXPIRE', KEYS[1], gc)
+for k = 3, 5 do keep(KEYS[k], state_ttl) end
 return {'claimed', attempts, tonumber(redis.call('HGET', KEYS[3], 'next') or '1'), not_before}
 "#,
     )
@@ -362,10 +398,17 @@ impl RedisStore {
 
     async fn remember(&self, run: &str) -> Result<()> {
         let mut conn = self.conn.clone();
-        let _: i64 = redis::cmd("ZADD")
+        let _: () = redis::pipe()
+            .atomic()
+            .cmd("ZADD")
             .arg(self.index())
             .arg(0)
             .arg(run)
+            .ignore()
+            .cmd("PEXPIRE")
+            .arg(self.index())
+            .arg(STATE_TTL.as_millis() as u64)
+            .ignore()
             .query_async(&mut conn)
             .await?;
         Ok(())
@@ -387,11 +430,14 @@ impl RecoveryStore for RedisStore {
         let out: Vec<Value> = ACQUIRE
             .key(&k.lease)
             .key(&k.meta)
+            .key(&k.frames)
+            .key(&k.times)
             .arg(controller)
             .arg(token)
             .arg(ttl_ms)
             .arg(now_ms)
             .arg(LEASE_GC_FACTOR)
+            .arg(STATE_TTL.as_millis() as u64)
             .invoke_async(&mut conn)
             .await?;
         match text(&out[0]).as_str() {
@@ -416,10 +462,13 @@ impl RecoveryStore for RedisStore {
         let out: Vec<Value> = RENEW
             .key(&k.lease)
             .key(&k.meta)
+            .key(&k.frames)
+            .key(&k.times)
             .arg(token)
             .arg(ttl_ms)
             .arg(now_ms)
             .arg(LEASE_GC_FACTOR)
+            .arg(STATE_TTL.as_millis() as u64)
             .invoke_async(&mut conn)
             .await?;
         match text(&out[0]).as_str() {
@@ -534,22 +583,25 @@ impl RecoveryStore for RedisStore {
     async fn claim(&self, run: &str, a: &ClaimArgs<'_>) -> Result<ClaimOutcome> {
         let k = self.keys(run);
         let mut conn = self.conn.clone();
-        let out: Vec<Value> = CLAIM
+        let mut invocation = CLAIM.prepare_invoke();
+        invocation
             .key(&k.lease)
             .key(&k.budget)
             .key(&k.meta)
+            .key(&k.frames)
+            .key(&k.times)
             .arg(a.now_ms)
             .arg(a.token)
             .arg(a.controller)
             .arg(a.lease_ttl_ms)
-            .arg(BACKOFF_BASE.as_millis() as u64)
-            .arg(BACKOFF_CAP.as_millis() as u64)
-            .arg(a.jitter)
+            .arg(STATE_TTL.as_millis() as u64)
             .arg(RESET_AFTER.as_millis() as u64)
             .arg(MAX_ATTEMPTS)
-            .arg(LEASE_GC_FACTOR)
-            .invoke_async(&mut conn)
-            .await?;
+            .arg(LEASE_GC_FACTOR);
+        for attempt in 1..=MAX_ATTEMPTS {
+            invocation.arg(backoff_ms(attempt, a.jitter));
+        }
+        let out: Vec<Value> = invocation.invoke_async(&mut conn).await?;
         let outcome = match text(&out[0]).as_str() {
             "held" => ClaimOutcome::LeaseHeld,
             "no_controller" => ClaimOutcome::NoControllerYet,
@@ -597,6 +649,7 @@ impl RecoveryStore for RedisStore {
             .key(key)
             .arg(bytes)
             .arg(limit)
+            .arg(ORG_HOUR_TTL.as_millis() as u64)
             .invoke_async(&mut conn)
             .await?;
         if left < 0 {
@@ -611,10 +664,10 @@ impl RecoveryStore for RedisStore {
         }
         let mut conn = self.conn.clone();
         let key = format!("{}{{org:{org}}}:bytes:{hour}", self.prefix);
-        let _: i64 = redis::cmd("DECRBY")
-            .arg(key)
+        let _: i64 = REFUND_ORG
+            .key(key)
             .arg(bytes)
-            .query_async(&mut conn)
+            .invoke_async(&mut conn)
             .await?;
         Ok(())
     }
