@@ -32,6 +32,8 @@ fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path)
         .env("RUNPLANE_NODE__ENDPOINT", endpoint)
         .env("RUNPLANE_NODE__STATE_DIR", state_dir)
         .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
+        // The coordinator it parks a run's stream with before an idle suspend.
+        .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", reconciler)
         .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
         .env_remove("RUNPLANE_CONFIG")
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -124,6 +126,12 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
             reconciler_db.url().to_owned(),
         ),
         ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
+        // The coordinator in process: runners stream to it, node agents park with it.
+        (
+            "RUNPLANE_STREAM_RECOVERY__REDIS_URL",
+            "memory://".to_owned(),
+        ),
+        ("RUNPLANE_STREAM_RECOVERY__ENDPOINT", endpoint.clone()),
         (
             "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
             "300".to_owned(),
@@ -143,8 +151,11 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
         ),
     ];
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _control_plane: Process =
-        start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
+    let _control_plane: Process = start_serve(
+        &["run-store", "sandbox-reconciler", "stream-recovery"],
+        &env_refs,
+    )
+    .await;
     let node_dir = state.path().join("node-c");
     let _agent = node("node-c", "127.0.0.1:17021", &endpoint, &node_dir);
 

@@ -30,6 +30,8 @@ fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path)
         .env("RUNPLANE_NODE__ENDPOINT", endpoint)
         .env("RUNPLANE_NODE__STATE_DIR", state_dir)
         .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
+        // The coordinator it parks a run's stream with before an idle suspend.
+        .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", reconciler)
         .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
         .env_remove("RUNPLANE_CONFIG")
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -65,7 +67,13 @@ fn control_plane_env(
             "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
             reconciler_db.url().to_owned(),
         ),
-        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint),
+        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
+        // The coordinator in process: runners stream to it, node agents park with it.
+        (
+            "RUNPLANE_STREAM_RECOVERY__REDIS_URL",
+            "memory://".to_owned(),
+        ),
+        ("RUNPLANE_STREAM_RECOVERY__ENDPOINT", endpoint),
         (
             "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
             "300".to_owned(),
@@ -115,8 +123,11 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
         ],
     );
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _control_plane: Process =
-        start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
+    let _control_plane: Process = start_serve(
+        &["run-store", "sandbox-reconciler", "stream-recovery"],
+        &env_refs,
+    )
+    .await;
 
     // Both nodes share one state directory: they stand for two agents on one host, so
     // either can resume a process the other suspended.
@@ -270,8 +281,11 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         ],
     );
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _control_plane: Process =
-        start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
+    let _control_plane: Process = start_serve(
+        &["run-store", "sandbox-reconciler", "stream-recovery"],
+        &env_refs,
+    )
+    .await;
     let sandboxes = state.path().join("nodes");
     let agent = node("node-r", "127.0.0.1:17011", &endpoint, &sandboxes);
 

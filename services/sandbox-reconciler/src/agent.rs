@@ -546,16 +546,27 @@ async fn look_after(
     }
 }
 
+/// How long a park or unpark may take before the agent moves on.
+const PARK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Parks `row`'s run's stream for a suspend; false when the coordinator did not answer
 /// that it did (a run whose lease was never granted has nothing to park, which is fine).
 async fn park(recovery: &Recovery, row: &sandbox::Model) -> bool {
-    let parked = recovery
-        .clone()
-        .park_stream(rpb::ParkStreamRequest {
+    // Bounded: an unreachable coordinator must not hold up the agent's loop (its
+    // heartbeats, launches and destroys) for a whole outage budget.
+    let parked = tokio::time::timeout(
+        PARK_TIMEOUT,
+        recovery.clone().park_stream(rpb::ParkStreamRequest {
             run_id: row.run_id.clone(),
             sandbox_id: row.id.clone(),
-        })
-        .await;
+        }),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(tonic::Status::deadline_exceeded(
+            "ParkStream did not answer in time",
+        ))
+    });
     match parked {
         Ok(answer) => {
             tracing::debug!(sandbox_id = %row.id, parked = answer.get_ref().parked, "stream parked");
@@ -571,13 +582,19 @@ async fn park(recovery: &Recovery, row: &sandbox::Model) -> bool {
 /// Hands a restored sandbox's stream back to its runner. Should this fail, the lease stays
 /// parked (never taken over) until the runner's next renewal or append takes it back.
 async fn unpark(recovery: &Recovery, row: &sandbox::Model) {
-    let unparked = recovery
-        .clone()
-        .unpark_stream(rpb::UnparkStreamRequest {
+    let unparked = tokio::time::timeout(
+        PARK_TIMEOUT,
+        recovery.clone().unpark_stream(rpb::UnparkStreamRequest {
             run_id: row.run_id.clone(),
             ttl: Some(runplane_grpc::proto_duration(UNPARK_TTL)),
-        })
-        .await;
+        }),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(tonic::Status::deadline_exceeded(
+            "UnparkStream did not answer in time",
+        ))
+    });
     if let Err(s) = unparked {
         tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "stream not unparked");
     }
