@@ -634,10 +634,13 @@ impl StreamRecoveryService for StreamRecoveryApi {
             if f.data.is_empty() || f.data.len() > 64 << 10 {
                 return Err(invalid("frames", "each frame is 1 byte to 64 KiB"));
             }
-            if f.sequence == 0 || (i > 0 && f.sequence != req.frames[i - 1].sequence + 1) {
+            // Checked: a client's u64::MAX must not overflow here, and sequences stay
+            // within what the store's Lua numbers (doubles) hold exactly.
+            let follows = i == 0 || req.frames[i - 1].sequence.checked_add(1) == Some(f.sequence);
+            if f.sequence == 0 || f.sequence > MAX_FRAME_SEQUENCE || !follows {
                 return Err(invalid(
                     "frames",
-                    "sequences start at 1 and are contiguous and ascending",
+                    "sequences start at 1, are at most 2^53 and are contiguous and ascending",
                 ));
             }
         }
@@ -826,6 +829,9 @@ impl StreamRecoveryService for StreamRecoveryApi {
 }
 
 /// How often a following tail looks for new frames (and plans a recovery).
+/// The highest frame sequence accepted: 2^53, the largest integer a Lua number holds
+/// exactly.
+const MAX_FRAME_SEQUENCE: u64 = 1 << 53;
 const TAIL_POLL: Duration = Duration::from_millis(250);
 
 async fn tail(
@@ -881,7 +887,7 @@ async fn tail(
             next = replay.first_available;
         }
         for f in &replay.frames {
-            next = f.sequence + 1;
+            next = f.sequence.saturating_add(1);
             if !send(Item::Frame(pb::Frame {
                 sequence: f.sequence,
                 data: f.data.clone(),

@@ -487,6 +487,57 @@ async fn a_run_whose_appends_keep_failing_ends_after_five_hand_offs_with_three_t
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frame_sequences_past_their_bound_are_refused_not_overflowed() {
+    let w = World::new(false).await;
+    let (run_id, key) = w.running_run().await;
+    let mut runner = w.runner(&key).await;
+    let token = runner
+        .acquire_lease(pb::AcquireLeaseRequest {
+            run_id: run_id.clone(),
+            controller_id: "runner-overflow-check".into(),
+            ttl: None,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .controller_token;
+    for sequences in [vec![u64::MAX, 0], vec![u64::MAX], vec![(1 << 53) + 1]] {
+        let refused = runner
+            .append_frames(pb::AppendFramesRequest {
+                run_id: run_id.clone(),
+                controller_token: token.clone(),
+                frames: sequences
+                    .iter()
+                    .map(|&sequence| pb::FrameInput {
+                        sequence,
+                        data: b"x".to_vec(),
+                    })
+                    .collect(),
+                resync: false,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.code(),
+            tonic::Code::InvalidArgument,
+            "{sequences:?}: {refused:?}"
+        );
+    }
+    // Nothing was appended: the stream still starts at 1.
+    let appended = runner
+        .append_frames(pb::AppendFramesRequest {
+            run_id: run_id.clone(),
+            controller_token: token,
+            frames: frames(1..=1),
+            resync: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(appended.next_sequence, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_takeover_is_immediate_and_completes_what_the_old_controller_could_not() {
     let w = World::new(false).await;
     let (run_id, key) = w.running_run().await;
