@@ -7,6 +7,7 @@
 //! one `RUNPLANE_BIN` names.
 
 pub mod otlp;
+pub mod sandboxes;
 pub mod split;
 
 use std::path::{Path, PathBuf};

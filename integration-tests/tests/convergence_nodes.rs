@@ -6,6 +6,9 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use runplane_integration_tests::sandboxes::{
+    ReapSession, eventually, process_state, session_members,
+};
 use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
@@ -43,64 +46,6 @@ fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path)
         .kill_on_drop(true)
         .spawn()
         .expect("start runplane node")
-}
-
-/// Polls `check` every 100 ms until it answers, for at most `limit`.
-async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// The state letter of `pid` (`R`, `S`, `T` for stopped, …), None once it has exited
-/// (a zombie has, in all but name).
-fn process_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
-    (state != 'Z' && state != 'X').then_some(state)
-}
-
-/// Live processes of the session `sid` leads: the sandbox's shell, its runner and the
-/// agent the runner started in a process group of its own.
-/// Kills every process of a sandbox's session when dropped.
-struct ReapSession(u32);
-
-impl Drop for ReapSession {
-    fn drop(&mut self) {
-        for member in session_members(self.0) {
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", &member.to_string()])
-                .status();
-        }
-    }
-}
-
-fn session_members(sid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-                    Some(fields.first()? != &"Z" && fields.get(3)?.parse::<u32>().ok()? == sid)
-                })
-                .unwrap_or(false)
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use runplane_integration_tests::sandboxes::eventually;
 use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
@@ -81,25 +82,6 @@ fn control_plane_env(
     ];
     env.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
     env
-}
-
-/// Polls `check` every 100 ms until it answers, for at most `limit`.
-async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,6 +11,7 @@ use runplane_clock::ManualClock;
 use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
+use runplane_integration_tests::sandboxes::{ReapSession, eventually};
 use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
@@ -32,56 +33,6 @@ const LEASE: Duration = Duration::from_secs(30);
 
 type Recovery = StreamRecoveryServiceClient<InterceptedService<Channel, Bearer>>;
 type Sandboxes = SandboxServiceClient<InterceptedService<Channel, Bearer>>;
-
-/// Kills every process of a sandbox's session when dropped, so a failing test leaves no
-/// SIGSTOPped processes behind.
-struct ReapSession(u32);
-
-impl Drop for ReapSession {
-    fn drop(&mut self) {
-        for member in session_members(self.0) {
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", &member.to_string()])
-                .status();
-        }
-    }
-}
-
-/// Live processes of the session `sid` leads.
-fn session_members(sid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-                    Some(fields.first()? != &"Z" && fields.get(3)?.parse::<u32>().ok()? == sid)
-                })
-                .unwrap_or(false)
-        })
-        .collect()
-}
-
-/// Polls `check` every 100 ms until it answers, for at most `limit`.
-async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// A node agent with its own state directory, as on a host of its own.
 fn node(endpoint: &str, recovery: &str, state_dir: &std::path::Path) -> Child {
