@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use runplane_integration_tests::{authed, channel, start_dev_with_env, wait_for};
+use runplane_integration_tests::{authed, channel, process_alive, start_dev_with_env, wait_for};
 use runplane_proto::credentials::v1 as ch;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_proto::runstore::v1 as pb;
@@ -166,4 +166,27 @@ exhausted_pattern = "quota exceeded"
         get(&mut op, &runs[1].0).await.state(),
         pb::RunState::Running
     );
+    // The two still running end, and leave nothing behind (their sandboxes would
+    // otherwise outlive this test's runplane dev, as sandboxes are meant to).
+    for (i, (run_id, pid_file)) in runs.iter().enumerate().skip(1) {
+        op.cancel_run(authed(
+            pb::CancelRunRequest {
+                run_id: run_id.clone(),
+                reason: "test over".into(),
+                idempotency_key: format!("capacity-cancel-{i:0>8}"),
+            },
+            &token,
+        ))
+        .await
+        .unwrap();
+        let pid: i32 = std::fs::read_to_string(pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        wait_for("the agent is gone", Duration::from_secs(15), async || {
+            !process_alive(pid)
+        })
+        .await;
+    }
 }
