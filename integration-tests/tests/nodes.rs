@@ -5,7 +5,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use runplane_integration_tests::sandboxes::eventually;
+use runplane_integration_tests::sandboxes::{ReapSession, eventually, session_members};
 use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
@@ -326,6 +326,8 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         .parse()
         .expect("a pid");
     assert!(pid > 1);
+    // The agent this kill leaves orphaned must not outlive the test.
+    let _reap = ReapSession(pid);
     // The sandbox's shell and its runner (by pid, never a process group: nothing else of
     // this test's may be hit).
     let _ = std::process::Command::new("pkill")
@@ -353,4 +355,12 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     .await;
     assert_eq!(ended.state(), pb::RunState::Failed, "{ended:?}");
     assert_eq!(ended.verdict.unwrap().reason, "sandbox_lost");
+    // Nothing of it keeps running: the agent the dead runner left behind is stopped with
+    // the sandbox's session when the ended run's sandbox is destroyed.
+    eventually(
+        Duration::from_secs(15),
+        "the orphaned agent to be gone",
+        || async move { session_members(pid).is_empty().then_some(()) },
+    )
+    .await;
 }

@@ -211,6 +211,55 @@ fn session_members(sid: i32) -> Vec<(i32, i32)> {
         .collect()
 }
 
+/// Live processes of the session `sid` that belong to the sandbox in `dir`: they carry
+/// its directory in their environment (`RUNPLANE_SANDBOX_DIR`, which the agent inherits
+/// from its runner), so a session id reused by something else is never hit.
+fn orphans(sid: i32, dir: &Path) -> Vec<i32> {
+    let mut marker = format!("RUNPLANE_SANDBOX_DIR={}", dir.display()).into_bytes();
+    marker.push(0);
+    session_members(sid)
+        .into_iter()
+        .map(|(_, pid)| pid)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.windows(marker.len()).any(|w| w == marker.as_slice()))
+        })
+        .collect()
+}
+
+/// Stops what is left of a sandbox whose session leader died: SIGTERM (and SIGCONT, should
+/// it be frozen), the grace, then SIGKILL.
+async fn stop_orphans(sid: i32, dir: &Path) -> Result<(), DriverError> {
+    let signal_all = |signal: Signal| {
+        for pid in orphans(sid, dir) {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid), signal);
+        }
+    };
+    if orphans(sid, dir).is_empty() {
+        return Ok(());
+    }
+    tracing::info!(sid, "stopping the processes its dead sandbox left behind");
+    signal_all(Signal::SIGTERM);
+    signal_all(Signal::SIGCONT);
+    let deadline = tokio::time::Instant::now() + DESTROY_GRACE;
+    while tokio::time::Instant::now() < deadline {
+        if orphans(sid, dir).is_empty() {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    signal_all(Signal::SIGKILL);
+    for _ in 0..20 {
+        if orphans(sid, dir).is_empty() {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    Err(DriverError::Signal(format!(
+        "processes of dead sandbox session {sid} still run after SIGKILL"
+    )))
+}
+
 impl Driver for ProcessDriver {
     fn create(
         &self,
@@ -318,9 +367,20 @@ impl Driver for ProcessDriver {
     /// its session is left after [`DESTROY_GRACE`]. Done when nothing of it is left.
     fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
         let leader = Self::live_pid(&sandbox.driver_handle, &sandbox.id);
+        let recorded: Option<i32> = sandbox
+            .driver_handle
+            .strip_prefix("pid:")
+            .and_then(|p| p.parse().ok());
+        let dir = self.dir(&sandbox.id);
         Box::pin(async move {
-            // Not running (never started, or gone already): nothing to stop.
-            let Some(leader) = leader else { return Ok(()) };
+            let Some(leader) = leader else {
+                // The shell and runner are gone (never started, a crash, an OOM kill), but
+                // what they started may live on in their session: stop those too.
+                return match recorded {
+                    Some(sid) => stop_orphans(sid, &dir).await,
+                    None => Ok(()),
+                };
+            };
             let gone = || !alive(leader) && session_members(leader).is_empty();
             Self::signal_session(leader, Signal::SIGTERM)?;
             Self::signal_session(leader, Signal::SIGCONT)?;
