@@ -63,7 +63,7 @@ enum Instrument {
 }
 
 /// What the services export on meter "runplane": name, instrument and attributes.
-const METRICS: [(&str, Instrument, &[&str]); 13] = [
+const METRICS: [(&str, Instrument, &[&str]); 14] = [
     ("runplane.runs.created", Instrument::Counter, &[]),
     ("runplane.runs.finished", Instrument::Counter, &["state"]),
     ("runplane.events.appended", Instrument::Counter, &[]),
@@ -86,6 +86,11 @@ const METRICS: [(&str, Instrument, &[&str]); 13] = [
     ("runplane.reconcile.loss_stamps", Instrument::Counter, &[]),
     ("runplane.recovery.claims", Instrument::Counter, &["result"]),
     ("runplane.recovery.exhaustions", Instrument::Counter, &[]),
+    (
+        "runplane.recovery.sweep.settled",
+        Instrument::Counter,
+        &["action"],
+    ),
     ("runplane.credentials.incidents", Instrument::Counter, &[]),
     ("runplane.credentials.quarantines", Instrument::Counter, &[]),
     (

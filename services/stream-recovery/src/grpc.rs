@@ -483,6 +483,14 @@ pub async fn sweep_forever(shared: Arc<Shared>, every: Duration, batch: usize) {
                     count(pb::OrphanAction::KeysDeleted),
                     count(pb::OrphanAction::RunEnded),
                 );
+                for (action, n) in [("keys_deleted", deleted), ("run_ended", ended)] {
+                    if n > 0 {
+                        runplane_telemetry::metrics::recovery_sweep_settled().add(
+                            n as u64,
+                            &[runplane_telemetry::metrics::attr("action", action)],
+                        );
+                    }
+                }
                 if deleted + ended > 0 {
                     tracing::info!(
                         examined = results.len(),
