@@ -62,3 +62,32 @@ impl Drop for ReapSession {
         }
     }
 }
+
+/// Starts `runplane node` as node `id`, advertising `endpoint`, with its own
+/// `state_dir` (as on a host of its own), reaching the reconciler at `reconciler` and
+/// the stream recovery coordinator (which it parks streams with) at `recovery`.
+pub fn start_node(
+    id: &str,
+    endpoint: &str,
+    reconciler: &str,
+    recovery: &str,
+    state_dir: &std::path::Path,
+    token: &str,
+) -> tokio::process::Child {
+    tokio::process::Command::new(crate::runplane_bin())
+        .arg("node")
+        .env("RUNPLANE_NODE__ID", id)
+        .env("RUNPLANE_NODE__ENDPOINT", endpoint)
+        .env("RUNPLANE_NODE__STATE_DIR", state_dir)
+        .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
+        .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", recovery)
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", token)
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start runplane node")
+}

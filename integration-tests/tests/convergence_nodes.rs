@@ -3,19 +3,17 @@
 //! or two the reconciler shows the sandbox DELETED and the node agent has stopped every
 //! process of it, the stopped ones included (DESIGN.md "A run's life and its end").
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use runplane_integration_tests::sandboxes::{
-    ReapSession, eventually, process_state, session_members,
+    ReapSession, eventually, process_state, session_members, start_node,
 };
-use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
+use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::{TestDatabase, free_local_addr};
-use tokio::process::{Child, Command};
 
 const TOKEN: &str = "convergence-test-operator-token-0123456789";
 const RECEIPT_KEY: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
@@ -25,27 +23,6 @@ fn authed<T>(message: T) -> tonic::Request<T> {
     r.metadata_mut()
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
     r
-}
-
-/// A node agent with its own state directory, as on a host of its own.
-fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path) -> Child {
-    Command::new(runplane_bin())
-        .arg("node")
-        .env("RUNPLANE_NODE__ID", id)
-        .env("RUNPLANE_NODE__ENDPOINT", endpoint)
-        .env("RUNPLANE_NODE__STATE_DIR", state_dir)
-        .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
-        // The coordinator it parks a run's stream with before an idle suspend.
-        .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", reconciler)
-        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
-        .env_remove("RUNPLANE_CONFIG")
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start runplane node")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,7 +79,14 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
     )
     .await;
     let node_dir = state.path().join("node-c");
-    let _agent = node("node-c", "127.0.0.1:17021", &endpoint, &node_dir);
+    let _agent = start_node(
+        "node-c",
+        "127.0.0.1:17021",
+        &endpoint,
+        &endpoint,
+        &node_dir,
+        TOKEN,
+    );
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs

@@ -2,17 +2,15 @@
 //! published unplaced; a reattach answers NOT_PLACED and queues a wake; a node restores
 //! it, and the next reattach routes to the node that restored it (seed 003 end to end).
 
-use std::process::Stdio;
 use std::time::Duration;
 
-use runplane_integration_tests::sandboxes::{ReapSession, eventually, session_members};
-use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
+use runplane_integration_tests::sandboxes::{ReapSession, eventually, session_members, start_node};
+use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::{TestDatabase, free_local_addr};
-use tokio::process::{Child, Command};
 
 const TOKEN: &str = "node-test-operator-token-0123456789abcdefg";
 const RECEIPT_KEY: &str = "2f2e3d4c5b6a79887766554433221100ffeeddccbbaa99887766554433221100";
@@ -22,26 +20,6 @@ fn authed<T>(message: T) -> tonic::Request<T> {
     r.metadata_mut()
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
     r
-}
-
-fn node(id: &str, endpoint: &str, reconciler: &str, state_dir: &std::path::Path) -> Child {
-    Command::new(runplane_bin())
-        .arg("node")
-        .env("RUNPLANE_NODE__ID", id)
-        .env("RUNPLANE_NODE__ENDPOINT", endpoint)
-        .env("RUNPLANE_NODE__STATE_DIR", state_dir)
-        .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
-        // The coordinator it parks a run's stream with before an idle suspend.
-        .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", reconciler)
-        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
-        .env_remove("RUNPLANE_CONFIG")
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start runplane node")
 }
 
 /// The environment of `runplane serve run-store sandbox-reconciler` on `addr`, with
@@ -114,8 +92,22 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
     // Both nodes share one state directory: they stand for two agents on one host, so
     // either can resume a process the other suspended.
     let sandboxes = state.path().join("nodes");
-    let _a = node("node-a", "127.0.0.1:17001", &endpoint, &sandboxes);
-    let _b = node("node-b", "127.0.0.1:17002", &endpoint, &sandboxes);
+    let _a = start_node(
+        "node-a",
+        "127.0.0.1:17001",
+        &endpoint,
+        &endpoint,
+        &sandboxes,
+        TOKEN,
+    );
+    let _b = start_node(
+        "node-b",
+        "127.0.0.1:17002",
+        &endpoint,
+        &endpoint,
+        &sandboxes,
+        TOKEN,
+    );
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     eventually(Duration::from_secs(30), "two registered nodes", || {
         let mut api = api.clone();
@@ -269,7 +261,14 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     )
     .await;
     let sandboxes = state.path().join("nodes");
-    let agent = node("node-r", "127.0.0.1:17011", &endpoint, &sandboxes);
+    let agent = start_node(
+        "node-r",
+        "127.0.0.1:17011",
+        &endpoint,
+        &endpoint,
+        &sandboxes,
+        TOKEN,
+    );
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs
@@ -338,7 +337,14 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         .status();
 
     // Back at once, same id, same state directory.
-    let _agent = node("node-r", "127.0.0.1:17011", &endpoint, &sandboxes);
+    let _agent = start_node(
+        "node-r",
+        "127.0.0.1:17011",
+        &endpoint,
+        &endpoint,
+        &sandboxes,
+        TOKEN,
+    );
     let ended = eventually(Duration::from_secs(30), "the run to end", || {
         let mut runs = runs.clone();
         let run_id = run.id.clone();

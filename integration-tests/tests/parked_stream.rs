@@ -3,7 +3,6 @@
 //! leases on the coordinator's clock and nothing takes it over, then a wake restores it
 //! (UnparkStream) and the run finishes with every line once, with no replay_gap.
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,8 +10,8 @@ use runplane_clock::ManualClock;
 use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
-use runplane_integration_tests::sandboxes::{ReapSession, eventually};
-use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
+use runplane_integration_tests::sandboxes::{ReapSession, eventually, start_node};
+use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::recovery::v1 as pb;
@@ -22,7 +21,6 @@ use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_stream_recovery::StreamRecovery;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_testkit::{TestDatabase, TestRedis, free_local_addr};
-use tokio::process::{Child, Command};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
@@ -33,26 +31,6 @@ const LEASE: Duration = Duration::from_secs(30);
 
 type Recovery = StreamRecoveryServiceClient<InterceptedService<Channel, Bearer>>;
 type Sandboxes = SandboxServiceClient<InterceptedService<Channel, Bearer>>;
-
-/// A node agent with its own state directory, as on a host of its own.
-fn node(endpoint: &str, recovery: &str, state_dir: &std::path::Path) -> Child {
-    Command::new(runplane_bin())
-        .arg("node")
-        .env("RUNPLANE_NODE__ID", "node-p")
-        .env("RUNPLANE_NODE__ENDPOINT", "127.0.0.1:17031")
-        .env("RUNPLANE_NODE__STATE_DIR", state_dir)
-        .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint)
-        .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", recovery)
-        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
-        .env_remove("RUNPLANE_CONFIG")
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start runplane node")
-}
 
 /// The coordinator in this process, on a clock the test moves, so five leases pass in
 /// no time; it reaches the run store over gRPC.
@@ -184,7 +162,14 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
     let _control_plane: Process =
         start_serve(&["run-store", "sandbox-reconciler"], &env_refs).await;
     let node_dir = state.path().join("node-p");
-    let _agent = node(&endpoint, &recovery_endpoint, &node_dir);
+    let _agent = start_node(
+        "node-p",
+        "127.0.0.1:17031",
+        &endpoint,
+        &recovery_endpoint,
+        &node_dir,
+        TOKEN,
+    );
 
     // Ten lines, then it waits for a flag the test sets while the sandbox is frozen, so
     // the last ten come only after the restore, on the same stream.
