@@ -192,7 +192,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
         streaming.abort();
         let _ = tokio::time::timeout(Duration::from_secs(2), agent.finish_output()).await;
         return Ok(Outcome {
-            verdict: verdict::of(status, false),
+            verdict: verdict::of(status, None),
             recorded: true,
             events_lost: 0,
             ended_elsewhere: true,
@@ -211,16 +211,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
 
     let verdict = match &stop {
         Some(ending::Stop::Abort(reason)) => verdict::aborted(status, reason),
-        _ => {
-            let mut verdict = verdict::of(status, interrupted.is_some());
-            // An interrupted run's verdict carries the operator's reason.
-            if let Some(reason) = interrupted.filter(|r| !r.is_empty())
-                && verdict.outcome() == pb::VerdictOutcome::Cancelled
-            {
-                verdict.message = reason;
-            }
-            verdict
-        }
+        _ => verdict::of(status, interrupted.as_deref()),
     };
     // The events are the agent's output and what steering did; the exit is in the verdict.
     let mut final_events = Vec::new();

@@ -11,19 +11,26 @@ use crate::redact::Redactor;
 /// The stable prefix of the one line written when a different verdict was recorded.
 pub const DISCARDED_PREFIX: &str = "result_discarded_run_terminal";
 
-pub fn of(status: ExitStatus, interrupted: bool) -> pb::Verdict {
-    let (outcome, reason) = match (status.code(), interrupted) {
+/// The verdict of an agent that exited with `status`; `interrupted` holds the reason of
+/// the operator's interrupt when one was applied, which an interrupted run's verdict
+/// message carries (the exit status when the operator gave none).
+pub fn of(status: ExitStatus, interrupted: Option<&str>) -> pb::Verdict {
+    let (outcome, reason) = match (status.code(), interrupted.is_some()) {
         (Some(0), _) => (pb::VerdictOutcome::Succeeded, "exit_zero"),
         (_, true) => (pb::VerdictOutcome::Cancelled, "interrupted"),
         (Some(_), false) => (pb::VerdictOutcome::Failed, "exit_nonzero"),
         (None, false) => (pb::VerdictOutcome::Failed, "killed_by_signal"),
+    };
+    let message = match interrupted {
+        Some(why) if !why.is_empty() && outcome == pb::VerdictOutcome::Cancelled => why.to_owned(),
+        _ => describe(status),
     };
     pb::Verdict {
         outcome: outcome as i32,
         reason: reason.into(),
         exit_code: status.code(),
         signal: status.signal(),
-        message: describe(status),
+        message,
     }
 }
 
@@ -137,22 +144,22 @@ mod tests {
 
     #[test]
     fn exit_statuses_become_verdicts() {
-        let ok = of(ExitStatus::from_raw(0), false);
+        let ok = of(ExitStatus::from_raw(0), None);
         assert_eq!(
             (ok.outcome(), ok.reason.as_str(), ok.exit_code),
             (pb::VerdictOutcome::Succeeded, "exit_zero", Some(0))
         );
-        let failed = of(ExitStatus::from_raw(3 << 8), false);
+        let failed = of(ExitStatus::from_raw(3 << 8), None);
         assert_eq!(
             (failed.outcome(), failed.exit_code),
             (pb::VerdictOutcome::Failed, Some(3))
         );
-        let killed = of(ExitStatus::from_raw(9), false);
+        let killed = of(ExitStatus::from_raw(9), None);
         assert_eq!(
             (killed.reason.as_str(), killed.signal),
             ("killed_by_signal", Some(9))
         );
-        let interrupted = of(ExitStatus::from_raw(2), true);
+        let interrupted = of(ExitStatus::from_raw(2), Some(""));
         assert_eq!(interrupted.outcome(), pb::VerdictOutcome::Cancelled);
     }
 

@@ -39,6 +39,10 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// How long a Postgres session may sit idle inside a transaction before the server
+/// ends it (see [`connect`]).
+pub const IDLE_IN_TRANSACTION_TIMEOUT_MS: u64 = 5_000;
+
 /// Connects to `url` (Postgres or SQLite).
 pub async fn connect(url: &str) -> Result<DatabaseConnection, DbError> {
     let safe = redact_url(url);
@@ -84,7 +88,18 @@ pub async fn connect(url: &str) -> Result<DatabaseConnection, DbError> {
                 .foreign_keys(true)
         });
     } else {
-        options.max_connections(16);
+        // A replica frozen (SIGSTOP, a wedged node) in the middle of a transaction holds
+        // its row locks for as long as its connection lives, and every other replica's
+        // writes to those rows wait behind it. Postgres ends such a session after this
+        // long idle inside a transaction, and its locks go with it. No runplane
+        // transaction waits on anything but the database, so a live one never idles
+        // this long.
+        options.max_connections(16).map_sqlx_postgres_opts(|o| {
+            o.options([(
+                "idle_in_transaction_session_timeout",
+                IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string(),
+            )])
+        });
     }
     Database::connect(options)
         .await
