@@ -14,7 +14,7 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::ENV_RUN_KEY;
+use crate::{ENV_AGENT_WRAPPER, ENV_RUN_KEY};
 
 /// Longest line kept as one event; the rest of a longer line is cut off.
 pub const MAX_LINE_BYTES: usize = 16 << 10;
@@ -24,6 +24,8 @@ const TAIL_BYTES: usize = 64 << 10;
 /// A running agent.
 pub struct Agent {
     child: Child,
+    /// Started under the sandbox's wrapper, which reports a signal death as 128 + N.
+    wrapped: bool,
     control: Control,
     readers: Vec<JoinHandle<()>>,
     tail: Arc<Mutex<VecDeque<String>>>,
@@ -49,12 +51,23 @@ impl Agent {
         events: mpsc::Sender<pb::EventInput>,
         frames: Option<crate::frames::Frames>,
     ) -> std::io::Result<Self> {
-        let mut command = Command::new(command);
+        // Under the sandbox driver's wrapper (bubblewrap) when it gave one: the agent, and
+        // only the agent, is contained; this runner stays outside with the run key.
+        let wrapper = agent_wrapper();
+        let mut command = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(command);
+                c
+            }
+            None => Command::new(command),
+        };
         // The agent is not the runner: it gets neither the run key nor the paths of the
         // TLS certificate and key the runner authenticates with.
         for (name, _) in std::env::vars_os() {
             let secret = name.to_str().is_some_and(|n| {
                 n == ENV_RUN_KEY
+                    || n == ENV_AGENT_WRAPPER
                     || n.starts_with("RUNPLANE_TLS__")
                     || n.starts_with("RUNPLANE_AUTH__")
             });
@@ -93,6 +106,7 @@ impl Agent {
         }
         tracing::info!(pid = pgid.map(|p| p.as_raw()), "agent started");
         Ok(Self {
+            wrapped: !wrapper.is_empty(),
             control: Control {
                 pgid,
                 stdin: Arc::new(tokio::sync::Mutex::new(child.stdin.take())),
@@ -119,7 +133,13 @@ impl Agent {
             }
         };
         self.control.exited.store(true, Ordering::SeqCst);
-        status
+        match status.code() {
+            // bwrap exits 128 + N for an agent killed by signal N, as a shell does.
+            Some(code @ 129..=192) if self.wrapped => {
+                std::os::unix::process::ExitStatusExt::from_raw(code - 128)
+            }
+            _ => status,
+        }
     }
 
     /// Waits until both output pipes were read to their end.
@@ -218,6 +238,13 @@ impl Control {
     pub fn exited(&self) -> bool {
         self.exited.load(Ordering::SeqCst)
     }
+}
+
+/// The arguments `RUNPLANE_AGENT_WRAPPER` puts before the agent's command, one a line.
+fn agent_wrapper() -> Vec<String> {
+    std::env::var(ENV_AGENT_WRAPPER)
+        .map(|w| w.lines().map(str::to_owned).collect())
+        .unwrap_or_default()
 }
 
 async fn read_lines(

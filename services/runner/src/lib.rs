@@ -33,6 +33,9 @@ use tracing::Instrument as _;
 pub const ENV_ENDPOINT: &str = "RUNPLANE_ENDPOINT";
 pub const ENV_RUN_ID: &str = "RUNPLANE_RUN_ID";
 pub const ENV_RUN_KEY: &str = "RUNPLANE_RUN_KEY";
+/// The arguments the sandbox driver's containment puts before the agent's command, one
+/// a line (bubblewrap; see the process driver). Unset or empty: the agent runs as is.
+pub const ENV_AGENT_WRAPPER: &str = "RUNPLANE_AGENT_WRAPPER";
 /// Where the stream recovery coordinator is; the run store's endpoint when unset.
 pub const ENV_RECOVERY_ENDPOINT: &str = "RUNPLANE_RECOVERY_ENDPOINT";
 
