@@ -40,15 +40,18 @@ impl StreamRecovery {
         config: &runplane_config::Config,
         clock: SharedClock,
     ) -> Result<Self, RecoveryError> {
-        let store = store::redis::RedisStore::connect(
-            &config.stream_recovery.redis_url,
-            &config.stream_recovery.key_prefix,
-        )
-        .await
-        .map_err(|e| RecoveryError::Store {
-            url: config.stream_recovery.redis_url.clone(),
-            reason: e.to_string(),
-        })?;
+        let unreachable = |reason: String| RecoveryError::Store {
+            url: runplane_config::redact_url(&config.stream_recovery.redis_url),
+            reason,
+        };
+        let target = config
+            .stream_recovery
+            .target()
+            .map_err(|reason| unreachable(reason.to_owned()))?;
+        let store =
+            store::redis::RedisStore::connect_to(&target, &config.stream_recovery.key_prefix)
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
         Self::with_store(Arc::new(store), config, clock)
     }
 

@@ -31,6 +31,16 @@ macro_rules! conformance {
                 }
             )*
         }
+        mod cluster_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let redis = super::TestRedis::cluster().await;
+                    let store = super::RedisStore::connect(redis.url(), redis.prefix()).await.unwrap();
+                    super::$name(std::sync::Arc::new(store)).await;
+                }
+            )*
+        }
         mod memory_store {
             $(
                 #[tokio::test]
@@ -45,57 +55,65 @@ macro_rules! conformance {
 /// Moves a store's own time (its key expiry) forward.
 enum Time {
     Manual(ManualClock),
-    Redis(String, String),
+    /// Every node that holds keys, and the test's prefix.
+    Redis(Vec<String>, String),
 }
 
 impl Time {
     async fn pass(&self, by: Duration) {
         match self {
             Time::Manual(clock) => clock.advance(by),
-            Time::Redis(url, prefix) => {
-                let client = ::redis::Client::open(url.as_str()).unwrap();
-                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-                let by = by.as_millis() as i64;
-                let mut keys: Vec<String> = Vec::new();
-                let mut cursor: u64 = 0;
-                loop {
-                    let (next, batch): (u64, Vec<String>) = ::redis::cmd("SCAN")
-                        .arg(cursor)
-                        .arg("MATCH")
-                        .arg(format!("{prefix}*"))
-                        .arg("COUNT")
-                        .arg(500)
-                        .query_async(&mut conn)
-                        .await
-                        .unwrap();
-                    keys.extend(batch);
-                    if next == 0 {
-                        break;
-                    }
-                    cursor = next;
-                }
-                for key in keys {
-                    let left: i64 = ::redis::cmd("PTTL")
-                        .arg(&key)
-                        .query_async(&mut conn)
-                        .await
-                        .unwrap();
-                    if left < 0 {
-                        continue; // no TTL (-1: it lives for ever) or gone (-2)
-                    }
-                    let cmd = if left > by {
-                        let mut c = ::redis::cmd("PEXPIRE");
-                        c.arg(&key).arg(left - by);
-                        c
-                    } else {
-                        let mut c = ::redis::cmd("DEL");
-                        c.arg(&key);
-                        c
-                    };
-                    let _: i64 = cmd.query_async(&mut conn).await.unwrap();
+            Time::Redis(nodes, prefix) => {
+                for node in nodes {
+                    age(node, prefix, by).await;
                 }
             }
         }
+    }
+}
+
+/// Ages every key of `prefix` on one server by `by`.
+async fn age(node: &str, prefix: &str, by: Duration) {
+    let client = ::redis::Client::open(node).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let by = by.as_millis() as i64;
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = ::redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(500)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        keys.extend(batch);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    for key in keys {
+        let left: i64 = ::redis::cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if left < 0 {
+            continue; // no TTL (-1: it lives for ever) or gone (-2)
+        }
+        let cmd = if left > by {
+            let mut c = ::redis::cmd("PEXPIRE");
+            c.arg(&key).arg(left - by);
+            c
+        } else {
+            let mut c = ::redis::cmd("DEL");
+            c.arg(&key);
+            c
+        };
+        let _: i64 = cmd.query_async(&mut conn).await.unwrap();
     }
 }
 
@@ -107,7 +125,18 @@ macro_rules! timed_conformance {
                 async fn $name() {
                     let redis = super::TestRedis::new().await;
                     let store = super::RedisStore::connect(redis.url(), redis.prefix()).await.unwrap();
-                    let time = super::Time::Redis(redis.url().to_owned(), redis.prefix().to_owned());
+                    let time = super::Time::Redis(redis.nodes().to_vec(), redis.prefix().to_owned());
+                    super::$name(std::sync::Arc::new(store), time).await;
+                }
+            )*
+        }
+        mod timed_cluster_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let redis = super::TestRedis::cluster().await;
+                    let store = super::RedisStore::connect(redis.url(), redis.prefix()).await.unwrap();
+                    let time = super::Time::Redis(redis.nodes().to_vec(), redis.prefix().to_owned());
                     super::$name(std::sync::Arc::new(store), time).await;
                 }
             )*
@@ -642,4 +671,88 @@ async fn the_claims_wait_what_backoff_ms_says(s: Arc<dyn RecoveryStore>) {
         );
         now = not_before_ms;
     }
+}
+
+/// On the cluster, every run's keys hash to one slot (a script whose keys spanned two
+/// slots would be refused with CROSSSLOT), and runs spread over the masters.
+#[tokio::test]
+async fn on_a_cluster_a_runs_keys_share_one_slot_and_runs_spread_over_the_masters() {
+    let redis = TestRedis::cluster().await;
+    let store = RedisStore::connect(redis.url(), redis.prefix())
+        .await
+        .unwrap();
+    let client = ::redis::cluster::ClusterClient::new(redis.nodes().to_vec()).unwrap();
+    let mut conn = client.get_async_connection().await.unwrap();
+    let mut owners = std::collections::BTreeSet::new();
+    for i in 0..24 {
+        let run = format!("run-{i}");
+        // Every script, so every key exists.
+        started_store(&store, &run).await;
+        let keys = store.run_keys(&run);
+        let mut slots = std::collections::BTreeSet::new();
+        for key in &keys {
+            let slot: i64 = ::redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            slots.insert(slot);
+        }
+        assert_eq!(slots.len(), 1, "{run}: keys {keys:?} span slots {slots:?}");
+        owners.insert(owner(redis.nodes(), &keys[0]).await);
+    }
+    assert!(owners.len() >= 2, "24 runs all on {owners:?}");
+    // Nothing was written outside the runs' keys, the index and nothing else.
+    let mut expected: std::collections::BTreeSet<String> = (0..24)
+        .flat_map(|i| store.run_keys(&format!("run-{i}")))
+        .collect();
+    expected.insert(format!("{}runs", redis.prefix()));
+    for key in redis.keys().await {
+        assert!(expected.contains(&key), "unexpected key {key}");
+    }
+}
+
+/// Drives one run through acquire, append, renew, park, unpark, claim and unclaim.
+async fn started_store(store: &RedisStore, run: &str) {
+    store.acquire(run, "c", "t1", TTL, T0).await.unwrap();
+    store
+        .append(
+            run,
+            "t1",
+            &frames(1..=3),
+            T0,
+            &BufferLimits::default(),
+            false,
+        )
+        .await
+        .unwrap();
+    store.renew(run, "t1", TTL, T0 + 1).await.unwrap();
+    assert!(store.park(run).await.unwrap());
+    assert!(store.unpark(run, TTL, T0 + 2).await.unwrap());
+    store.read(run, 1, 10).await.unwrap();
+    let later = T0 + 2 + TTL + 1;
+    assert!(matches!(
+        store.claim(run, &claim(later, "t2")).await.unwrap(),
+        ClaimOutcome::Claimed { .. }
+    ));
+    assert!(store.unclaim(run, "t2").await.unwrap());
+    store.budget(run, later).await.unwrap();
+}
+
+/// The node (of `nodes`) that holds `key`.
+async fn owner(nodes: &[String], key: &str) -> String {
+    for node in nodes {
+        let client = ::redis::Client::open(node.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let exists: i64 = ::redis::cmd("EXISTS")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or(0);
+        if exists == 1 {
+            return node.clone();
+        }
+    }
+    panic!("{key} is on no node");
 }

@@ -25,19 +25,7 @@ pub enum DbError {
     Migrate { url: String, reason: String },
 }
 
-/// `url` with any password replaced, safe to log or put in an error.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let userinfo = &url[scheme_end + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
-}
+pub use runplane_config::redact_url;
 
 /// How long a Postgres session may sit idle inside a transaction before the server
 /// ends it (see [`connect`]).

@@ -6,8 +6,9 @@
 //! command that starts it: these tests never skip.
 //!
 //! Overrides: `RUNPLANE_TEST_POSTGRES_URL` (an admin URL, default
-//! `postgres://postgres@127.0.0.1:5432/postgres`) and `RUNPLANE_TEST_REDIS_URL` (default
-//! `redis://127.0.0.1:6379`).
+//! `postgres://postgres@127.0.0.1:5432/postgres`), `RUNPLANE_TEST_REDIS_URL` (default
+//! `redis://127.0.0.1:6379`) and `RUNPLANE_TEST_REDIS_CLUSTER_URL` (default the local
+//! 3-master cluster of `scripts/redis-cluster`).
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -150,10 +151,18 @@ impl Default for TestSqlite {
     }
 }
 
-/// A Redis key prefix of one test's own; its keys are deleted on drop.
+/// The local 3-master cluster `scripts/redis-cluster` starts (and `scripts/test` runs).
+pub const DEFAULT_REDIS_CLUSTER_URL: &str =
+    "redis+cluster://127.0.0.1:7379,127.0.0.1:7380,127.0.0.1:7381";
+pub const START_REDIS_CLUSTER: &str = "scripts/redis-cluster";
+
+/// A Redis key prefix of one test's own, on one server or a cluster; its keys are
+/// deleted on drop.
 #[derive(Debug)]
 pub struct TestRedis {
     url: String,
+    /// The servers that hold the keys: the one server, or every master of the cluster.
+    nodes: Vec<String>,
     prefix: String,
 }
 
@@ -184,6 +193,53 @@ impl TestRedis {
         assert_eq!(pong, "PONG");
         Self {
             prefix: format!("rp-test-{}:", uuid::Uuid::new_v4().simple()),
+            nodes: vec![url.clone()],
+            url,
+        }
+    }
+
+    /// A prefix on the Redis Cluster `RUNPLANE_TEST_REDIS_CLUSTER_URL` names (default: the
+    /// local one `scripts/redis-cluster` starts). Panics with the start command when the
+    /// cluster is unreachable or not healthy.
+    pub async fn cluster() -> Self {
+        let url = std::env::var("RUNPLANE_TEST_REDIS_CLUSTER_URL")
+            .unwrap_or_else(|_| DEFAULT_REDIS_CLUSTER_URL.to_owned());
+        let hosts = url
+            .strip_prefix("redis+cluster://")
+            .unwrap_or_else(|| panic!("RUNPLANE_TEST_REDIS_CLUSTER_URL must be redis+cluster://host:port,...: {url}"));
+        let seeds: Vec<String> = hosts.split(',').map(|h| format!("redis://{h}")).collect();
+        let mut nodes = Vec::new();
+        for seed in &seeds {
+            let unhealthy = |e: &dyn std::fmt::Display| -> ! {
+                panic!(
+                    "the Redis Cluster is not reachable at {seed}: {e}\nstart it with: {START_REDIS_CLUSTER}"
+                )
+            };
+            let client = redis::Client::open(seed.as_str()).unwrap_or_else(|e| unhealthy(&e));
+            let mut conn = client
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap_or_else(|e| unhealthy(&e));
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_else(|e| unhealthy(&e));
+            if !info.contains("cluster_state:ok") {
+                unhealthy(&"cluster_state is not ok");
+            }
+            // Every master holds keys; with replicas, the masters are the seeds' owners.
+            let role: Vec<redis::Value> = redis::cmd("ROLE")
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_else(|e| unhealthy(&e));
+            if matches!(role.first(), Some(redis::Value::BulkString(b)) if b == b"master") {
+                nodes.push(seed.clone());
+            }
+        }
+        Self {
+            prefix: format!("rp-test-{}:", uuid::Uuid::new_v4().simple()),
+            nodes,
             url,
         }
     }
@@ -192,19 +248,28 @@ impl TestRedis {
         &self.url
     }
 
+    /// Each server that holds keys, as a `redis://` URL to it alone.
+    pub fn nodes(&self) -> &[String] {
+        &self.nodes
+    }
+
     /// Every key the test writes starts with this.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
 
-    /// Keys currently under the prefix.
+    /// Keys currently under the prefix, on every node.
     pub async fn keys(&self) -> Vec<String> {
-        let client = redis::Client::open(self.url.as_str()).expect("redis url");
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("redis connection");
-        scan_prefix(&mut conn, &self.prefix).await
+        let mut keys = Vec::new();
+        for node in &self.nodes {
+            let client = redis::Client::open(node.as_str()).expect("redis url");
+            let mut conn = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("redis connection");
+            keys.extend(scan_prefix(&mut conn, &self.prefix).await);
+        }
+        keys
     }
 }
 
@@ -231,7 +296,7 @@ async fn scan_prefix(conn: &mut redis::aio::MultiplexedConnection, prefix: &str)
 
 impl Drop for TestRedis {
     fn drop(&mut self) {
-        let url = self.url.clone();
+        let nodes = self.nodes.clone();
         let prefix = self.prefix.clone();
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -239,15 +304,19 @@ impl Drop for TestRedis {
                 .build()
                 .expect("runtime for cleaning test keys");
             rt.block_on(async {
-                let Ok(client) = redis::Client::open(url.as_str()) else {
-                    return;
-                };
-                let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
-                    return;
-                };
-                let keys = scan_prefix(&mut conn, &prefix).await;
-                if !keys.is_empty() {
-                    let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+                for node in nodes {
+                    let Ok(client) = redis::Client::open(node.as_str()) else {
+                        continue;
+                    };
+                    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+                        continue;
+                    };
+                    // One DEL per key: a cluster node refuses a DEL whose keys span slots.
+                    let mut pipe = redis::pipe();
+                    for key in scan_prefix(&mut conn, &prefix).await {
+                        pipe.cmd("DEL").arg(key).ignore();
+                    }
+                    let _: Result<(), _> = pipe.query_async(&mut conn).await;
                 }
             })
         })

@@ -15,8 +15,10 @@
 use std::sync::LazyLock;
 
 use async_trait::async_trait;
-use redis::aio::ConnectionManager;
-use redis::{Script, Value};
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use runplane_config::RedisTarget;
 
 use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
@@ -325,11 +327,49 @@ return 1
     )
 });
 
-/// The Redis-backed store; cheap to clone (one multiplexed, reconnecting connection).
+/// The Redis-backed store; cheap to clone (one multiplexed, reconnecting connection, or
+/// the cluster client's connections, one per master, routed by each script's first key).
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
     prefix: String,
+}
+
+/// One server or a cluster. Every script's keys share the run's (or org's) hash tag, so
+/// the cluster client sends each whole script to the one master that owns the slot; a
+/// script's `SCRIPT LOAD` on `NOSCRIPT` goes to every master.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -372,13 +412,51 @@ fn bytes(v: &Value) -> Vec<u8> {
 }
 
 impl RedisStore {
+    /// Connects to `url`, in any form `[stream_recovery].redis_url` takes (one server, or
+    /// a cluster by `redis+cluster://` or a comma-separated list of seeds).
     pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
-        let client = redis::Client::open(url)?;
-        let conn = ConnectionManager::new(client).await?;
+        let target = runplane_config::StreamRecoveryConfig {
+            redis_url: url.to_owned(),
+            ..Default::default()
+        }
+        .target()
+        .map_err(|reason| StoreError::Backend(reason.to_owned()))?;
+        Self::connect_to(&target, prefix).await
+    }
+
+    pub async fn connect_to(target: &RedisTarget, prefix: &str) -> Result<Self> {
+        let conn = match target {
+            RedisTarget::Single(url) => {
+                Conn::Single(ConnectionManager::new(redis::Client::open(url.as_str())?).await?)
+            }
+            RedisTarget::Cluster(seeds) => Conn::Cluster(
+                redis::cluster::ClusterClient::new(seeds.iter().map(String::as_str))?
+                    .get_async_connection()
+                    .await?,
+            ),
+            RedisTarget::Memory => {
+                return Err(StoreError::Backend(
+                    "memory:// is the in-process store, not Redis".to_owned(),
+                ));
+            }
+        };
         Ok(Self {
             conn,
             prefix: prefix.to_owned(),
         })
+    }
+
+    /// Every key a run's scripts are given (lease, meta, frames, times, budget): one hash
+    /// tag, so one cluster slot.
+    pub fn run_keys(&self, run: &str) -> [String; 5] {
+        let Keys {
+            lease,
+            meta,
+            frames,
+            times,
+            budget,
+        } = self.keys(run);
+        [lease, meta, frames, times, budget]
     }
 
     fn keys(&self, run: &str) -> Keys {
