@@ -90,6 +90,8 @@ struct World {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Backend {
     Redis,
+    /// The local 3-master Redis Cluster.
+    Cluster,
     Memory,
 }
 
@@ -118,7 +120,10 @@ impl World {
     /// With the coordinator's own sweep running every `sweep_every`.
     async fn sweeping(dead_run_store: bool, backend: Backend, sweep_every: Duration) -> Self {
         let db = TestDatabase::new().await;
-        let redis = TestRedis::new().await;
+        let redis = match backend {
+            Backend::Cluster => TestRedis::cluster().await,
+            Backend::Redis | Backend::Memory => TestRedis::new().await,
+        };
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
         config.run_store.database_url = db.url().to_owned();
@@ -145,7 +150,7 @@ impl World {
         };
         let clock = ManualClock::new(chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap());
         let coordinator = match backend {
-            Backend::Redis => {
+            Backend::Redis | Backend::Cluster => {
                 let store = RedisStore::connect(redis.url(), redis.prefix())
                     .await
                     .unwrap();
@@ -1008,6 +1013,11 @@ async fn tails_and_plans_of_a_queued_run_spend_nothing_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tails_and_plans_of_a_queued_run_spend_nothing_in_memory() {
     a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Memory).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tails_and_plans_of_a_queued_run_spend_nothing_on_a_cluster() {
+    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Cluster).await;
+}
+
 }
 
 async fn a_failed_hand_off_after_a_claim_changes_nothing(backend: Backend) {
@@ -1067,6 +1077,11 @@ async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory() {
     a_failed_hand_off_after_a_claim_changes_nothing(Backend::Memory).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_a_cluster() {
+    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Cluster).await;
+}
+
 }
 
 /// Spends a running run's whole budget: five takeovers, each controller dying at once.
@@ -1147,6 +1162,11 @@ async fn the_sweep_runs_by_itself_and_respects_the_reset_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweep_runs_by_itself_and_respects_the_reset_in_memory() {
     the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Memory).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_runs_by_itself_and_respects_the_reset_on_a_cluster() {
+    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Cluster).await;
+}
+
 }
 
 async fn a_parked_run_sleeps_through_any_number_of_leases(backend: Backend) {
@@ -1253,6 +1273,11 @@ async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_redis() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory() {
     a_parked_run_sleeps_through_any_number_of_leases(Backend::Memory).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_a_cluster() {
+    a_parked_run_sleeps_through_any_number_of_leases(Backend::Cluster).await;
+}
+
 }
 
 async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
@@ -1306,14 +1331,8 @@ async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
         .unwrap()
         .into_inner();
     assert!(swept.results.is_empty(), "no state: {:?}", swept.results);
-    if backend == Backend::Redis {
-        let client = redis::Client::open(w._redis.url()).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}*", w._redis.prefix()))
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+    if backend != Backend::Memory {
+        let keys = w._redis.keys().await;
         assert!(keys.is_empty(), "no keys: {keys:?}");
     }
 }
@@ -1327,3 +1346,8 @@ async fn unknown_and_malformed_runs_are_refused_with_no_keys_on_redis() {
 async fn unknown_and_malformed_runs_are_refused_with_no_state_in_memory() {
     bad_run_ids_are_refused_and_leave_no_state(Backend::Memory).await;
 }
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_and_malformed_runs_are_refused_with_no_keys_on_a_cluster() {
+    bad_run_ids_are_refused_and_leave_no_state(Backend::Cluster).await;
+}
+
