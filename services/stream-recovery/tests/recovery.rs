@@ -1011,13 +1011,13 @@ async fn tails_and_plans_of_a_queued_run_spend_nothing_on_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tails_and_plans_of_a_queued_run_spend_nothing_in_memory() {
-    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Memory).await;
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tails_and_plans_of_a_queued_run_spend_nothing_on_a_cluster() {
     a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tails_and_plans_of_a_queued_run_spend_nothing_in_memory() {
+    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Memory).await;
 }
 
 async fn a_failed_hand_off_after_a_claim_changes_nothing(backend: Backend) {
@@ -1075,13 +1075,13 @@ async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory() {
-    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Memory).await;
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_a_cluster() {
     a_failed_hand_off_after_a_claim_changes_nothing(Backend::Cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory() {
+    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Memory).await;
 }
 
 /// Spends a running run's whole budget: five takeovers, each controller dying at once.
@@ -1160,13 +1160,13 @@ async fn the_sweep_runs_by_itself_and_respects_the_reset_on_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sweep_runs_by_itself_and_respects_the_reset_in_memory() {
-    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Memory).await;
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweep_runs_by_itself_and_respects_the_reset_on_a_cluster() {
     the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_runs_by_itself_and_respects_the_reset_in_memory() {
+    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Memory).await;
 }
 
 async fn a_parked_run_sleeps_through_any_number_of_leases(backend: Backend) {
@@ -1271,13 +1271,13 @@ async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_redis() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory() {
-    a_parked_run_sleeps_through_any_number_of_leases(Backend::Memory).await;
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_a_cluster() {
     a_parked_run_sleeps_through_any_number_of_leases(Backend::Cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory() {
+    a_parked_run_sleeps_through_any_number_of_leases(Backend::Memory).await;
 }
 
 async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
@@ -1343,11 +1343,11 @@ async fn unknown_and_malformed_runs_are_refused_with_no_keys_on_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unknown_and_malformed_runs_are_refused_with_no_state_in_memory() {
-    bad_run_ids_are_refused_and_leave_no_state(Backend::Memory).await;
-}
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_and_malformed_runs_are_refused_with_no_keys_on_a_cluster() {
     bad_run_ids_are_refused_and_leave_no_state(Backend::Cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_and_malformed_runs_are_refused_with_no_state_in_memory() {
+    bad_run_ids_are_refused_and_leave_no_state(Backend::Memory).await;
+}
