@@ -340,42 +340,6 @@ pub struct StreamRecoveryConfig {
     pub endpoint: String,
 }
 
-impl Default for StreamRecoveryConfig {
-    fn default() -> Self {
-        Self {
-            redis_url: "redis://127.0.0.1:6379".to_owned(),
-            key_prefix: "runplane:".to_owned(),
-            endpoint: default_endpoint(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct CredentialHealthConfig {
-    pub database_url: String,
-    pub endpoint: String,
-    /// Distinct runs whose backend errors on one credential open an outage incident.
-    /// At least 2: one failing run is one bad turn, not an outage.
-    pub outage_threshold: u32,
-    /// How far apart (inclusive) those failures may be, in seconds.
-    pub outage_window_seconds: u32,
-    /// How long an incident keeps its credential out of admission, in seconds.
-    pub cool_off_seconds: u32,
-    /// How long an exhausted credential is quarantined, in seconds.
-    pub quarantine_seconds: u32,
-    /// How long lead notices are kept for WatchNotices, in hours.
-    pub notice_retention_hours: u32,
-    /// Profiles runs are admitted through. A profile name may appear with several
-    /// credentials; admission then picks a healthy one.
-    pub profiles: Vec<ProfileConfig>,
-}
-
-impl Default for CredentialHealthConfig {
-    fn default() -> Self {
-        Self {
-            database_url: "postgres://postgres@127.0.0.1:5432/runplane_credential_health"
-                .to_owned(),
 /// `url` with any password replaced, safe to log or put in an error; a comma-separated
 /// list (cluster seeds) has each element's replaced.
 pub fn redact_url(url: &str) -> String {
@@ -463,6 +427,42 @@ fn parse_redis_target(url: &str) -> Result<RedisTarget, &'static str> {
     Err(REDIS_URL_FORMS)
 }
 
+impl Default for StreamRecoveryConfig {
+    fn default() -> Self {
+        Self {
+            redis_url: "redis://127.0.0.1:6379".to_owned(),
+            key_prefix: "runplane:".to_owned(),
+            endpoint: default_endpoint(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CredentialHealthConfig {
+    pub database_url: String,
+    pub endpoint: String,
+    /// Distinct runs whose backend errors on one credential open an outage incident.
+    /// At least 2: one failing run is one bad turn, not an outage.
+    pub outage_threshold: u32,
+    /// How far apart (inclusive) those failures may be, in seconds.
+    pub outage_window_seconds: u32,
+    /// How long an incident keeps its credential out of admission, in seconds.
+    pub cool_off_seconds: u32,
+    /// How long an exhausted credential is quarantined, in seconds.
+    pub quarantine_seconds: u32,
+    /// How long lead notices are kept for WatchNotices, in hours.
+    pub notice_retention_hours: u32,
+    /// Profiles runs are admitted through. A profile name may appear with several
+    /// credentials; admission then picks a healthy one.
+    pub profiles: Vec<ProfileConfig>,
+}
+
+impl Default for CredentialHealthConfig {
+    fn default() -> Self {
+        Self {
+            database_url: "postgres://postgres@127.0.0.1:5432/runplane_credential_health"
+                .to_owned(),
             endpoint: default_endpoint(),
             outage_threshold: 2,
             outage_window_seconds: 60,
@@ -1083,25 +1083,6 @@ mod tests {
             "config file /nonexistent/runplane.toml does not exist"
         );
     }
-}
-
-#[cfg(test)]
-mod example {
-    use super::*;
-
-    /// `deploy/runplane.example.toml` documents every field at its default; keep it so.
-    #[test]
-    fn the_example_file_loads_and_matches_the_defaults() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/runplane.example.toml");
-        let figment = Figment::new().merge(Toml::file_exact(&path));
-        let example: Config = figment
-            .extract()
-            .expect("example parses with no unknown field");
-        example.validate().expect("example is valid");
-        let defaults = Config::default();
-        assert_eq!(format!("{example:?}"), format!("{defaults:?}"));
-    }
-}
 
     #[test]
     fn a_redis_url_names_one_server_a_cluster_or_memory() {
@@ -1150,3 +1131,22 @@ mod example {
         let reason = t("redis://u:secret@a:1,nope").unwrap_err();
         assert!(!reason.contains("secret"));
     }
+}
+
+#[cfg(test)]
+mod example {
+    use super::*;
+
+    /// `deploy/runplane.example.toml` documents every field at its default; keep it so.
+    #[test]
+    fn the_example_file_loads_and_matches_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/runplane.example.toml");
+        let figment = Figment::new().merge(Toml::file_exact(&path));
+        let example: Config = figment
+            .extract()
+            .expect("example parses with no unknown field");
+        example.validate().expect("example is valid");
+        let defaults = Config::default();
+        assert_eq!(format!("{example:?}"), format!("{defaults:?}"));
+    }
+}
