@@ -43,8 +43,9 @@ pub struct Control {
 
 impl Agent {
     /// Starts `command args…` with piped stdio, in a new process group, without the run
-    /// key in its environment. Its output lines go to `events` (whose bound is the
-    /// backpressure: when it is full, the pipes are not read).
+    /// key in its environment. Its output lines go to `events`, which the drain empties
+    /// without waiting on the run store (see [`crate::events`]), so the pipes keep being
+    /// read through an outage.
     pub fn spawn(
         command: &str,
         args: &[String],
@@ -292,9 +293,10 @@ async fn read_lines(
             observed_at: Some(now()),
             ..Default::default()
         };
-        // A full queue parks this reader: the pipe fills and the agent waits, nothing
-        // is dropped. A closed queue means the run is over; keep reading so the agent
-        // is never blocked on a full pipe.
+        // The drain's pump takes every event at once into its bounded pending buffer,
+        // so this waits only while the runner itself is starved of CPU. A closed queue
+        // means the run is over; keep reading so the agent is never blocked on a full
+        // pipe.
         let _ = events.send(event).await;
     }
 }

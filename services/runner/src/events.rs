@@ -1,38 +1,50 @@
-//! The event queue and its single-flight drain.
+//! The event queue, its pending buffer and its single-flight drain.
 //!
-//! Output lines queue in a bounded channel (bounded memory; a full queue parks the pipe
-//! readers, so the agent waits instead of losing output). One drain task takes batches
-//! off it, bounded by count, bytes and time, and appends them one at a time, so order is
-//! kept and a replay (same batch key) is deduplicated by the run store. A batch that
-//! fails for good (the outage outlived the budget) is counted as lost, the drain stops
-//! sending and keeps emptying the queue so the agent can still run to its end, and the
-//! loss is reported as an `events_lost` event once the run store answers again.
+//! Output lines come in on a channel, and a pump that never waits moves them into a
+//! pending buffer bounded in bytes ([`PENDING_BYTES`]), so the pipe readers never park on
+//! the run store: an append in flight, or a run store down for minutes, does not stop the
+//! agent's pipes from being read. When the buffer is full, the oldest events not yet sent
+//! are dropped, and in their place one `events_lost` event counts them (a later drop in
+//! the same gap adds to that count), so a loss is never silent and its place in the
+//! stream is kept.
+//!
+//! Beside the pump, one sender takes batches off the buffer, bounded by count, bytes and
+//! time, and appends them one at a time, so order is kept and a replay (same batch key)
+//! is deduplicated by the run store. A batch whose append failed for good on an outage
+//! (the transport spent its budget) is kept and sent again with the same key after
+//! [`RETRY_PAUSE`], for as long as the agent runs, while the buffer keeps filling behind
+//! it; the drain never waits on anything but the run store, and nothing waits on the
+//! drain. Once the agent is done (the queue closed), a batch that fails for good ends the
+//! sending: what is left is counted in [`DrainReport::lost`] for the final report.
 //!
 //! Batches respect the limits Hello returned (`max_batch_events`, `max_batch_bytes`, as
 //! the run store counts them: the events' encoded sizes). One event larger than a whole
 //! batch is cut to fit, with a marker saying how much was cut, never dropped silently.
-//! While degraded, the probe that tries to report the loss runs beside the drain, bounded
-//! by [`PROBE_DEADLINE`], so the drain keeps emptying the queue and the agent never
-//! waits on the run store.
 
+use std::collections::VecDeque;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use prost::Message;
 use runplane_proto::runstore::v1 as pb;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 
 use crate::Client;
 
-/// Events the queue holds before the pipe readers are parked.
+/// Events the channel from the pipe readers holds. The pump empties it without waiting,
+/// so it only fills while the runner's own tasks are starved of CPU.
 pub const QUEUE_EVENTS: usize = 4096;
 /// How long the first event of a batch waits for company.
 pub const FLUSH_AFTER: Duration = Duration::from_millis(200);
-/// While degraded, how often the drain tries to report the loss (and so reconnect).
-pub const PROBE_EVERY: Duration = Duration::from_secs(5);
-/// How long one probe may take, retries included, before it counts as failed.
-pub const PROBE_DEADLINE: Duration = Duration::from_secs(2);
+/// Encoded bytes of events not yet sent the runner holds (at least two of Hello's
+/// batches); past it the oldest are dropped and counted.
+pub const PENDING_BYTES: usize = 8 << 20;
+/// After an append failed for good on an outage, how long before it is sent again.
+pub const RETRY_PAUSE: Duration = Duration::from_secs(1);
 /// The batch size when Hello named none.
 const DEFAULT_BATCH_BYTES: usize = 1 << 20;
+/// What one drop marker counts for against [`PENDING_BYTES`].
+const MARKER_BYTES: usize = 128;
 
 /// Cuts `event`'s text so the event's encoded size fits `max_bytes`, ending it with a
 /// marker naming how many bytes were cut. An event that fits is left alone.
@@ -62,9 +74,13 @@ pub fn channel() -> (mpsc::Sender<pb::EventInput>, mpsc::Receiver<pb::EventInput
 /// What the drain did.
 #[derive(Debug, Default, Clone)]
 pub struct DrainReport {
+    /// Events delivered (drop markers not counted).
     pub sent: u64,
-    /// Events dropped because they could not be delivered (and not yet reported).
+    /// Events that could not be delivered and were not reported in the stream.
     pub lost: u64,
+    /// Events the full pending buffer dropped (reported by `events_lost` markers, or
+    /// counted in `lost` when a marker could not be delivered either).
+    pub dropped: u64,
 }
 
 /// An `events_lost` event for `count` events.
@@ -87,6 +103,170 @@ pub fn lost_event(count: u64) -> pb::EventInput {
     }
 }
 
+enum Item {
+    /// An event and its encoded size.
+    Event(pb::EventInput, usize),
+    /// So many events were dropped here.
+    Dropped(u64),
+}
+
+#[derive(Default)]
+struct State {
+    items: VecDeque<Item>,
+    bytes: usize,
+    closed: bool,
+    dropped: u64,
+}
+
+/// The pending buffer: events not yet sent, oldest first, bounded in bytes.
+struct Pending {
+    state: Mutex<State>,
+    wake: Notify,
+    limit: usize,
+}
+
+/// One batch off the buffer.
+struct Batch {
+    events: Vec<pb::EventInput>,
+    /// The agent's (and steering's) events in it.
+    real: u64,
+    /// Events its drop markers count.
+    dropped: u64,
+}
+
+impl Pending {
+    fn new(limit: usize) -> Self {
+        Self {
+            state: Mutex::default(),
+            wake: Notify::new(),
+            limit,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("pending events poisoned")
+    }
+
+    /// Adds `event`; never waits. A full buffer drops its oldest events (the ones taken
+    /// into a batch are no longer in it) and counts them in one marker at the front.
+    fn push(&self, event: pb::EventInput) {
+        let size = event.encoded_len();
+        let mut s = self.lock();
+        s.items.push_back(Item::Event(event, size));
+        s.bytes += size;
+        // Newly dropped, and what the marker at the front (merged) counts.
+        let (mut dropped, mut count) = (0, 0);
+        while s.bytes + MARKER_BYTES > self.limit {
+            match s.items.pop_front() {
+                Some(Item::Event(_, n)) => {
+                    s.bytes -= n;
+                    dropped += 1;
+                    count += 1;
+                }
+                Some(Item::Dropped(c)) => {
+                    s.bytes -= MARKER_BYTES;
+                    count += c;
+                }
+                None => break,
+            }
+        }
+        if count > 0 {
+            s.dropped += dropped;
+            s.items.push_front(Item::Dropped(count));
+            s.bytes += MARKER_BYTES;
+        }
+        drop(s);
+        self.wake.notify_one();
+    }
+
+    /// Puts a marker for `count` events back at the front (merged with one there).
+    fn requeue_dropped(&self, count: u64) {
+        let mut s = self.lock();
+        match s.items.front_mut() {
+            Some(Item::Dropped(c)) => *c += count,
+            _ => {
+                s.items.push_front(Item::Dropped(count));
+                s.bytes += MARKER_BYTES;
+            }
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.wake.notify_one();
+    }
+
+    fn closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    fn dropped(&self) -> u64 {
+        self.lock().dropped
+    }
+
+    /// The next batch: waits for a first event, then up to [`FLUSH_AFTER`] for company.
+    /// `None` once the buffer is closed and empty.
+    async fn batch(&self, max_events: usize, max_bytes: usize) -> Option<Batch> {
+        loop {
+            {
+                let s = self.lock();
+                if !s.items.is_empty() {
+                    break;
+                }
+                if s.closed {
+                    return None;
+                }
+            }
+            self.wake.notified().await;
+        }
+        let deadline = tokio::time::Instant::now() + FLUSH_AFTER;
+        loop {
+            {
+                let s = self.lock();
+                if s.closed || s.items.len() >= max_events || s.bytes >= max_bytes {
+                    break;
+                }
+            }
+            tokio::select! {
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        let mut s = self.lock();
+        let mut batch = Batch {
+            events: Vec::new(),
+            real: 0,
+            dropped: 0,
+        };
+        let mut bytes = 0;
+        while batch.events.len() < max_events {
+            let size = match s.items.front() {
+                Some(Item::Event(_, n)) => *n,
+                Some(Item::Dropped(c)) => lost_event(*c).encoded_len(),
+                None => break,
+            };
+            if !batch.events.is_empty() && bytes + size > max_bytes {
+                break;
+            }
+            bytes += size;
+            match s.items.pop_front() {
+                Some(Item::Event(event, n)) => {
+                    s.bytes -= n;
+                    batch.real += 1;
+                    batch.events.push(event);
+                }
+                Some(Item::Dropped(c)) => {
+                    s.bytes -= MARKER_BYTES;
+                    batch.dropped += c;
+                    batch.events.push(lost_event(c));
+                }
+                None => break,
+            }
+        }
+        Some(batch)
+    }
+}
+
 /// Drains `queue` until every sender is gone, or until the run store says the run is
 /// terminal (then `ending` learns it and nothing more is sent).
 pub async fn drain(
@@ -102,107 +282,98 @@ pub async fn drain(
         0 => DEFAULT_BATCH_BYTES,
         n => n as usize,
     };
+    let pending = Pending::new(PENDING_BYTES.max(2 * max_bytes));
+    // The pump: never waits on anything but the queue.
+    let pump = async {
+        while let Some(event) = queue.recv().await {
+            pending.push(fit(event, max_bytes));
+        }
+        pending.close();
+    };
+    let send = send(
+        &client, &run_id, &nonce, max_events, max_bytes, &pending, &ending,
+    );
+    tokio::pin!(pump, send);
+    let mut report = tokio::select! {
+        report = &mut send => report,
+        () = &mut pump => send.await,
+    };
+    report.dropped = pending.dropped();
+    report
+}
+
+async fn send(
+    client: &Client,
+    run_id: &str,
+    nonce: &str,
+    max_events: usize,
+    max_bytes: usize,
+    pending: &Pending,
+    ending: &crate::ending::Ending,
+) -> DrainReport {
     let mut report = DrainReport::default();
     let mut batch_number: u64 = 0;
-    let mut next = queue.recv().await;
-    let mut degraded_since: Option<tokio::time::Instant> = None;
-    let mut probe: Option<(tokio::task::JoinHandle<Result<(), Stop>>, u64)> = None;
-
-    while let Some(first) = next.take() {
-        let first = fit(first, max_bytes);
-        let mut bytes = first.encoded_len();
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + FLUSH_AFTER;
-        while batch.len() < max_events {
-            tokio::select! {
-                event = queue.recv() => match event {
-                    Some(e) => {
-                        let e = fit(e, max_bytes);
-                        if bytes + e.encoded_len() > max_bytes {
-                            next = Some(e);
-                            break;
-                        }
-                        bytes += e.encoded_len();
-                        batch.push(e);
-                    }
-                    None => break,
-                },
-                () = tokio::time::sleep_until(deadline) => break,
-            }
+    // Set once an append failed for good after the agent was done: count the rest.
+    let mut given_up = false;
+    let mut degraded = false;
+    while let Some(batch) = pending.batch(max_events, max_bytes).await {
+        if given_up {
+            report.lost += batch.real + batch.dropped;
+            continue;
         }
-
-        if let Some(since) = degraded_since {
-            // Degraded: do not hold the agent up. Count the batch; now and then a probe,
-            // beside the drain, tries to report the loss, which is also how the drain
-            // learns the way is clear.
-            report.lost += batch.len() as u64;
-            if let Some((handle, reported)) = probe.take_if(|(h, _)| h.is_finished()) {
-                match handle.await.unwrap_or(Err(Stop::Failed)) {
-                    Ok(()) => {
-                        tracing::warn!(
-                            lost = reported,
-                            "run store reachable again; reported lost events"
-                        );
-                        // What was lost while the probe was out goes in the final report.
-                        report.lost -= reported;
-                        degraded_since = None;
+        batch_number += 1;
+        let key = format!("{nonce}-{batch_number}");
+        loop {
+            match append(client, run_id, &key, batch.events.clone()).await {
+                Ok(()) => {
+                    if degraded {
+                        degraded = false;
+                        tracing::warn!("run store reachable again; sending the pending events");
                     }
-                    Err(Stop::RunTerminal) => {
-                        ending.terminal();
-                        return report;
-                    }
-                    Err(Stop::Failed) => degraded_since = Some(tokio::time::Instant::now()),
+                    report.sent += batch.real;
+                    break;
                 }
-            } else if probe.is_none() && since.elapsed() >= PROBE_EVERY {
-                batch_number += 1;
-                let reported = report.lost;
-                let client = client.clone();
-                let run_id = run_id.clone();
-                let key = format!("{nonce}-{batch_number}");
-                probe = Some((
-                    tokio::spawn(async move {
-                        let probe = append(&client, &run_id, &key, vec![lost_event(reported)]);
-                        tokio::time::timeout(PROBE_DEADLINE, probe)
-                            .await
-                            .unwrap_or(Err(Stop::Failed))
-                    }),
-                    reported,
-                ));
-            }
-        } else {
-            batch_number += 1;
-            let count = batch.len() as u64;
-            match append(&client, &run_id, &format!("{nonce}-{batch_number}"), batch).await {
-                Ok(()) => report.sent += count,
                 Err(Stop::RunTerminal) => {
                     ending.terminal();
                     return report;
                 }
-                Err(Stop::Failed) => {
-                    report.lost += count;
-                    degraded_since = Some(tokio::time::Instant::now());
-                    tracing::error!(
-                        lost = count,
-                        "events could not be delivered; releasing the agent's pipes"
-                    );
+                // The outage outlived the transport's budget: keep the batch (same key,
+                // so a replay is deduplicated) while the agent runs.
+                Err(Stop::Outage) if !pending.closed() => {
+                    if !degraded {
+                        degraded = true;
+                        tracing::error!(
+                            "events could not be delivered yet; holding them (the oldest are dropped past the buffer's bound)"
+                        );
+                    }
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+                Err(Stop::Outage) => {
+                    given_up = true;
+                    report.lost += batch.real + batch.dropped;
+                    break;
+                }
+                // Refused for good: say so in the stream (unless that was the saying).
+                Err(Stop::Refused) => {
+                    if batch.real > 0 {
+                        pending.requeue_dropped(batch.real + batch.dropped);
+                    } else {
+                        report.lost += batch.dropped;
+                    }
+                    break;
                 }
             }
         }
-        if next.is_none() {
-            next = queue.recv().await;
-        }
-    }
-    if let Some((handle, reported)) = probe
-        && let Ok(Ok(())) = handle.await
-    {
-        report.lost -= reported;
     }
     report
 }
 
 enum Stop {
     RunTerminal,
-    Failed,
+    /// Failed on an outage (unavailable, deadline, overload): sending again may work.
+    Outage,
+    /// Refused for good.
+    Refused,
 }
 
 async fn append(
@@ -224,7 +395,12 @@ async fn append(
         Err(status) if crate::verdict::is_run_terminal(&status) => Err(Stop::RunTerminal),
         Err(status) => {
             tracing::error!(code = ?status.code(), message = status.message(), "append failed for good");
-            Err(Stop::Failed)
+            use tonic::Code::*;
+            match status.code() {
+                Unavailable | DeadlineExceeded | ResourceExhausted | Aborted | Cancelled
+                | Unknown | Internal => Err(Stop::Outage),
+                _ => Err(Stop::Refused),
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
-//! A drain that fails for good releases the agent's pipes and reports the loss once the
-//! run store answers again: the queue never stays full, nothing is silently dropped.
+//! A drain held up by an outage keeps taking the agent's output into its bounded pending
+//! buffer: the queue never stays full, the oldest events past the bound are dropped and
+//! counted by one marker at their place, and the rest arrives once the run store is back.
 
 use std::time::Duration;
 
@@ -54,7 +55,7 @@ fn authed<T>(message: T) -> tonic::Request<T> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drain_that_fails_for_good_releases_the_pipes_and_reports_the_loss() {
+async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in_one_marker() {
     let sqlite = runplane_testkit::TestSqlite::new();
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
@@ -129,10 +130,11 @@ async fn a_drain_that_fails_for_good_releases_the_pipes_and_reports_the_loss() {
         runplane_runner::ending::Ending::new(),
     ));
 
-    // More than the queue holds: if the drain kept the queue full, this would park forever.
+    // Far more than the pending buffer holds: the drain takes it all without waiting
+    // (the producer never parks), keeping the newest and counting the oldest it drops.
     let line = |i: usize| pb::EventInput {
         kind: pb::EventKind::Stdout as i32,
-        text: format!("line {i}"),
+        text: format!("line {i} {}", "y".repeat(4000)),
         ..Default::default()
     };
     let produced = 3 * events::QUEUE_EVENTS;
@@ -142,33 +144,62 @@ async fn a_drain_that_fails_for_good_releases_the_pipes_and_reports_the_loss() {
         }
     })
     .await
-    .expect("the pipes were released: the producer never stayed parked");
+    .expect("the producer never stayed parked");
 
-    // The control plane returns; after the probe interval the next batch reports the loss.
+    // The control plane returns; the held batch and the rest follow, and the last line
+    // lands once everything before it has.
     let server = serve(&config, addr);
-    tokio::time::sleep(events::PROBE_EVERY + Duration::from_millis(500)).await;
     tx.send(line(produced)).await.unwrap();
-    drop(tx);
-    let report = drain.await.unwrap();
-
     let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
         .await
         .unwrap();
-    let stored = store.store().events_after(&run.id, 0, 100).await.unwrap();
-    let lost: Vec<_> = stored
-        .iter()
-        .filter(|e| e.kind == pb::EventKind::EventsLost as i32)
-        .collect();
-    assert_eq!(lost.len(), 1, "one report of the loss: {stored:?}");
-    let reported: f64 = serde_json::from_str::<serde_json::Value>(&lost[0].data).unwrap()["count"]
-        .as_f64()
-        .unwrap();
-    // Everything not delivered is accounted for: reported, or still to report at the end.
+    let mut stored = Vec::new();
+    while stored
+        .last()
+        .is_none_or(|e: &runplane_run_store::store::entities::event::Model| {
+            e.text != line(produced).text
+        })
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let after = stored.last().map_or(0, |e| e.sequence as u64);
+        stored.extend(
+            store
+                .store()
+                .events_after(&run.id, after, 1000)
+                .await
+                .unwrap(),
+        );
+    }
+    drop(tx);
+    let report = drain.await.unwrap();
+
+    // Every line is there in order, but for one gap that one marker counts exactly.
+    let mut next = 0;
+    let mut markers = 0;
+    for event in &stored {
+        if event.kind == pb::EventKind::EventsLost as i32 {
+            markers += 1;
+            next += serde_json::from_str::<serde_json::Value>(&event.data).unwrap()["count"]
+                .as_f64()
+                .unwrap() as usize;
+        } else {
+            assert_eq!(
+                event.text,
+                line(next).text,
+                "at sequence {}",
+                event.sequence
+            );
+            next += 1;
+        }
+    }
+    assert_eq!(next, produced + 1, "every line is there or counted");
+    assert_eq!(markers, 1, "one marker for the one gap");
+    assert!(report.dropped > 0 && report.lost == 0, "{report:?}");
     assert_eq!(
-        reported as u64 + report.lost,
-        produced as u64 + 1 - report.sent
+        report.sent + report.dropped,
+        produced as u64 + 1,
+        "{report:?}"
     );
-    assert!(reported as usize >= produced - 100, "reported {reported}");
     server.shutdown_background();
 }
 
