@@ -36,7 +36,12 @@ exhausted_pattern = "quota exceeded"
     .unwrap();
     let dev = start_dev_with_env(
         &dir.path().join("data"),
-        &[("RUNPLANE_CONFIG", config.to_str().unwrap())],
+        &[
+            ("RUNPLANE_CONFIG", config.to_str().unwrap()),
+            // The agents write their pids to the test's files, as the host numbers them:
+            // uncontained, or the pid namespace and private /tmp would hide both.
+            ("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none"),
+        ],
     )
     .await;
     let token = std::fs::read_to_string(dir.path().join("data/operator-token"))

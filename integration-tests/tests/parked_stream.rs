@@ -172,14 +172,12 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
     );
 
     // Ten lines, then it waits for a flag the test sets while the sandbox is frozen, so
-    // the last ten come only after the restore, on the same stream.
-    let flag = state.path().join("go-on");
-    let script = format!(
-        "for i in $(seq 1 10); do echo line $i; done; \
-         while [ ! -e {} ]; do sleep 0.1; done; \
-         for i in $(seq 11 20); do echo line $i; done",
-        flag.display()
-    );
+    // the last ten come only after the restore, on the same stream. The flag is in its
+    // workspace (its working directory): the agent sees nothing else of the host's files.
+    let script = "for i in $(seq 1 10); do echo line $i; done; \
+         while [ ! -e go-on ]; do sleep 0.1; done; \
+         for i in $(seq 11 20); do echo line $i; done"
+        .to_owned();
     let mut runs = RunServiceClient::with_interceptor(channel(&endpoint).await, Bearer::new(TOKEN));
     let run_id = runs
         .create_run(rs::CreateRunRequest {
@@ -255,7 +253,11 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
     assert_eq!(held.lease.unwrap().state(), pb::LeaseState::Parked);
 
     // The frozen workload may go on once it runs again; a wake restores it.
-    std::fs::write(&flag, b"").unwrap();
+    std::fs::write(
+        node_dir.join(&sandbox.id).join("workspace").join("go-on"),
+        b"",
+    )
+    .unwrap();
     api.clone()
         .request_wake(rpb::RequestWakeRequest {
             sandbox_id: sandbox.id.clone(),

@@ -46,7 +46,14 @@ max_run_seconds = 3
         )
         .unwrap();
         let state = dir.path().join("sandboxes");
-        let split = Split::start(Some(&config), &state, &[]).await;
+        // The agents write their pids to the test's files, as the host numbers them:
+        // uncontained, or the pid namespace and private /tmp would hide both.
+        let split = Split::start(
+            Some(&config),
+            &state,
+            &[("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none")],
+        )
+        .await;
         Self { split, dir }
     }
 

@@ -10,7 +10,7 @@ use rand::RngCore;
 use runplane_config::{Config, Secret};
 use runplane_run_store::domain::receipt::ReceiptSigner;
 
-use crate::serve::{Selection, bind, init_telemetry, open, run_until};
+use crate::serve::{Selection, bind, init_telemetry, local_containment, open, run_until};
 
 const TOKEN_FILE: &str = "operator-token";
 const RECEIPT_KEY_FILE: &str = "receipt-signing-key";
@@ -59,8 +59,10 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     config.credential_health.endpoint = endpoint;
     config.validate()?;
 
-    let services = open(&config, Selection::all()).await?;
-    print_banner(&config, &data_dir, services.names())?;
+    let containment = local_containment(&config).await?;
+    let isolation = containment.describe();
+    let services = open(&config, Selection::all(), Some(containment)).await?;
+    print_banner(&config, &data_dir, services.names(), &isolation)?;
     run_until(listener, services, &config, shutdown).await
 }
 
@@ -108,7 +110,12 @@ fn kept_secret(
     Ok(Secret::new(token))
 }
 
-fn print_banner(config: &Config, data_dir: &Path, services: &[&str]) -> anyhow::Result<()> {
+fn print_banner(
+    config: &Config,
+    data_dir: &Path,
+    services: &[&str],
+    isolation: &str,
+) -> anyhow::Result<()> {
     let addr = &config.server.listen;
     let mut out = std::io::stdout().lock();
     writeln!(out, "runplane dev: serving on {addr}")?;
@@ -125,6 +132,7 @@ fn print_banner(config: &Config, data_dir: &Path, services: &[&str]) -> anyhow::
         data_dir.join(TOKEN_FILE).display()
     )?;
     writeln!(out, "  services:       {}", services.join(", "))?;
+    writeln!(out, "  isolation:      {isolation}")?;
     let tls = &config.tls;
     let grpcurl = match (tls.serves_tls(), tls.requires_client_certificates()) {
         (false, _) => "grpcurl -plaintext".to_owned(),

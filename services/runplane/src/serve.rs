@@ -8,6 +8,7 @@ use runplane_credential_health::CredentialHealth;
 use runplane_grpc::ServiceSet;
 use runplane_run_store::RunStore;
 use runplane_sandbox_reconciler::SandboxReconciler;
+use runplane_sandbox_reconciler::drivers::process::Containment;
 use runplane_stream_recovery::StreamRecovery;
 use tokio::net::TcpListener;
 
@@ -57,7 +58,7 @@ pub async fn serve(config_file: Option<&Path>, names: &[ServiceName]) -> anyhow:
     runplane_grpc::tls::install(&config.tls)?;
     let shutdown = runplane_grpc::shutdown_signal();
     let listener = bind(&config.server.listen).await?;
-    let services = open(&config, Selection::from_names(names)).await?;
+    let services = open(&config, Selection::from_names(names), None).await?;
     run_until(listener, services, &config, shutdown).await
 }
 
@@ -95,8 +96,24 @@ pub async fn bind(listen: &str) -> anyhow::Result<TcpListener> {
     })
 }
 
-/// Opens the selected services (databases migrated) and collects their gRPC services.
-pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<ServiceSet> {
+/// How this process contains the agents of its local sandboxes: refused here, at start,
+/// when the host cannot contain them as `sandbox_reconciler.isolation` asks.
+pub async fn local_containment(config: &Config) -> anyhow::Result<Containment> {
+    if !config.sandbox_reconciler.local_sandboxes {
+        return Ok(Containment::None);
+    }
+    let containment = Containment::probe(&config.sandbox_reconciler).await?;
+    tracing::info!(isolation = %containment.describe(), "local sandboxes");
+    Ok(containment)
+}
+
+/// Opens the selected services (databases migrated) and collects their gRPC services;
+/// local agents are contained as `containment` says, or as [`local_containment`] finds.
+pub async fn open(
+    config: &Config,
+    selection: Selection,
+    containment: Option<Containment>,
+) -> anyhow::Result<ServiceSet> {
     let mut services = ServiceSet::new();
     if selection.run_store {
         let run_store = RunStore::open(config, runplane_clock::SystemClock::shared())
@@ -114,7 +131,11 @@ pub async fn open(config: &Config, selection: Selection) -> anyhow::Result<Servi
         // Sandboxes go to registered node agents, or run here when none is ready.
         let binary =
             std::env::current_exe().context("locating the runplane binary for sandboxes")?;
-        reconciler.spawn_loop(binary, std::future::pending());
+        let containment = match containment {
+            Some(containment) => containment,
+            None => local_containment(config).await?,
+        };
+        reconciler.spawn_loop(binary, containment, std::future::pending());
     }
     if selection.stream_recovery {
         let coordinator = if config.stream_recovery.redis_url == EMBEDDED_STORE {

@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::domain::loss::Probe;
+use crate::drivers::process::Containment;
 use crate::drivers::{Driver, Launch, ProcessDriver};
 use crate::store::entities::sandbox;
 
@@ -41,6 +42,8 @@ pub struct AgentConfig {
     pub token: Secret,
     pub state_dir: PathBuf,
     pub runplane_binary: PathBuf,
+    /// How its agents are contained ([`Containment::probe`], at start).
+    pub containment: Containment,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +100,8 @@ pub async fn run(
         runplane_transport::connect_lazy(&config.recovery_endpoint, &layer)?,
         runplane_grpc::client::Bearer::new(config.token.expose()),
     );
-    let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary);
+    let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary)
+        .contained(config.containment.clone());
     let boot_id = format!("boot-{}", uuid::Uuid::new_v4().simple());
 
     let registered = client

@@ -117,13 +117,16 @@ impl SandboxReconciler {
     /// Starts dispatch, wake assignment, the reconcile tick and outbox delivery in the
     /// background until `shutdown`. Sandboxes go to registered node agents; with none
     /// ready, the reconciler runs them on its own machine with the process driver.
+    /// Local agents are contained as `containment` says ([`drivers::process::Containment::probe`]).
     pub fn spawn_loop(
         &self,
         runplane_binary: std::path::PathBuf,
+        containment: drivers::process::Containment,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> tokio::task::JoinHandle<()> {
         let store = self.shared.store.clone();
-        let local = drivers::ProcessDriver::new(&self.state_dir, runplane_binary);
+        let local =
+            drivers::ProcessDriver::new(&self.state_dir, runplane_binary).contained(containment);
         let driver = Arc::new(drivers::RoutedDriver::new(local, store.clone()));
         let reconciler = reconcile::Reconciler::new(store, driver, self.settings.clone())
             .with_fleet(self.fleet.clone());

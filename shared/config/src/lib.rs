@@ -307,6 +307,38 @@ pub struct SandboxReconcilerConfig {
     /// sandboxes live in one replica's process tree, which the others cannot probe or
     /// signal; queued runs then wait for a node agent (`runplane node`).
     pub local_sandboxes: bool,
+    /// How the process driver (here and on `runplane node`) contains an agent. `bwrap`,
+    /// the default, refuses to start where bubblewrap cannot create namespaces; `none`
+    /// must be chosen explicitly.
+    pub isolation: Isolation,
+    /// Whether a contained agent has the host's network (`host`, the default: agents call
+    /// model APIs) or none at all (`none`).
+    pub network: SandboxNetwork,
+    /// The uids sandboxes run as when the driver runs as root: each live sandbox gets its
+    /// own from `[sandbox_uid_base, sandbox_uid_base + sandbox_uid_count)`.
+    pub sandbox_uid_base: u32,
+    pub sandbox_uid_count: u32,
+}
+
+/// `sandbox_reconciler.isolation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// Each agent under bubblewrap: its own pid, mount, ipc and uts namespaces, the system
+    /// read-only, its workspace writable, an unprivileged uid, no new privileges.
+    #[default]
+    Bwrap,
+    /// The agent runs as the driver's user, in its namespaces, seeing what it sees.
+    None,
+}
+
+/// `sandbox_reconciler.network`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxNetwork {
+    #[default]
+    Host,
+    None,
 }
 
 impl Default for SandboxReconcilerConfig {
@@ -323,6 +355,10 @@ impl Default for SandboxReconcilerConfig {
             idle_timeout_seconds: 0,
             dispatch: true,
             local_sandboxes: true,
+            isolation: Isolation::Bwrap,
+            network: SandboxNetwork::Host,
+            sandbox_uid_base: 200_000,
+            sandbox_uid_count: 65_536,
         }
     }
 }
@@ -609,6 +645,20 @@ impl Config {
             return Err(ConfigError::invalid(
                 "sandbox_reconciler.loss_grace_seconds",
                 "must be between 1 and 3600",
+            ));
+        }
+        let uids = &self.sandbox_reconciler;
+        if uids.sandbox_uid_base < 1000
+            || uids.sandbox_uid_count == 0
+            || uids
+                .sandbox_uid_base
+                .checked_add(uids.sandbox_uid_count)
+                .is_none()
+        {
+            return Err(ConfigError::invalid(
+                "sandbox_reconciler.sandbox_uid_base",
+                "sandbox_uid_base must be at least 1000 and sandbox_uid_count at least 1, \
+                 and the range must fit in a u32",
             ));
         }
         if !(100..=600_000).contains(&self.sandbox_reconciler.tick_interval_ms) {

@@ -9,12 +9,24 @@
 //! reconciler never waits on a process it did not start in this life; the ones it did
 //! start are reaped by a waiter task.
 
+//!
+//! # Containment
+//!
+//! The agent is untrusted; its runner is not. So the boundary sits between them: the
+//! shell and the runner run as the driver's user in the host's namespaces (the runner
+//! holds the run key in its environment and talks to the control plane), and the runner
+//! starts only the agent inside bubblewrap, through the wrapper this driver hands it in
+//! `RUNPLANE_AGENT_WRAPPER`. In its own pid namespace with its own `/proc` the agent
+//! cannot see the runner (nor its environ, nor any other process of the host), so no
+//! file descriptor or key file is needed to keep the key from it. See [`Containment`].
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use futures::future::BoxFuture;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
+use runplane_config::{Isolation, SandboxNetwork, SandboxReconcilerConfig};
 
 use super::{Driver, DriverError, Launch};
 use crate::domain::loss::Probe;
@@ -26,7 +38,268 @@ pub struct ProcessDriver {
     state_dir: PathBuf,
     /// The `runplane` binary the runner runs from.
     runplane: PathBuf,
+    /// How the runner contains its agent.
+    containment: Containment,
 }
+
+/// The variable that hands the runner the wrapper its agent command runs under: the
+/// arguments put before the command, one a line (`runplane_runner::ENV_AGENT_WRAPPER`);
+/// empty for none.
+pub const ENV_AGENT_WRAPPER: &str = "RUNPLANE_AGENT_WRAPPER";
+
+/// Where a contained agent's workspace appears, and its home.
+pub const WORKSPACE: &str = "/workspace";
+
+/// How agents are contained: `sandbox_reconciler.isolation`, checked against the host.
+///
+/// bubblewrap rather than namespaces made here through `nix`: the same kernel features,
+/// but bwrap is the small, audited setuid-free tool the Linux agent sandboxes (Flatpak,
+/// and the coding agents' own sandboxes) already rely on; it gets the ordering right
+/// (mounts before the pivot, `/proc` of the new pid namespace, a reaping pid 1,
+/// `PR_SET_NO_NEW_PRIVS` always, death with its parent), and it keeps `unsafe` fork/exec
+/// code out of this crate, which forbids `unsafe`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Containment {
+    /// The agent runs as the driver's user with its runner (`isolation = "none"`).
+    None,
+    Bwrap {
+        /// `--unshare-net`: no network at all.
+        no_network: bool,
+        /// The uid range sandboxes get one uid each from; `None` when the driver does not
+        /// run as root and so cannot give a sandbox a uid of its own (the agent then runs
+        /// as the driver's uid, in a user namespace, contained by the namespaces alone).
+        uids: Option<(u32, u32)>,
+    },
+}
+
+/// The host cannot contain agents as configured.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "sandbox isolation: bubblewrap cannot contain agents on this host ({0}); install \
+     bubblewrap (Debian: apt-get install bubblewrap) and allow it to create namespaces, or \
+     set sandbox_reconciler.isolation = \"none\" to run agents uncontained"
+)]
+pub struct IsolationUnavailable(pub String);
+
+impl Containment {
+    /// The containment `config` asks for, once a probe sandbox has shown that this host
+    /// can give it.
+    pub async fn probe(config: &SandboxReconcilerConfig) -> Result<Self, IsolationUnavailable> {
+        let containment = match config.isolation {
+            Isolation::None => return Ok(Containment::None),
+            Isolation::Bwrap => Containment::Bwrap {
+                no_network: config.network == SandboxNetwork::None,
+                uids: nix::unistd::geteuid()
+                    .is_root()
+                    .then_some((config.sandbox_uid_base, config.sandbox_uid_count)),
+            },
+        };
+        let workspace = std::env::temp_dir().join(format!(
+            "runplane-isolation-probe-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir(&workspace)
+            .map_err(|e| IsolationUnavailable(format!("creating a probe workspace: {e}")))?;
+        let uid = containment.uid_range().map(|(base, _)| base);
+        if let Some(uid) = uid {
+            let _ = std::os::unix::fs::chown(&workspace, Some(uid), Some(uid));
+        }
+        let mut argv = containment.wrapper(&workspace, uid);
+        argv.extend(["sh".into(), "-c".into(), format!("touch {WORKSPACE}/probe")]);
+        let probed = tokio::process::Command::new(&argv[0])
+            .args(&argv[1..])
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .stdin(Stdio::null())
+            .output()
+            .await;
+        let wrote = workspace.join("probe").exists();
+        let _ = std::fs::remove_dir_all(&workspace);
+        match probed {
+            Err(e) => Err(IsolationUnavailable(format!("running bwrap: {e}"))),
+            Ok(out) if !out.status.success() || !wrote => Err(IsolationUnavailable(format!(
+                "a probe sandbox failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))),
+            Ok(_) => Ok(containment),
+        }
+    }
+
+    fn uid_range(&self) -> Option<(u32, u32)> {
+        match self {
+            Containment::Bwrap { uids, .. } => *uids,
+            Containment::None => None,
+        }
+    }
+
+    /// One line for `runplane dev`'s banner and the logs: what an agent gets.
+    pub fn describe(&self) -> String {
+        match self {
+            Containment::None => "none: agents run as this user and see what it sees \
+                                  (sandbox_reconciler.isolation = \"none\")"
+                .to_owned(),
+            Containment::Bwrap { no_network, uids } => format!(
+                "bwrap: own pid, mount, ipc and uts namespaces, system read-only, \
+                 {WORKSPACE} writable, {}, {}",
+                match uids {
+                    Some((base, count)) => {
+                        format!("a uid of its own from {base}..{}", base + (count - 1))
+                    }
+                    None => "this user's uid (not root: no uid of its own)".to_owned(),
+                },
+                if *no_network {
+                    "no network"
+                } else {
+                    "host network"
+                }
+            ),
+        }
+    }
+
+    /// The argv the agent's command is appended to, for a sandbox whose workspace is
+    /// `workspace` and whose uid is `uid` (root only); empty for no containment.
+    ///
+    /// - `sh -c 'trap "" INT TERM HUP QUIT; exec …'`: the runner signals the agent's
+    ///   process group, which holds bwrap's outer process too; were it killed by SIGINT
+    ///   it would take the sandbox down (`--die-with-parent`) before the agent could
+    ///   handle the signal, and report 130 for an agent that exited 3. Ignored, it waits
+    ///   for the agent, and `env --default-signal` gives the agent the default handling
+    ///   back. SIGKILL still kills it, and with it the whole sandbox.
+    /// - `--die-with-parent`: bwrap's parent is the runner, not the control plane (the
+    ///   sandbox's shell and runner outlive `runplane dev` and are re-adopted by pid), and
+    ///   an agent whose runner died has nobody to read it or stop it.
+    /// - No `--new-session`: the agent stays in the sandbox's session, which suspend and
+    ///   destroy signal group by group; that session is already detached from any
+    ///   terminal (setsid) and stdin is /dev/null.
+    /// - As root, bwrap makes the namespaces without a user namespace and `setpriv`
+    ///   then drops to the sandbox's own host uid with no capabilities, so the agent is an
+    ///   unprivileged user of the host, not root of a user namespace (whose files would be
+    ///   root's). Not as root, `--unshare-user` keeps the driver's uid.
+    pub fn wrapper(&self, workspace: &Path, uid: Option<u32>) -> Vec<String> {
+        let Containment::Bwrap { no_network, .. } = self else {
+            return Vec::new();
+        };
+        let mut argv: Vec<String> = [
+            "sh",
+            "-c",
+            r#"trap "" INT TERM HUP QUIT; exec "$0" "$@""#,
+            "bwrap",
+            "--die-with-parent",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--hostname",
+            "runplane-sandbox",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            "--dir",
+            "/var/tmp",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--ro-bind-try",
+            "/opt",
+            "/opt",
+        ]
+        .map(str::to_owned)
+        .into();
+        if uid.is_none() {
+            argv.push("--unshare-user".into());
+        }
+        if *no_network {
+            argv.push("--unshare-net".into());
+        }
+        // Merged-/usr systems link these into /usr; older ones have them as directories.
+        for top in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"] {
+            let host = Path::new("/").join(top);
+            match std::fs::read_link(&host) {
+                Ok(target) => argv.extend([
+                    "--symlink".into(),
+                    target.display().to_string(),
+                    host.display().to_string(),
+                ]),
+                Err(_) if host.is_dir() => argv.extend([
+                    "--ro-bind".into(),
+                    host.display().to_string(),
+                    host.display().to_string(),
+                ]),
+                Err(_) => {}
+            }
+        }
+        // Of /etc only what programs need to run, resolve names and trust servers: the
+        // rest may hold the host's own credentials (a deployment's TLS keys, for one).
+        for etc in ETC {
+            let path = format!("/etc/{etc}");
+            argv.extend(["--ro-bind-try".into(), path.clone(), path]);
+        }
+        argv.extend([
+            "--ro-bind-try".into(),
+            "/run/systemd/resolve".into(),
+            "/run/systemd/resolve".into(),
+            "--bind".into(),
+            workspace.display().to_string(),
+            WORKSPACE.into(),
+            "--chdir".into(),
+            WORKSPACE.into(),
+            "--setenv".into(),
+            "HOME".into(),
+            WORKSPACE.into(),
+            "--setenv".into(),
+            "TMPDIR".into(),
+            "/tmp".into(),
+            "--".into(),
+            "env".into(),
+            "--default-signal=INT,TERM,HUP,QUIT".into(),
+        ]);
+        if let Some(uid) = uid {
+            argv.extend([
+                "setpriv".to_owned(),
+                format!("--reuid={uid}"),
+                format!("--regid={uid}"),
+                "--clear-groups".into(),
+                "--inh-caps=-all".into(),
+                "--bounding-set=-all".into(),
+                "--".into(),
+            ]);
+        }
+        argv
+    }
+}
+
+/// What of /etc a contained agent sees (each only where the host has it).
+const ETC: &[&str] = &[
+    "passwd",
+    "group",
+    "hosts",
+    "host.conf",
+    "resolv.conf",
+    "nsswitch.conf",
+    "gai.conf",
+    "protocols",
+    "services",
+    "localtime",
+    "timezone",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "ssl",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "pki",
+    "mime.types",
+    "os-release",
+    "debian_version",
+    "profile",
+    "bash.bashrc",
+    "inputrc",
+    "gitconfig",
+];
 
 /// Names the launcher's operator lists in `RUNPLANE_SANDBOX_INHERIT` (comma-separated)
 /// to let sandboxes inherit a credential they otherwise do not get.
@@ -104,11 +377,79 @@ fn label(sandbox_id: &str) -> String {
 }
 
 impl ProcessDriver {
+    /// A driver whose agents run uncontained; see [`ProcessDriver::contained`].
     pub fn new(state_dir: impl Into<PathBuf>, runplane: impl Into<PathBuf>) -> Self {
         Self {
             state_dir: state_dir.into(),
             runplane: runplane.into(),
+            containment: Containment::None,
         }
+    }
+
+    /// This driver with its agents contained as [`Containment::probe`] found possible.
+    pub fn contained(mut self, containment: Containment) -> Self {
+        self.containment = containment;
+        self
+    }
+
+    /// The uid of the sandbox in `dir`: the one it was given, or else the first in the
+    /// range from a point its id picks that no other live sandbox of this driver holds.
+    fn sandbox_uid(&self, dir: &Path, id: &str, (base, count): (u32, u32)) -> u32 {
+        if let Some(uid) = std::fs::read_to_string(dir.join("uid"))
+            .ok()
+            .and_then(|u| u.trim().parse().ok())
+        {
+            return uid;
+        }
+        let taken: std::collections::HashSet<u32> = std::fs::read_dir(&self.state_dir)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|other| !other.join("exit").exists())
+            .filter_map(|other| std::fs::read_to_string(other.join("uid")).ok())
+            .filter_map(|u| u.trim().parse().ok())
+            .collect();
+        // FNV-1a: stable across builds, unlike the std hasher.
+        let start = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        }) % u64::from(count);
+        (0..u64::from(count))
+            .map(|i| base + ((start + i) % u64::from(count)) as u32)
+            .find(|uid| !taken.contains(uid))
+            .unwrap_or(base + start as u32)
+    }
+
+    /// The workspace of the sandbox in `dir`, made writable by its agent, and the
+    /// wrapper its runner starts the agent under.
+    fn prepare_agent(&self, dir: &Path, id: &str) -> Result<Vec<String>, DriverError> {
+        if self.containment == Containment::None {
+            return Ok(Vec::new());
+        }
+        let start = |e: std::io::Error| DriverError::Start(e.to_string());
+        let workspace = dir.join("workspace");
+        std::fs::create_dir_all(&workspace).map_err(start)?;
+        let uid = match self.containment.uid_range() {
+            Some(range) => {
+                let uid = self.sandbox_uid(dir, id, range);
+                std::fs::write(dir.join("uid"), uid.to_string()).map_err(start)?;
+                std::os::unix::fs::chown(&workspace, Some(uid), Some(uid)).map_err(start)?;
+                Some(uid)
+            }
+            None => None,
+        };
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&workspace, std::fs::Permissions::from_mode(0o700))
+                .map_err(start)?;
+        }
+        let wrapper = self.containment.wrapper(&workspace, uid);
+        if wrapper.iter().any(|arg| arg.contains('\n')) {
+            return Err(DriverError::Start(format!(
+                "the sandbox path {} holds a line break",
+                workspace.display()
+            )));
+        }
+        Ok(wrapper)
     }
 
     fn dir(&self, sandbox_id: &str) -> PathBuf {
@@ -270,6 +611,7 @@ impl Driver for ProcessDriver {
         let runplane = self.runplane.clone();
         let id = sandbox.id.clone();
         let existing = sandbox.driver_handle.clone();
+        let this = self.clone();
         Box::pin(async move {
             // Idempotent: a sandbox whose process lives is adopted, not started twice.
             if let Some(pid) = Self::live_pid(&existing, &id) {
@@ -282,6 +624,7 @@ impl Driver for ProcessDriver {
                 }
             }
             std::fs::create_dir_all(&dir).map_err(|e| DriverError::Start(e.to_string()))?;
+            let wrapper = this.prepare_agent(&dir, &id)?;
             let log = std::fs::File::create(dir.join("runner.log"))
                 .map_err(|e| DriverError::Start(e.to_string()))?;
             let log_err = log
@@ -315,6 +658,7 @@ impl Driver for ProcessDriver {
                 .env("RUNPLANE_RECOVERY_ENDPOINT", &launch.recovery_endpoint)
                 .env("RUNPLANE_RUN_ID", &launch.run_id)
                 .env("RUNPLANE_RUN_KEY", launch.run_key.expose())
+                .env(ENV_AGENT_WRAPPER, wrapper.join("\n"))
                 // The OpenTelemetry convention for handing a trace to a child process.
                 .env("TRACEPARENT", &launch.traceparent)
                 .stdin(Stdio::null())
