@@ -1111,6 +1111,35 @@ mod tests {
     }
 
     #[test]
+    fn isolation_is_bwrap_unless_none_is_chosen_and_a_bad_uid_range_is_refused() {
+        let default = load_with("", &[]).unwrap().sandbox_reconciler;
+        assert_eq!(default.isolation, Isolation::Bwrap);
+        assert_eq!(default.network, SandboxNetwork::Host);
+        let chosen = load_with(
+            "[sandbox_reconciler]\nisolation = \"none\"\nnetwork = \"none\"\n",
+            &[],
+        )
+        .unwrap()
+        .sandbox_reconciler;
+        assert_eq!(chosen.isolation, Isolation::None);
+        assert_eq!(chosen.network, SandboxNetwork::None);
+        let unknown = load_with("[sandbox_reconciler]\nisolation = \"off\"\n", &[]);
+        assert!(unknown.is_err(), "{unknown:?}");
+        for range in [
+            "sandbox_uid_base = 0",
+            "sandbox_uid_count = 0",
+            "sandbox_uid_base = 4294967295",
+        ] {
+            let err = load_with(&format!("[sandbox_reconciler]\n{range}\n"), &[]).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("sandbox_reconciler.sandbox_uid_base"),
+                "{range}: {err}"
+            );
+        }
+    }
+
+    #[test]
     fn a_profiles_orgs_are_names_and_an_absent_list_shares_it() {
         let profile = "[[credential_health.profiles]]\nname = \"p\"\ncredential_id = \"c\"\ncapacity = 1\nerror_pattern = \"e\"\nexhausted_pattern = \"x\"\n";
         let shared = load_with(profile, &[]).unwrap();
