@@ -92,6 +92,9 @@ pub struct RetryConfig {
     /// the server nothing, so it is short (full jitter, exponential from the base).
     pub connect_base: Duration,
     pub connect_cap: Duration,
+    /// Whether such a connect gets that short schedule at all; off, it backs off like
+    /// any other failure (the seed's policy had no connect schedule).
+    pub short_connect_schedule: bool,
     /// Retry throttle: bucket size and what a success puts back.
     pub throttle_max_tokens: f64,
     pub throttle_token_ratio: f64,
@@ -122,6 +125,7 @@ impl Default for RetryConfig {
             rate_limit_max_sleep: Duration::from_secs(30),
             connect_base: Duration::from_millis(100),
             connect_cap: Duration::from_secs(1),
+            short_connect_schedule: true,
             throttle_max_tokens: 10.0,
             throttle_token_ratio: 0.1,
             attempt_timeout: Duration::from_secs(10),
@@ -133,12 +137,16 @@ impl Default for RetryConfig {
 }
 
 impl RetryConfig {
-    /// The seed's policy (500 ms base, 10 s cap, equal jitter), for comparisons.
+    /// The seed's policy (500 ms base, 10 s cap, equal jitter, one schedule for every
+    /// failure and no retry throttle), for comparisons.
     pub fn seed() -> Self {
         Self {
             base: Duration::from_millis(500),
             cap: Duration::from_secs(10),
             jitter: Jitter::Equal,
+            short_connect_schedule: false,
+            // A bucket that never drains.
+            throttle_max_tokens: 1e12,
             ..Self::default()
         }
     }
@@ -459,7 +467,10 @@ impl Shared {
 
             let backoff = if failure == Failure::RateLimited {
                 self.config.backoff(rate_limited)
-            } else if failure == Failure::ProvenNotSent && condemned {
+            } else if failure == Failure::ProvenNotSent
+                && condemned
+                && self.config.short_connect_schedule
+            {
                 // A refused or failed connect cost the server nothing: come back soon.
                 self.config.connect_backoff(retries)
             } else {
