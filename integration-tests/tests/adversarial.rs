@@ -353,3 +353,51 @@ async fn an_adversarial_agent_on_a_node_agent_finds_and_reaches_nothing() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runplane_dev_refuses_to_start_where_agents_cannot_be_contained_unless_isolation_is_none() {
+    let dir = tempfile::tempdir().unwrap();
+    // A host without bubblewrap: a PATH with a shell and nothing else.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    std::os::unix::fs::symlink("/bin/sh", bin.join("sh")).unwrap();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(runplane_bin())
+            .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir.path().join("refused"))
+            .env("PATH", &bin)
+            .env_remove("RUNPLANE_CONFIG")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("runplane dev exits")
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "it started: {stderr}");
+    assert!(
+        stderr.contains("bubblewrap cannot contain agents on this host")
+            && stderr.contains(r#"sandbox_reconciler.isolation = "none""#),
+        "{stderr}"
+    );
+
+    // Chosen explicitly, no containment: it starts and says so.
+    let dev = runplane_integration_tests::start_dev_with_env(
+        &dir.path().join("uncontained"),
+        &[
+            ("PATH", bin.to_str().unwrap()),
+            ("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none"),
+        ],
+    )
+    .await;
+    assert!(
+        dev.stdout_lines
+            .iter()
+            .any(|l| l.trim_start().starts_with("isolation:      none")),
+        "{:?}",
+        dev.stdout_lines
+    );
+}

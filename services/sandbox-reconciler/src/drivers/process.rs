@@ -108,8 +108,9 @@ impl Containment {
         argv.extend(["sh".into(), "-c".into(), format!("touch {WORKSPACE}/probe")]);
         let probed = tokio::process::Command::new(&argv[0])
             .args(&argv[1..])
+            // The environment a runner gets, so the probe finds bwrap where a launch does.
             .env_clear()
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .envs(sandbox_env())
             .stdin(Stdio::null())
             .output()
             .await;
