@@ -89,6 +89,7 @@ async fn tail(recovery: &Recovery, run_id: &str) -> Vec<pb::tail_response::Item>
             run_id: run_id.to_owned(),
             from_sequence: 0,
             follow: false,
+            heartbeat_interval: None,
         })
         .await
         .unwrap()

@@ -123,6 +123,7 @@ impl ControlPlane {
                 run_id: run_id.into(),
                 after_sequence: 0,
                 states_only: false,
+                heartbeat_interval: None,
             })
             .await
             .unwrap()

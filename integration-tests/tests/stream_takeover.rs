@@ -202,6 +202,7 @@ impl World {
                 run_id: run_id.to_owned(),
                 from_sequence: 0,
                 follow: false,
+                heartbeat_interval: None,
             })
             .await
             .unwrap()

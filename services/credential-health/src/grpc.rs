@@ -493,6 +493,8 @@ impl CredentialHealthService for CredentialHealthApi {
                 req.org_id.clone()
             }
         };
+        let heartbeat = runplane_grpc::heartbeat::interval(req.heartbeat_interval.as_ref())
+            .map_err(|why| CredentialHealthError::invalid("heartbeat_interval", why))?;
         let mut cursor = match req.after_cursor.as_str() {
             "" => 0,
             c => parse_cursor(c, s.store.last_notice_seq(&org, &req.lead_id).await?)?,
@@ -501,6 +503,7 @@ impl CredentialHealthService for CredentialHealthApi {
         tokio::spawn(async move {
             let mut wake = s.notices.subscribe();
             let mut closing = s.closing.subscribe();
+            let due = runplane_grpc::heartbeat::Due::new(heartbeat);
             loop {
                 wake.mark_unchanged();
                 let batch = match s.store.notices_after(&org, &req.lead_id, cursor, 100).await {
@@ -520,18 +523,21 @@ impl CredentialHealthService for CredentialHealthApi {
                     }
                     if missed > 0 {
                         let gap = pb::watch_notices_response::Item::Gap(pb::NoticesGap { missed });
+                        due.sent();
                         if tx.send(Ok(item(gap))).await.is_err() {
                             return;
                         }
                         missed = 0;
                     }
                     let notice = pb::watch_notices_response::Item::Notice(notice_view(&n));
+                    due.sent();
                     if tx.send(Ok(item(notice))).await.is_err() {
                         return;
                     }
                 }
                 if missed > 0 {
                     let gap = pb::watch_notices_response::Item::Gap(pb::NoticesGap { missed });
+                    due.sent();
                     if tx.send(Ok(item(gap))).await.is_err() {
                         return;
                     }
@@ -546,7 +552,23 @@ impl CredentialHealthService for CredentialHealthApi {
                     _ = wake.changed() => {}
                     _ = closing.wait_for(|c| *c) => return,
                     () = tokio::time::sleep(NOTICE_RECHECK) => {}
+                    () = tokio::time::sleep_until(due.at()) => {}
                     () = tx.closed() => return,
+                }
+                // Nothing sent for an interval: say the stream is alive, and where it is.
+                if due.is_due() {
+                    due.sent();
+                    let heartbeat = pb::watch_notices_response::Item::Heartbeat(pb::Heartbeat {
+                        cursor: if cursor > 0 {
+                            cursor.to_string()
+                        } else {
+                            String::new()
+                        },
+                        server_time: Some(timestamp(s.store.now_ms())),
+                    });
+                    if tx.send(Ok(item(heartbeat))).await.is_err() {
+                        return;
+                    }
                 }
             }
         });

@@ -310,6 +310,7 @@ impl Gate {
                 lead_id: lead.into(),
                 after_cursor: after.into(),
                 org_id: org.into(),
+                heartbeat_interval: None,
             })
             .await?
             .into_inner();
@@ -364,7 +365,8 @@ fn notices_only(items: &[ch::watch_notices_response::Item]) -> Vec<ch::Notice> {
         .iter()
         .filter_map(|i| match i {
             ch::watch_notices_response::Item::Notice(n) => Some(n.clone()),
-            ch::watch_notices_response::Item::Gap(_) => None,
+            ch::watch_notices_response::Item::Gap(_)
+            | ch::watch_notices_response::Item::Heartbeat(_) => None,
         })
         .collect()
 }
@@ -945,6 +947,11 @@ async fn notices_resume_from_a_cursor_and_follow_live() {
             lead_id: "lead-9".into(),
             after_cursor: String::new(),
             org_id: "acme".into(),
+            // The longest interval: this test reads the notice as the first item.
+            heartbeat_interval: Some(prost_types::Duration {
+                seconds: 60,
+                nanos: 0,
+            }),
         })
         .await
         .unwrap()
@@ -981,6 +988,7 @@ async fn notices_resume_from_a_cursor_and_follow_live() {
             lead_id: "lead-9".into(),
             after_cursor: "999999".into(),
             org_id: "acme".into(),
+            heartbeat_interval: None,
         })
         .await
         .unwrap_err();

@@ -733,10 +733,12 @@ impl RunService for RunApi {
         let operator = s.operator(&request)?;
         let req = request.into_inner();
         validate::int64("after_sequence", req.after_sequence)?;
+        let heartbeat = runplane_grpc::heartbeat::interval(req.heartbeat_interval.as_ref())
+            .map_err(|why| RunStoreError::invalid("heartbeat_interval", why))?;
         let first = s.visible_run(&operator, &req.run_id).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
-            if let Err(status) = watch(&s, first, &req, &tx).await {
+            if let Err(status) = watch(&s, first, &req, heartbeat, &tx).await {
                 let _ = tx.send(Err(status)).await;
             }
         });
@@ -1132,15 +1134,21 @@ async fn watch(
     s: &Shared,
     first: crate::store::entities::run::Model,
     req: &pb::WatchRunRequest,
+    heartbeat: Duration,
     tx: &tokio::sync::mpsc::Sender<std::result::Result<pb::WatchRunResponse, Status>>,
 ) -> std::result::Result<(), Status> {
     use pb::watch_run_response::Update;
-    let send = |update: Update| async move {
-        tx.send(Ok(pb::WatchRunResponse {
-            update: Some(update),
-        }))
-        .await
-        .is_ok()
+    let due = runplane_grpc::heartbeat::Due::new(heartbeat);
+    let due = &due;
+    let send = |update: Update| {
+        due.sent();
+        async move {
+            tx.send(Ok(pb::WatchRunResponse {
+                update: Some(update),
+            }))
+            .await
+            .is_ok()
+        }
     };
     let mut last_state = first.state.clone();
     let mut last_updated = first.updated_at_us;
@@ -1185,12 +1193,17 @@ async fn watch(
                 "the run store is shutting down; resume the watch from the last sequence",
             ));
         }
-        changes
-            .wait_for(
-                &req.run_id,
-                tokio::time::Instant::now() + Duration::from_secs(30),
-            )
-            .await;
+        changes.wait_for(&req.run_id, due.at()).await;
+        // Nothing sent for an interval: say the stream is alive, and where it is.
+        if due.is_due() && !s.changes.is_closing() {
+            let heartbeat = pb::Heartbeat {
+                last_sequence: cursor,
+                server_time: Some(crate::store::timestamp(s.store.now_us())),
+            };
+            if !send(Update::Heartbeat(heartbeat)).await {
+                return Ok(());
+            }
+        }
     }
 }
 

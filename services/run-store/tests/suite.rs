@@ -1319,6 +1319,7 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
             run_id: run_id.clone(),
             after_sequence: 1,
             states_only: false,
+            heartbeat_interval: None,
         })
         .await
         .unwrap()
@@ -1336,6 +1337,7 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
             Update::Run(run) => seen.push(format!("run:{}", run.state().as_str_name())),
             Update::Event(e) => seen.push(format!("event:{}:{}", e.sequence, e.text)),
             Update::Gap(g) => seen.push(format!("gap:{}", g.from_sequence)),
+            Update::Heartbeat(_) => {}
         }
     }
     writer.await.unwrap();
@@ -1582,6 +1584,7 @@ async fn numbers_past_their_columns_are_invalid_argument_and_change_nothing(h: H
             run_id: run_id.clone(),
             after_sequence: past,
             states_only: false,
+            heartbeat_interval: None,
         })
         .await
     {

@@ -52,6 +52,11 @@ pub struct NoticesArgs {
     /// Exit after this many notices instead of following until interrupted.
     #[arg(long, value_name = "N")]
     count: Option<u64>,
+    /// How often the server is asked for a heartbeat while no notice comes, 1s to 60s.
+    /// A stream silent for three heartbeats (a wedged replica, a proxy that stopped
+    /// forwarding) is re-opened after the last cursor, on a new connection.
+    #[arg(long, value_name = "DUR", default_value = "5s", value_parser = crate::watch::parse_heartbeat)]
+    heartbeat: Duration,
 }
 
 type Client = CredentialHealthServiceClient<crate::connect::OperatorChannel>;
@@ -169,10 +174,11 @@ pub async fn notices(
                 lead_id: args.lead.clone(),
                 after_cursor: cursor.clone(),
                 org_id: args.org.clone(),
+                heartbeat_interval: Some(crate::duration::to_proto(args.heartbeat)),
             })
             .await;
         let mut stream = match stream {
-            Ok(s) => s.into_inner(),
+            Ok(s) => runplane_transport::Watch::new(s, args.heartbeat),
             // A refusal (a bad cursor, a bad lead id) will not change on a retry.
             Err(status)
                 if matches!(
@@ -208,8 +214,22 @@ pub async fn notices(
                         )?;
                         out.flush()?;
                     }
-                    None => {}
+                    // Where the stream is, past removed notices too.
+                    Some(pb::watch_notices_response::Item::Heartbeat(h))
+                        if !h.cursor.is_empty() =>
+                    {
+                        cursor = h.cursor;
+                    }
+                    Some(pb::watch_notices_response::Item::Heartbeat(_)) | None => {}
                 },
+                // Silent past its heartbeats: its connection is condemned, so the re-open
+                // goes out on a new one at once.
+                Err(silent @ runplane_transport::WatchError::Silent { .. }) => {
+                    eprintln!(
+                        "runplane: notice stream silent ({silent}); resuming after cursor {cursor} on a new connection"
+                    );
+                    break;
+                }
                 Ok(None) | Err(_) => {
                     eprintln!(
                         "runplane: notice stream interrupted; resuming after cursor {cursor}"

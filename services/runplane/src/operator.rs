@@ -105,6 +105,11 @@ pub struct LogsArgs {
     /// Print only the events after this sequence.
     #[arg(long, value_name = "SEQ", default_value_t = 0)]
     after: u64,
+    /// How often the server is asked for a heartbeat while the run is quiet, 1s to 60s.
+    /// A stream silent for three heartbeats (a wedged replica, a proxy that stopped
+    /// forwarding) is re-opened after the last event printed, on a new connection.
+    #[arg(long, value_name = "DUR", default_value = "5s", value_parser = crate::watch::parse_heartbeat)]
+    heartbeat: Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -324,7 +329,7 @@ pub fn write_run(run: &pb::Run, now: DateTime<Utc>, out: &mut impl Write) -> std
 pub async fn logs(config_file: Option<&Path>, args: LogsArgs) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let until = if args.follow { Until::End } else { Until::Now };
-    let run = print_events(&mut client, &args.run, args.after, until).await?;
+    let run = print_events(&mut client, &args.run, args.after, until, args.heartbeat).await?;
     if run.state().is_terminal() {
         eprintln!("runplane: {}", output::ending(&run));
     }

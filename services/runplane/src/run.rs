@@ -31,6 +31,11 @@ pub struct RunArgs {
     /// the profile's max_run_seconds, if any.
     #[arg(long, value_name = "DUR", value_parser = crate::duration::parse_positive)]
     max_duration: Option<Duration>,
+    /// How often the server is asked for a heartbeat while the run is quiet, 1s to 60s.
+    /// A stream silent for three heartbeats (a wedged replica, a proxy that stopped
+    /// forwarding) is re-opened after the last event printed, on a new connection.
+    #[arg(long, value_name = "DUR", default_value = "5s", value_parser = crate::watch::parse_heartbeat)]
+    heartbeat: Duration,
     /// The agent command and its arguments.
     #[arg(required = true, last = true, value_name = "CMD")]
     command: Vec<String>,
@@ -66,7 +71,7 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
         .context("the run store answered without a run")?;
     eprintln!("runplane: run {} created", run.id);
 
-    let final_run = print_events(&mut client, &run.id, 0, Until::End).await?;
+    let final_run = print_events(&mut client, &run.id, 0, Until::End, args.heartbeat).await?;
     let verdict = final_run.verdict.clone().unwrap_or_default();
     let outcome = verdict.outcome();
     eprintln!("runplane: {}", ending(&final_run));

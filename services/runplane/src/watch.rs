@@ -1,7 +1,9 @@
 //! A run's events as `runplane run` and `runplane logs` print them: the agent's stdout
 //! lines on stdout, its stderr lines on stderr, everything else (state changes, life-cycle
 //! notes, steers applied, gaps) as `runplane: …` notes on stderr. A broken stream is
-//! resumed from the last sequence printed, so no line is printed twice or skipped.
+//! resumed from the last sequence printed, so no line is printed twice or skipped. The
+//! server heartbeats a quiet stream; one silent for three heartbeats is dead (a wedged
+//! replica, a proxy that stopped forwarding) and is re-opened on a new connection.
 
 use std::io::Write;
 use std::time::Duration;
@@ -9,6 +11,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::watch_run_response::Update;
+
+use runplane_transport::{Watch, WatchError};
 
 use crate::connect::RunStoreClient;
 use crate::output::state_name;
@@ -26,13 +30,21 @@ pub enum Until {
     End,
 }
 
-/// Prints the run's events after `after` until `until`; returns the last snapshot of the
-/// run seen.
+/// `--heartbeat`: a duration from 1 s to 60 s.
+pub fn parse_heartbeat(text: &str) -> Result<Duration, String> {
+    let d = crate::duration::parse_positive(text)?;
+    runplane_grpc::heartbeat::interval(Some(&crate::duration::to_proto(d)))
+        .map_err(|_| "the heartbeat must be 1s to 60s".to_owned())
+}
+
+/// Prints the run's events after `after` until `until`, asking the server for a
+/// heartbeat every `heartbeat`; returns the last snapshot of the run seen.
 pub async fn print_events(
     client: &mut RunStoreClient,
     run_id: &str,
     mut after: u64,
     until: Until,
+    heartbeat: Duration,
 ) -> anyhow::Result<pb::Run> {
     let mut last_state = pb::RunState::Unspecified;
     let mut last_run: Option<pb::Run> = None;
@@ -45,10 +57,11 @@ pub async fn print_events(
                 run_id: run_id.to_owned(),
                 after_sequence: after,
                 states_only: false,
+                heartbeat_interval: Some(crate::duration::to_proto(heartbeat)),
             })
             .await;
         let mut stream = match opened {
-            Ok(s) => s.into_inner(),
+            Ok(s) => Watch::new(s, heartbeat),
             // A refusal will not change on a retry (the transport already retried the
             // failures that might).
             Err(status) if is_refusal(status.code()) => return Err(crate::connect::rpc(status)),
@@ -71,7 +84,16 @@ pub async fn print_events(
                     }
                     break;
                 }
-                Err(_) => {
+                // Silent past its heartbeats: its connection is condemned, so the re-open
+                // goes out on a new one at once.
+                Err(silent @ WatchError::Silent { .. }) => {
+                    broken_since.get_or_insert_with(tokio::time::Instant::now);
+                    eprintln!(
+                        "runplane: stream silent ({silent}); resuming after event {after} on a new connection"
+                    );
+                    break;
+                }
+                Err(WatchError::Status(_)) => {
                     broken_since.get_or_insert_with(tokio::time::Instant::now);
                     eprintln!("runplane: stream interrupted; resuming after event {after}");
                     tokio::time::sleep(RECONNECT_DELAY).await;
@@ -104,6 +126,8 @@ pub async fn print_events(
                     );
                     after = after.max(gap.to_sequence);
                 }
+                // Where the stream is: everything up to it was sent on this stream.
+                Some(Update::Heartbeat(h)) => after = after.max(h.last_sequence),
                 None => {}
             }
             if let (Some(stop), Some(run)) = (stop_at, &last_run)

@@ -707,11 +707,13 @@ impl StreamRecoveryService for StreamRecoveryApi {
         s.operator(&request)?;
         let req = request.into_inner();
         run_id_of(&req.run_id)?;
+        let heartbeat = runplane_grpc::heartbeat::interval(req.heartbeat_interval.as_ref())
+            .map_err(|why| invalid("heartbeat_interval", why))?;
         // An unknown run is NOT_FOUND before anything is read or written for it.
         s.run(&req.run_id).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
-            if let Err(status) = tail(&s, &req, &tx).await {
+            if let Err(status) = tail(&s, &req, heartbeat, &tx).await {
                 let _ = tx.send(Err(status)).await;
             }
         });
@@ -845,13 +847,19 @@ const TAIL_POLL: Duration = Duration::from_millis(250);
 async fn tail(
     s: &Shared,
     req: &pb::TailRequest,
+    heartbeat: Duration,
     tx: &tokio::sync::mpsc::Sender<Result<pb::TailResponse, Status>>,
 ) -> Result<(), Status> {
     use pb::tail_response::Item;
-    let send = |item: Item| async move {
-        tx.send(Ok(pb::TailResponse { item: Some(item) }))
-            .await
-            .is_ok()
+    let due = runplane_grpc::heartbeat::Due::new(heartbeat);
+    let due = &due;
+    let send = |item: Item| {
+        due.sent();
+        async move {
+            tx.send(Ok(pb::TailResponse { item: Some(item) }))
+                .await
+                .is_ok()
+        }
     };
     let mut next = req.from_sequence.max(1);
     let first = s
@@ -972,6 +980,16 @@ async fn tail(
                 }
             }
         }
-        tokio::time::sleep(TAIL_POLL).await;
+        tokio::time::sleep_until(due.at().min(tokio::time::Instant::now() + TAIL_POLL)).await;
+        // Nothing sent for an interval: say the stream is alive, and where it is.
+        if due.is_due()
+            && !send(Item::Heartbeat(pb::Heartbeat {
+                next_sequence: next,
+                server_time: Some(timestamp(s.now_ms())),
+            }))
+            .await
+        {
+            return Ok(());
+        }
     }
 }

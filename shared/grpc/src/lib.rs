@@ -8,6 +8,7 @@
 //! - [`shed`]: past its concurrency limit a service answers `RESOURCE_EXHAUSTED` with
 //!   pushback at once instead of queueing.
 //! - [`client`]: channels that inject the current trace context into every request.
+//! - [`heartbeat`]: how often watch streams send heartbeats, and how long a client waits.
 //! - [`tls`]: rustls TLS and mutual TLS of servers and `https://` channels, from `[tls]`.
 //! - [`error`]: `tonic::Status` with `google.rpc.ErrorInfo` carrying a stable reason.
 //! - [`shutdown_signal`]: SIGTERM or SIGINT.
@@ -15,6 +16,7 @@
 pub mod client;
 pub mod error;
 pub mod guard;
+pub mod heartbeat;
 pub mod server;
 pub mod shed;
 pub mod tls;

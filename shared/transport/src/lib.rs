@@ -34,10 +34,14 @@
 //! Unary responses are read whole before they are handed on, so a body cut mid-way is
 //! seen (and retried) here rather than surfacing later in the codec. Server-streaming
 //! responses are handed on as they come; only failures before their headers are retried.
+//! Each carries the connection it came on ([`StreamConnection`]), so a reader that finds
+//! it silent past its heartbeat ([`Watch`]) condemns that connection and re-opens on a
+//! fresh one.
 
 mod classify;
 mod deadline;
 mod upstream;
+mod watch;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -58,6 +62,7 @@ pub use classify::{Failure, Pushback};
 use runplane_grpc::client::TracedChannel;
 use upstream::Conn;
 pub use upstream::Upstream;
+pub use watch::{StreamConnection, Watch, WatchError};
 
 /// Errors the layer returns: the inner channel's, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -397,7 +402,14 @@ impl Shared {
                 )
                 .await;
             let (failure, last, pushback, condemned) = match attempt {
-                Attempt::Done(response) => {
+                Attempt::Done(mut response) => {
+                    if policy.server_streaming {
+                        response.extensions_mut().insert(StreamConnection {
+                            upstream: upstream.clone(),
+                            generation: conn.generation,
+                            address: conn.address.clone(),
+                        });
+                    }
                     self.throttle.success();
                     if retries + rate_limited > 0 {
                         record_budget_spent(&path, started.elapsed());
