@@ -9,6 +9,7 @@
 pub mod otlp;
 pub mod sandboxes;
 pub mod split;
+pub mod wedge;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
