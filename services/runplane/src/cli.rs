@@ -57,7 +57,8 @@ pub enum Command {
         services: Vec<ServiceName>,
     },
     /// Serve all four services in one process on one port: SQLite under the data
-    /// directory, the in-process coordinator store, a generated operator token.
+    /// directory, the in-process coordinator store, a generated operator token. Agents
+    /// run under bubblewrap ([sandbox_reconciler] isolation; the banner says which).
     Dev {
         /// Address to listen on; port 0 picks a free port.
         #[arg(long, default_value = "127.0.0.1:7070", value_name = "ADDR")]
@@ -94,13 +95,15 @@ pub enum Command {
     #[command(after_help = EXIT_STATUS)]
     Interrupt(crate::operator::InterruptArgs),
     /// Run a node agent of the direct substrate ([node] config): register with the
-    /// reconciler at [sandbox_reconciler].endpoint, run, suspend and restore sandboxes.
+    /// reconciler at [sandbox_reconciler].endpoint, run, suspend and restore sandboxes,
+    /// their agents under bubblewrap ([sandbox_reconciler] isolation).
     Node,
     /// Run inside a sandbox: say Hello, start the run's agent command, stream its output,
     /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and
     /// RUNPLANE_RUN_KEY from the environment (never from arguments), and
-    /// RUNPLANE_RECOVERY_ENDPOINT (the coordinator; default the run store's endpoint) and
-    /// TRACEPARENT (the run's trace) when set.
+    /// RUNPLANE_RECOVERY_ENDPOINT (the coordinator; default the run store's endpoint),
+    /// TRACEPARENT (the run's trace) and RUNPLANE_AGENT_WRAPPER (the sandbox's bubblewrap
+    /// containment of the agent, one argument a line) when set.
     Runner,
     /// Print the fleet as credential health sees it: per credential and per profile,
     /// capacity, busy, free, cool-off and quarantine (in separate columns).
