@@ -8,7 +8,6 @@
 //! since pids are reused) and learns its end from the exit file the shell writes. The
 //! reconciler never waits on a process it did not start in this life; the ones it did
 //! start are reaped by a waiter task.
-
 //!
 //! # Containment
 //!
@@ -18,7 +17,9 @@
 //! starts only the agent inside bubblewrap, through the wrapper this driver hands it in
 //! `RUNPLANE_AGENT_WRAPPER`. In its own pid namespace with its own `/proc` the agent
 //! cannot see the runner (nor its environ, nor any other process of the host), so no
-//! file descriptor or key file is needed to keep the key from it. See [`Containment`].
+//! file descriptor or key file is needed to keep the key from it. The agent's files live
+//! in `<dir>/workspace` (its `/workspace`), and under root the uid it was given is kept in
+//! `<dir>/uid`, so a re-created sandbox keeps both. See [`Containment`].
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
