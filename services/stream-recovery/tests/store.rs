@@ -167,6 +167,7 @@ conformance!(
     only_the_first_controller_acquires_and_the_holder_gets_its_token_back,
     appends_are_fenced_idempotent_contiguous_and_budgeted,
     the_buffer_trims_and_reads_report_the_first_kept_frame,
+    a_lowered_frame_limit_trims_a_long_buffer_at_once,
     takeovers_are_immediate_then_wait_then_exhaust_after_five,
     a_quiet_window_starts_a_fresh_budget,
     a_parked_run_is_never_taken_over,
@@ -301,6 +302,39 @@ async fn the_buffer_trims_and_reads_report_the_first_kept_frame(s: Arc<dyn Recov
     );
     let tail = s.read("run-3", 5, 100).await.unwrap();
     assert_eq!(tail.frames.len(), 1);
+}
+
+/// A lowered `max_frames` trims a full buffer in one append (ten thousand frames at once,
+/// more than one Lua `unpack` can take).
+async fn a_lowered_frame_limit_trims_a_long_buffer_at_once(s: Arc<dyn RecoveryStore>) {
+    s.acquire("run-long", "ctl", "tok", TTL, T0).await.unwrap();
+    let limits = BufferLimits::default();
+    for batch in 0..40u64 {
+        let from = batch * 256 + 1;
+        s.append(
+            "run-long",
+            "tok",
+            &frames(from..=from + 255),
+            T0,
+            &limits,
+            false,
+        )
+        .await
+        .unwrap();
+    }
+    let lowered = BufferLimits {
+        max_frames: 3,
+        ..BufferLimits::default()
+    };
+    s.append("run-long", "tok", &frames(10241..=10241), T0, &lowered, false)
+        .await
+        .unwrap();
+    let replay = s.read("run-long", 1, 100).await.unwrap();
+    assert_eq!(replay.first_available, 10239);
+    assert_eq!(
+        replay.frames.iter().map(|f| f.sequence).collect::<Vec<_>>(),
+        [10239, 10240, 10241]
+    );
 }
 
 async fn takeovers_are_immediate_then_wait_then_exhaust_after_five(s: Arc<dyn RecoveryStore>) {

@@ -12,12 +12,14 @@
 //! claim; the index `STATE_TTL` after its last entry; an org's hourly counter
 //! `ORG_HOUR_TTL` after its last charge. The memory store mirrors exactly this.
 
-use std::sync::LazyLock;
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 use runplane_config::RedisTarget;
 
 use super::{
@@ -145,9 +147,10 @@ local ttl = ARGV[5]
 local lease_ttl = tonumber(ARGV[6])
 local resync = ARGV[7] == '1'
 local A = 8
-local next = tonumber(redis.call('HGET', KEYS[2], 'next') or '1')
-local first = tonumber(redis.call('HGET', KEYS[2], 'first') or '1')
-local bytes = tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0')
+local m = redis.call('HMGET', KEYS[2], 'next', 'first', 'bytes')
+local next = tonumber(m[1] or '1')
+local first = tonumber(m[2] or '1')
+local bytes = tonumber(m[3] or '0')
 local n = (#ARGV - A + 1) / 2
 local from = tonumber(ARGV[A])
 if from > next then
@@ -172,18 +175,31 @@ if not holder then
   redis.call('HSET', KEYS[2], 'granted', '1')
 end
 local stored = 0
+local data, times = {}, {}
 for i = 0, n - 1 do
   if tonumber(ARGV[A + 2 * i]) == next then
-    redis.call('HSET', KEYS[3], next, ARGV[A + 1 + 2 * i])
-    redis.call('HSET', KEYS[4], next, now)
+    data[#data + 1] = next
+    data[#data + 1] = ARGV[A + 1 + 2 * i]
+    times[#times + 1] = next
+    times[#times + 1] = now
     next = next + 1
     stored = stored + 1
   end
 end
+if stored > 0 then
+  redis.call('HSET', KEYS[3], unpack(data))
+  redis.call('HSET', KEYS[4], unpack(times))
+end
+-- Trimmed in chunks: unpack() is bounded by Lua's stack (a lowered max_frames can trim
+-- many at once).
 while next - first > max_frames do
-  redis.call('HDEL', KEYS[3], first)
-  redis.call('HDEL', KEYS[4], first)
-  first = first + 1
+  local trimmed = {}
+  while next - first > max_frames and #trimmed < 1000 do
+    trimmed[#trimmed + 1] = first
+    first = first + 1
+  end
+  redis.call('HDEL', KEYS[3], unpack(trimmed))
+  redis.call('HDEL', KEYS[4], unpack(trimmed))
 end
 redis.call('HSET', KEYS[2], 'next', next, 'first', first, 'bytes', bytes + add)
 redis.call('PEXPIRE', KEYS[2], ttl)
@@ -265,10 +281,11 @@ local ttl = tonumber(ARGV[4])
 local state_ttl = tonumber(ARGV[5])
 local reset_after, max_attempts = tonumber(ARGV[6]), tonumber(ARGV[7])
 local gc = ttl * tonumber(ARGV[8])
-local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
-if redis.call('HGET', KEYS[1], 'parked') == '1' then return {'held'} end
-if redis.call('HGET', KEYS[1], 'controller') and expires > now then return {'held'} end
-if redis.call('HGET', KEYS[3], 'granted') ~= '1' then return {'no_controller'} end
+local l = redis.call('HMGET', KEYS[1], 'controller', 'token', 'expires', 'parked')
+if l[4] == '1' then return {'held'} end
+if l[1] and tonumber(l[3] or '0') > now then return {'held'} end
+local m = redis.call('HMGET', KEYS[3], 'granted', 'next')
+if m[1] ~= '1' then return {'no_controller'} end
 local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
 if b[4] == '1' then return {'exhausted', 0} end
 local attempts = tonumber(b[1] or '0')
@@ -282,16 +299,15 @@ end
 if attempts > 0 and now < tonumber(b[3] or '0') then return {'wait', tonumber(b[3])} end
 attempts = attempts + 1
 local not_before = now + tonumber(ARGV[8 + attempts])
-local l = redis.call('HMGET', KEYS[1], 'controller', 'token', 'expires')
 redis.call('HSET', KEYS[2], 'claim_token', ARGV[2], 'prev_attempts', b[1] or '',
   'prev_claimed', b[2] or '', 'prev_not_before', b[3] or '', 'prev_controller', l[1] or '',
-  'prev_token', l[2] or '', 'prev_expires', l[3] or '')
-redis.call('HSET', KEYS[2], 'attempts', attempts, 'claimed', now, 'not_before', not_before)
+  'prev_token', l[2] or '', 'prev_expires', l[3] or '',
+  'attempts', attempts, 'claimed', now, 'not_before', not_before)
 redis.call('PEXPIRE', KEYS[2], state_ttl)
 redis.call('HSET', KEYS[1], 'controller', ARGV[3], 'token', ARGV[2], 'expires', now + ttl)
 redis.call('PEXPIRE', KEYS[1], gc)
 for k = 3, 5 do keep(KEYS[k], state_ttl) end
-return {'claimed', attempts, tonumber(redis.call('HGET', KEYS[3], 'next') or '1'), not_before}
+return {'claimed', attempts, tonumber(m[2] or '1'), not_before}
 "#,
     )
 });
@@ -333,7 +349,16 @@ return 1
 pub struct RedisStore {
     conn: Conn,
     prefix: String,
+    /// When this process last wrote each run into the index (see `remember`).
+    indexed: Arc<Mutex<HashMap<String, Instant>>>,
 }
+
+/// A run this process wrote into the index less than this long ago is not written
+/// again: the index is a hint for the sweep, and an hourly write per active run keeps it
+/// (and its `STATE_TTL`) alive, and rebuilds it within the hour if Redis lost it.
+const REINDEX_AFTER: Duration = Duration::from_secs(3600);
+/// Past this many runs remembered, the memo starts afresh (bounded memory).
+const INDEXED_MEMO_MAX: usize = 100_000;
 
 /// One server or a cluster. Every script's keys share the run's (or org's) hash tag, so
 /// the cluster client sends each whole script to the one master that owns the slot; a
@@ -443,6 +468,7 @@ impl RedisStore {
         Ok(Self {
             conn,
             prefix: prefix.to_owned(),
+            indexed: Arc::default(),
         })
     }
 
@@ -470,11 +496,88 @@ impl RedisStore {
         }
     }
 
+    /// The CLAIM script call `claim` makes, exactly (the benchmark's raw baseline runs it
+    /// with a bare EVALSHA).
+    pub fn claim_invocation(&self, run: &str, a: &ClaimArgs<'_>) -> ScriptInvocation<'static> {
+        let k = self.keys(run);
+        let mut invocation = CLAIM.prepare_invoke();
+        invocation
+            .key(&k.lease)
+            .key(&k.budget)
+            .key(&k.meta)
+            .key(&k.frames)
+            .key(&k.times)
+            .arg(a.now_ms)
+            .arg(a.token)
+            .arg(a.controller)
+            .arg(a.lease_ttl_ms)
+            .arg(STATE_TTL.as_millis() as u64)
+            .arg(RESET_AFTER.as_millis() as u64)
+            .arg(MAX_ATTEMPTS)
+            .arg(LEASE_GC_FACTOR);
+        for attempt in 1..=MAX_ATTEMPTS {
+            invocation.arg(backoff_ms(attempt, a.jitter));
+        }
+        invocation
+    }
+
+    /// The APPEND script call `append` makes, exactly.
+    pub fn append_invocation(
+        &self,
+        run: &str,
+        token: &str,
+        frames: &[(u64, Vec<u8>)],
+        now_ms: i64,
+        limits: &BufferLimits,
+        resync: bool,
+    ) -> ScriptInvocation<'static> {
+        let k = self.keys(run);
+        let mut invocation = APPEND.prepare_invoke();
+        invocation
+            .key(&k.lease)
+            .key(&k.meta)
+            .key(&k.frames)
+            .key(&k.times)
+            .arg(token)
+            .arg(now_ms)
+            .arg(limits.max_frames)
+            .arg(limits.stream_bytes)
+            .arg(limits.ttl.as_millis() as u64)
+            .arg(DEFAULT_LEASE_TTL.as_millis() as u64)
+            .arg(if resync { "1" } else { "0" });
+        for (sequence, data) in frames {
+            invocation.arg(*sequence).arg(data.as_slice());
+        }
+        invocation
+    }
+
     fn index(&self) -> String {
         format!("{}runs", self.prefix)
     }
 
+    /// Writes `run` into the index of runs the sweep walks, unless this process did so
+    /// within `REINDEX_AFTER` (one round trip saved on every claim and re-acquire).
     async fn remember(&self, run: &str) -> Result<()> {
+        let fresh = |at: &Instant| at.elapsed() < REINDEX_AFTER;
+        if self
+            .indexed
+            .lock()
+            .expect("index memo")
+            .get(run)
+            .is_some_and(fresh)
+        {
+            return Ok(());
+        }
+        self.write_index(run).await?;
+        let mut memo = self.indexed.lock().expect("index memo");
+        if memo.len() >= INDEXED_MEMO_MAX {
+            memo.clear();
+        }
+        memo.insert(run.to_owned(), Instant::now());
+        Ok(())
+    }
+
+    async fn write_index(&self, run: &str) -> Result<()> {
         let mut conn = self.conn.clone();
         let _: () = redis::pipe()
             .atomic()
@@ -575,25 +678,11 @@ impl RecoveryStore for RedisStore {
         limits: &BufferLimits,
         resync: bool,
     ) -> Result<Appended> {
-        let k = self.keys(run);
         let mut conn = self.conn.clone();
-        let mut invocation = APPEND.prepare_invoke();
-        invocation
-            .key(&k.lease)
-            .key(&k.meta)
-            .key(&k.frames)
-            .key(&k.times)
-            .arg(token)
-            .arg(now_ms)
-            .arg(limits.max_frames)
-            .arg(limits.stream_bytes)
-            .arg(limits.ttl.as_millis() as u64)
-            .arg(DEFAULT_LEASE_TTL.as_millis() as u64)
-            .arg(if resync { "1" } else { "0" });
-        for (sequence, data) in frames {
-            invocation.arg(*sequence).arg(data.as_slice());
-        }
-        let out: Vec<Value> = invocation.invoke_async(&mut conn).await?;
+        let out: Vec<Value> = self
+            .append_invocation(run, token, frames, now_ms, limits, resync)
+            .invoke_async(&mut conn)
+            .await?;
         match text(&out[0]).as_str() {
             "ok" => Ok(Appended {
                 next_sequence: int(&out[1]) as u64,
@@ -659,27 +748,11 @@ impl RecoveryStore for RedisStore {
     }
 
     async fn claim(&self, run: &str, a: &ClaimArgs<'_>) -> Result<ClaimOutcome> {
-        let k = self.keys(run);
         let mut conn = self.conn.clone();
-        let mut invocation = CLAIM.prepare_invoke();
-        invocation
-            .key(&k.lease)
-            .key(&k.budget)
-            .key(&k.meta)
-            .key(&k.frames)
-            .key(&k.times)
-            .arg(a.now_ms)
-            .arg(a.token)
-            .arg(a.controller)
-            .arg(a.lease_ttl_ms)
-            .arg(STATE_TTL.as_millis() as u64)
-            .arg(RESET_AFTER.as_millis() as u64)
-            .arg(MAX_ATTEMPTS)
-            .arg(LEASE_GC_FACTOR);
-        for attempt in 1..=MAX_ATTEMPTS {
-            invocation.arg(backoff_ms(attempt, a.jitter));
-        }
-        let out: Vec<Value> = invocation.invoke_async(&mut conn).await?;
+        let out: Vec<Value> = self
+            .claim_invocation(run, a)
+            .invoke_async(&mut conn)
+            .await?;
         let outcome = match text(&out[0]).as_str() {
             "held" => ClaimOutcome::LeaseHeld,
             "no_controller" => ClaimOutcome::NoControllerYet,
@@ -785,6 +858,7 @@ impl RecoveryStore for RedisStore {
             .arg(&k.budget)
             .query_async(&mut conn)
             .await?;
+        self.indexed.lock().expect("index memo").remove(run);
         let _: i64 = redis::cmd("ZREM")
             .arg(self.index())
             .arg(run)
