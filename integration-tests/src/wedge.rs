@@ -18,6 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
 
 const PREFACE_LEN: usize = 24;
+const FRAME_HEADERS: u8 = 0x1;
 const FRAME_PING: u8 = 0x6;
 const FLAG_ACK: u8 = 0x1;
 
@@ -35,6 +36,8 @@ struct Shared {
     accepted: AtomicU64,
     /// Pings the proxy answered itself on wedged connections.
     pings_answered: AtomicU64,
+    /// HEADERS frames forwarded from a server: each response's headers (and trailers).
+    headers_forwarded: AtomicU64,
     tasks: Mutex<Vec<AbortHandle>>,
 }
 
@@ -53,6 +56,7 @@ impl WedgeProxy {
             wedged_below: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             pings_answered: AtomicU64::new(0),
+            headers_forwarded: AtomicU64::new(0),
             tasks: Mutex::new(Vec::new()),
         });
         let accept = {
@@ -92,6 +96,12 @@ impl WedgeProxy {
     pub fn pings_answered(&self) -> u64 {
         self.shared.pings_answered.load(Ordering::SeqCst)
     }
+
+    /// HEADERS frames forwarded from the servers: a server stream's response headers
+    /// come as soon as it is open, so this says a watch is open before anything is on it.
+    pub fn headers_forwarded(&self) -> u64 {
+        self.shared.headers_forwarded.load(Ordering::SeqCst)
+    }
 }
 
 impl Drop for WedgeProxy {
@@ -122,7 +132,7 @@ async fn connection(shared: Arc<Shared>, id: u64, client: TcpStream, backend: St
         client_write.clone(),
         wedged.clone(),
     );
-    let down = downstream(server_read, client_write, wedged);
+    let down = downstream(shared.clone(), server_read, client_write, wedged);
     // Either direction ending (a close) ends the connection; a wedged one never ends.
     tokio::select! {
         () = up => {}
@@ -173,6 +183,7 @@ async fn upstream(
 
 /// Server to client, whole frames; once wedged, nothing more is read or forwarded.
 async fn downstream(
+    shared: Arc<Shared>,
     mut from: OwnedReadHalf,
     client: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     wedged: impl Fn() -> bool,
@@ -184,6 +195,9 @@ async fn downstream(
         }
         if client.lock().await.write_all(&frame).await.is_err() {
             return;
+        }
+        if frame[3] == FRAME_HEADERS {
+            shared.headers_forwarded.fetch_add(1, Ordering::SeqCst);
         }
     }
 }

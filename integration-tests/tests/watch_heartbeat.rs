@@ -4,6 +4,8 @@
 //!   forwarding without closing, and keeps answering h2 PINGs, so a keepalive sees
 //!   nothing wrong) hears no heartbeat, drops the stream, re-opens it after the last
 //!   event it printed on a new connection, prints every line exactly once and finishes.
+//! - `runplane notices` through such a connection re-opens from its cursor the same way
+//!   and prints the incident's notice once.
 //! - An idle WatchRun, Tail and WatchNotices each send heartbeats carrying where the
 //!   stream is; an interval outside 1 s to 60 s is INVALID_ARGUMENT.
 
@@ -131,6 +133,74 @@ async fn a_run_watched_through_a_wedged_connection_is_reopened_from_its_cursor()
         "the re-open went out on a new connection"
     );
     assert!(err.contains("receipt: "), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notices_watched_through_a_wedged_connection_are_reopened_from_the_cursor() {
+    let data = tempfile::tempdir().unwrap();
+    let dev = start_dev(data.path()).await;
+    let proxy = WedgeProxy::start(std::slice::from_ref(&dev.address)).await;
+    let cli = |subcommand: &str, endpoint: &str| {
+        let mut command = Command::new(runplane_bin());
+        command
+            .args([subcommand, "--endpoint", endpoint])
+            .arg("--token-file")
+            .arg(data.path().join("operator-token"))
+            .env_remove("RUNPLANE_CONFIG")
+            .env_remove("RUNPLANE_TOKEN")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        command
+    };
+    let mut notices = cli("notices", &proxy.endpoint());
+    notices
+        .args(["--lead", "me", "--count", "1", "--heartbeat", "1s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let watcher = notices.spawn().expect("start runplane notices");
+    // Its stream is open (the server sent the response headers); then it goes silent.
+    runplane_integration_tests::wait_for(
+        "the notice stream opens",
+        Duration::from_secs(60),
+        async || proxy.headers_forwarded() > 0,
+    )
+    .await;
+    proxy.wedge_open_connections();
+    let wedged = proxy.connections();
+
+    // Two runs of the lead die on a backend error: one incident, one notice, while the
+    // watcher's connection forwards nothing.
+    for _ in 0..2 {
+        let mut run = cli("run", &dev.endpoint());
+        run.args(["--lead", "me", "--", "sh", "-c"])
+            .arg("echo 'API Error: No response from API' >&2; exit 1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let status = run.status().await.unwrap();
+        assert_eq!(status.code(), Some(1));
+    }
+
+    let output = tokio::time::timeout(Duration::from_secs(90), watcher.wait_with_output())
+        .await
+        .expect("the watcher re-opens the silent stream and gets the notice")
+        .unwrap();
+    let out = String::from_utf8_lossy(&output.stdout);
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{err}");
+    assert_eq!(out.lines().count(), 1, "the notice once: {out}");
+    assert!(
+        out.contains("incident_opened") && out.contains("(cursor 1)"),
+        "{out}"
+    );
+    assert!(
+        err.contains("notice stream silent (nothing, not even a heartbeat, for 3s")
+            && err.contains("on a new connection"),
+        "the silence is what ended the stream: {err}"
+    );
+    assert!(
+        proxy.connections() > wedged,
+        "the re-open went out on a new connection"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
