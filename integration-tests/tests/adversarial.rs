@@ -47,6 +47,7 @@ for f in "$data/$marker" "$victim/$marker" "$victim/workspace/$marker" "/usr/$ma
   "/etc/$marker" "/tmp/$marker"; do
   (echo pwned > "$f") 2>/dev/null && echo "wrote: $f"
 done
+(echo mine > /workspace/mine) 2>/dev/null && echo "own workspace: writable"
 echo "adversary done"
 "#;
 
@@ -211,6 +212,9 @@ async fn adversary_finds_nothing(target: Target) {
     .collect();
     assert!(output.status.success(), "{out}\n{err}");
     assert!(out.contains("adversary done"), "{out}\n{err}");
+    // What is its own stays usable: its workspace and its private /tmp.
+    assert!(out.contains("own workspace: writable"), "{out}");
+    assert!(out.contains(&format!("wrote: /tmp/{marker}")), "{out}");
 
     // No secret: not the control plane's, not either run's key.
     for (what, secret) in target
