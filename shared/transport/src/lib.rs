@@ -14,7 +14,8 @@
 //!   budget (3 min ordinary, 5 min terminal), spent in full, with one retry always granted
 //!   so one stalled attempt cannot eat the budget. Server pushback
 //!   (`grpc-retry-pushback-ms`, `google.rpc.RetryInfo`) is honoured but never below the
-//!   backoff.
+//!   backoff, except on `RESOURCE_EXHAUSTED`: there a positive pushback is the delay,
+//!   plus up to half of it again as jitter (a shedding server paces its clients).
 //!   A pushback that cannot be read (negative, garbled) stops retrying (gRFC A6).
 //! - Backoff follows what the failure proves: a connect that was refused, failed or
 //!   never heard back cost the server nothing and is retried on a short schedule
@@ -478,7 +479,15 @@ impl Shared {
             }
 
             let backoff = if failure == Failure::RateLimited {
-                self.config.backoff(rate_limited)
+                match pushback {
+                    // gRFC A6: a server pacing its clients names the delay; half of it
+                    // again as jitter keeps the refused from coming back in one wave.
+                    // A zero pushback proves nothing about the load: the backoff.
+                    Pushback::After(p) if !p.is_zero() => {
+                        p.mul_f64(1.0 + rand::random::<f64>() / 2.0)
+                    }
+                    _ => self.config.backoff(rate_limited),
+                }
             } else if failure == Failure::ProvenNotSent
                 && condemned
                 && self.config.short_connect_schedule

@@ -556,6 +556,41 @@ async fn a_rate_limited_sleep_is_capped() {
     );
 }
 
+/// A shedding server paces a `RESOURCE_EXHAUSTED` retry: the delay is its pushback plus at
+/// most half of it again, however often it was refused, not the exponential backoff (which
+/// would stretch a fleet's tail); a zero pushback proves nothing and gets the backoff.
+#[tokio::test]
+async fn a_rate_limited_retry_waits_out_its_pushback_not_the_backoff() {
+    let config = RetryConfig {
+        base: Duration::from_millis(200),
+        cap: Duration::from_millis(200),
+        jitter: Jitter::Equal,
+        ..fast()
+    };
+    let (l, addr) = listener().await;
+    let script = Script::new([
+        Answer::Status(Code::ResourceExhausted, Some(20)),
+        Answer::Status(Code::ResourceExhausted, Some(20)),
+        Answer::Status(Code::ResourceExhausted, Some(20)),
+        Answer::Status(Code::ResourceExhausted, Some(0)),
+    ]);
+    let _server = Server::start(l, script.clone(), 0).await;
+    let layer = RetryLayer::new(config);
+    append(&mut client(&addr, &layer)).await.unwrap();
+    let delays = layer.stats().delays.lock().unwrap().clone();
+    assert_eq!(delays.len(), 4, "{delays:?}");
+    for d in &delays[..3] {
+        assert!(
+            (Duration::from_millis(20)..=Duration::from_millis(30)).contains(d),
+            "paced by the pushback: {delays:?}"
+        );
+    }
+    assert!(
+        (Duration::from_millis(100)..=Duration::from_millis(200)).contains(&delays[3]),
+        "zero pushback: the backoff: {delays:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_refused_connect_is_retried_on_the_short_schedule() {
     let (l, addr) = listener().await;
