@@ -88,10 +88,8 @@ async fn storm(tails: usize) -> Outcome {
     coordinator.register(&mut services);
     let coordinator_endpoint = serve(services).await;
 
-    let mut op = RunServiceClient::with_interceptor(
-        channel(&run_store_endpoint).await,
-        Bearer::new(TOKEN),
-    );
+    let mut op =
+        RunServiceClient::with_interceptor(channel(&run_store_endpoint).await, Bearer::new(TOKEN));
     let run_id = op
         .create_run(rs::CreateRunRequest {
             client_request_id: format!("tail-storm-{tails}-request"),
@@ -286,7 +284,13 @@ async fn main() {
     );
     println!(
         "{:<6} {:>16} {:>7} {:>34} {:>10} {:>11} {:>22}",
-        "tails", "resume requests", "aborts", "run ended", "after s", "tail items", "unbounded (1/s plan)"
+        "tails",
+        "resume requests",
+        "aborts",
+        "run ended",
+        "after s",
+        "tail items",
+        "unbounded (1/s plan)"
     );
     for tails in [1, 3] {
         let o = storm(tails).await;

@@ -326,9 +326,16 @@ async fn a_lowered_frame_limit_trims_a_long_buffer_at_once(s: Arc<dyn RecoverySt
         max_frames: 3,
         ..BufferLimits::default()
     };
-    s.append("run-long", "tok", &frames(10241..=10241), T0, &lowered, false)
-        .await
-        .unwrap();
+    s.append(
+        "run-long",
+        "tok",
+        &frames(10241..=10241),
+        T0,
+        &lowered,
+        false,
+    )
+    .await
+    .unwrap();
     let replay = s.read("run-long", 1, 100).await.unwrap();
     assert_eq!(replay.first_available, 10239);
     assert_eq!(

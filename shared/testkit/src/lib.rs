@@ -204,9 +204,9 @@ impl TestRedis {
     pub async fn cluster() -> Self {
         let url = std::env::var("RUNPLANE_TEST_REDIS_CLUSTER_URL")
             .unwrap_or_else(|_| DEFAULT_REDIS_CLUSTER_URL.to_owned());
-        let hosts = url
-            .strip_prefix("redis+cluster://")
-            .unwrap_or_else(|| panic!("RUNPLANE_TEST_REDIS_CLUSTER_URL must be redis+cluster://host:port,...: {url}"));
+        let hosts = url.strip_prefix("redis+cluster://").unwrap_or_else(|| {
+            panic!("RUNPLANE_TEST_REDIS_CLUSTER_URL must be redis+cluster://host:port,...: {url}")
+        });
         let seeds: Vec<String> = hosts.split(',').map(|h| format!("redis://{h}")).collect();
         let mut nodes = Vec::new();
         for seed in &seeds {
