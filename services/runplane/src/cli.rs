@@ -14,7 +14,7 @@ macro_rules! exit_status {
         2  a usage error (an unknown command, flag or value)"
     };
 }
-const EXIT_STATUS: &str = exit_status!();
+pub const EXIT_STATUS: &str = exit_status!();
 const ALL_EXIT_STATUS: &str = concat!(
     exit_status!(),
     "\n`runplane run` exits with the run's status instead: 0 when it succeeded, the \
@@ -96,8 +96,10 @@ pub enum Command {
     Interrupt(crate::operator::InterruptArgs),
     /// Run a node agent of the direct substrate ([node] config): register with the
     /// reconciler at [sandbox_reconciler].endpoint, run, suspend and restore sandboxes,
-    /// their agents under bubblewrap ([sandbox_reconciler] isolation).
-    Node,
+    /// their agents under bubblewrap ([sandbox_reconciler] isolation). It authenticates
+    /// with its own credential (RUNPLANE_NODE_TOKEN or --token-file), else the operator
+    /// token. `runplane node token create|revoke|list` manage node credentials.
+    Node(crate::node::NodeArgs),
     /// Run inside a sandbox: say Hello, start the run's agent command, stream its output,
     /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and
     /// RUNPLANE_RUN_KEY from the environment (never from arguments), and
@@ -165,10 +167,8 @@ impl Command {
     /// Long-running processes log their failure as `runplane: …`; the commands an
     /// operator types answer like clap's usage errors, `error: …`.
     pub fn is_daemon(&self) -> bool {
-        matches!(
-            self,
-            Self::Serve { .. } | Self::Dev { .. } | Self::Node | Self::Runner
-        )
+        matches!(self, Self::Serve { .. } | Self::Dev { .. } | Self::Runner)
+            || matches!(self, Self::Node(args) if args.is_agent())
     }
 }
 
@@ -180,7 +180,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Serve { services } => crate::serve::serve(config, &services).await?,
         Command::Dev { listen, data_dir } => crate::dev::dev(config, &listen, &data_dir).await?,
         Command::Runner => crate::runner::run(config).await?,
-        Command::Node => crate::node::run(config).await?,
+        Command::Node(args) => crate::node::node(config, args, &mut stdout).await?,
         Command::Run(args) => {
             // The run's status, 0..=255 by construction.
             let code = crate::run::run(config, args).await?;

@@ -1,21 +1,142 @@
-//! `runplane node`.
+//! `runplane node`: the node agent, and `runplane node token …`, its credentials.
+//!
+//! The agent authenticates to NodeService with its own credential when it has one:
+//! RUNPLANE_NODE_TOKEN, else `--token-file` (never an argument, so it stays out of `ps`).
+//! Without either it uses the operator token, as it always did. The credential acts for
+//! `[node].id` only (NodeService refuses it for any other node id, and every other
+//! service refuses it outright).
 
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
-use anyhow::Context;
-use runplane_config::Config;
+use anyhow::{Context, bail};
+use runplane_config::{Config, Secret};
+use runplane_proto::reconciler::v1 as pb;
+use runplane_proto::reconciler::v1::node_credential_service_client::NodeCredentialServiceClient;
 use runplane_sandbox_reconciler::agent::{AgentConfig, run as run_agent};
 use runplane_sandbox_reconciler::drivers::process::Containment;
 
-pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct NodeArgs {
+    /// File holding this node's own credential (`runplane node token create` prints
+    /// it); RUNPLANE_NODE_TOKEN overrides it. Without either, the operator token.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Option<NodeCommand>,
+}
+
+impl NodeArgs {
+    /// True for the agent itself; false for the operator's `token` commands.
+    pub fn is_agent(&self) -> bool {
+        self.command.is_none()
+    }
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum NodeCommand {
+    /// Node credentials: make, revoke and list them (with the operator token).
+    #[command(subcommand)]
+    Token(TokenCommand),
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum TokenCommand {
+    /// Make a credential for node NODE and print it once (it is stored only as a hash).
+    /// Give it to that node's `runplane node` as RUNPLANE_NODE_TOKEN or --token-file.
+    #[command(after_help = crate::cli::EXIT_STATUS)]
+    Create {
+        /// The node id ([node].id of the node that will use it).
+        node: String,
+        #[command(flatten)]
+        connect: Connect,
+    },
+    /// Revoke every credential of node NODE; its agent's calls are refused from now on.
+    #[command(after_help = crate::cli::EXIT_STATUS)]
+    Revoke {
+        node: String,
+        #[command(flatten)]
+        connect: Connect,
+    },
+    /// List credentials (of NODE, or all): id, node, created, revoked; never secrets.
+    #[command(after_help = crate::cli::EXIT_STATUS)]
+    List {
+        node: Option<String>,
+        #[command(flatten)]
+        connect: Connect,
+    },
+}
+
+/// Where the reconciler is and the operator token.
+#[derive(Debug, clap::Args)]
+struct Connect {
+    /// Reconciler endpoint; defaults to [sandbox_reconciler].endpoint.
+    #[arg(long, value_name = "URL")]
+    endpoint: Option<String>,
+    /// File holding the operator token (RUNPLANE_TOKEN overrides it).
+    #[arg(long, value_name = "FILE", default_value = ".runplane/operator-token")]
+    token_file: PathBuf,
+}
+
+pub async fn node(
+    config_file: Option<&Path>,
+    args: NodeArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    match args.command {
+        None => run(config_file, args.token_file.as_deref()).await,
+        Some(NodeCommand::Token(command)) => token(config_file, command, out).await,
+    }
+}
+
+/// This node's own credential, if it was given one.
+fn node_credential(token_file: Option<&Path>) -> anyhow::Result<Option<Secret>> {
+    if let Ok(token) = std::env::var("RUNPLANE_NODE_TOKEN")
+        && !token.trim().is_empty()
+    {
+        return Ok(Some(Secret::new(token.trim().to_owned())));
+    }
+    let Some(file) = token_file else {
+        return Ok(None);
+    };
+    let token = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the node credential from {}", file.display()))?;
+    if token.trim().is_empty() {
+        bail!("{} holds no node credential", file.display());
+    }
+    Ok(Some(Secret::new(token.trim().to_owned())))
+}
+
+async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
-    let token = config.require_operator_token()?.clone();
+    let own = node_credential(token_file)?;
+    let operator =
+        (!config.auth.operator_token.is_empty()).then(|| config.auth.operator_token.clone());
+    let (token, recovery_token) = match (own, operator) {
+        (Some(own), Some(operator)) => (own, operator),
+        // ParkStream needs the service token: without it idle sandboxes keep running.
+        (Some(own), None) => (own.clone(), own),
+        (None, _) => {
+            let operator = config.require_operator_token()?.clone();
+            (operator.clone(), operator)
+        }
+    };
     let _telemetry = crate::serve::init_telemetry(&config, "runplane-node")?;
     runplane_grpc::tls::install(&config.tls)?;
     let shutdown = runplane_grpc::shutdown_signal();
     // Refused at start when the host cannot contain agents as configured.
     let containment = Containment::probe(&config.sandbox_reconciler).await?;
     tracing::info!(isolation = %containment.describe(), "sandboxes of this node");
+    if token.expose() != config.auth.operator_token.expose() {
+        tracing::info!("authenticating with this node's own credential");
+        if recovery_token.expose() == token.expose() {
+            tracing::warn!(
+                "no operator token: the stream recovery coordinator will refuse ParkStream, so idle sandboxes are not suspended"
+            );
+        }
+    }
     run_agent(
         AgentConfig {
             node_id: config.node.id.clone(),
@@ -24,6 +145,7 @@ pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
             reconciler_endpoint: config.sandbox_reconciler.endpoint.clone(),
             recovery_endpoint: config.stream_recovery.endpoint.clone(),
             token,
+            recovery_token,
             state_dir: config.node.state_dir.clone().into(),
             runplane_binary: std::env::current_exe()
                 .context("locating the runplane binary for sandboxes")?,
@@ -34,4 +156,81 @@ pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
     .await?;
     tracing::info!("node agent stopped");
     Ok(())
+}
+
+async fn token(
+    config_file: Option<&Path>,
+    command: TokenCommand,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let connect = match &command {
+        TokenCommand::Create { connect, .. }
+        | TokenCommand::Revoke { connect, .. }
+        | TokenCommand::List { connect, .. } => connect,
+    };
+    let channel = crate::connect::channel(
+        config_file,
+        connect.endpoint.as_deref(),
+        &connect.token_file,
+        |c| &c.sandbox_reconciler.endpoint,
+    )?;
+    let mut client = NodeCredentialServiceClient::new(channel);
+    match command {
+        TokenCommand::Create { node, .. } => {
+            let answer = client
+                .create_node_credential(pb::CreateNodeCredentialRequest { node_id: node })
+                .await
+                .map_err(crate::connect::rpc)?
+                .into_inner();
+            // The secret alone on stdout (for a file or a secret store); the rest on stderr.
+            writeln!(out, "{}", answer.token)?;
+            if let Some(c) = answer.credential {
+                eprintln!(
+                    "node credential {} for node {}: shown only now; give it to that node's `runplane node` as RUNPLANE_NODE_TOKEN or --token-file",
+                    c.id, c.node_id
+                );
+            }
+        }
+        TokenCommand::Revoke { node, .. } => {
+            let answer = client
+                .revoke_node_credentials(pb::RevokeNodeCredentialsRequest {
+                    node_id: node.clone(),
+                })
+                .await
+                .map_err(crate::connect::rpc)?
+                .into_inner();
+            writeln!(out, "revoked {} credentials of node {node}", answer.revoked)?;
+        }
+        TokenCommand::List { node, .. } => {
+            let answer = client
+                .list_node_credentials(pb::ListNodeCredentialsRequest {
+                    node_id: node.unwrap_or_default(),
+                })
+                .await
+                .map_err(crate::connect::rpc)?
+                .into_inner();
+            writeln!(
+                out,
+                "{:<36}  {:<24}  {:<20}  REVOKED",
+                "ID", "NODE", "CREATED"
+            )?;
+            for c in answer.credentials {
+                writeln!(
+                    out,
+                    "{:<36}  {:<24}  {:<20}  {}",
+                    c.id,
+                    c.node_id,
+                    c.created_at.map(rfc3339).unwrap_or_default(),
+                    c.revoked_at.map(rfc3339).unwrap_or_else(|| "-".into())
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn rfc3339(t: prost_types::Timestamp) -> String {
+    chrono::DateTime::from_timestamp(t.seconds, 0)
+        .map(|d| d.format("%Y-%m-%dT%H:%M:%SZ").to_string())
+        .unwrap_or_default()
 }

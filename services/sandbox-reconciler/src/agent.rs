@@ -39,7 +39,14 @@ pub struct AgentConfig {
     /// The stream recovery coordinator, asked to park a run's stream before its sandbox
     /// is suspended and to hand it back after the restore.
     pub recovery_endpoint: String,
+    /// NodeService's bearer: this node's own credential, or the operator token.
     pub token: Secret,
+    /// ParkStream/UnparkStream's bearer. These stay on the service (operator) token the
+    /// coordinator accepts; they are not moved onto the run key, because a wake may
+    /// restore a sandbox on a node that never claimed its key. Without one (a node that
+    /// holds only its own credential) the coordinator refuses the park, and idle
+    /// sandboxes keep running instead of being suspended.
+    pub recovery_token: Secret,
     pub state_dir: PathBuf,
     pub runplane_binary: PathBuf,
     /// How its agents are contained ([`Containment::probe`], at start).
@@ -98,7 +105,7 @@ pub async fn run(
     );
     let recovery: Recovery = StreamRecoveryServiceClient::with_interceptor(
         runplane_transport::connect_lazy(&config.recovery_endpoint, &layer)?,
-        runplane_grpc::client::Bearer::new(config.token.expose()),
+        runplane_grpc::client::Bearer::new(config.recovery_token.expose()),
     );
     let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary)
         .contained(config.containment.clone());

@@ -13,6 +13,10 @@ pub enum ReconcilerError {
     InvalidField { field: &'static str, reason: String },
     #[error("missing or unknown bearer token")]
     Unauthenticated,
+    #[error("this node credential is revoked")]
+    NodeCredentialRevoked,
+    #[error("this node credential acts for another node than {node_id}")]
+    NodeCredentialWrongNode { node_id: String },
     #[error("sandbox {id} not found")]
     SandboxNotFound { id: String },
     #[error("sandbox {id} has ended ({status})")]
@@ -66,7 +70,14 @@ impl From<ReconcilerError> for Status {
                 ErrorReason::InvalidField,
                 vec![("field".into(), field.into())],
             ),
-            E::Unauthenticated => (Code::Unauthenticated, ErrorReason::Unauthenticated, vec![]),
+            E::Unauthenticated | E::NodeCredentialRevoked => {
+                (Code::Unauthenticated, ErrorReason::Unauthenticated, vec![])
+            }
+            E::NodeCredentialWrongNode { node_id } => (
+                Code::PermissionDenied,
+                ErrorReason::NodeCredentialWrongNode,
+                vec![("node_id".into(), node_id)],
+            ),
             E::SandboxNotFound { id } => (
                 Code::NotFound,
                 ErrorReason::SandboxNotFound,

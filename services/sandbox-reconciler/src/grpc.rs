@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use runplane_proto::reconciler::v1 as pb;
+use runplane_proto::reconciler::v1::node_credential_service_server::NodeCredentialService;
 use runplane_proto::reconciler::v1::node_service_server::NodeService;
 use runplane_proto::reconciler::v1::sandbox_service_server::SandboxService;
 use sha2::{Digest, Sha256};
@@ -99,22 +100,70 @@ impl Shared {
         Ok(p)
     }
 
+    /// The operator/service token only: every method but NodeService's. A node
+    /// credential is refused here (it is not this token).
     fn authenticate<T>(&self, request: &Request<T>) -> Result<(), ReconcilerError> {
-        let token = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .ok_or(ReconcilerError::Unauthenticated)?;
-        let hash: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
+        let token = bearer(request)?;
+        let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         match self.token_hash {
             Some(expected) if expected == hash => Ok(()),
             _ => Err(ReconcilerError::Unauthenticated),
         }
     }
+
+    /// NodeService's check: a live node credential issued for `node_id` (the request's),
+    /// or the operator token. The operator token stays accepted for every node so that
+    /// `runplane dev` (whose reconciler runs its own sandboxes) and deployments without
+    /// node credentials keep working; a node given its own credential needs no operator
+    /// token on its host. A credential of another node is NODE_CREDENTIAL_WRONG_NODE, a
+    /// revoked one UNAUTHENTICATED.
+    async fn authenticate_node<T>(
+        &self,
+        request: &Request<T>,
+        node_id: &str,
+    ) -> Result<(), ReconcilerError> {
+        if self.authenticate(request).is_ok() {
+            return Ok(());
+        }
+        let token = bearer(request)?;
+        if !token.starts_with(crate::store::node_credentials::TOKEN_PREFIX) {
+            return Err(ReconcilerError::Unauthenticated);
+        }
+        let hash = crate::store::node_credentials::token_sha256(token);
+        let credential = self
+            .store
+            .node_credential_by_hash(&hash)
+            .await?
+            .ok_or(ReconcilerError::Unauthenticated)?;
+        if credential.revoked_at_us.is_some() {
+            return Err(ReconcilerError::NodeCredentialRevoked);
+        }
+        if credential.node_id != node_id {
+            tracing::warn!(
+                credential_id = %credential.id,
+                credential_node = %credential.node_id,
+                "node credential used for another node; refused"
+            );
+            return Err(ReconcilerError::NodeCredentialWrongNode {
+                node_id: node_id.to_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The bearer token of `request`, trimmed.
+fn bearer<T>(request: &Request<T>) -> Result<&str, ReconcilerError> {
+    request
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim)
+        .ok_or(ReconcilerError::Unauthenticated)
 }
 
 #[derive(Debug, Clone)]
@@ -248,7 +297,8 @@ impl NodeService for NodeApi {
         request: Request<pb::RegisterNodeRequest>,
     ) -> Result<Response<pb::RegisterNodeResponse>, Status> {
         let s = &self.shared;
-        s.authenticate(&request)?;
+        s.authenticate_node(&request, &request.get_ref().node_id)
+            .await?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         if !(16..=128).contains(&req.boot_id.len()) {
@@ -294,7 +344,8 @@ impl NodeService for NodeApi {
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let s = &self.shared;
-        s.authenticate(&request)?;
+        s.authenticate_node(&request, &request.get_ref().node_id)
+            .await?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         s.store
@@ -314,7 +365,8 @@ impl NodeService for NodeApi {
         request: Request<pb::ListAssignedSandboxesRequest>,
     ) -> Result<Response<pb::ListAssignedSandboxesResponse>, Status> {
         let s = &self.shared;
-        s.authenticate(&request)?;
+        s.authenticate_node(&request, &request.get_ref().node_id)
+            .await?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         let wait = req
@@ -355,7 +407,8 @@ impl NodeService for NodeApi {
         request: Request<pb::ClaimLaunchRequest>,
     ) -> Result<Response<pb::ClaimLaunchResponse>, Status> {
         let s = &self.shared;
-        s.authenticate(&request)?;
+        s.authenticate_node(&request, &request.get_ref().node_id)
+            .await?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         sandbox_id(&req.sandbox_id)?;
@@ -407,7 +460,8 @@ impl NodeService for NodeApi {
         request: Request<pb::PublishSandboxStateRequest>,
     ) -> Result<Response<pb::PublishSandboxStateResponse>, Status> {
         let s = &self.shared;
-        s.authenticate(&request)?;
+        s.authenticate_node(&request, &request.get_ref().node_id)
+            .await?;
         let req = request.get_ref();
         let (epoch, observation) = check_publication(req)?;
         s.store.node_at_epoch(&req.node_id, epoch).await?;
@@ -428,7 +482,8 @@ impl NodeService for NodeApi {
         request: Request<pb::ReportRestoredRequest>,
     ) -> Result<Response<pb::ReportRestoredResponse>, Status> {
         let s = &self.shared;
-        s.authenticate(&request)?;
+        s.authenticate_node(&request, &request.get_ref().node_id)
+            .await?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         s.store
@@ -454,7 +509,8 @@ impl NodeService for NodeApi {
         request: Request<pb::ReportWakeFailedRequest>,
     ) -> Result<Response<pb::ReportWakeFailedResponse>, Status> {
         let s = &self.shared;
-        s.authenticate(&request)?;
+        s.authenticate_node(&request, &request.get_ref().node_id)
+            .await?;
         let req = request.get_ref();
         // Checked first: nothing of an oversized error is written or logged.
         at_most("error", &req.error, MAX_WAKE_ERROR_BYTES)?;
@@ -896,6 +952,78 @@ impl SandboxService for SandboxApi {
         Ok(Response::new(pb::RequestWakeResponse {
             placed: false,
             wake: Some(wake_of(&wake)),
+        }))
+    }
+}
+
+/// `runplane.reconciler.v1.NodeCredentialService`: operators make and revoke node agents'
+/// own credentials. Operator token only.
+#[derive(Debug, Clone)]
+pub struct NodeCredentialApi {
+    pub shared: Arc<Shared>,
+}
+
+fn node_credential_of(c: &crate::store::entities::node_credential::Model) -> pb::NodeCredential {
+    pb::NodeCredential {
+        id: c.id.clone(),
+        node_id: c.node_id.clone(),
+        created_at: Some(timestamp(c.created_at_us)),
+        revoked_at: c.revoked_at_us.map(timestamp),
+    }
+}
+
+#[tonic::async_trait]
+impl NodeCredentialService for NodeCredentialApi {
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
+    async fn create_node_credential(
+        &self,
+        request: Request<pb::CreateNodeCredentialRequest>,
+    ) -> Result<Response<pb::CreateNodeCredentialResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        let (row, token) = s.store.create_node_credential(&req.node_id).await?;
+        // The secret is in the answer only, never in a log line.
+        tracing::info!(credential_id = %row.id, "node credential created");
+        Ok(Response::new(pb::CreateNodeCredentialResponse {
+            credential: Some(node_credential_of(&row)),
+            token,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
+    async fn revoke_node_credentials(
+        &self,
+        request: Request<pb::RevokeNodeCredentialsRequest>,
+    ) -> Result<Response<pb::RevokeNodeCredentialsResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        let revoked = s.store.revoke_node_credentials(&req.node_id).await?;
+        tracing::info!(revoked, "node credentials revoked");
+        Ok(Response::new(pb::RevokeNodeCredentialsResponse {
+            revoked: revoked.min(u64::from(u32::MAX)) as u32,
+        }))
+    }
+
+    async fn list_node_credentials(
+        &self,
+        request: Request<pb::ListNodeCredentialsRequest>,
+    ) -> Result<Response<pb::ListNodeCredentialsResponse>, Status> {
+        let s = &self.shared;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        if !req.node_id.is_empty() {
+            node_name("node_id", &req.node_id)?;
+        }
+        let rows = s
+            .store
+            .list_node_credentials((!req.node_id.is_empty()).then_some(req.node_id.as_str()))
+            .await?;
+        Ok(Response::new(pb::ListNodeCredentialsResponse {
+            credentials: rows.iter().map(node_credential_of).collect(),
         }))
     }
 }

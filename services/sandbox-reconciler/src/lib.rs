@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
+use runplane_proto::reconciler::v1::node_credential_service_server::NodeCredentialServiceServer;
 use runplane_proto::reconciler::v1::node_service_server::NodeServiceServer;
 use runplane_proto::reconciler::v1::sandbox_service_server::SandboxServiceServer;
 use sha2::{Digest, Sha256};
@@ -153,6 +154,9 @@ impl SandboxReconciler {
                 shared: self.shared.clone(),
             }))
             .add(NodeServiceServer::new(grpc::NodeApi {
+                shared: self.shared.clone(),
+            }))
+            .add(NodeCredentialServiceServer::new(grpc::NodeCredentialApi {
                 shared: self.shared.clone(),
             }));
     }

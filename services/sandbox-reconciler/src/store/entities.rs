@@ -115,5 +115,29 @@ pub mod wake {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+pub mod node_credential {
+    use sea_orm::entity::prelude::*;
+
+    /// A node agent's own bearer credential: it acts for `node_id` only. The secret is
+    /// kept as its SHA-256 (hex), never in clear.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "node_credentials")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: String,
+        pub node_id: String,
+        /// Lower-case hex of the secret's SHA-256; unique.
+        pub token_sha256: String,
+        pub created_at_us: i64,
+        /// NULL while live.
+        pub revoked_at_us: Option<i64>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 /// Calls to other services decided in a transaction here: the shared outbox table.
 pub use runplane_db::outbox::entity as outbox;

@@ -16,6 +16,8 @@ impl MigratorTrait for Migrator {
                 table: "sandboxes",
                 column: "traceparent",
             }),
+            // Node agents' own credentials (`node_credentials`).
+            Box::new(CreateNodeCredentials),
         ]
     }
 }
@@ -123,5 +125,42 @@ impl MigrationTrait for CreateReconciler {
                 .await?;
         }
         Ok(())
+    }
+}
+
+/// Named by hand: the derive would name it after this file, as it does the first one.
+struct CreateNodeCredentials;
+
+impl MigrationName for CreateNodeCredentials {
+    fn name(&self) -> &str {
+        "m0003_node_credentials"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for CreateNodeCredentials {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("node_credentials"))
+                    .col(col("id").text().not_null().primary_key())
+                    .col(col("node_id").text().not_null())
+                    .col(col("token_sha256").text().not_null().unique_key())
+                    .col(col("created_at_us").big_integer().not_null())
+                    .col(col("revoked_at_us").big_integer().null())
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(
+                Table::drop()
+                    .table(Alias::new("node_credentials"))
+                    .to_owned(),
+            )
+            .await
     }
 }

@@ -10,12 +10,15 @@
 //! - `route_identities`: which node serves a direct sandbox's sessions; read only while
 //!   the sandbox has an `active_node_id` (see `domain::placement`).
 //! - `nodes`: registered node agents and their endpoints.
+//! - `node_credentials`: node agents' own bearer credentials, one node id each, kept as
+//!   the SHA-256 of the secret; revoked rows stay (revoked_at_us) for the listing.
 //! - `wakes`: restore requests, at most one open per sandbox (a partial unique index).
 //! - `outbox`: calls to other services decided in a transaction here (failing a run),
 //!   delivered with an idempotency key until the callee answers.
 
 pub mod entities;
 pub mod migration;
+pub mod node_credentials;
 pub mod nodes;
 
 use runplane_clock::SharedClock;

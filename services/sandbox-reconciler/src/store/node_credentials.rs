@@ -1,0 +1,98 @@
+//! Node agents' own credentials: made and revoked by an operator, checked on every
+//! NodeService call. Only the SHA-256 of a secret is stored; the secret is returned once.
+
+use sea_orm::sea_query::Expr;
+use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+
+use super::Store;
+use super::entities::node_credential;
+use crate::error::ReconcilerError;
+
+type Result<T> = std::result::Result<T, ReconcilerError>;
+
+/// The prefix of every node credential, so a leaked one is recognisable as such.
+pub const TOKEN_PREFIX: &str = "rpnode_";
+
+/// Lower-case hex of `token`'s SHA-256, as `node_credentials.token_sha256` keeps it.
+pub fn token_sha256(token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Most rows one listing returns.
+pub const LIST_LIMIT: u64 = 1000;
+
+impl Store {
+    /// A new live credential for `node_id`: its row and its secret (244 random bits from
+    /// two v4 UUIDs, after [`TOKEN_PREFIX`]). The secret is not kept.
+    pub async fn create_node_credential(
+        &self,
+        node_id: &str,
+    ) -> Result<(node_credential::Model, String)> {
+        let token = format!(
+            "{TOKEN_PREFIX}{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let row = node_credential::Model {
+            id: uuid::Uuid::new_v4().to_string(),
+            node_id: node_id.to_owned(),
+            token_sha256: token_sha256(&token),
+            created_at_us: self.now_us(),
+            revoked_at_us: None,
+        };
+        node_credential::Entity::insert(node_credential::ActiveModel::from(row.clone()))
+            .exec_without_returning(&self.db)
+            .await
+            .map_err(ReconcilerError::from)?;
+        Ok((row, token))
+    }
+
+    /// Revokes `node_id`'s live credentials; how many.
+    pub async fn revoke_node_credentials(&self, node_id: &str) -> Result<u64> {
+        let done = node_credential::Entity::update_many()
+            .col_expr(
+                node_credential::Column::RevokedAtUs,
+                Expr::value(self.now_us()),
+            )
+            .filter(node_credential::Column::NodeId.eq(node_id))
+            .filter(node_credential::Column::RevokedAtUs.is_null())
+            .exec(&self.db)
+            .await
+            .map_err(ReconcilerError::from)?;
+        Ok(done.rows_affected)
+    }
+
+    /// Credentials, revoked included, oldest first (of `node_id` when given).
+    pub async fn list_node_credentials(
+        &self,
+        node_id: Option<&str>,
+    ) -> Result<Vec<node_credential::Model>> {
+        let mut query = node_credential::Entity::find();
+        if let Some(node_id) = node_id {
+            query = query.filter(node_credential::Column::NodeId.eq(node_id));
+        }
+        query
+            .order_by_asc(node_credential::Column::CreatedAtUs)
+            .order_by_asc(node_credential::Column::Id)
+            .limit(LIST_LIMIT)
+            .all(&self.db)
+            .await
+            .map_err(ReconcilerError::from)
+    }
+
+    /// The credential whose secret hashes to `sha256_hex`, live or revoked.
+    pub async fn node_credential_by_hash(
+        &self,
+        sha256_hex: &str,
+    ) -> Result<Option<node_credential::Model>> {
+        node_credential::Entity::find()
+            .filter(node_credential::Column::TokenSha256.eq(sha256_hex))
+            .one(&self.db)
+            .await
+            .map_err(ReconcilerError::from)
+    }
+}
