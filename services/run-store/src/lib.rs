@@ -56,13 +56,19 @@ impl RunStore {
         } else {
             None
         };
+        // On Postgres every replica's changes wake every replica's waiters.
+        let changes = if db.get_database_backend() == sea_orm::DbBackend::Postgres {
+            changes::Changes::across_replicas(db.get_postgres_connection_pool().clone())
+        } else {
+            changes::Changes::new()
+        };
         Ok(Self {
             shared: Arc::new(grpc::Shared {
                 store: store::Store::new(db, clock)
                     .with_failure_reports(config.run_store.admission),
                 operators: auth::OperatorAuth::from_config(config),
                 settings,
-                changes: changes::Changes::new(),
+                changes,
                 credential_health,
             }),
         })

@@ -31,6 +31,8 @@ pub const ACME_TOKEN: &str = "acme-operator-token-0123456789abcdef01234";
 pub enum Backend {
     Postgres(TestDatabase),
     Sqlite(TestSqlite),
+    /// Another replica's database, by URL (the first replica's fixture owns it).
+    Shared(String),
 }
 
 impl Backend {
@@ -46,6 +48,7 @@ impl Backend {
         match self {
             Backend::Postgres(db) => db.url().to_owned(),
             Backend::Sqlite(db) => db.url(),
+            Backend::Shared(url) => url.clone(),
         }
     }
 }
@@ -78,6 +81,11 @@ pub type RunClient = RunServiceClient<InterceptedService<Channel, Bearer>>;
 pub type RunnerClient = RunnerServiceClient<InterceptedService<Channel, Bearer>>;
 
 impl Harness {
+    /// A second replica on this one's database.
+    pub async fn replica(&self) -> Self {
+        Self::start(Backend::Shared(self._backend.url())).await
+    }
+
     pub async fn start(backend: Backend) -> Self {
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(SERVICE_TOKEN);
