@@ -74,20 +74,51 @@ pub fn start_node(
     state_dir: &std::path::Path,
     token: &str,
 ) -> tokio::process::Child {
-    tokio::process::Command::new(crate::runplane_bin())
+    node_command(id, endpoint, reconciler, recovery, state_dir)
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", token)
+        .spawn()
+        .expect("start runplane node")
+}
+
+/// [`start_node`] holding only its own node credential (RUNPLANE_NODE_TOKEN), no
+/// operator token; `env` adds settings (e.g. its isolation).
+pub fn start_node_with_credential(
+    id: &str,
+    endpoint: &str,
+    reconciler: &str,
+    recovery: &str,
+    state_dir: &std::path::Path,
+    credential: &str,
+    env: &[(&str, &str)],
+) -> tokio::process::Child {
+    node_command(id, endpoint, reconciler, recovery, state_dir)
+        .env("RUNPLANE_NODE_TOKEN", credential)
+        .env_remove("RUNPLANE_AUTH__OPERATOR_TOKEN")
+        .envs(env.iter().copied())
+        .spawn()
+        .expect("start runplane node")
+}
+
+fn node_command(
+    id: &str,
+    endpoint: &str,
+    reconciler: &str,
+    recovery: &str,
+    state_dir: &std::path::Path,
+) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(crate::runplane_bin());
+    command
         .arg("node")
         .env("RUNPLANE_NODE__ID", id)
         .env("RUNPLANE_NODE__ENDPOINT", endpoint)
         .env("RUNPLANE_NODE__STATE_DIR", state_dir)
         .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", reconciler)
         .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", recovery)
-        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", token)
         .env_remove("RUNPLANE_CONFIG")
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start runplane node")
+        .kill_on_drop(true);
+    command
 }

@@ -1,0 +1,509 @@
+//! Node credentials in the split topology (each service its own `runplane serve`, on
+//! Postgres and Redis): a credential made with `runplane node token create` acts for its
+//! node only (NodeService refuses it for any other node id), every other service refuses
+//! it, a revoked one is refused, and a node agent holding only its own credential runs a
+//! sandbox end to end.
+
+use std::time::Duration;
+
+use runplane_integration_tests::sandboxes::{eventually, start_node_with_credential};
+use runplane_integration_tests::split::{Split, TOKEN};
+use runplane_integration_tests::{authed, channel, runplane_bin};
+use runplane_proto::credentials::v1 as cpb;
+use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
+use runplane_proto::reconciler::v1 as rc;
+use runplane_proto::reconciler::v1::node_credential_service_client::NodeCredentialServiceClient;
+use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::recovery::v1 as rec;
+use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+
+const PROFILES: &str = r#"
+[[credential_health.profiles]]
+name = "default"
+credential_id = "local"
+capacity = 8
+error_pattern = "API Error:"
+exhausted_pattern = "quota exceeded"
+"#;
+
+async fn split(dir: &tempfile::TempDir) -> Split {
+    let config = dir.path().join("runplane.toml");
+    std::fs::write(&config, PROFILES).unwrap();
+    Split::start(
+        Some(&config),
+        &dir.path().join("sandboxes"),
+        &[("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none")],
+    )
+    .await
+}
+
+/// `runplane node token ARGS` against the split's reconciler, as an operator; stdout.
+async fn cli(split: &Split, args: &[&str]) -> String {
+    let out = tokio::process::Command::new(runplane_bin())
+        .args(["node", "token"])
+        .args(args)
+        .args(["--endpoint", &split.url("sandbox-reconciler")])
+        .env("RUNPLANE_TOKEN", TOKEN)
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_NODE_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "runplane node token {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The gRPC code and ErrorInfo reason of a refusal.
+fn refusal<T: std::fmt::Debug>(answer: Result<T, tonic::Status>) -> (tonic::Code, String) {
+    let status = answer.expect_err("refused");
+    let reason = runplane_grpc::error_info(&status)
+        .map(|i| i.reason)
+        .unwrap_or_default();
+    (status.code(), reason)
+}
+
+const BOOT: &str = "boot-0123456789abcdef";
+const SANDBOX: &str = "5a3f3c56-9a4b-4c57-8d2a-0f6b7b6a5c11";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let split = split(&dir).await;
+    let reconciler = split.url("sandbox-reconciler");
+    let own = cli(&split, &["create", "node-a"]).await.trim().to_owned();
+    assert!(own.starts_with("rpnode_"), "one line, the secret: {own:?}");
+
+    let mut nodes = NodeServiceClient::new(channel(&reconciler).await);
+    let register = |node: &str| rc::RegisterNodeRequest {
+        node_id: node.into(),
+        boot_id: BOOT.into(),
+        endpoint: "127.0.0.1:1".into(),
+        capacity: 1,
+        ..Default::default()
+    };
+    // Its own node: accepted.
+    let epoch = nodes
+        .register_node(authed(register("node-a"), &own))
+        .await
+        .expect("node-a registers with node-a's credential")
+        .into_inner()
+        .epoch;
+    nodes
+        .heartbeat(authed(
+            rc::HeartbeatRequest {
+                node_id: "node-a".into(),
+                epoch,
+                used: 0,
+            },
+            &own,
+        ))
+        .await
+        .expect("node-a heartbeats");
+
+    // Any other node: PERMISSION_DENIED on every NodeService method.
+    let wrong = (
+        tonic::Code::PermissionDenied,
+        "NODE_CREDENTIAL_WRONG_NODE".to_owned(),
+    );
+    let b = || "node-b".to_owned();
+    assert_eq!(
+        refusal(nodes.register_node(authed(register("node-b"), &own)).await),
+        wrong,
+        "RegisterNode as node-b"
+    );
+    assert_eq!(
+        refusal(
+            nodes
+                .heartbeat(authed(
+                    rc::HeartbeatRequest {
+                        node_id: b(),
+                        epoch: 1,
+                        used: 0
+                    },
+                    &own
+                ))
+                .await
+        ),
+        wrong,
+        "Heartbeat as node-b"
+    );
+    assert_eq!(
+        refusal(
+            nodes
+                .list_assigned_sandboxes(authed(
+                    rc::ListAssignedSandboxesRequest {
+                        node_id: b(),
+                        epoch: 1,
+                        ..Default::default()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        wrong,
+        "ListAssignedSandboxes as node-b"
+    );
+    assert_eq!(
+        refusal(
+            nodes
+                .claim_launch(authed(
+                    rc::ClaimLaunchRequest {
+                        node_id: b(),
+                        epoch: 1,
+                        sandbox_id: SANDBOX.into(),
+                        execution_generation: 1,
+                        idempotency_key: format!("{SANDBOX}:1"),
+                    },
+                    &own
+                ))
+                .await
+        ),
+        wrong,
+        "ClaimLaunch as node-b"
+    );
+    assert_eq!(
+        refusal(
+            nodes
+                .publish_sandbox_state(authed(
+                    rc::PublishSandboxStateRequest {
+                        node_id: b(),
+                        epoch: 1,
+                        sandbox_id: SANDBOX.into(),
+                        execution_generation: 1,
+                        observation_seq: 1,
+                        status: rc::SandboxStatus::Lost as i32,
+                        ..Default::default()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        wrong,
+        "PublishSandboxState as node-b"
+    );
+    assert_eq!(
+        refusal(
+            nodes
+                .report_restored(authed(
+                    rc::ReportRestoredRequest {
+                        node_id: b(),
+                        epoch: 1,
+                        wake_id: SANDBOX.into(),
+                        sandbox_id: SANDBOX.into(),
+                        ..Default::default()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        wrong,
+        "ReportRestored as node-b"
+    );
+    assert_eq!(
+        refusal(
+            nodes
+                .report_wake_failed(authed(
+                    rc::ReportWakeFailedRequest {
+                        node_id: b(),
+                        epoch: 1,
+                        wake_id: SANDBOX.into(),
+                        ..Default::default()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        wrong,
+        "ReportWakeFailed as node-b"
+    );
+    // Nothing was written for node-b.
+    let registered: Vec<String> = SandboxServiceClient::new(channel(&reconciler).await)
+        .list_nodes(authed(rc::ListNodesRequest::default(), TOKEN))
+        .await
+        .unwrap()
+        .into_inner()
+        .nodes
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    assert_eq!(registered, ["node-a"]);
+
+    // Every other service: UNAUTHENTICATED (it is not their token).
+    let unauthenticated = (tonic::Code::Unauthenticated, "UNAUTHENTICATED".to_owned());
+    let mut sandboxes = SandboxServiceClient::new(channel(&reconciler).await);
+    assert_eq!(
+        refusal(
+            sandboxes
+                .list_nodes(authed(rc::ListNodesRequest::default(), &own))
+                .await
+        ),
+        unauthenticated,
+        "SandboxService.ListNodes"
+    );
+    assert_eq!(
+        refusal(
+            sandboxes
+                .list_sandboxes(authed(rc::ListSandboxesRequest::default(), &own))
+                .await
+        ),
+        unauthenticated,
+        "SandboxService.ListSandboxes"
+    );
+    assert_eq!(
+        refusal(
+            sandboxes
+                .destroy_sandbox(authed(
+                    rc::DestroySandboxRequest {
+                        sandbox_id: SANDBOX.into(),
+                        reason: "x".into()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        unauthenticated,
+        "SandboxService.DestroySandbox"
+    );
+    let mut credentials = NodeCredentialServiceClient::new(channel(&reconciler).await);
+    assert_eq!(
+        refusal(
+            credentials
+                .create_node_credential(authed(
+                    rc::CreateNodeCredentialRequest {
+                        node_id: "node-b".into()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        unauthenticated,
+        "a node cannot mint credentials"
+    );
+    assert_eq!(
+        refusal(
+            credentials
+                .revoke_node_credentials(authed(
+                    rc::RevokeNodeCredentialsRequest {
+                        node_id: "node-a".into()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        unauthenticated,
+        "NodeCredentialService.RevokeNodeCredentials"
+    );
+    let mut runs = RunServiceClient::new(channel(&split.url("run-store")).await);
+    assert_eq!(
+        refusal(
+            runs.list_runs(authed(pb::ListRunsRequest::default(), &own))
+                .await
+        ),
+        unauthenticated,
+        "RunService.ListRuns"
+    );
+    let refused = refusal(
+        runs.issue_run_key(authed(
+            pb::IssueRunKeyRequest {
+                run_id: SANDBOX.into(),
+                sandbox_id: SANDBOX.into(),
+                sandbox_generation: 1,
+                idempotency_key: format!("{SANDBOX}:1"),
+            },
+            &own,
+        ))
+        .await,
+    );
+    assert_eq!(refused, unauthenticated, "RunService.IssueRunKey");
+    let refused = refusal(
+        RunnerServiceClient::new(channel(&split.url("run-store")).await)
+            .hello(authed(
+                pb::HelloRequest {
+                    run_id: SANDBOX.into(),
+                    ..Default::default()
+                },
+                &own,
+            ))
+            .await,
+    );
+    assert_eq!(
+        refused.0,
+        tonic::Code::Unauthenticated,
+        "RunnerService.Hello"
+    );
+    let mut recovery =
+        StreamRecoveryServiceClient::new(channel(&split.url("stream-recovery")).await);
+    assert_eq!(
+        refusal(
+            recovery
+                .park_stream(authed(
+                    rec::ParkStreamRequest {
+                        run_id: SANDBOX.into(),
+                        sandbox_id: SANDBOX.into()
+                    },
+                    &own
+                ))
+                .await
+        ),
+        unauthenticated,
+        "StreamRecoveryService.ParkStream"
+    );
+    assert_eq!(
+        refusal(
+            recovery
+                .sweep_orphans(authed(rec::SweepOrphansRequest::default(), &own))
+                .await
+        ),
+        unauthenticated,
+        "StreamRecoveryService.SweepOrphans"
+    );
+    assert_eq!(
+        refusal(
+            CredentialHealthServiceClient::new(channel(&split.url("credential-health")).await)
+                .get_fleet(authed(cpb::GetFleetRequest::default(), &own))
+                .await
+        ),
+        unauthenticated,
+        "CredentialHealthService.GetFleet"
+    );
+
+    // Listed without its secret; revoked, it is refused even for its own node.
+    let listed = cli(&split, &["list"]).await;
+    assert!(listed.contains("node-a"), "{listed}");
+    assert!(!listed.contains(&own), "no secret in the listing");
+    assert_eq!(
+        cli(&split, &["revoke", "node-a"]).await.trim(),
+        "revoked 1 credentials of node node-a"
+    );
+    assert_eq!(
+        refusal(
+            nodes
+                .heartbeat(authed(
+                    rc::HeartbeatRequest {
+                        node_id: "node-a".into(),
+                        epoch,
+                        used: 0
+                    },
+                    &own
+                ))
+                .await
+        ),
+        unauthenticated,
+        "a revoked credential"
+    );
+    assert_eq!(
+        refusal(nodes.register_node(authed(register("node-a"), &own)).await),
+        unauthenticated,
+        "a revoked credential cannot re-register its node"
+    );
+    let listed = cli(&split, &["list", "node-a"]).await;
+    let row = listed.lines().nth(1).expect("one credential row");
+    assert!(!row.trim_end().ends_with('-'), "shown revoked: {row}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let split = split(&dir).await;
+    let reconciler = split.url("sandbox-reconciler");
+    let own = cli(&split, &["create", "node-own"]).await.trim().to_owned();
+    let _node = start_node_with_credential(
+        "node-own",
+        "127.0.0.1:17011",
+        &reconciler,
+        &split.url("stream-recovery"),
+        &dir.path().join("node"),
+        &own,
+        &[("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none")],
+    );
+    let api = SandboxServiceClient::new(channel(&reconciler).await);
+    eventually(Duration::from_secs(30), "node-own registered", || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api
+                .list_nodes(authed(rc::ListNodesRequest::default(), TOKEN))
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            nodes.iter().any(|n| n.id == "node-own").then_some(())
+        }
+    })
+    .await;
+
+    let go = dir.path().join("go");
+    let mut runs = RunServiceClient::new(channel(&split.url("run-store")).await);
+    let run = runs
+        .create_run(authed(
+            pb::CreateRunRequest {
+                client_request_id: "node-credential-e2e-0001".into(),
+                org_id: "acme".into(),
+                lead_id: "lead-1".into(),
+                target: Some(pb::create_run_request::Target::CredentialId("local".into())),
+                command: "sh".into(),
+                // Runs until the test has seen where it runs.
+                args: vec![
+                    "-c".into(),
+                    format!(
+                        "while [ ! -e {go} ]; do sleep 0.1; done; echo hello from node-own",
+                        go = go.display()
+                    ),
+                ],
+                ..Default::default()
+            },
+            TOKEN,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    let placed = eventually(Duration::from_secs(60), "the sandbox started", || {
+        let mut api = api.clone();
+        let run_id = run.id.clone();
+        async move {
+            api.list_sandboxes(authed(
+                rc::ListSandboxesRequest {
+                    run_id,
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
+            .await
+            .ok()?
+            .into_inner()
+            .sandboxes
+            .into_iter()
+            .find(|s| s.status() == rc::SandboxStatus::Started)
+        }
+    })
+    .await;
+    assert_eq!(
+        placed.active_node_id, "node-own",
+        "run by the node agent, not the reconciler's local driver: {placed:?}"
+    );
+    std::fs::write(&go, "").unwrap();
+    let ended = eventually(Duration::from_secs(60), "the run to end", || {
+        let mut runs = runs.clone();
+        let run_id = run.id.clone();
+        async move {
+            let run = runs
+                .get_run(authed(pb::GetRunRequest { run_id }, TOKEN))
+                .await
+                .ok()?
+                .into_inner()
+                .run?;
+            run.state().is_terminal().then_some(run)
+        }
+    })
+    .await;
+    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+}
