@@ -2,7 +2,7 @@
 //! Postgres and Redis): a credential made with `runplane node token create` acts for its
 //! node only (NodeService refuses it for any other node id), every other service refuses
 //! it, a revoked one is refused, and a node agent holding only its own credential runs a
-//! sandbox end to end.
+//! sandbox end to end (and stops once it is revoked).
 
 use std::time::Duration;
 
@@ -415,7 +415,7 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
     let split = split(&dir).await;
     let reconciler = split.url("sandbox-reconciler");
     let own = cli(&split, &["create", "node-own"]).await.trim().to_owned();
-    let _node = start_node_with_credential(
+    let mut node = start_node_with_credential(
         "node-own",
         "127.0.0.1:17011",
         &reconciler,
@@ -506,4 +506,12 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
     })
     .await;
     assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+
+    // Revoked, the agent is refused and stops rather than spinning on refusals.
+    cli(&split, &["revoke", "node-own"]).await;
+    let exit = tokio::time::timeout(Duration::from_secs(30), node.wait())
+        .await
+        .expect("the agent stops once its credential is revoked")
+        .unwrap();
+    assert!(!exit.success(), "{exit:?}");
 }

@@ -59,6 +59,10 @@ pub enum AgentError {
     Endpoint(#[from] runplane_grpc::client::ClientError),
     #[error("registering with the reconciler failed: {0}")]
     Register(String),
+    #[error(
+        "the reconciler refuses this node's credential ({0}); it was revoked or is another node's"
+    )]
+    Refused(String),
 }
 
 type Client = NodeServiceClient<
@@ -185,6 +189,16 @@ pub async fn run(
                 for a in assignments {
                     act(&client, &recovery, &config, epoch, &driver, &mut locals, a).await;
                 }
+            }
+            // A revoked credential (or another node's) is refused on every call: stop
+            // instead of spinning on refusals. Its sandboxes outlive the agent.
+            Err(status)
+                if matches!(
+                    status.code(),
+                    tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+                ) =>
+            {
+                return Err(AgentError::Refused(format!("{:?}", status.code())));
             }
             Err(status) => {
                 tracing::warn!(code = ?status.code(), "assignments unavailable; retrying")
