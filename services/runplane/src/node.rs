@@ -53,7 +53,7 @@ enum TokenCommand {
         #[command(flatten)]
         connect: Connect,
     },
-    /// Revoke every credential of node NODE; its agent's calls are refused from now on.
+    /// Revoke every credential of node NODE: its agent is refused from now on and stops.
     #[command(after_help = crate::cli::EXIT_STATUS)]
     Revoke {
         node: String,
