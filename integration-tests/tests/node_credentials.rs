@@ -449,11 +449,13 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
                 lead_id: "lead-1".into(),
                 target: Some(pb::create_run_request::Target::CredentialId("local".into())),
                 command: "sh".into(),
-                // Runs until the test has seen where it runs.
+                // Runs until the test has seen where it runs; fails if the node's
+                // credential reached it.
                 args: vec![
                     "-c".into(),
                     format!(
-                        "while [ ! -e {go} ]; do sleep 0.1; done; echo hello from node-own",
+                        "while [ ! -e {go} ]; do sleep 0.1; done; \
+                         [ -z \"${{RUNPLANE_NODE_TOKEN:-}}\" ] || exit 3; echo hello from node-own",
                         go = go.display()
                     ),
                 ],
