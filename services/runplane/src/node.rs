@@ -115,12 +115,12 @@ async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::R
     let operator =
         (!config.auth.operator_token.is_empty()).then(|| config.auth.operator_token.clone());
     let (token, recovery_token) = match (own, operator) {
-        (Some(own), Some(operator)) => (own, operator),
+        (Some(own), Some(operator)) => (own, Some(operator)),
         // ParkStream needs the service token: without it idle sandboxes keep running.
-        (Some(own), None) => (own.clone(), own),
+        (Some(own), None) => (own, None),
         (None, _) => {
             let operator = config.require_operator_token()?.clone();
-            (operator.clone(), operator)
+            (operator.clone(), Some(operator))
         }
     };
     let _telemetry = crate::serve::init_telemetry(&config, "runplane-node")?;
@@ -131,11 +131,11 @@ async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::R
     tracing::info!(isolation = %containment.describe(), "sandboxes of this node");
     if token.expose() != config.auth.operator_token.expose() {
         tracing::info!("authenticating with this node's own credential");
-        if recovery_token.expose() == token.expose() {
-            tracing::warn!(
-                "no operator token: the stream recovery coordinator will refuse ParkStream, so idle sandboxes are not suspended"
-            );
-        }
+    }
+    if recovery_token.is_none() {
+        tracing::warn!(
+            "no operator token: streams cannot be parked (ParkStream), so idle sandboxes are not suspended"
+        );
     }
     run_agent(
         AgentConfig {

@@ -44,9 +44,10 @@ pub struct AgentConfig {
     /// ParkStream/UnparkStream's bearer. These stay on the service (operator) token the
     /// coordinator accepts; they are not moved onto the run key, because a wake may
     /// restore a sandbox on a node that never claimed its key. Without one (a node that
-    /// holds only its own credential) the coordinator refuses the park, and idle
-    /// sandboxes keep running instead of being suspended.
-    pub recovery_token: Secret,
+    /// holds only its own credential) nothing is parked, so idle sandboxes keep running
+    /// instead of being suspended (a suspended runner's lease would lapse and be taken
+    /// over), and a restore here leaves the lease to the runner's next renewal.
+    pub recovery_token: Option<Secret>,
     pub state_dir: PathBuf,
     pub runplane_binary: PathBuf,
     /// How its agents are contained ([`Containment::probe`], at start).
@@ -69,8 +70,11 @@ type Client = NodeServiceClient<
     InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
 >;
 
-type Recovery = StreamRecoveryServiceClient<
-    InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
+/// None without a service token ([`AgentConfig::recovery_token`]).
+type Recovery = Option<
+    StreamRecoveryServiceClient<
+        InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
+    >,
 >;
 
 /// The lease time a restored runner gets before its next renewal (the runner's own).
@@ -107,10 +111,13 @@ pub async fn run(
         channel,
         runplane_grpc::client::Bearer::new(config.token.expose()),
     );
-    let recovery: Recovery = StreamRecoveryServiceClient::with_interceptor(
-        runplane_transport::connect_lazy(&config.recovery_endpoint, &layer)?,
-        runplane_grpc::client::Bearer::new(config.recovery_token.expose()),
-    );
+    let recovery: Recovery = match &config.recovery_token {
+        Some(token) => Some(StreamRecoveryServiceClient::with_interceptor(
+            runplane_transport::connect_lazy(&config.recovery_endpoint, &layer)?,
+            runplane_grpc::client::Bearer::new(token.expose()),
+        )),
+        None => None,
+    };
     let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary)
         .contained(config.containment.clone());
     let boot_id = format!("boot-{}", uuid::Uuid::new_v4().simple());
@@ -577,6 +584,9 @@ const PARK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Parks `row`'s run's stream for a suspend; false when the coordinator did not answer
 /// that it did (a run whose lease was never granted has nothing to park, which is fine).
 async fn park(recovery: &Recovery, row: &sandbox::Model) -> bool {
+    let Some(recovery) = recovery else {
+        return false;
+    };
     // Bounded: an unreachable coordinator must not hold up the agent's loop (its
     // heartbeats, launches and destroys) for a whole outage budget.
     let parked = tokio::time::timeout(
@@ -607,6 +617,9 @@ async fn park(recovery: &Recovery, row: &sandbox::Model) -> bool {
 /// Hands a restored sandbox's stream back to its runner. Should this fail, the lease stays
 /// parked (never taken over) until the runner's next renewal or append takes it back.
 async fn unpark(recovery: &Recovery, row: &sandbox::Model) {
+    let Some(recovery) = recovery else {
+        return;
+    };
     let unparked = tokio::time::timeout(
         PARK_TIMEOUT,
         recovery.clone().unpark_stream(rpb::UnparkStreamRequest {
