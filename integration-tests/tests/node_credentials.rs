@@ -2,7 +2,8 @@
 //! Postgres and Redis): a credential made with `runplane node token create` acts for its
 //! node only (NodeService refuses it for any other node id), every other service refuses
 //! it, a revoked one is refused, and a node agent holding only its own credential runs a
-//! sandbox end to end (and stops once it is revoked).
+//! sandbox end to end (and stops once it is revoked). `runplane dev` keeps them the same
+//! way on SQLite.
 
 use std::time::Duration;
 
@@ -43,22 +44,92 @@ async fn split(dir: &tempfile::TempDir) -> Split {
 
 /// `runplane node token ARGS` against the split's reconciler, as an operator; stdout.
 async fn cli(split: &Split, args: &[&str]) -> String {
-    let out = tokio::process::Command::new(runplane_bin())
-        .args(["node", "token"])
-        .args(args)
-        .args(["--endpoint", &split.url("sandbox-reconciler")])
-        .env("RUNPLANE_TOKEN", TOKEN)
-        .env_remove("RUNPLANE_CONFIG")
-        .env_remove("RUNPLANE_NODE_TOKEN")
-        .output()
-        .await
-        .unwrap();
+    let out = token_command(&split.url("sandbox-reconciler"), TOKEN, args).await;
     assert!(
         out.status.success(),
         "runplane node token {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// `runplane node token ARGS` against `endpoint` with `token` as RUNPLANE_TOKEN.
+async fn token_command(endpoint: &str, token: &str, args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(runplane_bin())
+        .args(["node", "token"])
+        .args(args)
+        .args(["--endpoint", endpoint])
+        .env("RUNPLANE_TOKEN", token)
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_NODE_TOKEN")
+        .output()
+        .await
+        .unwrap()
+}
+
+/// The same rules on `runplane dev`'s SQLite, and a bad node id refused with nothing
+/// written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runplane_dev_keeps_node_credentials_on_sqlite_and_refuses_a_bad_node_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = runplane_integration_tests::start_dev_with_env(
+        &dir.path().join(".runplane"),
+        &[("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none")],
+    )
+    .await;
+    let endpoint = dev.endpoint();
+    let operator = std::fs::read_to_string(dir.path().join(".runplane/operator-token"))
+        .unwrap()
+        .trim()
+        .to_owned();
+
+    let bad = token_command(&endpoint, &operator, &["create", "bad id!"]).await;
+    assert_eq!(bad.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("INVALID_ARGUMENT") && stderr.contains("(INVALID_FIELD)"),
+        "{stderr}"
+    );
+    let listed = token_command(&endpoint, &operator, &["list"]).await;
+    assert_eq!(
+        String::from_utf8(listed.stdout).unwrap().lines().count(),
+        1,
+        "only the header: nothing was written"
+    );
+
+    let created = token_command(&endpoint, &operator, &["create", "node-a"]).await;
+    assert!(created.status.success());
+    let own = String::from_utf8(created.stdout).unwrap().trim().to_owned();
+    let mut nodes = NodeServiceClient::new(channel(&endpoint).await);
+    let register = |node: &str| rc::RegisterNodeRequest {
+        node_id: node.into(),
+        boot_id: BOOT.into(),
+        endpoint: "127.0.0.1:1".into(),
+        capacity: 1,
+        ..Default::default()
+    };
+    nodes
+        .register_node(authed(register("node-a"), &own))
+        .await
+        .expect("node-a registers with its credential");
+    assert_eq!(
+        refusal(nodes.register_node(authed(register("node-b"), &own)).await),
+        (
+            tonic::Code::PermissionDenied,
+            "NODE_CREDENTIAL_WRONG_NODE".to_owned()
+        )
+    );
+    // The operator token still acts for any node here (dev's single-machine setup).
+    nodes
+        .register_node(authed(register("node-b"), &operator))
+        .await
+        .expect("the operator token registers any node");
+    let revoked = token_command(&endpoint, &operator, &["revoke", "node-a"]).await;
+    assert!(revoked.status.success());
+    assert_eq!(
+        refusal(nodes.register_node(authed(register("node-a"), &own)).await),
+        (tonic::Code::Unauthenticated, "UNAUTHENTICATED".to_owned())
+    );
 }
 
 /// The gRPC code and ErrorInfo reason of a refusal.
