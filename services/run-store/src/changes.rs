@@ -30,6 +30,9 @@ pub const CHANNEL: &str = "runplane_run_changes";
 /// What waiters are sent to wake them all (a listener reconnected).
 const EVERY_RUN: &str = "*";
 
+/// Not a run id: what is notified when a run is created (WaitForRuns waits on it).
+pub const NEW_RUN: &str = "new-run";
+
 #[derive(Debug, Clone)]
 pub struct Changes {
     tx: broadcast::Sender<String>,
@@ -239,6 +242,26 @@ impl Subscription {
             }
         })
         .await;
+    }
+}
+
+impl Subscription {
+    /// Returns true when `key` is notified (here or on another replica, or a lost view
+    /// of them made it possible), false at `deadline` or when the server closes.
+    pub async fn wait_for_new(&mut self, key: &str, deadline: Instant) -> bool {
+        if *self.closing.borrow() {
+            return false;
+        }
+        let closing = &mut self.closing;
+        let rx = &mut self.rx;
+        tokio::time::timeout_at(deadline, async {
+            tokio::select! {
+                _ = closing.wait_for(|c| *c) => false,
+                () = next_change(rx, key) => true,
+            }
+        })
+        .await
+        .unwrap_or(false)
     }
 }
 

@@ -574,6 +574,7 @@ impl RunService for RunApi {
             .await?;
         if created {
             metrics::runs_created().add(1, &[]);
+            s.changes.notify(crate::changes::NEW_RUN);
             tracing::info!(run_id = %run.id, "run created");
         }
         Ok(Response::new(pb::CreateRunResponse {
@@ -682,6 +683,25 @@ impl RunService for RunApi {
             queued_by_credential: counts.queued_by_credential,
             counted_at: Some(crate::store::timestamp(s.store.now_us())),
         }))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn wait_for_runs(
+        &self,
+        request: Request<pb::WaitForRunsRequest>,
+    ) -> std::result::Result<Response<pb::WaitForRunsResponse>, Status> {
+        let s = &self.shared;
+        s.service(&request)?;
+        let wait = from_duration("wait", request.get_ref().wait.as_ref())?
+            .unwrap_or_default()
+            .min(s.settings.limits.max_poll_wait);
+        let deadline = tokio::time::Instant::now() + wait;
+        let woken = s
+            .changes
+            .subscribe()
+            .wait_for_new(crate::changes::NEW_RUN, deadline)
+            .await;
+        Ok(Response::new(pb::WaitForRunsResponse { woken }))
     }
 
     #[tracing::instrument(skip_all, fields(credentials = request.get_ref().credentials.len(), claimed))]

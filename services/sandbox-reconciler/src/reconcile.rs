@@ -598,10 +598,19 @@ pub async fn run_loop(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    // New runs start a round at once (see `wait_for_runs`); the interval stays the
+    // safety net for everything else and for a wake-up that never came.
+    let new_run = Arc::new(tokio::sync::Notify::new());
+    let waiter = reconciler
+        .settings
+        .dispatch
+        .then(|| tokio::spawn(wait_for_runs(run_store.clone(), new_run.clone())));
+    let _stop_waiter = waiter.map(AbortOnDrop);
     loop {
         tokio::select! {
             () = &mut shutdown => return,
             () = tokio::time::sleep(interval) => {}
+            () = new_run.notified() => {}
         }
         // A round is background work: not a trace of its own every tick. What it does
         // for a run (a launch, a FailRun) continues that run's trace explicitly.
@@ -611,5 +620,49 @@ pub async fn run_loop(
                 "reconcile.round",
             ))
             .await;
+    }
+}
+
+/// Aborts the task when dropped (the loop returned).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// How long one WaitForRuns call waits before it asks again.
+const WAIT_FOR_RUNS: Duration = Duration::from_secs(25);
+
+/// Keeps a WaitForRuns long poll open on the run store and wakes the loop when a run is
+/// created. The next call starts as soon as one answers, so only a creation in the gap
+/// between two calls waits for the interval's round. A run store that does not have the
+/// method (an older version) is left to the interval.
+async fn wait_for_runs(run_store: RunStoreClient, new_run: Arc<tokio::sync::Notify>) {
+    loop {
+        let answer = run_store
+            .clone()
+            .wait_for_runs(pb::WaitForRunsRequest {
+                wait: Some(prost_types::Duration {
+                    seconds: WAIT_FOR_RUNS.as_secs() as i64,
+                    nanos: 0,
+                }),
+            })
+            .await;
+        match answer {
+            Ok(a) if a.get_ref().woken => new_run.notify_one(),
+            Ok(_) => {}
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::info!(
+                    "the run store cannot say when runs are created; dispatch waits for each round"
+                );
+                return;
+            }
+            Err(status) => {
+                tracing::debug!(code = ?status.code(), "waiting for new runs failed; retrying in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
     }
 }
