@@ -2,10 +2,11 @@
 //! buffer: the queue never stays full, the oldest events past the bound are dropped and
 //! counted by one marker at their place, and the rest arrives once the run store is back.
 
+mod common;
+
 use std::time::Duration;
 
-use runplane_config::{Config, Secret};
-use runplane_grpc::ServiceSet;
+use common::serve;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
@@ -13,96 +14,23 @@ use runplane_run_store::RunStore;
 use runplane_runner::{Bearer, events};
 use runplane_transport::{RetryConfig, RetryLayer};
 
-const TOKEN: &str = "drain-test-service-token-0123456789abcdef";
-
-/// A fresh run store (its own pool) on its own runtime: shutting the runtime down is a
-/// crashed process.
-fn serve(config: &Config, addr: String) -> tokio::runtime::Runtime {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let config = config.clone();
-    runtime.spawn(async move {
-        let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
-            .await
-            .unwrap();
-        let mut services = ServiceSet::new();
-        store.register(&mut services);
-        let listener = loop {
-            match tokio::net::TcpListener::bind(&addr).await {
-                Ok(l) => break l,
-                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-            }
-        };
-        let _ = runplane_grpc::serve(
-            listener,
-            services,
-            std::future::pending(),
-            Duration::from_secs(1),
-        )
-        .await;
-    });
-    runtime
-}
-
-fn authed<T>(message: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.metadata_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    r
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in_one_marker() {
     let sqlite = runplane_testkit::TestSqlite::new();
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.run_store.database_url = sqlite.url();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    // Not about admission: runs are created on the credential they name.
-    config.run_store.admission = false;
+    let config = common::fresh_config(&sqlite.url());
     let addr = runplane_testkit::free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
     let server = serve(&config, addr.clone());
 
-    let channel = loop {
-        if let Ok(c) = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .unwrap()
-            .connect()
-            .await
-        {
-            break c;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let mut op = RunServiceClient::new(channel);
-    let run = op
-        .create_run(authed(pb::CreateRunRequest {
-            client_request_id: "drain-loss-request-01".into(),
-            org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-            command: "agent".into(),
-            ..Default::default()
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
-    let key = op
-        .issue_run_key(authed(pb::IssueRunKeyRequest {
-            run_id: run.id.clone(),
-            sandbox_id: "sbx".into(),
-            sandbox_generation: 1,
-            idempotency_key: "drain-loss-key-000001".into(),
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run_key;
+    let mut op = RunServiceClient::new(common::connected(&endpoint).await);
+    let (run, key) = common::run_with_key(
+        &mut op,
+        "drain-loss-request-01",
+        "agent",
+        vec![],
+        "drain-loss-key-000001",
+    )
+    .await;
 
     // The control plane goes away for longer than the (shortened) outage budget.
     server.shutdown_background();
@@ -206,52 +134,21 @@ async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_respect_a_small_server_limit_and_an_oversized_event_is_cut_with_a_marker() {
     let sqlite = runplane_testkit::TestSqlite::new();
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.run_store.database_url = sqlite.url();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    config.run_store.admission = false;
+    let mut config = common::fresh_config(&sqlite.url());
     config.run_store.max_batch_bytes = 1024;
     config.run_store.max_batch_events = 5;
     let addr = runplane_testkit::free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
     let server = serve(&config, addr.clone());
-    let channel = loop {
-        if let Ok(c) = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .unwrap()
-            .connect()
-            .await
-        {
-            break c;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let mut op = RunServiceClient::new(channel);
-    let run = op
-        .create_run(authed(pb::CreateRunRequest {
-            client_request_id: "drain-limit-request-01".into(),
-            org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-            command: "agent".into(),
-            ..Default::default()
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
-    let key = op
-        .issue_run_key(authed(pb::IssueRunKeyRequest {
-            run_id: run.id.clone(),
-            sandbox_id: "sbx".into(),
-            sandbox_generation: 1,
-            idempotency_key: "drain-limit-key-000001".into(),
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run_key;
+    let mut op = RunServiceClient::new(common::connected(&endpoint).await);
+    let (run, key) = common::run_with_key(
+        &mut op,
+        "drain-limit-request-01",
+        "agent",
+        vec![],
+        "drain-limit-key-000001",
+    )
+    .await;
     let layer = RetryLayer::new(RetryConfig::default());
     let mut client = RunnerServiceClient::with_interceptor(
         runplane_transport::connect_lazy(&endpoint, &layer).unwrap(),

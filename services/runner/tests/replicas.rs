@@ -3,12 +3,14 @@
 //! answers nothing, so only an attempt deadline and a fresh connection get the runner
 //! past it. The appends finish on the other replica, and nothing is applied twice.
 
+mod common;
+
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::{config, connected};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
@@ -17,20 +19,9 @@ use runplane_run_store::RunStore;
 use runplane_runner::Bearer;
 use runplane_transport::{RetryConfig, RetryLayer};
 
-const TOKEN: &str = "replica-test-service-token-0123456789abc";
 const ENV_ADDR: &str = "RUNPLANE_TEST_REPLICA_ADDR";
 const ENV_DB: &str = "RUNPLANE_TEST_REPLICA_DB";
 const ENV_SEED: &str = "RUNPLANE_TEST_REPLICA_SEED";
-
-fn config(database_url: &str, seed: &str) -> Config {
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.run_store.database_url = database_url.to_owned();
-    config.run_store.receipt_signing_key = Secret::new(seed);
-    // Not about admission: runs are created on the credential they name.
-    config.run_store.admission = false;
-    config
-}
 
 /// Not a test of its own: the replica process the test below starts (this same binary,
 /// run with this test's name and the replica's settings in its environment).
@@ -100,27 +91,6 @@ impl Drop for Replica {
     }
 }
 
-fn authed<T>(message: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.metadata_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    r
-}
-
-async fn connected(endpoint: &str) -> tonic::transport::Channel {
-    for _ in 0..500 {
-        if let Ok(c) = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
-            .unwrap()
-            .connect()
-            .await
-        {
-            return c;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("no replica at {endpoint}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_stopped_mid_call_is_left_behind_and_nothing_is_applied_twice() {
     let db = runplane_testkit::TestDatabase::new().await;
@@ -134,30 +104,14 @@ async fn a_replica_stopped_mid_call_is_left_behind_and_nothing_is_applied_twice(
     connected(&format!("http://{b}")).await;
 
     let mut op = RunServiceClient::new(a_channel);
-    let run = op
-        .create_run(authed(pb::CreateRunRequest {
-            client_request_id: "replica-stop-request-01".into(),
-            org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-            command: "agent".into(),
-            ..Default::default()
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
-    let key = op
-        .issue_run_key(authed(pb::IssueRunKeyRequest {
-            run_id: run.id.clone(),
-            sandbox_id: "sbx".into(),
-            sandbox_generation: 1,
-            idempotency_key: "replica-stop-key-000001".into(),
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run_key;
+    let (run, key) = common::run_with_key(
+        &mut op,
+        "replica-stop-request-01",
+        "agent",
+        vec![],
+        "replica-stop-key-000001",
+    )
+    .await;
 
     // The runner knows both replicas; replica A comes first.
     let layer = RetryLayer::new(RetryConfig {

@@ -25,18 +25,19 @@
 //! through appends that fail for good and are sent again; an append in flight that long
 //! is what would fill the pipe if the drain held the pipe readers up.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use runplane_config::{Config, Secret};
-use runplane_grpc::ServiceSet;
+use common::serve;
+use runplane_config::Secret;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use runplane_runner::RunnerEnv;
 use runplane_transport::RetryConfig;
 
-const TOKEN: &str = "stall-test-service-token-0123456789abcdef";
 const ENV_OUTAGE: &str = "RUNPLANE_STALL_OUTAGE_SECS";
 /// Lines per burst, one burst every 50 ms, each line padded to about 1 KiB.
 const BURST: u32 = 40;
@@ -83,44 +84,6 @@ close($out) or die "report: $!";
 rename("$report.tmp", $report) or die "report: $!";
 "#;
 
-/// A fresh run store on its own runtime: shutting the runtime down is a crashed process.
-fn serve(config: &Config, addr: String) -> tokio::runtime::Runtime {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let config = config.clone();
-    runtime.spawn(async move {
-        let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
-            .await
-            .unwrap();
-        let mut services = ServiceSet::new();
-        store.register(&mut services);
-        let listener = loop {
-            match tokio::net::TcpListener::bind(&addr).await {
-                Ok(l) => break l,
-                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-            }
-        };
-        let _ = runplane_grpc::serve(
-            listener,
-            services,
-            std::future::pending(),
-            Duration::from_secs(1),
-        )
-        .await;
-    });
-    runtime
-}
-
-fn authed<T>(message: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.metadata_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    r
-}
-
 /// A scratch directory removed on drop.
 struct Scratch(PathBuf);
 
@@ -164,59 +127,26 @@ async fn a_long_run_store_outage_never_stalls_the_agent_and_every_kept_line_arri
     let stop = scratch.path("stop");
 
     let sqlite = runplane_testkit::TestSqlite::new();
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.run_store.database_url = sqlite.url();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    // Not about admission: runs are created on the credential they name.
-    config.run_store.admission = false;
+    let config = common::fresh_config(&sqlite.url());
     let addr = runplane_testkit::free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
     let server = serve(&config, addr.clone());
 
-    let channel = loop {
-        if let Ok(c) = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .unwrap()
-            .connect()
-            .await
-        {
-            break c;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let mut op = RunServiceClient::new(channel);
-    let run = op
-        .create_run(authed(pb::CreateRunRequest {
-            client_request_id: "stall-request-000001".into(),
-            org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-            command: "perl".into(),
-            args: vec![
-                path_arg(&script),
-                path_arg(&report),
-                path_arg(&stop),
-                BURST.to_string(),
-                PAD.to_string(),
-            ],
-            ..Default::default()
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
-    let key = op
-        .issue_run_key(authed(pb::IssueRunKeyRequest {
-            run_id: run.id.clone(),
-            sandbox_id: "sbx".into(),
-            sandbox_generation: 1,
-            idempotency_key: "stall-key-0000000001".into(),
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run_key;
+    let mut op = RunServiceClient::new(common::connected(&endpoint).await);
+    let (run, key) = common::run_with_key(
+        &mut op,
+        "stall-request-000001",
+        "perl",
+        vec![
+            path_arg(&script),
+            path_arg(&report),
+            path_arg(&stop),
+            BURST.to_string(),
+            PAD.to_string(),
+        ],
+        "stall-key-0000000001",
+    )
+    .await;
     drop(op);
 
     let runner = tokio::spawn(runplane_runner::run(
