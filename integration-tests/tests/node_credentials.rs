@@ -101,13 +101,6 @@ async fn runplane_dev_keeps_node_credentials_on_sqlite_and_refuses_a_bad_node_id
     assert!(created.status.success());
     let own = String::from_utf8(created.stdout).unwrap().trim().to_owned();
     let mut nodes = NodeServiceClient::new(channel(&endpoint).await);
-    let register = |node: &str| rc::RegisterNodeRequest {
-        node_id: node.into(),
-        boot_id: BOOT.into(),
-        endpoint: "127.0.0.1:1".into(),
-        capacity: 1,
-        ..Default::default()
-    };
     nodes
         .register_node(authed(register("node-a"), &own))
         .await
@@ -142,6 +135,17 @@ fn refusal<T: std::fmt::Debug>(answer: Result<T, tonic::Status>) -> (tonic::Code
 }
 
 const BOOT: &str = "boot-0123456789abcdef";
+
+/// RegisterNode for `node`, on a boot and endpoint that are never dialled.
+fn register(node: &str) -> rc::RegisterNodeRequest {
+    rc::RegisterNodeRequest {
+        node_id: node.into(),
+        boot_id: BOOT.into(),
+        endpoint: "127.0.0.1:1".into(),
+        capacity: 1,
+        ..Default::default()
+    }
+}
 const SANDBOX: &str = "5a3f3c56-9a4b-4c57-8d2a-0f6b7b6a5c11";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,13 +157,6 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     assert!(own.starts_with("rpnode_"), "one line, the secret: {own:?}");
 
     let mut nodes = NodeServiceClient::new(channel(&reconciler).await);
-    let register = |node: &str| rc::RegisterNodeRequest {
-        node_id: node.into(),
-        boot_id: BOOT.into(),
-        endpoint: "127.0.0.1:1".into(),
-        capacity: 1,
-        ..Default::default()
-    };
     // Its own node: accepted.
     let epoch = nodes
         .register_node(authed(register("node-a"), &own))
