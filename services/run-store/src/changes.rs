@@ -133,18 +133,10 @@ async fn publish(
             () = closed(&mut closing) => return,
             () = out.kick.notified() => {}
         }
-        loop {
-            let batch: Vec<String> = {
-                let mut runs = out.runs.lock().expect("outgoing changes");
-                let batch: Vec<String> = runs.iter().take(PUBLISH_BATCH).cloned().collect();
-                for run in &batch {
-                    runs.remove(run);
-                }
-                batch
-            };
-            if batch.is_empty() {
-                break;
-            }
+        let runs: Vec<String> = std::mem::take(&mut *out.runs.lock().expect("outgoing changes"))
+            .into_iter()
+            .collect();
+        for batch in runs.chunks(PUBLISH_BATCH) {
             let payloads: Vec<String> = batch.iter().map(|r| format!("{replica}:{r}")).collect();
             let sent = sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
                 .bind(CHANNEL)
@@ -229,23 +221,10 @@ impl Subscription {
     /// Returns when `run_id` changed (here or on another replica), at the next re-check,
     /// or at `deadline`.
     pub async fn wait_for(&mut self, run_id: &str, deadline: Instant) {
-        if *self.closing.borrow() {
-            return;
-        }
-        let until = deadline.min(Instant::now() + RECHECK);
-        let closing = &mut self.closing;
-        let rx = &mut self.rx;
-        let _ = tokio::time::timeout_at(until, async {
-            tokio::select! {
-                _ = closing.wait_for(|c| *c) => {}
-                () = next_change(rx, run_id) => {}
-            }
-        })
-        .await;
+        self.wait_for_new(run_id, deadline.min(Instant::now() + RECHECK))
+            .await;
     }
-}
 
-impl Subscription {
     /// Returns true when `key` is notified (here or on another replica, or a lost view
     /// of them made it possible), false at `deadline` or when the server closes.
     pub async fn wait_for_new(&mut self, key: &str, deadline: Instant) -> bool {

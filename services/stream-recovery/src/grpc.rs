@@ -838,10 +838,10 @@ impl StreamRecoveryService for StreamRecoveryApi {
     }
 }
 
-/// How often a following tail looks for new frames (and plans a recovery).
 /// The highest frame sequence accepted: 2^53, the largest integer a Lua number holds
 /// exactly.
 const MAX_FRAME_SEQUENCE: u64 = 1 << 53;
+/// How often a following tail looks for new frames (and plans a recovery).
 const TAIL_POLL: Duration = Duration::from_millis(250);
 
 async fn tail(

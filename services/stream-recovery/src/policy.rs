@@ -27,7 +27,8 @@ pub const SWEEP_BATCH: usize = 100;
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 /// How long a run's state lives untouched: its meta after the last grant, renewal or
 /// claim, a buffer after its last append (the default of [`BufferLimits::ttl`]), a
-/// restart budget after its last claim, the index of runs after its last entry. A run idle that long is settled by then or never will be.
+/// restart budget after its last claim, the index of runs after its last entry. A run
+/// idle that long is settled by then or never will be.
 pub const STATE_TTL: Duration = Duration::from_secs(24 * 3600);
 /// A lease key outlives its lease this many times over: a late renewal by the holder is
 /// still fenced by the token, and the key is garbage collected eventually.

@@ -1008,21 +1008,6 @@ async fn a_queued_run_is_never_taken_over_and_later_runs_normally(backend: Backe
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tails_and_plans_of_a_queued_run_spend_nothing_on_redis() {
-    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tails_and_plans_of_a_queued_run_spend_nothing_on_a_cluster() {
-    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Cluster).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tails_and_plans_of_a_queued_run_spend_nothing_in_memory() {
-    a_queued_run_is_never_taken_over_and_later_runs_normally(Backend::Memory).await;
-}
-
 async fn a_failed_hand_off_after_a_claim_changes_nothing(backend: Backend) {
     let w = World::on(false, backend).await;
     let (run_id, key) = w.running_run().await;
@@ -1070,21 +1055,6 @@ async fn a_failed_hand_off_after_a_claim_changes_nothing(backend: Backend) {
     assert_eq!(second.decision(), pb::RecoveryDecision::Claimed);
     assert_eq!(second.budget.unwrap().attempts, 2);
     let _ = old;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis() {
-    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_a_cluster() {
-    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Cluster).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory() {
-    a_failed_hand_off_after_a_claim_changes_nothing(Backend::Memory).await;
 }
 
 /// Spends a running run's whole budget: five takeovers, each controller dying at once.
@@ -1155,21 +1125,6 @@ async fn the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(backend: Bac
         .into_inner();
     assert_eq!(fresh.decision(), pb::RecoveryDecision::Claimed);
     assert_eq!(fresh.budget.unwrap().attempts, 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sweep_runs_by_itself_and_respects_the_reset_on_redis() {
-    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sweep_runs_by_itself_and_respects_the_reset_on_a_cluster() {
-    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Cluster).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sweep_runs_by_itself_and_respects_the_reset_in_memory() {
-    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(Backend::Memory).await;
 }
 
 async fn a_parked_run_sleeps_through_any_number_of_leases(backend: Backend) {
@@ -1268,21 +1223,6 @@ async fn a_parked_run_sleeps_through_any_number_of_leases(backend: Backend) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_redis() {
-    a_parked_run_sleeps_through_any_number_of_leases(Backend::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_a_cluster() {
-    a_parked_run_sleeps_through_any_number_of_leases(Backend::Cluster).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory() {
-    a_parked_run_sleeps_through_any_number_of_leases(Backend::Memory).await;
-}
-
 async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
     let w = World::on(false, backend).await;
     let unknown = "01a22b9d-7bd7-76e7-a072-4dd6efe3ec58";
@@ -1341,17 +1281,33 @@ async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unknown_and_malformed_runs_are_refused_with_no_keys_on_redis() {
-    bad_run_ids_are_refused_and_leave_no_state(Backend::Redis).await;
+/// Each scenario on one Redis, on the local 3-master Redis Cluster and in memory: one
+/// test per backend, named `<scenario's test>` on each.
+macro_rules! on_every_backend {
+    ($($scenario:ident: $redis:ident, $cluster:ident, $memory:ident;)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $redis() {
+                $scenario(Backend::Redis).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $cluster() {
+                $scenario(Backend::Cluster).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $memory() {
+                $scenario(Backend::Memory).await;
+            }
+        )*
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unknown_and_malformed_runs_are_refused_with_no_keys_on_a_cluster() {
-    bad_run_ids_are_refused_and_leave_no_state(Backend::Cluster).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unknown_and_malformed_runs_are_refused_with_no_state_in_memory() {
-    bad_run_ids_are_refused_and_leave_no_state(Backend::Memory).await;
+on_every_backend! {
+    a_queued_run_is_never_taken_over_and_later_runs_normally: tails_and_plans_of_a_queued_run_spend_nothing_on_redis, tails_and_plans_of_a_queued_run_spend_nothing_on_a_cluster, tails_and_plans_of_a_queued_run_spend_nothing_in_memory;
+    a_failed_hand_off_after_a_claim_changes_nothing: a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis, a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_a_cluster, a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory;
+    the_scheduled_sweep_ends_spent_runs_and_respects_the_reset: the_sweep_runs_by_itself_and_respects_the_reset_on_redis, the_sweep_runs_by_itself_and_respects_the_reset_on_a_cluster, the_sweep_runs_by_itself_and_respects_the_reset_in_memory;
+    a_parked_run_sleeps_through_any_number_of_leases: a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_redis, a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_a_cluster, a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory;
+    bad_run_ids_are_refused_and_leave_no_state: unknown_and_malformed_runs_are_refused_with_no_keys_on_redis, unknown_and_malformed_runs_are_refused_with_no_keys_on_a_cluster, unknown_and_malformed_runs_are_refused_with_no_state_in_memory;
 }

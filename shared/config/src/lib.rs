@@ -407,10 +407,9 @@ pub enum RedisTarget {
 }
 
 impl StreamRecoveryConfig {
-    /// `redis_url`, parsed; the reason is safe to show (it never repeats the URL, which may
-    /// hold a password).
+    /// `redis_url`, parsed (see [`RedisTarget::parse`]).
     pub fn target(&self) -> Result<RedisTarget, &'static str> {
-        parse_redis_target(&self.redis_url)
+        RedisTarget::parse(&self.redis_url)
     }
 }
 
@@ -418,49 +417,53 @@ const REDIS_URL_FORMS: &str = "must be redis://host:port, rediss://host:port, \
      redis+cluster://host:port,host:port,..., a comma-separated list of redis:// seed nodes, \
      or memory:// for the in-process store";
 
-fn parse_redis_target(url: &str) -> Result<RedisTarget, &'static str> {
-    let single = |u: &str| u.starts_with("redis://") || u.starts_with("rediss://");
-    if url == "memory://" {
-        return Ok(RedisTarget::Memory);
-    }
-    for (scheme, node_scheme) in [
-        ("redis+cluster://", "redis://"),
-        ("rediss+cluster://", "rediss://"),
-    ] {
-        if let Some(rest) = url.strip_prefix(scheme) {
-            let rest = rest.trim_end_matches('/');
-            // Credentials, if any, are written once before the first host and apply to all.
-            let (userinfo, hosts) = match rest.rsplit_once('@') {
-                Some((u, h)) => (format!("{u}@"), h),
-                None => (String::new(), rest),
-            };
-            let seeds: Vec<String> = hosts
-                .split(',')
-                .map(|h| format!("{node_scheme}{userinfo}{}", h.trim()))
-                .collect();
-            if hosts
-                .split(',')
-                .any(|h| h.trim().is_empty() || h.contains('/'))
-            {
-                return Err("a redis+cluster:// URL lists host:port seeds separated by commas");
+impl RedisTarget {
+    /// A `[stream_recovery].redis_url`, in any of its forms; the reason is safe to show
+    /// (it never repeats the URL, which may hold a password).
+    pub fn parse(url: &str) -> Result<Self, &'static str> {
+        let single = |u: &str| u.starts_with("redis://") || u.starts_with("rediss://");
+        if url == "memory://" {
+            return Ok(RedisTarget::Memory);
+        }
+        for (scheme, node_scheme) in [
+            ("redis+cluster://", "redis://"),
+            ("rediss+cluster://", "rediss://"),
+        ] {
+            if let Some(rest) = url.strip_prefix(scheme) {
+                let rest = rest.trim_end_matches('/');
+                // Credentials, if any, are written once before the first host and apply to all.
+                let (userinfo, hosts) = match rest.rsplit_once('@') {
+                    Some((u, h)) => (format!("{u}@"), h),
+                    None => (String::new(), rest),
+                };
+                let seeds: Vec<String> = hosts
+                    .split(',')
+                    .map(|h| format!("{node_scheme}{userinfo}{}", h.trim()))
+                    .collect();
+                if hosts
+                    .split(',')
+                    .any(|h| h.trim().is_empty() || h.contains('/'))
+                {
+                    return Err("a redis+cluster:// URL lists host:port seeds separated by commas");
+                }
+                return Ok(RedisTarget::Cluster(seeds));
             }
-            return Ok(RedisTarget::Cluster(seeds));
         }
-    }
-    if url.contains(',') {
-        let seeds: Vec<String> = url.split(',').map(|s| s.trim().to_owned()).collect();
-        if seeds
-            .iter()
-            .all(|s| single(s) && s.len() > "redis://".len())
-        {
-            return Ok(RedisTarget::Cluster(seeds));
+        if url.contains(',') {
+            let seeds: Vec<String> = url.split(',').map(|s| s.trim().to_owned()).collect();
+            if seeds
+                .iter()
+                .all(|s| single(s) && s.len() > "redis://".len())
+            {
+                return Ok(RedisTarget::Cluster(seeds));
+            }
+            return Err(REDIS_URL_FORMS);
         }
-        return Err(REDIS_URL_FORMS);
+        if single(url) {
+            return Ok(RedisTarget::Single(url.to_owned()));
+        }
+        Err(REDIS_URL_FORMS)
     }
-    if single(url) {
-        return Ok(RedisTarget::Single(url.to_owned()));
-    }
-    Err(REDIS_URL_FORMS)
 }
 
 impl Default for StreamRecoveryConfig {
@@ -1166,7 +1169,7 @@ mod tests {
     #[test]
     fn a_redis_url_names_one_server_a_cluster_or_memory() {
         use RedisTarget::*;
-        let t = parse_redis_target;
+        let t = RedisTarget::parse;
         assert_eq!(t("memory://"), Ok(Memory));
         assert_eq!(t("redis://h:6379/2"), Ok(Single("redis://h:6379/2".into())));
         assert_eq!(t("rediss://h:6380"), Ok(Single("rediss://h:6380".into())));

@@ -440,12 +440,8 @@ impl RedisStore {
     /// Connects to `url`, in any form `[stream_recovery].redis_url` takes (one server, or
     /// a cluster by `redis+cluster://` or a comma-separated list of seeds).
     pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
-        let target = runplane_config::StreamRecoveryConfig {
-            redis_url: url.to_owned(),
-            ..Default::default()
-        }
-        .target()
-        .map_err(|reason| StoreError::Backend(reason.to_owned()))?;
+        let target =
+            RedisTarget::parse(url).map_err(|reason| StoreError::Backend(reason.to_owned()))?;
         Self::connect_to(&target, prefix).await
     }
 
