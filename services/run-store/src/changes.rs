@@ -1,45 +1,61 @@
 //! Wake-ups for long polls and watches when a run changes.
 //!
-//! Changes made in this process wake waiters at once, through a broadcast. On Postgres,
-//! the other replicas' changes do too: every replica publishes the runs it changed with
+//! Every waiter subscribes to the one key it waits on (a run id, or [`NEW_RUN`]) before
+//! it reads, so a change between its read and its wait is not lost. A change made in
+//! this process wakes that key's subscribers at once, and no one else: an idle
+//! watcher costs nothing, however many changes other runs see. On Postgres, the other
+//! replicas' changes do too: every replica publishes the runs it changed with
 //! `pg_notify` on [`CHANNEL`] (batched, off the request path) and listens on it, so a
 //! watcher on replica B sees an append on replica A within a notification's latency.
 //! LISTEN/NOTIFY and not a call between replicas, because the replicas do not know each
 //! other and already share the database, and NOTIFY is delivered at commit to every
 //! listener.
 //!
-//! Nothing depends on a notification arriving: waiters always re-read the database when
-//! woken, and re-read anyway every [`RECHECK`] (the safety net, not the path). A listener
-//! that lost its connection wakes every waiter once it is back, since notifications sent
-//! meanwhile are gone.
+//! Nothing depends on a notification arriving. A listener that lost its connection
+//! wakes every waiter once it is back, since notifications sent meanwhile are gone. A
+//! publish that failed is sent again. And every [`RECHECK`] one query per replica reads
+//! the [`Version`] of every run a watcher is following and wakes the watchers whose
+//! last read is out of date (the safety net, not the path): its cost does not grow with
+//! the number of watchers. Long polls need no re-check: they answer at their deadline
+//! (at most `max_poll_wait`) and read again when called again.
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use runplane_grpc::wake::Wakeups;
 use sea_orm::sqlx;
-use tokio::sync::{Notify, broadcast};
-use tokio::time::Instant;
+use tokio::sync::Notify;
 
-/// How often a waiter re-reads even without a wake-up.
+/// How often the replica re-reads the runs being watched, without a wake-up.
 pub const RECHECK: Duration = Duration::from_secs(30);
+
+/// Most runs one re-check query reads; more go in the next.
+const RECHECK_BATCH: usize = 1000;
 
 /// The Postgres channel of run changes; a payload is `<replica>:<run id>`.
 pub const CHANNEL: &str = "runplane_run_changes";
 
-/// What waiters are sent to wake them all (a listener reconnected).
-const EVERY_RUN: &str = "*";
-
 /// Not a run id: what is notified when a run is created (WaitForRuns waits on it).
 pub const NEW_RUN: &str = "new-run";
 
+/// What a watcher last read of a run: its last event and its last update. Both only
+/// grow, so a run whose stored version differs has changed since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Version {
+    pub last_sequence: i64,
+    pub updated_at_us: i64,
+}
+
 #[derive(Debug, Clone)]
 pub struct Changes {
-    tx: broadcast::Sender<String>,
-    closing: tokio::sync::watch::Sender<bool>,
+    waiters: Wakeups<Version>,
     /// Runs changed here and not yet published to the other replicas (Postgres only).
     outgoing: Option<Arc<Outgoing>>,
 }
+
+pub type Subscription = runplane_grpc::wake::Subscription<Version>;
 
 #[derive(Debug, Default)]
 struct Outgoing {
@@ -57,8 +73,7 @@ impl Changes {
     /// Wake-ups within this process only (SQLite: `runplane dev`, one process).
     pub fn new() -> Self {
         Self {
-            tx: broadcast::channel(1024).0,
-            closing: tokio::sync::watch::channel(false).0,
+            waiters: Wakeups::new(),
             outgoing: None,
         }
     }
@@ -74,31 +89,61 @@ impl Changes {
             pool.clone(),
             outgoing,
             replica.clone(),
-            changes.closing.subscribe(),
+            changes.waiters.clone(),
         ));
-        tokio::spawn(listen(
-            pool,
-            replica,
-            changes.tx.clone(),
-            changes.closing.subscribe(),
-        ));
+        tokio::spawn(listen(pool, replica, changes.waiters.clone()));
         changes
+    }
+
+    /// Every [`RECHECK`], reads the versions of the watched runs with `read` and wakes
+    /// the watchers whose last read is older. Returns when the server closes.
+    pub async fn recheck<F, Fut, E>(&self, read: F)
+    where
+        F: Fn(Vec<String>) -> Fut,
+        Fut: Future<Output = Result<Vec<(String, Version)>, E>>,
+        E: std::fmt::Display,
+    {
+        loop {
+            tokio::select! {
+                () = self.waiters.closed() => return,
+                () = tokio::time::sleep(RECHECK) => {}
+            }
+            let watched = self.waiters.seen();
+            let runs: Vec<String> = watched.keys().cloned().collect();
+            for batch in runs.chunks(RECHECK_BATCH) {
+                let stored = match read(batch.to_vec()).await {
+                    Ok(stored) => stored,
+                    Err(e) => {
+                        tracing::debug!(error = %e, runs = batch.len(), "watched runs not re-checked; the next re-check reads them");
+                        continue;
+                    }
+                };
+                for (run, version) in stored {
+                    if watched
+                        .get(&run)
+                        .is_some_and(|seen| seen.iter().any(|v| *v != version))
+                    {
+                        self.waiters.wake(&run);
+                    }
+                }
+            }
+        }
     }
 
     /// The server is shutting down: every waiter returns now and does not wait again, so
     /// long polls answer and watches end instead of holding the shutdown up.
     pub fn close(&self) {
-        self.closing.send_replace(true);
+        self.waiters.close();
     }
 
     pub fn is_closing(&self) -> bool {
-        *self.closing.borrow()
+        self.waiters.is_closing()
     }
 
     /// Wakes whoever waits on `run_id`, in this process at once and on the other
     /// replicas at the next publish.
     pub fn notify(&self, run_id: &str) {
-        let _ = self.tx.send(run_id.to_owned());
+        self.waiters.wake(run_id);
         if let Some(out) = &self.outgoing {
             out.runs
                 .lock()
@@ -108,12 +153,10 @@ impl Changes {
         }
     }
 
-    /// Subscribe before reading, so a change between the read and the wait is not lost.
-    pub fn subscribe(&self) -> Subscription {
-        Subscription {
-            rx: self.tx.subscribe(),
-            closing: self.closing.subscribe(),
-        }
+    /// Subscribes to `key` (a run id or [`NEW_RUN`]). Subscribe before reading, so a
+    /// change between the read and the wait is not lost.
+    pub fn subscribe(&self, key: &str) -> Subscription {
+        self.waiters.subscribe(key)
     }
 }
 
@@ -121,16 +164,16 @@ impl Changes {
 const PUBLISH_BATCH: usize = 500;
 
 /// Publishes the runs changed here, coalesced: one statement for every run changed
-/// since the last one. A failed publish is logged and dropped (the re-check covers it).
+/// since the last one. A failed publish is put back and sent again a second later.
 async fn publish(
     pool: sqlx::PgPool,
     out: Arc<Outgoing>,
     replica: String,
-    mut closing: tokio::sync::watch::Receiver<bool>,
+    waiters: Wakeups<Version>,
 ) {
     loop {
         tokio::select! {
-            () = closed(&mut closing) => return,
+            () = waiters.closed() => return,
             () = out.kick.notified() => {}
         }
         let runs: Vec<String> = std::mem::take(&mut *out.runs.lock().expect("outgoing changes"))
@@ -144,19 +187,24 @@ async fn publish(
                 .execute(&pool)
                 .await;
             if let Err(e) = sent {
-                tracing::debug!(error = %e, runs = batch.len(), "run changes not published; other replicas re-check");
+                tracing::debug!(error = %e, runs = batch.len(), "run changes not published; retrying in 1 s");
+                out.runs
+                    .lock()
+                    .expect("outgoing changes")
+                    .extend(batch.iter().cloned());
+                out.kick.notify_one();
+                tokio::select! {
+                    () = waiters.closed() => return,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                break;
             }
         }
     }
 }
 
 /// Relays the other replicas' changes to this process's waiters.
-async fn listen(
-    pool: sqlx::PgPool,
-    replica: String,
-    tx: broadcast::Sender<String>,
-    mut closing: tokio::sync::watch::Receiver<bool>,
-) {
+async fn listen(pool: sqlx::PgPool, replica: String, waiters: Wakeups<Version>) {
     let own = format!("{replica}:");
     'connect: loop {
         let mut listener = loop {
@@ -166,7 +214,7 @@ async fn listen(
                 Ok::<_, sqlx::Error>(l)
             };
             tokio::select! {
-                () = closed(&mut closing) => return,
+                () = waiters.closed() => return,
                 l = attempt => match l {
                     Ok(l) => break l,
                     Err(e) => {
@@ -177,10 +225,10 @@ async fn listen(
             }
         };
         // Whatever was sent while nobody listened is gone: everyone re-reads.
-        let _ = tx.send(EVERY_RUN.to_owned());
+        waiters.wake_all();
         loop {
             let next = tokio::select! {
-                () = closed(&mut closing) => return,
+                () = waiters.closed() => return,
                 n = listener.try_recv() => n,
             };
             match next {
@@ -188,14 +236,12 @@ async fn listen(
                     if let Some(run) = n.payload().split_once(':').map(|(_, r)| r)
                         && !n.payload().starts_with(&own)
                     {
-                        let _ = tx.send(run.to_owned());
+                        waiters.wake(run);
                     }
                 }
                 // The connection dropped; try_recv reconnects on the next call, and the
                 // gap may have lost notifications.
-                Ok(None) => {
-                    let _ = tx.send(EVERY_RUN.to_owned());
-                }
+                Ok(None) => waiters.wake_all(),
                 Err(e) => {
                     tracing::debug!(error = %e, "listening for run changes failed; reconnecting");
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -206,52 +252,55 @@ async fn listen(
     }
 }
 
-/// Returns once the server closes (the watch's borrow is not held across awaits).
-async fn closed(closing: &mut tokio::sync::watch::Receiver<bool>) {
-    let _ = closing.wait_for(|c| *c).await;
-}
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
 
-#[derive(Debug)]
-pub struct Subscription {
-    rx: broadcast::Receiver<String>,
-    closing: tokio::sync::watch::Receiver<bool>,
-}
+    use tokio::time::Instant;
 
-impl Subscription {
-    /// Returns when `run_id` changed (here or on another replica), at the next re-check,
-    /// or at `deadline`.
-    pub async fn wait_for(&mut self, run_id: &str, deadline: Instant) {
-        self.wait_for_new(run_id, deadline.min(Instant::now() + RECHECK))
-            .await;
-    }
+    use super::*;
 
-    /// Returns true when `key` is notified (here or on another replica, or a lost view
-    /// of them made it possible), false at `deadline` or when the server closes.
-    pub async fn wait_for_new(&mut self, key: &str, deadline: Instant) -> bool {
-        if *self.closing.borrow() {
-            return false;
-        }
-        let closing = &mut self.closing;
-        let rx = &mut self.rx;
-        tokio::time::timeout_at(deadline, async {
-            tokio::select! {
-                _ = closing.wait_for(|c| *c) => false,
-                () = next_change(rx, key) => true,
+    const V1: Version = Version {
+        last_sequence: 1,
+        updated_at_us: 10,
+    };
+    const V2: Version = Version {
+        last_sequence: 2,
+        updated_at_us: 10,
+    };
+
+    /// A change whose notification was lost (here: never sent) still wakes the watcher
+    /// whose last read is older, at the re-check and not before; an up-to-date watcher
+    /// sleeps on, and the re-check reads every watched run in one call.
+    #[tokio::test(start_paused = true)]
+    async fn the_recheck_wakes_only_watchers_whose_read_is_stale() {
+        let changes = Changes::new();
+        let mut stale = changes.subscribe("run-stale");
+        stale.seen(V1);
+        let mut current = changes.subscribe("run-current");
+        current.seen(V2);
+        let reads = Arc::new(Mutex::new(Vec::new()));
+        tokio::spawn({
+            let (changes, reads) = (changes.clone(), reads.clone());
+            async move {
+                changes
+                    .recheck(|runs: Vec<String>| {
+                        reads.lock().unwrap().push(runs.len());
+                        let stored = runs.into_iter().map(|r| (r, V2)).collect();
+                        async move { Ok::<_, String>(stored) }
+                    })
+                    .await;
             }
-        })
-        .await
-        .unwrap_or(false)
-    }
-}
-
-async fn next_change(rx: &mut broadcast::Receiver<String>, run_id: &str) {
-    loop {
-        match rx.recv().await {
-            Ok(changed) if changed == run_id || changed == EVERY_RUN => return,
-            Ok(_) => {}
-            // Lagged: something may have been missed; re-read now.
-            Err(broadcast::error::RecvError::Lagged(_)) => return,
-            Err(broadcast::error::RecvError::Closed) => std::future::pending::<()>().await,
-        }
+        });
+        let before = Instant::now() + RECHECK - Duration::from_secs(1);
+        assert!(!stale.changed(before).await, "woken before the re-check");
+        let after = Instant::now() + Duration::from_secs(2);
+        assert!(
+            stale.changed(after).await,
+            "the re-check did not wake a stale watcher"
+        );
+        assert!(!current.changed(Instant::now()).await);
+        assert_eq!(*reads.lock().unwrap(), vec![2]);
+        changes.close();
     }
 }

@@ -292,7 +292,7 @@ impl RunnerService for RunnerApi {
             metrics::steering_acks().add(1, &[metrics::attr("outcome", outcome)]);
         }
         let deadline = tokio::time::Instant::now() + wait;
-        let mut changes = s.changes.subscribe();
+        let mut changes = s.changes.subscribe(&req.run_id);
         loop {
             let mut pending = s.store.pending_messages(&req.run_id, limit.into()).await?;
             let run = s.store.get_run(&req.run_id).await?;
@@ -311,7 +311,7 @@ impl RunnerService for RunnerApi {
                     run_state: state::to_proto(&run.state) as i32,
                 }));
             }
-            changes.wait_for(&req.run_id, deadline).await;
+            changes.changed(deadline).await;
         }
     }
 
@@ -698,8 +698,8 @@ impl RunService for RunApi {
         let deadline = tokio::time::Instant::now() + wait;
         let woken = s
             .changes
-            .subscribe()
-            .wait_for_new(crate::changes::NEW_RUN, deadline)
+            .subscribe(crate::changes::NEW_RUN)
+            .changed(deadline)
             .await;
         Ok(Response::new(pb::WaitForRunsResponse { woken }))
     }
@@ -1176,7 +1176,7 @@ async fn watch(
         return Ok(());
     }
     let mut cursor = req.after_sequence;
-    let mut changes = s.changes.subscribe();
+    let mut changes = s.changes.subscribe(&req.run_id);
     loop {
         if !req.states_only {
             loop {
@@ -1213,9 +1213,22 @@ async fn watch(
                 "the run store is shutting down; resume the watch from the last sequence",
             ));
         }
-        changes.wait_for(&req.run_id, due.at()).await;
-        // Nothing sent for an interval: say the stream is alive, and where it is.
-        if due.is_due() && !s.changes.is_closing() {
+        // What this stream has: the re-check wakes it if the stored run moved past that.
+        let sent_through = if req.states_only {
+            run.last_sequence
+        } else {
+            run.last_sequence.min(cursor as i64)
+        };
+        changes.seen(crate::changes::Version {
+            last_sequence: sent_through,
+            updated_at_us: run.updated_at_us,
+        });
+        // Read again only when the run changed; in between, heartbeats cost no query.
+        while !changes.changed(due.at()).await {
+            if s.changes.is_closing() {
+                break;
+            }
+            // Nothing sent for an interval: say the stream is alive, and where it is.
             let heartbeat = pb::Heartbeat {
                 last_sequence: cursor,
                 server_time: Some(crate::store::timestamp(s.store.now_us())),

@@ -62,10 +62,22 @@ impl RunStore {
         } else {
             changes::Changes::new()
         };
+        let store = store::Store::new(db, clock).with_failure_reports(config.run_store.admission);
+        // The watchers' safety net: one query per re-check for every watched run.
+        tokio::spawn({
+            let (changes, store) = (changes.clone(), store.clone());
+            async move {
+                changes
+                    .recheck(|runs| {
+                        let store = store.clone();
+                        async move { store.versions(runs).await }
+                    })
+                    .await;
+            }
+        });
         Ok(Self {
             shared: Arc::new(grpc::Shared {
-                store: store::Store::new(db, clock)
-                    .with_failure_reports(config.run_store.admission),
+                store,
                 operators: auth::OperatorAuth::from_config(config),
                 settings,
                 changes,

@@ -841,8 +841,76 @@ impl StreamRecoveryService for StreamRecoveryApi {
 /// The highest frame sequence accepted: 2^53, the largest integer a Lua number holds
 /// exactly.
 const MAX_FRAME_SEQUENCE: u64 = 1 << 53;
-/// How often a following tail looks for new frames (and plans a recovery).
-const TAIL_POLL: Duration = Duration::from_millis(250);
+/// How often a following tail of a run whose lease is free plans a recovery, at most.
+const TAIL_PLAN_EVERY: Duration = Duration::from_secs(1);
+/// A tail re-reads the buffer this often even with no wake-up (the safety net).
+const TAIL_RECHECK: Duration = Duration::from_secs(30);
+
+/// What a tail knows of its run's state, from the run store's WatchRun.
+#[derive(Debug, Clone)]
+enum RunSeen {
+    Unknown,
+    Known(Box<rs::Run>),
+    Gone(Status),
+}
+
+/// Follows `run_id`'s state through the run store's WatchRun (states only, re-opened a
+/// second after it fails), so a tail learns that its run started or ended when it
+/// happens, without polling the run store. Stops when the receiver is dropped.
+fn follow_run(s: &Shared, run_id: &str) -> tokio::sync::watch::Receiver<RunSeen> {
+    let (tx, rx) = tokio::sync::watch::channel(RunSeen::Unknown);
+    let (mut client, run_id) = (s.run_store.clone(), run_id.to_owned());
+    tokio::spawn(async move {
+        let request = || rs::WatchRunRequest {
+            run_id: run_id.clone(),
+            states_only: true,
+            heartbeat_interval: Some(runplane_grpc::proto_duration(Duration::from_secs(60))),
+            ..Default::default()
+        };
+        loop {
+            let opened = tokio::select! {
+                () = tx.closed() => return,
+                opened = client.watch_run(request()) => opened,
+            };
+            match opened {
+                Ok(stream) => {
+                    let mut stream = stream.into_inner();
+                    loop {
+                        let next = tokio::select! {
+                            () = tx.closed() => return,
+                            next = stream.message() => next,
+                        };
+                        match next {
+                            Ok(Some(rs::WatchRunResponse {
+                                update: Some(rs::watch_run_response::Update::Run(run)),
+                            })) => {
+                                let terminal = run.state().is_terminal();
+                                tx.send_replace(RunSeen::Known(Box::new(run)));
+                                if terminal {
+                                    return;
+                                }
+                            }
+                            Ok(Some(_)) => {}
+                            Ok(None) | Err(_) => break,
+                        }
+                    }
+                }
+                Err(status) if status.code() == Code::NotFound => {
+                    tx.send_replace(RunSeen::Gone(status));
+                    return;
+                }
+                Err(status) => {
+                    tracing::debug!(run_id = %run_id, code = ?status.code(), "cannot follow the run's state; retrying in 1 s");
+                }
+            }
+            tokio::select! {
+                () = tx.closed() => return,
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    });
+    rx
+}
 
 async fn tail(
     s: &Shared,
@@ -861,6 +929,8 @@ async fn tail(
                 .is_ok()
         }
     };
+    // Subscribe before the first read, so a frame appended in between wakes this tail.
+    let mut changes = s.store.wakeups().subscribe(&req.run_id);
     let mut next = req.from_sequence.max(1);
     let first = s
         .store
@@ -881,9 +951,11 @@ async fn tail(
         next = first.first_available;
     }
     let mut caught_up = false;
+    let mut run = None;
     // "No controller yet" is reported once, not on every plan while the run waits.
     let mut last_decision = None;
-    let mut last_plan = tokio::time::Instant::now() - Duration::from_secs(60);
+    // When the lease is next worth a look: at once, then as its state says.
+    let mut plan_at = tokio::time::Instant::now();
     loop {
         let replay = s
             .store
@@ -928,22 +1000,52 @@ async fn tail(
                 return Ok(());
             }
         }
-        let run = s.run(&req.run_id).await?;
-        if run.state().is_terminal() {
-            let reason = run.verdict.map(|v| v.reason).unwrap_or_default();
+        // The run's state, followed from the run store rather than polled.
+        let followed = run.get_or_insert_with(|| follow_run(s, &req.run_id));
+        let state = loop {
+            let seen = followed.borrow_and_update().clone();
+            match seen {
+                RunSeen::Known(run) => break run,
+                RunSeen::Gone(status) => return Err(status),
+                RunSeen::Unknown => {
+                    if followed.changed().await.is_err() {
+                        return Err(Status::unavailable("the run's state cannot be followed"));
+                    }
+                }
+            }
+        };
+        if state.state().is_terminal() {
+            let reason = state.verdict.map(|v| v.reason).unwrap_or_default();
             send(Item::Ended(pb::StreamEnded { reason })).await;
             return Ok(());
         }
-        // A tail of a live run whose lease is free plans a recovery, at most once a second.
-        if last_plan.elapsed() >= Duration::from_secs(1) {
-            last_plan = tokio::time::Instant::now();
+        // A tail of a live run whose lease is free plans a recovery, at most once a second;
+        // while the lease is held it looks again when the lease would lapse.
+        if tokio::time::Instant::now() >= plan_at {
             let b = s
                 .store
                 .budget(&req.run_id, s.now_ms())
                 .await
                 .map_err(store_error)?;
+            plan_at = match (&b.lease, b.parked) {
+                // Parked: only an unpark (which wakes this tail) changes anything.
+                (Some(_), true) => tokio::time::Instant::now() + TAIL_RECHECK,
+                (Some((_, expires_ms)), false) => {
+                    let lapses = Duration::from_millis((expires_ms - s.now_ms()).max(0) as u64);
+                    tokio::time::Instant::now() + lapses.max(TAIL_PLAN_EVERY)
+                }
+                (None, _) => tokio::time::Instant::now() + TAIL_PLAN_EVERY,
+            };
+            // A run no runner has started has no controller to replace (what plan() would
+            // answer after reading the run again); its start wakes this tail.
+            let unstarted = matches!(state.state(), rs::RunState::Queued | rs::RunState::Starting);
             if b.lease.is_none() {
-                let decision = match s.plan(&req.run_id, "tail").await {
+                let planned = if unstarted {
+                    Ok((pb::RecoveryDecision::NoControllerYet, None))
+                } else {
+                    s.plan(&req.run_id, "tail").await
+                };
+                let decision = match planned {
                     Ok((decision, _)) => Some(decision),
                     Err(status) => match error_info(&status).map(|i| i.reason) {
                         Some(r) if r == ErrorReason::RecoveryNotBefore.as_str_name() => {
@@ -980,7 +1082,20 @@ async fn tail(
                 }
             }
         }
-        tokio::time::sleep_until(due.at().min(tokio::time::Instant::now() + TAIL_POLL)).await;
+        // Wait for a change to the run's stream, its state, a plan, or a heartbeat.
+        let wake_at = due
+            .at()
+            .min(plan_at)
+            .min(tokio::time::Instant::now() + TAIL_RECHECK);
+        let woken = tokio::select! {
+            woken = changes.changed(wake_at) => woken,
+            changed = followed.changed() => changed.is_ok(),
+            () = tx.closed() => return Ok(()),
+        };
+        if woken {
+            // A lease may have changed hands: look at it again, within the plan limit.
+            plan_at = plan_at.min(tokio::time::Instant::now() + TAIL_PLAN_EVERY);
+        }
         // Nothing sent for an interval: say the stream is alive, and where it is.
         if due.is_due()
             && !send(Item::Heartbeat(pb::Heartbeat {

@@ -3,7 +3,7 @@
 //! resume_stream, and end the run with exactly one abort.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use runplane_clock::{Clock, ManualClock};
@@ -35,11 +35,13 @@ const TOKEN: &str = "recovery-test-service-token-0123456789ab";
 type Coordinator = StreamRecoveryServiceClient<InterceptedService<Channel, Bearer>>;
 
 /// The run store's RunService, with EnqueueControl failing while `fail_enqueue` is set
-/// (the run store unreachable just for the hand-off after a claim).
+/// (the run store unreachable just for the hand-off after a claim), and its GetRun calls
+/// counted (what polling the run store would cost).
 #[derive(Clone)]
 struct FaultyRunService<S> {
     inner: S,
     fail_enqueue: Arc<AtomicBool>,
+    get_runs: Arc<AtomicUsize>,
 }
 
 impl<S: tonic::server::NamedService> tonic::server::NamedService for FaultyRunService<S> {
@@ -67,6 +69,9 @@ where
     }
 
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        if request.uri().path().ends_with("/GetRun") {
+            self.get_runs.fetch_add(1, Ordering::SeqCst);
+        }
         if request.uri().path().ends_with("/EnqueueControl")
             && self.fail_enqueue.load(Ordering::SeqCst)
         {
@@ -79,6 +84,9 @@ where
 struct World {
     clock: ManualClock,
     fail_enqueue: Arc<AtomicBool>,
+    get_runs: Arc<AtomicUsize>,
+    backend: Backend,
+    config: Config,
     run_store: RunStore,
     run_store_endpoint: String,
     coordinator_endpoint: String,
@@ -135,11 +143,13 @@ impl World {
             .await
             .unwrap();
         let fail_enqueue = Arc::new(AtomicBool::new(false));
+        let get_runs = Arc::new(AtomicUsize::new(0));
         let (runner_service, run_service) = run_store.services();
         let mut services = ServiceSet::new();
         services.add(runner_service).add(FaultyRunService {
             inner: run_service,
             fail_enqueue: fail_enqueue.clone(),
+            get_runs: get_runs.clone(),
         });
         let run_store_endpoint = serve(services).await;
 
@@ -166,12 +176,32 @@ impl World {
         Self {
             clock,
             fail_enqueue,
+            get_runs,
+            backend,
+            config,
             run_store,
             run_store_endpoint,
             coordinator_endpoint,
             _db: db,
             _redis: redis,
         }
+    }
+
+    /// A second coordinator on the same Redis (a replica); None in memory, which is one
+    /// process's.
+    async fn replica(&self) -> Option<String> {
+        if self.backend == Backend::Memory {
+            return None;
+        }
+        let store = RedisStore::connect(self._redis.url(), self._redis.prefix())
+            .await
+            .unwrap();
+        let coordinator =
+            StreamRecovery::with_store(Arc::new(store), &self.config, Arc::new(self.clock.clone()))
+                .unwrap();
+        let mut services = ServiceSet::new();
+        coordinator.register(&mut services);
+        Some(serve(services).await)
     }
 
     async fn channel(endpoint: &str) -> Channel {
@@ -902,9 +932,13 @@ impl Follower {
     }
 
     async fn next(&mut self) -> pb::tail_response::Item {
-        tokio::time::timeout(Duration::from_secs(10), self.items.recv())
+        self.within(Duration::from_secs(10)).await
+    }
+
+    async fn within(&mut self, bound: Duration) -> pb::tail_response::Item {
+        tokio::time::timeout(bound, self.items.recv())
             .await
-            .expect("the tail sends its next item")
+            .unwrap_or_else(|_| panic!("the tail sent nothing within {bound:?}"))
             .expect("the tail is open")
     }
 
@@ -1283,6 +1317,64 @@ async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
 
 /// Each scenario on one Redis, on the local 3-master Redis Cluster and in memory: one
 /// test per backend, named `<scenario's test>` on each.
+/// A following tail waits on the coordinator's store: it does not poll the run store
+/// while nothing happens, and a frame appended through another coordinator replica
+/// reaches it at once (not at its 30 s re-check).
+async fn a_tail_is_woken_by_frames_and_does_not_poll(backend: Backend) {
+    let w = World::on(false, backend).await;
+    let (run_id, key) = w.running_run().await;
+    let token = w.acquire(&run_id, &key).await;
+    let mut tail = Follower::open(&w, &run_id).await;
+    assert!(matches!(
+        tail.next().await,
+        pb::tail_response::Item::CaughtUp(_)
+    ));
+    let appender = match w.replica().await {
+        Some(replica) => StreamRecoveryServiceClient::with_interceptor(
+            World::channel(&replica).await,
+            Bearer::new(key.clone()),
+        ),
+        None => w.runner(&key).await,
+    };
+    let append = |range| {
+        let (mut appender, run_id, token) = (appender.clone(), run_id.clone(), token.clone());
+        async move {
+            appender
+                .append_frames(pb::AppendFramesRequest {
+                    run_id,
+                    controller_token: token,
+                    frames: frames(range),
+                    resync: false,
+                })
+                .await
+                .unwrap();
+        }
+    };
+    // Well under every timer of the tail (heartbeat 5 s, the lease's lapse, re-check
+    // 30 s): only a wake-up from the store delivers a frame this soon.
+    let woken = Duration::from_secs(2);
+    append(1..=2).await;
+    for sequence in 1..=2 {
+        match tail.within(woken).await {
+            pb::tail_response::Item::Frame(f) => assert_eq!(f.sequence, sequence),
+            other => panic!("expected frame {sequence}, got {other:?}"),
+        }
+    }
+    // Idle for a while: the tail follows the run's state through one WatchRun.
+    let reads = w.get_runs.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    append(3..=3).await;
+    match tail.within(woken).await {
+        pb::tail_response::Item::Frame(f) => assert_eq!(f.sequence, 3),
+        other => panic!("expected frame 3, got {other:?}"),
+    }
+    assert_eq!(
+        w.get_runs.load(Ordering::SeqCst) - reads,
+        0,
+        "an idle tail read the run from the run store"
+    );
+}
+
 macro_rules! on_every_backend {
     ($($scenario:ident: $redis:ident, $cluster:ident, $memory:ident;)*) => {
         $(
@@ -1305,6 +1397,7 @@ macro_rules! on_every_backend {
 }
 
 on_every_backend! {
+    a_tail_is_woken_by_frames_and_does_not_poll: a_tail_waits_on_redis_not_the_run_store, a_tail_waits_on_the_cluster_not_the_run_store, a_tail_waits_in_memory_not_on_the_run_store;
     a_queued_run_is_never_taken_over_and_later_runs_normally: tails_and_plans_of_a_queued_run_spend_nothing_on_redis, tails_and_plans_of_a_queued_run_spend_nothing_on_a_cluster, tails_and_plans_of_a_queued_run_spend_nothing_in_memory;
     a_failed_hand_off_after_a_claim_changes_nothing: a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis, a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_a_cluster, a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory;
     the_scheduled_sweep_ends_spent_runs_and_respects_the_reset: the_sweep_runs_by_itself_and_respects_the_reset_on_redis, the_sweep_runs_by_itself_and_respects_the_reset_on_a_cluster, the_sweep_runs_by_itself_and_respects_the_reset_in_memory;

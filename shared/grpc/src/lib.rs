@@ -9,6 +9,7 @@
 //!   pushback at once instead of queueing.
 //! - [`client`]: channels that inject the current trace context into every request.
 //! - [`heartbeat`]: how often watch streams send heartbeats, and how long a client waits.
+//! - [`wake`]: keyed wake-ups, so a long poll or a watch wakes for its own key only.
 //! - [`tls`]: rustls TLS and mutual TLS of servers and `https://` channels, from `[tls]`.
 //! - [`error`]: `tonic::Status` with `google.rpc.ErrorInfo` carrying a stable reason.
 //! - [`shutdown_signal`]: SIGTERM or SIGINT.
@@ -21,6 +22,7 @@ pub mod server;
 pub mod shed;
 pub mod tls;
 pub mod trace_context;
+pub mod wake;
 
 pub use error::{ErrorReason, error_info, status_with_reason};
 pub use server::{ServerLimits, ServiceSet, Stopped, serve, serve_with_tls};

@@ -370,6 +370,32 @@ impl Store {
             })
     }
 
+    /// The stored versions of `run_ids` (those that exist), for the watchers' re-check.
+    pub async fn versions(
+        &self,
+        run_ids: Vec<String>,
+    ) -> Result<Vec<(String, crate::changes::Version)>> {
+        let rows: Vec<(String, i64, i64)> = run::Entity::find()
+            .select_only()
+            .column(run::Column::Id)
+            .column(run::Column::LastSequence)
+            .column(run::Column::UpdatedAtUs)
+            .filter(run::Column::Id.is_in(run_ids))
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, last_sequence, updated_at_us)| {
+                let version = crate::changes::Version {
+                    last_sequence,
+                    updated_at_us,
+                };
+                (id, version)
+            })
+            .collect())
+    }
+
     /// A page of runs, newest first.
     pub async fn list_runs(&self, filter: &RunFilter) -> Result<Vec<run::Model>> {
         let mut query = run::Entity::find();

@@ -13,6 +13,7 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 use runplane_clock::{SharedClock, SystemClock};
+use runplane_grpc::wake::Wakeups;
 
 use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
@@ -141,6 +142,7 @@ pub struct MemoryStore {
     runs: Mutex<HashMap<String, Run>>,
     org_hours: Mutex<HashMap<(String, i64), OrgHour>>,
     clock: SharedClock,
+    wakeups: Wakeups,
 }
 
 impl Default for MemoryStore {
@@ -161,7 +163,14 @@ impl MemoryStore {
             runs: Mutex::default(),
             org_hours: Mutex::default(),
             clock,
+            wakeups: Wakeups::new(),
         }
+    }
+
+    /// `out`, after waking whoever follows `run` (what it changed is there to read).
+    fn woke<T>(&self, run: &str, out: T) -> T {
+        self.wakeups.wake(run);
+        out
     }
 
     fn now(&self) -> i64 {
@@ -186,6 +195,10 @@ impl MemoryStore {
 
 #[async_trait]
 impl RecoveryStore for MemoryStore {
+    fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
+    }
+
     async fn acquire(
         &self,
         run: &str,
@@ -194,7 +207,7 @@ impl RecoveryStore for MemoryStore {
         ttl_ms: i64,
         now_ms: i64,
     ) -> Result<Acquired> {
-        self.with(run, |r, t| {
+        let out = self.with(run, |r, t| {
             if let Some(lease) = r.live_lease(now_ms).cloned() {
                 if lease.controller != controller {
                     return Err(StoreError::Held {
@@ -229,7 +242,8 @@ impl RecoveryStore for MemoryStore {
                 expires_ms: now_ms + ttl_ms,
                 next_sequence: r.next,
             })
-        })
+        });
+        self.woke(run, out)
     }
 
     async fn renew(&self, run: &str, token: &str, ttl_ms: i64, now_ms: i64) -> Result<i64> {
@@ -258,7 +272,7 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn release(&self, run: &str, token: &str) -> Result<bool> {
-        self.with(run, |r, _| {
+        let out = self.with(run, |r, _| {
             if r.lease.as_ref().is_some_and(|l| l.token == token) {
                 r.lease = None;
                 r.lease_until = None;
@@ -266,7 +280,8 @@ impl RecoveryStore for MemoryStore {
             } else {
                 Ok(false)
             }
-        })
+        });
+        self.woke(run, out)
     }
 
     async fn append(
@@ -278,7 +293,7 @@ impl RecoveryStore for MemoryStore {
         limits: &BufferLimits,
         resync: bool,
     ) -> Result<Appended> {
-        self.with(run, |r, t| {
+        let out = self.with(run, |r, t| {
             if r.lease.as_ref().is_some_and(|l| l.token != token) {
                 return Err(StoreError::Fenced);
             }
@@ -328,7 +343,8 @@ impl RecoveryStore for MemoryStore {
                 stored_bytes: add,
                 stream_bytes_remaining: limits.stream_bytes - r.bytes,
             })
-        })
+        });
+        self.woke(run, out)
     }
 
     async fn read(&self, run: &str, from: u64, max: usize) -> Result<Replay> {
@@ -367,7 +383,7 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn claim(&self, run: &str, a: &ClaimArgs<'_>) -> Result<ClaimOutcome> {
-        self.with(run, |r, t| {
+        let out = self.with(run, |r, t| {
             let state_ttl = STATE_TTL.as_millis() as i64;
             if r.live_lease(a.now_ms).is_some() {
                 return Ok(ClaimOutcome::LeaseHeld);
@@ -422,11 +438,12 @@ impl RecoveryStore for MemoryStore {
                 next_sequence: r.next,
                 not_before_ms: not_before,
             })
-        })
+        });
+        self.woke(run, out)
     }
 
     async fn unclaim(&self, run: &str, token: &str) -> Result<bool> {
-        self.with(run, |r, _| {
+        let out = self.with(run, |r, _| {
             let Some(undo) = r.undo.take_if(|u| u.token == token) else {
                 return Ok(false);
             };
@@ -442,7 +459,8 @@ impl RecoveryStore for MemoryStore {
             r.claimed = undo.claimed;
             r.not_before = undo.not_before;
             Ok(true)
-        })
+        });
+        self.woke(run, out)
     }
 
     async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64> {
@@ -470,7 +488,7 @@ impl RecoveryStore for MemoryStore {
     }
 
     async fn park(&self, run: &str) -> Result<bool> {
-        self.with(run, |r, _| {
+        let out = self.with(run, |r, _| {
             let Some(l) = r.lease.as_mut() else {
                 return Ok(false);
             };
@@ -478,11 +496,12 @@ impl RecoveryStore for MemoryStore {
             l.expires = super::PARKED_EXPIRES_MS;
             r.lease_until = None;
             Ok(true)
-        })
+        });
+        self.woke(run, out)
     }
 
     async fn unpark(&self, run: &str, ttl_ms: i64, now_ms: i64) -> Result<bool> {
-        self.with(run, |r, t| match r.lease.as_mut() {
+        let out = self.with(run, |r, t| match r.lease.as_mut() {
             Some(l) if l.parked => {
                 l.parked = false;
                 l.expires = now_ms + ttl_ms;
@@ -490,7 +509,8 @@ impl RecoveryStore for MemoryStore {
                 Ok(true)
             }
             _ => Ok(false),
-        })
+        });
+        self.woke(run, out)
     }
 
     async fn forget(&self, run: &str) -> Result<()> {

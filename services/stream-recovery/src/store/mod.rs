@@ -11,6 +11,7 @@ pub mod memory;
 pub mod redis;
 
 use async_trait::async_trait;
+use runplane_grpc::wake::Wakeups;
 
 use crate::policy::BufferLimits;
 
@@ -123,6 +124,10 @@ pub struct ClaimArgs<'a> {
 
 #[async_trait]
 pub trait RecoveryStore: Send + Sync + 'static {
+    /// Who follows which run. Every change the store makes to a run (a frame appended, a
+    /// lease granted, released, claimed, parked or unparked) wakes the run's followers;
+    /// on Redis, so does every other replica's.
+    fn wakeups(&self) -> &Wakeups;
     /// Grants the lease to a run's first controller; the same controller again gets its
     /// token back (and a fresh expiry).
     async fn acquire(

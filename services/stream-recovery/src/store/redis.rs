@@ -21,6 +21,7 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 use runplane_config::RedisTarget;
+use runplane_grpc::wake::Wakeups;
 
 use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
@@ -146,7 +147,7 @@ local budget = tonumber(ARGV[4])
 local ttl = ARGV[5]
 local lease_ttl = tonumber(ARGV[6])
 local resync = ARGV[7] == '1'
-local A = 8
+local A = 10
 local m = redis.call('HMGET', KEYS[2], 'next', 'first', 'bytes')
 local next = tonumber(m[1] or '1')
 local first = tonumber(m[2] or '1')
@@ -205,6 +206,8 @@ redis.call('HSET', KEYS[2], 'next', next, 'first', first, 'bytes', bytes + add)
 redis.call('PEXPIRE', KEYS[2], ttl)
 redis.call('PEXPIRE', KEYS[3], ttl)
 redis.call('PEXPIRE', KEYS[4], ttl)
+-- Followers on every replica wake for new frames (ARGV[8] the channel, ARGV[9] the run).
+if stored > 0 then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
 return {'ok', next, stored, budget - bytes - add, add}
 "#,
     )
@@ -351,6 +354,52 @@ pub struct RedisStore {
     prefix: String,
     /// When this process last wrote each run into the index (see `remember`).
     indexed: Arc<Mutex<HashMap<String, Instant>>>,
+    wakeups: Wakeups,
+    /// The subscriber relaying every replica's changes to `wakeups`; stops with the
+    /// last clone of the store.
+    _listener: Arc<AbortOnDrop>,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Relays the runs published on `channel` (by every replica's scripts and changes) to
+/// this process's followers. Subscribes on one server (in a cluster any node hears every
+/// node's PUBLISH), moving to the next seed when it fails; after a reconnect everyone is
+/// woken, since what was published meanwhile is gone.
+async fn relay_changes(servers: Vec<String>, channel: String, wakeups: Wakeups) {
+    use futures::StreamExt;
+    for server in servers.iter().cycle() {
+        let subscribed = async {
+            let mut pubsub = redis::Client::open(server.as_str())?
+                .get_async_pubsub()
+                .await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        };
+        match subscribed.await {
+            Ok(mut pubsub) => {
+                wakeups.wake_all();
+                let mut messages = pubsub.on_message();
+                while let Some(message) = messages.next().await {
+                    if let Ok(run) = message.get_payload::<String>() {
+                        wakeups.wake(&run);
+                    }
+                }
+                tracing::debug!(server = %runplane_config::redact_url(server), "stream changes subscription ended; resubscribing");
+            }
+            Err(e) => {
+                tracing::debug!(server = %runplane_config::redact_url(server), error = %e, "cannot subscribe to stream changes; trying the next server in 1 s");
+            }
+        }
+        wakeups.wake_all();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// A run this process wrote into the index less than this long ago is not written
@@ -461,11 +510,44 @@ impl RedisStore {
                 ));
             }
         };
+        let servers = match target {
+            RedisTarget::Single(url) => vec![url.clone()],
+            RedisTarget::Cluster(seeds) => seeds.clone(),
+            RedisTarget::Memory => Vec::new(),
+        };
+        let wakeups = Wakeups::new();
+        let listener = tokio::spawn(relay_changes(
+            servers,
+            format!("{prefix}changes"),
+            wakeups.clone(),
+        ));
         Ok(Self {
             conn,
             prefix: prefix.to_owned(),
             indexed: Arc::default(),
+            wakeups,
+            _listener: Arc::new(AbortOnDrop(listener)),
         })
+    }
+
+    /// The channel every replica publishes the runs it changed on.
+    fn channel(&self) -> String {
+        format!("{}changes", self.prefix)
+    }
+
+    /// Wakes this process's followers of `run` at once and tells the other replicas. A
+    /// publish that fails is only logged: their tails still re-read on their heartbeat.
+    async fn changed(&self, run: &str) {
+        self.wakeups.wake(run);
+        let mut conn = self.conn.clone();
+        let published: redis::RedisResult<i64> = redis::cmd("PUBLISH")
+            .arg(self.channel())
+            .arg(run)
+            .query_async(&mut conn)
+            .await;
+        if let Err(e) = published {
+            tracing::debug!(run_id = run, error = %e, "stream change not published");
+        }
     }
 
     /// Every key a run's scripts are given (lease, meta, frames, times, budget): one hash
@@ -540,7 +622,9 @@ impl RedisStore {
             .arg(limits.stream_bytes)
             .arg(limits.ttl.as_millis() as u64)
             .arg(DEFAULT_LEASE_TTL.as_millis() as u64)
-            .arg(if resync { "1" } else { "0" });
+            .arg(if resync { "1" } else { "0" })
+            .arg(self.channel())
+            .arg(run);
         for (sequence, data) in frames {
             invocation.arg(*sequence).arg(data.as_slice());
         }
@@ -594,6 +678,10 @@ impl RedisStore {
 
 #[async_trait]
 impl RecoveryStore for RedisStore {
+    fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
+    }
+
     async fn acquire(
         &self,
         run: &str,
@@ -620,6 +708,7 @@ impl RecoveryStore for RedisStore {
         match text(&out[0]).as_str() {
             "ok" => {
                 self.remember(run).await?;
+                self.changed(run).await;
                 Ok(Acquired {
                     token: text(&out[1]),
                     expires_ms: int(&out[2]),
@@ -662,6 +751,9 @@ impl RecoveryStore for RedisStore {
             .arg(token)
             .invoke_async(&mut conn)
             .await?;
+        if released == 1 {
+            self.changed(run).await;
+        }
         Ok(released == 1)
     }
 
@@ -680,12 +772,16 @@ impl RecoveryStore for RedisStore {
             .invoke_async(&mut conn)
             .await?;
         match text(&out[0]).as_str() {
-            "ok" => Ok(Appended {
-                next_sequence: int(&out[1]) as u64,
-                stored: int(&out[2]) as u32,
-                stream_bytes_remaining: int(&out[3]).max(0) as u64,
-                stored_bytes: int(&out[4]).max(0) as u64,
-            }),
+            "ok" => {
+                // The script published the frames to the other replicas.
+                self.wakeups.wake(run);
+                Ok(Appended {
+                    next_sequence: int(&out[1]) as u64,
+                    stored: int(&out[2]) as u32,
+                    stream_bytes_remaining: int(&out[3]).max(0) as u64,
+                    stored_bytes: int(&out[4]).max(0) as u64,
+                })
+            }
             "gap" => Err(StoreError::Gap {
                 next: int(&out[1]) as u64,
             }),
@@ -774,6 +870,12 @@ impl RecoveryStore for RedisStore {
             }
             return Err(e);
         }
+        if matches!(
+            outcome,
+            ClaimOutcome::Claimed { .. } | ClaimOutcome::Exhausted { newly: true }
+        ) {
+            self.changed(run).await;
+        }
         Ok(outcome)
     }
 
@@ -786,6 +888,9 @@ impl RecoveryStore for RedisStore {
             .arg(token)
             .invoke_async(&mut conn)
             .await?;
+        if undone == 1 {
+            self.changed(run).await;
+        }
         Ok(undone == 1)
     }
 
@@ -827,6 +932,9 @@ impl RecoveryStore for RedisStore {
             .arg(super::PARKED_EXPIRES_MS)
             .invoke_async(&mut conn)
             .await?;
+        if parked == 1 {
+            self.changed(run).await;
+        }
         Ok(parked == 1)
     }
 
@@ -840,6 +948,9 @@ impl RecoveryStore for RedisStore {
             .arg(LEASE_GC_FACTOR)
             .invoke_async(&mut conn)
             .await?;
+        if unparked == 1 {
+            self.changed(run).await;
+        }
         Ok(unparked == 1)
     }
 
