@@ -5,7 +5,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use runplane_db::notify::Relay;
 use runplane_grpc::client::{Bearer, TracedChannel};
+use runplane_grpc::wake::Wakeups;
 use runplane_proto::credentials::v1 as pb;
 use runplane_proto::credentials::v1::credential_health_service_server::CredentialHealthService;
 use runplane_proto::runstore::v1 as rs;
@@ -31,8 +33,11 @@ pub const MAX_FAILURE_TAIL_BYTES: usize = 8 << 10;
 /// without it.
 const COUNT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How often a notice watcher re-reads without a wake-up (another replica's notices).
-const NOTICE_RECHECK: Duration = Duration::from_secs(1);
+/// How often the replica re-reads the notice counters of the leads being watched,
+/// without a wake-up (the safety net: other replicas' notices arrive by NOTIFY).
+pub const NOTICE_RECHECK: Duration = Duration::from_secs(30);
+/// The Postgres channel of new notices; a key is a lead's [`crate::store::notice_key`].
+pub const NOTICE_CHANNEL: &str = "runplane_lead_notices";
 
 pub struct Shared {
     pub store: Store,
@@ -42,8 +47,11 @@ pub struct Shared {
     /// SHA-256 of each org token (`auth.org_tokens`) to its org; only WatchNotices
     /// takes one.
     pub org_token_hashes: HashMap<[u8; 32], String>,
-    /// Bumped when this process creates notices.
-    pub notices: watch::Sender<u64>,
+    /// Notice watchers, by lead ([`crate::store::notice_key`]); what each last sent is its
+    /// lead's notice sequence.
+    pub notices: Wakeups<i64>,
+    /// Tells the other replicas which leads got notices (Postgres only).
+    pub notice_relay: Option<Relay>,
     /// Bumped when this process owes the run store a call.
     pub outbox: watch::Sender<u64>,
     /// Set at shutdown: watches end.
@@ -233,8 +241,11 @@ impl CredentialHealthService for CredentialHealthApi {
         if changes.quarantined {
             metrics::credential_quarantines().add(1, &[]);
         }
-        if changes.notices > 0 {
-            s.notices.send_modify(|n| *n += 1);
+        for lead in &changes.notified_leads {
+            s.notices.wake(lead);
+            if let Some(relay) = &s.notice_relay {
+                relay.publish(lead);
+            }
         }
         if changes.outbox {
             s.outbox.send_modify(|n| *n += 1);
@@ -501,11 +512,12 @@ impl CredentialHealthService for CredentialHealthApi {
         };
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         tokio::spawn(async move {
-            let mut wake = s.notices.subscribe();
+            let mut wake = s
+                .notices
+                .subscribe(&crate::store::notice_key(&org, &req.lead_id));
             let mut closing = s.closing.subscribe();
             let due = runplane_grpc::heartbeat::Due::new(heartbeat);
             loop {
-                wake.mark_unchanged();
                 let batch = match s.store.notices_after(&org, &req.lead_id, cursor, 100).await {
                     Ok(batch) => batch,
                     Err(e) => {
@@ -548,15 +560,18 @@ impl CredentialHealthService for CredentialHealthApi {
                 if *closing.borrow() {
                     return;
                 }
-                tokio::select! {
-                    _ = wake.changed() => {}
-                    _ = closing.wait_for(|c| *c) => return,
-                    () = tokio::time::sleep(NOTICE_RECHECK) => {}
-                    () = tokio::time::sleep_until(due.at()) => {}
-                    () = tx.closed() => return,
-                }
-                // Nothing sent for an interval: say the stream is alive, and where it is.
-                if due.is_due() {
+                wake.seen(cursor);
+                // Read again only when the lead got a notice; heartbeats cost no query.
+                loop {
+                    let woken = tokio::select! {
+                        woken = wake.changed(due.at()) => woken,
+                        _ = closing.wait_for(|c| *c) => return,
+                        () = tx.closed() => return,
+                    };
+                    if woken {
+                        break;
+                    }
+                    // Nothing sent for an interval: say the stream is alive, and where it is.
                     due.sent();
                     let heartbeat = pb::watch_notices_response::Item::Heartbeat(pb::Heartbeat {
                         cursor: if cursor > 0 {

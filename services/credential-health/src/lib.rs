@@ -70,9 +70,31 @@ impl CredentialHealth {
             channel,
             runplane_grpc::client::Bearer::new(token.expose()),
         );
+        // On Postgres every replica's notices wake every replica's watchers.
+        let notices = runplane_grpc::wake::Wakeups::new();
+        let notice_relay = (db.get_database_backend() == sea_orm::DbBackend::Postgres).then(|| {
+            runplane_db::notify::Relay::start(
+                db.get_postgres_connection_pool().clone(),
+                grpc::NOTICE_CHANNEL,
+                notices.clone(),
+            )
+        });
+        let store = store::Store::new(db, clock, policy::PolicyConfig::from_config(config));
+        // The watchers' safety net: one query per re-check for every watched lead.
+        tokio::spawn({
+            let (notices, store) = (notices.clone(), store.clone());
+            async move {
+                notices
+                    .recheck(grpc::NOTICE_RECHECK, 1000, |keys| {
+                        let store = store.clone();
+                        async move { store.notice_seqs(keys).await }
+                    })
+                    .await;
+            }
+        });
         Ok(Self {
             shared: Arc::new(grpc::Shared {
-                store: store::Store::new(db, clock, policy::PolicyConfig::from_config(config)),
+                store,
                 profiles,
                 run_store,
                 token_hash: (!token.is_empty())
@@ -88,7 +110,8 @@ impl CredentialHealth {
                         )
                     })
                     .collect(),
-                notices: tokio::sync::watch::channel(0).0,
+                notices,
+                notice_relay,
                 outbox: tokio::sync::watch::channel(0).0,
                 closing: tokio::sync::watch::channel(false).0,
             }),
@@ -117,6 +140,7 @@ impl CredentialHealth {
         let closing = self.shared.clone();
         services.add(self.service()).on_shutdown(move || {
             closing.closing.send_replace(true);
+            closing.notices.close();
         });
     }
 

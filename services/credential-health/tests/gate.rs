@@ -34,6 +34,7 @@ type HealthClient = CredentialHealthServiceClient<InterceptedService<Channel, Be
 
 struct Gate {
     endpoint: String,
+    config: Config,
     run_store: RunStore,
     health: CredentialHealth,
     clock: ManualClock,
@@ -92,12 +93,31 @@ impl Gate {
         ));
         Self {
             endpoint,
+            config,
             run_store,
             health,
             clock,
             _stop: stop,
             _dbs: (run_db, health_db),
         }
+    }
+
+    /// A second credential-health replica on the same database, on its own socket.
+    async fn health_replica(&self) -> String {
+        let health = CredentialHealth::open(&self.config, Arc::new(self.clock.clone()))
+            .await
+            .unwrap();
+        let mut services = ServiceSet::new();
+        health.register(&mut services);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(runplane_grpc::serve(
+            listener,
+            services,
+            std::future::pending(),
+            Duration::from_secs(1),
+        ));
+        endpoint
     }
 
     async fn channel(&self) -> Channel {
@@ -322,6 +342,53 @@ impl Gate {
         }
         Ok(items)
     }
+}
+
+/// A lead watching its notices on one replica is woken by a notice another replica
+/// created (NOTIFY), well before the 30 s re-check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notice_reaches_a_watcher_on_another_replica_at_once() {
+    let gate = Gate::start().await;
+    let replica = gate.health_replica().await;
+    let channel = tonic::transport::Endpoint::from_shared(replica)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut watch = CredentialHealthServiceClient::with_interceptor(channel, Bearer::new(TOKEN))
+        .watch_notices(ch::WatchNoticesRequest {
+            lead_id: "lead-1".into(),
+            org_id: "acme".into(),
+            heartbeat_interval: Some(prost_types::Duration {
+                seconds: 60,
+                nanos: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let a = gate.running("replica-outage-a", "lead-1", "cred-a").await;
+    let b = gate.running("replica-outage-b", "lead-1", "cred-a").await;
+    gate.fail(&a, OUTAGE).await.unwrap();
+    gate.clock.advance(Duration::from_secs(20));
+    gate.fail(&b, OUTAGE).await.unwrap();
+    gate.settle().await;
+    let notice = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let item = watch
+                .message()
+                .await
+                .unwrap()
+                .expect("the watch stays open");
+            if let Some(ch::watch_notices_response::Item::Notice(n)) = item.item {
+                return n;
+            }
+        }
+    })
+    .await
+    .expect("the other replica's notice woke this watcher within 10 s");
+    assert_eq!(notice.credential_id, "cred-a");
 }
 
 fn credential_target(c: &str) -> pb::create_run_request::Target {

@@ -4,29 +4,25 @@
 //! it reads, so a change between its read and its wait is not lost. A change made in
 //! this process wakes that key's subscribers at once, and no one else: an idle
 //! watcher costs nothing, however many changes other runs see. On Postgres, the other
-//! replicas' changes do too: every replica publishes the runs it changed with
-//! `pg_notify` on [`CHANNEL`] (batched, off the request path) and listens on it, so a
-//! watcher on replica B sees an append on replica A within a notification's latency.
-//! LISTEN/NOTIFY and not a call between replicas, because the replicas do not know each
-//! other and already share the database, and NOTIFY is delivered at commit to every
-//! listener.
+//! replicas' changes do too, through `LISTEN/NOTIFY` on [`CHANNEL`]
+//! ([`runplane_db::notify`]), so a watcher on replica B sees an append on replica A
+//! within a notification's latency. LISTEN/NOTIFY and not a call between replicas,
+//! because the replicas do not know each other and already share the database.
 //!
 //! Nothing depends on a notification arriving. A listener that lost its connection
-//! wakes every waiter once it is back, since notifications sent meanwhile are gone. A
-//! publish that failed is sent again. And every [`RECHECK`] one query per replica reads
+//! wakes every waiter once it is back, and a publish that failed is sent again (see
+//! [`runplane_db::notify`]). And every [`RECHECK`] one query per replica reads
 //! the [`Version`] of every run a watcher is following and wakes the watchers whose
 //! last read is out of date (the safety net, not the path): its cost does not grow with
 //! the number of watchers. Long polls need no re-check: they answer at their deadline
 //! (at most `max_poll_wait`) and read again when called again.
 
-use std::collections::HashSet;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use runplane_db::notify::Relay;
 use runplane_grpc::wake::Wakeups;
 use sea_orm::sqlx;
-use tokio::sync::Notify;
 
 /// How often the replica re-reads the runs being watched, without a wake-up.
 pub const RECHECK: Duration = Duration::from_secs(30);
@@ -51,17 +47,11 @@ pub struct Version {
 #[derive(Debug, Clone)]
 pub struct Changes {
     waiters: Wakeups<Version>,
-    /// Runs changed here and not yet published to the other replicas (Postgres only).
-    outgoing: Option<Arc<Outgoing>>,
+    /// Publishes the runs changed here to the other replicas (Postgres only).
+    relay: Option<Relay>,
 }
 
 pub type Subscription = runplane_grpc::wake::Subscription<Version>;
-
-#[derive(Debug, Default)]
-struct Outgoing {
-    runs: Mutex<HashSet<String>>,
-    kick: Notify,
-}
 
 impl Default for Changes {
     fn default() -> Self {
@@ -74,25 +64,18 @@ impl Changes {
     pub fn new() -> Self {
         Self {
             waiters: Wakeups::new(),
-            outgoing: None,
+            relay: None,
         }
     }
 
     /// Wake-ups across every replica on the Postgres database `pool` belongs to. Spawns
     /// the publisher and the listener; both stop when the server closes.
     pub fn across_replicas(pool: sqlx::PgPool) -> Self {
-        let mut changes = Self::new();
-        let outgoing = Arc::new(Outgoing::default());
-        changes.outgoing = Some(outgoing.clone());
-        let replica = uuid::Uuid::new_v4().simple().to_string();
-        tokio::spawn(publish(
-            pool.clone(),
-            outgoing,
-            replica.clone(),
-            changes.waiters.clone(),
-        ));
-        tokio::spawn(listen(pool, replica, changes.waiters.clone()));
-        changes
+        let waiters = Wakeups::new();
+        Self {
+            relay: Some(Relay::start(pool, CHANNEL, waiters.clone())),
+            waiters,
+        }
     }
 
     /// Every [`RECHECK`], reads the versions of the watched runs with `read` and wakes
@@ -103,31 +86,7 @@ impl Changes {
         Fut: Future<Output = Result<Vec<(String, Version)>, E>>,
         E: std::fmt::Display,
     {
-        loop {
-            tokio::select! {
-                () = self.waiters.closed() => return,
-                () = tokio::time::sleep(RECHECK) => {}
-            }
-            let watched = self.waiters.seen();
-            let runs: Vec<String> = watched.keys().cloned().collect();
-            for batch in runs.chunks(RECHECK_BATCH) {
-                let stored = match read(batch.to_vec()).await {
-                    Ok(stored) => stored,
-                    Err(e) => {
-                        tracing::debug!(error = %e, runs = batch.len(), "watched runs not re-checked; the next re-check reads them");
-                        continue;
-                    }
-                };
-                for (run, version) in stored {
-                    if watched
-                        .get(&run)
-                        .is_some_and(|seen| seen.iter().any(|v| *v != version))
-                    {
-                        self.waiters.wake(&run);
-                    }
-                }
-            }
-        }
+        self.waiters.recheck(RECHECK, RECHECK_BATCH, read).await;
     }
 
     /// The server is shutting down: every waiter returns now and does not wait again, so
@@ -144,12 +103,8 @@ impl Changes {
     /// replicas at the next publish.
     pub fn notify(&self, run_id: &str) {
         self.waiters.wake(run_id);
-        if let Some(out) = &self.outgoing {
-            out.runs
-                .lock()
-                .expect("outgoing changes")
-                .insert(run_id.to_owned());
-            out.kick.notify_one();
+        if let Some(relay) = &self.relay {
+            relay.publish(run_id);
         }
     }
 
@@ -160,101 +115,9 @@ impl Changes {
     }
 }
 
-/// Most runs one `pg_notify` statement carries; more go in the next.
-const PUBLISH_BATCH: usize = 500;
-
-/// Publishes the runs changed here, coalesced: one statement for every run changed
-/// since the last one. A failed publish is put back and sent again a second later.
-async fn publish(
-    pool: sqlx::PgPool,
-    out: Arc<Outgoing>,
-    replica: String,
-    waiters: Wakeups<Version>,
-) {
-    loop {
-        tokio::select! {
-            () = waiters.closed() => return,
-            () = out.kick.notified() => {}
-        }
-        let runs: Vec<String> = std::mem::take(&mut *out.runs.lock().expect("outgoing changes"))
-            .into_iter()
-            .collect();
-        for batch in runs.chunks(PUBLISH_BATCH) {
-            let payloads: Vec<String> = batch.iter().map(|r| format!("{replica}:{r}")).collect();
-            let sent = sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
-                .bind(CHANNEL)
-                .bind(&payloads)
-                .execute(&pool)
-                .await;
-            if let Err(e) = sent {
-                tracing::debug!(error = %e, runs = batch.len(), "run changes not published; retrying in 1 s");
-                out.runs
-                    .lock()
-                    .expect("outgoing changes")
-                    .extend(batch.iter().cloned());
-                out.kick.notify_one();
-                tokio::select! {
-                    () = waiters.closed() => return,
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                }
-                break;
-            }
-        }
-    }
-}
-
-/// Relays the other replicas' changes to this process's waiters.
-async fn listen(pool: sqlx::PgPool, replica: String, waiters: Wakeups<Version>) {
-    let own = format!("{replica}:");
-    'connect: loop {
-        let mut listener = loop {
-            let attempt = async {
-                let mut l = sqlx::postgres::PgListener::connect_with(&pool).await?;
-                l.listen(CHANNEL).await?;
-                Ok::<_, sqlx::Error>(l)
-            };
-            tokio::select! {
-                () = waiters.closed() => return,
-                l = attempt => match l {
-                    Ok(l) => break l,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "cannot listen for run changes; retrying in 1 s");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                },
-            }
-        };
-        // Whatever was sent while nobody listened is gone: everyone re-reads.
-        waiters.wake_all();
-        loop {
-            let next = tokio::select! {
-                () = waiters.closed() => return,
-                n = listener.try_recv() => n,
-            };
-            match next {
-                Ok(Some(n)) => {
-                    if let Some(run) = n.payload().split_once(':').map(|(_, r)| r)
-                        && !n.payload().starts_with(&own)
-                    {
-                        waiters.wake(run);
-                    }
-                }
-                // The connection dropped; try_recv reconnects on the next call, and the
-                // gap may have lost notifications.
-                Ok(None) => waiters.wake_all(),
-                Err(e) => {
-                    tracing::debug!(error = %e, "listening for run changes failed; reconnecting");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue 'connect;
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
     use tokio::time::Instant;
 

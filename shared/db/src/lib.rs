@@ -5,6 +5,7 @@
 //! block the writer). Each service owns its own database and migrates it at start.
 
 pub mod migrations;
+pub mod notify;
 pub mod outbox;
 
 use std::path::Path;

@@ -9,6 +9,7 @@
 //! holding a shutdown up.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -79,6 +80,44 @@ impl<V: Clone> Wakeups<V> {
                 (!seen.is_empty()).then(|| (key.clone(), seen))
             })
             .collect()
+    }
+
+    /// The safety net for wake-ups that may never come (another replica's, lost): every
+    /// `every`, reads the stored state of every key whose subscribers said what they read,
+    /// `batch` keys per `read`, and wakes the keys a subscriber is behind on. One read
+    /// per batch, however many subscribers. Returns once closed.
+    pub async fn recheck<F, Fut, E>(&self, every: std::time::Duration, batch: usize, read: F)
+    where
+        V: PartialEq,
+        F: Fn(Vec<String>) -> Fut,
+        Fut: Future<Output = Result<Vec<(String, V)>, E>>,
+        E: std::fmt::Display,
+    {
+        loop {
+            tokio::select! {
+                () = self.closed() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            let seen = self.seen();
+            let keys: Vec<String> = seen.keys().cloned().collect();
+            for chunk in keys.chunks(batch.max(1)) {
+                let stored = match read(chunk.to_vec()).await {
+                    Ok(stored) => stored,
+                    Err(e) => {
+                        tracing::debug!(error = %e, keys = chunk.len(), "not re-checked; the next re-check reads them");
+                        continue;
+                    }
+                };
+                for (key, value) in stored {
+                    if seen
+                        .get(&key)
+                        .is_some_and(|s| s.iter().any(|v| *v != value))
+                    {
+                        self.wake(&key);
+                    }
+                }
+            }
+        }
     }
 
     /// Every waiter returns now and does not wait again.

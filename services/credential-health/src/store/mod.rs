@@ -56,6 +56,8 @@ pub struct Report {
 pub struct Changes {
     /// Notices created (their leads' watchers should wake).
     pub notices: usize,
+    /// The [`notice_key`] of each lead that got one.
+    pub notified_leads: Vec<String>,
     /// An outbox row for the run store was written.
     pub outbox: bool,
     /// This report opened an incident (a cool-off started).
@@ -195,6 +197,10 @@ impl Store {
             _ => None,
         };
         changes.notices = notices.len();
+        changes.notified_leads = notices
+            .iter()
+            .map(|n| notice_key(&n.org_id, &n.lead_id))
+            .collect();
 
         if report.outcome != pb::TurnOutcome::Other
             && report.outcome != pb::TurnOutcome::Unspecified
@@ -607,6 +613,18 @@ impl Store {
             .map_or(0, |c| c.value))
     }
 
+    /// The last notice sequence of each lead named by its [`notice_key`] (leads with no
+    /// notice yet are left out): what the notice watchers' re-check compares with.
+    pub async fn notice_seqs(&self, keys: Vec<String>) -> Result<Vec<(String, i64)>> {
+        Ok(counter::Entity::find()
+            .filter(counter::Column::Name.is_in(keys))
+            .all(&self.db)
+            .await?
+            .into_iter()
+            .map(|c| (c.name, c.value))
+            .collect())
+    }
+
     /// Removes the bodies of notices created before `before_ms`, keeping the rows so a
     /// watcher behind them learns how many it missed.
     pub async fn prune_notices(&self, before_ms: i64) -> Result<u64> {
@@ -626,6 +644,12 @@ impl Store {
 /// so two (org, lead) pairs never share a row.
 fn notice_counter(org_id: &str, lead_id: &str) -> String {
     format!("notice_seq:{org_id}/{lead_id}")
+}
+
+/// What a lead's notice watchers wait on: its notice counter's name, so the re-check
+/// reads the counters by the keys it is given.
+pub fn notice_key(org_id: &str, lead_id: &str) -> String {
+    notice_counter(org_id, lead_id)
 }
 
 /// A lead as an incident's `notified_lead_ids` names it: a lead id is unique only

@@ -1,0 +1,156 @@
+//! Wake-ups across replicas through Postgres `LISTEN/NOTIFY`.
+//!
+//! Each replica publishes the keys it changed on one channel (coalesced into one
+//! `pg_notify` statement per burst, off the request path, retried a second later when it
+//! fails) and listens on it, waking its own waiters for the other replicas' keys. A
+//! payload is `<replica>:<key>`; a replica skips its own echoes. NOTIFY is delivered at
+//! commit to every listener, and the replicas already share the database, so they need
+//! not know each other. A listener that lost its connection wakes every waiter once it
+//! is back, since notifications sent meanwhile are gone. Both tasks stop when the
+//! waiters are closed.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use runplane_grpc::wake::Wakeups;
+use sea_orm::sqlx;
+use tokio::sync::Notify;
+
+/// Most keys one `pg_notify` statement carries; more go in the next.
+const PUBLISH_BATCH: usize = 500;
+
+/// This replica's side of a channel: what it changed and has not published yet.
+#[derive(Debug, Clone)]
+pub struct Relay {
+    outgoing: Arc<Outgoing>,
+}
+
+#[derive(Debug, Default)]
+struct Outgoing {
+    keys: Mutex<HashSet<String>>,
+    kick: Notify,
+}
+
+impl Relay {
+    /// Publishes to and listens on `channel` for `waiters`; spawns both tasks.
+    pub fn start<V>(pool: sqlx::PgPool, channel: &'static str, waiters: Wakeups<V>) -> Self
+    where
+        V: Clone + Send + 'static,
+    {
+        let outgoing = Arc::new(Outgoing::default());
+        let replica = uuid::Uuid::new_v4().simple().to_string();
+        tokio::spawn(publish(
+            pool.clone(),
+            channel,
+            outgoing.clone(),
+            replica.clone(),
+            waiters.clone(),
+        ));
+        tokio::spawn(listen(pool, channel, replica, waiters));
+        Self { outgoing }
+    }
+
+    /// Tells the other replicas that `key` changed, at the next publish.
+    pub fn publish(&self, key: &str) {
+        self.outgoing
+            .keys
+            .lock()
+            .expect("outgoing keys")
+            .insert(key.to_owned());
+        self.outgoing.kick.notify_one();
+    }
+}
+
+async fn publish<V: Clone>(
+    pool: sqlx::PgPool,
+    channel: &'static str,
+    out: Arc<Outgoing>,
+    replica: String,
+    waiters: Wakeups<V>,
+) {
+    loop {
+        tokio::select! {
+            () = waiters.closed() => return,
+            () = out.kick.notified() => {}
+        }
+        let keys: Vec<String> = std::mem::take(&mut *out.keys.lock().expect("outgoing keys"))
+            .into_iter()
+            .collect();
+        for batch in keys.chunks(PUBLISH_BATCH) {
+            let payloads: Vec<String> = batch.iter().map(|k| format!("{replica}:{k}")).collect();
+            let sent = sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
+                .bind(channel)
+                .bind(&payloads)
+                .execute(&pool)
+                .await;
+            if let Err(e) = sent {
+                tracing::debug!(error = %e, channel, keys = batch.len(), "changes not published; retrying in 1 s");
+                out.keys
+                    .lock()
+                    .expect("outgoing keys")
+                    .extend(batch.iter().cloned());
+                out.kick.notify_one();
+                tokio::select! {
+                    () = waiters.closed() => return,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                break;
+            }
+        }
+    }
+}
+
+/// Relays the other replicas' keys to this process's waiters.
+async fn listen<V: Clone>(
+    pool: sqlx::PgPool,
+    channel: &'static str,
+    replica: String,
+    waiters: Wakeups<V>,
+) {
+    let own = format!("{replica}:");
+    'connect: loop {
+        let mut listener = loop {
+            let attempt = async {
+                let mut l = sqlx::postgres::PgListener::connect_with(&pool).await?;
+                l.listen(channel).await?;
+                Ok::<_, sqlx::Error>(l)
+            };
+            tokio::select! {
+                () = waiters.closed() => return,
+                l = attempt => match l {
+                    Ok(l) => break l,
+                    Err(e) => {
+                        tracing::debug!(error = %e, channel, "cannot listen for changes; retrying in 1 s");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                },
+            }
+        };
+        // Whatever was sent while nobody listened is gone: everyone re-reads.
+        waiters.wake_all();
+        loop {
+            let next = tokio::select! {
+                () = waiters.closed() => return,
+                n = listener.try_recv() => n,
+            };
+            match next {
+                Ok(Some(n)) => {
+                    if let Some(key) = n.payload().split_once(':').map(|(_, k)| k)
+                        && !n.payload().starts_with(&own)
+                    {
+                        waiters.wake(key);
+                    }
+                }
+                // The connection dropped; try_recv reconnects on the next call, and the
+                // gap may have lost notifications.
+                Ok(None) => waiters.wake_all(),
+                Err(e) => {
+                    tracing::debug!(error = %e, channel, "listening for changes failed; reconnecting");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue 'connect;
+                }
+            }
+        }
+    }
+}
