@@ -20,8 +20,12 @@
 //! - Backoff follows what the failure proves: a connect that was refused, failed or
 //!   never heard back cost the server nothing and is retried on a short schedule
 //!   (100 ms base, 1 s cap, full jitter); a failure after sending keeps the longer one.
-//! - `RESOURCE_EXHAUSTED` is rate limiting: its own bounded counter, outside the budget,
-//!   each sleep capped at [`RetryConfig::rate_limit_max_sleep`].
+//! - `RESOURCE_EXHAUSTED` is rate limiting, bounded outside the outage budget, each
+//!   sleep capped at [`RetryConfig::rate_limit_max_sleep`]. One with a positive
+//!   pushback is a server pacing its clients under load: it is retried for up to
+//!   [`RetryConfig::rate_limit_window`] after the first, however many times (a count
+//!   would give up while the server is still only pacing, as a fleet does in a refusal
+//!   storm). One without pushback has a counter, [`RetryConfig::rate_limit_retries`].
 //! - A token bucket per upstream (gRPC's retry throttling) notices a live server that
 //!   keeps answering with failures; while it is drained, those retries are suppressed
 //!   instead of amplifying the overload. A `RESOURCE_EXHAUSTED` with pushback is the
@@ -90,8 +94,12 @@ pub struct RetryConfig {
     pub ordinary_budget: Duration,
     /// Outage budget of terminal methods (results).
     pub terminal_budget: Duration,
-    /// Most `RESOURCE_EXHAUSTED` answers retried in one call.
+    /// Most `RESOURCE_EXHAUSTED` answers without pushback retried in one call.
     pub rate_limit_retries: u32,
+    /// How long after its first `RESOURCE_EXHAUSTED` with pushback a call keeps being
+    /// paced by the server (retried when the pushback says) before it gives up; `None`
+    /// counts those against `rate_limit_retries` too (the seed's policy).
+    pub rate_limit_window: Option<Duration>,
     /// Longest sleep before retrying a `RESOURCE_EXHAUSTED`, whatever the pushback says.
     pub rate_limit_max_sleep: Duration,
     /// Backoff after a connect that was refused, failed or never heard back: it cost
@@ -128,6 +136,7 @@ impl Default for RetryConfig {
             ordinary_budget: Duration::from_secs(OutageBudget::Ordinary.seconds()),
             terminal_budget: Duration::from_secs(OutageBudget::Terminal.seconds()),
             rate_limit_retries: 10,
+            rate_limit_window: Some(Duration::from_secs(120)),
             rate_limit_max_sleep: Duration::from_secs(30),
             connect_base: Duration::from_millis(100),
             connect_cap: Duration::from_secs(1),
@@ -151,6 +160,7 @@ impl RetryConfig {
             cap: Duration::from_secs(10),
             jitter: Jitter::Equal,
             short_connect_schedule: false,
+            rate_limit_window: None,
             // A bucket that never drains.
             throttle_max_tokens: 1e12,
             ..Self::default()
@@ -390,6 +400,8 @@ impl Shared {
         let started = Instant::now();
         let mut retries: u32 = 0;
         let mut rate_limited: u32 = 0;
+        // When the server first paced this call with a pushback.
+        let mut first_paced: Option<Instant> = None;
 
         loop {
             self.stats.attempts.fetch_add(1, Ordering::Relaxed);
@@ -441,7 +453,12 @@ impl Shared {
             let retryable = match failure {
                 Failure::ProvenNotSent => true,
                 Failure::MaybeProcessed => policy.replay_safety.is_replay_safe(),
-                Failure::RateLimited => rate_limited < self.config.rate_limit_retries,
+                Failure::RateLimited => match (pushback, self.config.rate_limit_window) {
+                    (Pushback::After(p), Some(window)) if !p.is_zero() => {
+                        first_paced.get_or_insert_with(Instant::now).elapsed() < window
+                    }
+                    _ => rate_limited < self.config.rate_limit_retries,
+                },
                 Failure::Final => false,
             };
             // The budget is spent in full, but the first retry is always granted.

@@ -479,14 +479,50 @@ async fn resource_exhausted_has_its_own_counter_outside_the_budget() {
     assert_eq!(script.calls(), 5);
     assert_eq!(layer.stats().rate_limited.load(Ordering::SeqCst), 4);
 
+    // Without pushback the count bounds it.
     let (l, addr) = listener().await;
-    let always = Script::new((0..100).map(|_| Answer::Status(Code::ResourceExhausted, Some(1))));
+    let always = Script::new((0..100).map(|_| Answer::Status(Code::ResourceExhausted, None)));
     let _server = Server::start(l, always.clone(), 0).await;
     let err = append(&mut client(&addr, &RetryLayer::new(config)))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted);
     assert_eq!(always.calls(), 5, "bounded: the first call and 4 retries");
+}
+
+/// A server pacing its clients with pushback is waited out for as long as the rate-limit
+/// window lasts, however many refusals that takes (a count gave up mid-storm), and no
+/// longer.
+#[tokio::test]
+async fn paced_refusals_are_bounded_by_the_window_not_a_count() {
+    let config = RetryConfig {
+        rate_limit_retries: 4,
+        ..fast()
+    };
+    let (l, addr) = listener().await;
+    let paced = Script::new((0..15).map(|_| Answer::Status(Code::ResourceExhausted, Some(2))));
+    let _server = Server::start(l, paced.clone(), 0).await;
+    append(&mut client(&addr, &RetryLayer::new(config.clone())))
+        .await
+        .expect("fifteen paced refusals, then the call goes through");
+    assert_eq!(paced.calls(), 16);
+
+    let (l, addr) = listener().await;
+    let always = Script::new((0..1000).map(|_| Answer::Status(Code::ResourceExhausted, Some(20))));
+    let _server = Server::start(l, always.clone(), 0).await;
+    let windowed = RetryConfig {
+        rate_limit_window: Some(Duration::from_millis(200)),
+        ..config
+    };
+    let err = append(&mut client(&addr, &RetryLayer::new(windowed)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(
+        (5..1000).contains(&always.calls()),
+        "paced past the count, stopped by the window: {} calls",
+        always.calls()
+    );
 }
 
 #[tokio::test]
