@@ -80,6 +80,24 @@ pub fn start_node(
         .expect("start runplane node")
 }
 
+/// [`start_node`] with its log (stderr) written to `log`, for a test that reads what the
+/// agent said.
+pub fn start_node_logging(
+    id: &str,
+    endpoint: &str,
+    reconciler: &str,
+    recovery: &str,
+    state_dir: &std::path::Path,
+    token: &str,
+    log: &std::path::Path,
+) -> tokio::process::Child {
+    node_command(id, endpoint, reconciler, recovery, state_dir)
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", token)
+        .stderr(std::fs::File::create(log).expect("create the node's log"))
+        .spawn()
+        .expect("start runplane node")
+}
+
 /// [`start_node`] holding only its own node credential (RUNPLANE_NODE_TOKEN), no
 /// operator token; `env` adds settings (e.g. its isolation).
 pub fn start_node_with_credential(

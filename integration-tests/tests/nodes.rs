@@ -1,10 +1,14 @@
-//! Two real node agents: a sandbox is launched on one, suspended for idleness and
-//! published unplaced; a reattach answers NOT_PLACED and queues a wake; a node restores
-//! it, and the next reattach routes to the node that restored it (seed 003 end to end).
+//! Real node agents, each on a state directory of its own as on a host of its own: a
+//! sandbox is launched on one, suspended for idleness and published unplaced; a reattach
+//! answers NOT_PLACED and queues a wake; the node holding the sandbox restores it (no
+//! other can), the next reattach routes there and the run finishes (seed 003 end to
+//! end). A launch the reconciler refuses is not asked for again on every poll.
 
 use std::time::Duration;
 
-use runplane_integration_tests::sandboxes::{ReapSession, eventually, session_members, start_node};
+use runplane_integration_tests::sandboxes::{
+    ReapSession, eventually, session_members, start_node, start_node_logging,
+};
 use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
@@ -63,7 +67,7 @@ fn control_plane_env(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored_it() {
+async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_finishes() {
     let run_db = TestDatabase::new().await;
     let reconciler_db = TestDatabase::new().await;
     let state = tempfile::tempdir().unwrap();
@@ -76,6 +80,8 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
         &addr,
         &[
             ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", "3"),
+            // Every sandbox goes to a node agent.
+            ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
             (
                 "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
                 &local_dir.display().to_string(),
@@ -89,45 +95,30 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
     )
     .await;
 
-    // Both nodes share one state directory: they stand for two agents on one host, so
-    // either can resume a process the other suspended.
-    let sandboxes = state.path().join("nodes");
-    let _a = start_node(
-        "node-a",
-        "127.0.0.1:17001",
-        &endpoint,
-        &endpoint,
-        &sandboxes,
-        TOKEN,
-    );
+    // Two hosts: each node its own state directory, so only the node that suspended a
+    // sandbox can resume its processes. node-b comes first and gets the run.
+    let holder_dir = state.path().join("node-b");
     let _b = start_node(
         "node-b",
         "127.0.0.1:17002",
         &endpoint,
         &endpoint,
-        &sandboxes,
+        &holder_dir,
         TOKEN,
     );
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
-    eventually(Duration::from_secs(30), "two registered nodes", || {
-        let mut api = api.clone();
-        async move {
-            let nodes = api
-                .list_nodes(authed(rpb::ListNodesRequest::default()))
-                .await
-                .ok()?;
-            (nodes.into_inner().nodes.len() == 2).then_some(())
-        }
-    })
-    .await;
-
-    let run = RunServiceClient::new(channel(&endpoint).await)
+    let mut runs = RunServiceClient::new(channel(&endpoint).await);
+    // The agent finishes once the test lets it: frozen, it cannot.
+    let run = runs
         .create_run(authed(pb::CreateRunRequest {
             client_request_id: "idle-wake-request-0001".into(),
             org_id: "acme".into(),
             target: Some(pb::create_run_request::Target::CredentialId("c".into())),
             command: "sh".into(),
-            args: vec!["-c".into(), "exec sleep 20".into()],
+            args: vec![
+                "-c".into(),
+                "until [ -e /workspace/go ]; do sleep 0.2; done; echo done".into(),
+            ],
             ..Default::default()
         }))
         .await
@@ -136,43 +127,55 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
         .run
         .unwrap();
 
-    // Dispatched to a node, launched, then suspended for idleness and published unplaced.
-    let sandbox = eventually(
-        Duration::from_secs(30),
-        "the sandbox to start on a node",
-        || {
-            let mut api = api.clone();
-            let run_id = run.id.clone();
-            async move {
-                let list = api
-                    .list_sandboxes(authed(rpb::ListSandboxesRequest {
-                        run_id,
-                        ..Default::default()
-                    }))
-                    .await
-                    .ok()?
-                    .into_inner();
-                list.sandboxes.into_iter().find(|s| {
-                    s.status() == rpb::SandboxStatus::Started
-                        && s.active_node_id.starts_with("node-")
-                })
-            }
-        },
-    )
-    .await;
-    let launched_on = sandbox.active_node_id.clone();
-    eventually(Duration::from_secs(30), "the idle suspend", || {
+    // Launched on node-b, then suspended for idleness and published unplaced.
+    let sandbox = eventually(Duration::from_secs(30), "the idle suspend", || {
         let mut api = api.clone();
-        let id = sandbox.id.clone();
+        let run_id = run.id.clone();
         async move {
-            let s = api
-                .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id: id }))
+            api.list_sandboxes(authed(rpb::ListSandboxesRequest {
+                run_id,
+                ..Default::default()
+            }))
+            .await
+            .ok()?
+            .into_inner()
+            .sandboxes
+            .into_iter()
+            .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
+        }
+    })
+    .await;
+    let pid: u32 = std::fs::read_to_string(holder_dir.join(&sandbox.id).join("pid"))
+        .expect("node-b recorded the sandbox's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    assert!(pid > 1);
+    // Frozen processes must not outlive a failing test.
+    let _reap = ReapSession(pid);
+
+    // node-a joins: registered, ready, using no more than node-b and first of the two by
+    // id, so the least-used rule would hand it the wake.
+    let _a = start_node(
+        "node-a",
+        "127.0.0.1:17001",
+        &endpoint,
+        &endpoint,
+        &state.path().join("node-a"),
+        TOKEN,
+    );
+    eventually(Duration::from_secs(30), "node-a ready and idle", || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api
+                .list_nodes(authed(rpb::ListNodesRequest::default()))
                 .await
                 .ok()?
                 .into_inner()
-                .sandbox?;
-            (s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
-                .then_some(())
+                .nodes;
+            let a = nodes.iter().find(|n| n.id == "node-a")?;
+            let b = nodes.iter().find(|n| n.id == "node-b")?;
+            (a.state() == rpb::NodeState::Ready && a.used <= b.used).then_some(())
         }
     })
     .await;
@@ -189,11 +192,11 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
     let info = runplane_grpc::error_info(&refused).unwrap();
     assert_eq!(
         info.reason, "NOT_PLACED",
-        "not routed to {launched_on}'s stale identity"
+        "not routed to node-b's stale identity"
     );
 
-    // A node restores it; the next reattach routes to that node.
-    let restored_on = eventually(Duration::from_secs(30), "the wake to restore it", || {
+    // node-b, which holds it, restores it; the next reattach routes there.
+    eventually(Duration::from_secs(30), "the wake to restore it", || {
         let mut api = api.clone();
         let id = sandbox.id.clone();
         async move {
@@ -204,7 +207,7 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
                 .into_inner()
                 .sandbox?;
             (s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty())
-                .then_some(s.active_node_id)
+                .then_some(())
         }
     })
     .await;
@@ -213,21 +216,33 @@ async fn an_idle_suspended_sandbox_is_woken_and_routed_to_the_node_that_restored
         .await
         .expect("routed after the wake")
         .into_inner();
-    assert_eq!(route.node_id, restored_on);
-    let expected = if restored_on == "node-a" {
-        "127.0.0.1:17001"
-    } else {
-        "127.0.0.1:17002"
-    };
-    assert_eq!(route.endpoint, expected);
+    assert_eq!(
+        (route.node_id.as_str(), route.endpoint.as_str()),
+        ("node-b", "127.0.0.1:17002"),
+        "the wake went to the node holding the sandbox"
+    );
 
-    // A sandbox outlives its nodes and control plane by design; end its runner here (the
-    // agent's `sleep` ends on its own).
-    if let Ok(pid) = std::fs::read_to_string(sandboxes.join(&sandbox.id).join("pid")) {
-        let _ = std::process::Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", pid.trim())])
-            .status();
-    }
+    // Thawed, the agent finishes and so does the run.
+    std::fs::write(
+        holder_dir.join(&sandbox.id).join("workspace").join("go"),
+        "",
+    )
+    .unwrap();
+    let ended = eventually(Duration::from_secs(30), "the run to finish", || {
+        let mut runs = runs.clone();
+        let run_id = run.id.clone();
+        async move {
+            let run = runs
+                .get_run(authed(pb::GetRunRequest { run_id }))
+                .await
+                .ok()?
+                .into_inner()
+                .run?;
+            run.state().is_terminal().then_some(run)
+        }
+    })
+    .await;
+    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,4 +384,131 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         || async move { session_members(pid).is_empty().then_some(()) },
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
+    // The run store has moved the run to a newer sandbox generation, so the claim of
+    // generation 1 is FAILED_PRECONDITION/GENERATION_STALE however often it is asked. The
+    // RUN assignment stays listed; the agent must take the answer as final.
+    let run_db = TestDatabase::new().await;
+    let reconciler_db = TestDatabase::new().await;
+    let state = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let endpoint = format!("http://{addr}");
+    let env = control_plane_env(
+        &run_db,
+        &reconciler_db,
+        &addr,
+        &[
+            // The test places the sandbox itself.
+            ("RUNPLANE_SANDBOX_RECONCILER__DISPATCH", "false"),
+            ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
+            (
+                "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
+                &state.path().join("reconciler").display().to_string(),
+            ),
+        ],
+    );
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let _control_plane: Process = start_serve(
+        &["run-store", "sandbox-reconciler", "stream-recovery"],
+        &env_refs,
+    )
+    .await;
+    let log = state.path().join("node-q.log");
+    let _agent = start_node_logging(
+        "node-q",
+        "127.0.0.1:17031",
+        &endpoint,
+        &endpoint,
+        &state.path().join("node-q"),
+        TOKEN,
+        &log,
+    );
+
+    let mut runs = RunServiceClient::new(channel(&endpoint).await);
+    let run = runs
+        .create_run(authed(pb::CreateRunRequest {
+            client_request_id: "refused-launch-request-1".into(),
+            org_id: "acme".into(),
+            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            command: "true".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    runs.issue_run_key(authed(pb::IssueRunKeyRequest {
+        run_id: run.id.clone(),
+        sandbox_id: "0b0e5c1a-7d3e-4f60-9a2b-5c6d7e8f9a0b".into(),
+        sandbox_generation: 5,
+        idempotency_key: "a-newer-generation-0001".into(),
+    }))
+    .await
+    .unwrap();
+    let mut api = SandboxServiceClient::new(channel(&endpoint).await);
+    eventually(Duration::from_secs(30), "node-q registered", || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api
+                .list_nodes(authed(rpb::ListNodesRequest::default()))
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            nodes.iter().any(|n| n.id == "node-q").then_some(())
+        }
+    })
+    .await;
+    api.create_sandbox(authed(rpb::CreateSandboxRequest {
+        client_request_id: "refused-launch-sandbox-1".into(),
+        run_id: run.id.clone(),
+        substrate: rpb::Substrate::Direct as i32,
+        idle_timeout: None,
+        node_id: "node-q".into(),
+    }))
+    .await
+    .unwrap();
+
+    let refusals = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("launch not claimed")
+            .count()
+    };
+    eventually(Duration::from_secs(30), "the refused claim", || async {
+        (refusals() > 0).then_some(())
+    })
+    .await;
+    // A window of five heartbeats (one every 2 s; the agent polls its assignments about
+    // once a second in between, each poll listing the refused RUN assignment again).
+    let heartbeat_of = |api: &SandboxServiceClient<_>| {
+        let mut api = api.clone();
+        async move {
+            api.list_nodes(authed(rpb::ListNodesRequest::default()))
+                .await
+                .ok()?
+                .into_inner()
+                .nodes
+                .into_iter()
+                .find(|n| n.id == "node-q")?
+                .last_heartbeat_at
+        }
+    };
+    for _ in 0..5 {
+        let before = heartbeat_of(&api).await;
+        eventually(Duration::from_secs(30), "the next heartbeat", || {
+            let api = api.clone();
+            let before = before.clone();
+            async move {
+                let now = heartbeat_of(&api).await;
+                (now.is_some() && now != before).then_some(())
+            }
+        })
+        .await;
+    }
+    assert_eq!(refusals(), 1, "the refusal is final for that assignment");
 }

@@ -10,7 +10,10 @@
 //! runplane has no session traffic of its own yet, so a sandbox's idle clock starts at its
 //! launch or restore. A suspend is preceded by ParkStream on the stream recovery
 //! coordinator (a frozen runner renews nothing, and its lapsed lease must not look like a
-//! lost controller) and a restore followed by UnparkStream.
+//! lost controller) and a restore followed by UnparkStream. Only this node can restore
+//! what it suspended (its processes are on this host), so the reconciler hands it the
+//! wakes of its own sandboxes; a restore that finds the process gone publishes it exited
+//! or lost, and the loss grace ends it.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -139,6 +142,7 @@ pub async fn run(
     tracing::info!(node_id = %config.node_id, epoch, "node registered");
 
     let mut locals: HashMap<String, Local> = HashMap::new();
+    let mut refusals = LaunchRefusals::default();
     let mut stops = Stops::default();
     let mut revision = 0;
     let mut last_heartbeat = Instant::now();
@@ -193,8 +197,17 @@ pub async fn run(
                         stops.start(&client, &config, epoch, &driver, local.row, false);
                     }
                 }
+                refusals.keep_listed(&assignments);
                 for a in assignments {
-                    act(&client, &recovery, &config, epoch, &driver, &mut locals, a).await;
+                    let launch = (a.sandbox_id.clone(), a.execution_generation);
+                    if a.intent() == pb::AssignmentIntent::Run && !refusals.may_claim(&launch) {
+                        continue;
+                    }
+                    if let Some(refused) =
+                        act(&client, &recovery, &config, epoch, &driver, &mut locals, a).await
+                    {
+                        refusals.record(launch, &refused);
+                    }
                 }
             }
             // A revoked credential (or another node's) is refused on every call: stop
@@ -228,6 +241,80 @@ pub async fn run(
             }
             last_heartbeat = Instant::now();
         }
+    }
+}
+
+/// A sandbox generation whose launch the reconciler refused.
+struct Refusal {
+    /// The answer will not change: never claimed again.
+    terminal: bool,
+    failures: u32,
+    retry_at: Instant,
+}
+
+/// ClaimLaunch refusals, by sandbox generation, so a RUN assignment that is listed on
+/// every poll is not claimed (and warned about) on every poll. A refusal that says
+/// something about the sandbox (FAILED_PRECONDITION: ended, superseded, claimed;
+/// PERMISSION_DENIED: not this node's; NOT_FOUND; INVALID_ARGUMENT) is terminal for that
+/// assignment; anything else (the reconciler or run store unavailable) is retried after
+/// a backoff, 1 s doubling to 30 s. Each is logged once. An assignment that is no longer
+/// listed is forgotten.
+#[derive(Default)]
+struct LaunchRefusals {
+    refused: HashMap<(String, u64), Refusal>,
+}
+
+impl LaunchRefusals {
+    const BACKOFF_CAP: Duration = Duration::from_secs(30);
+
+    fn may_claim(&self, launch: &(String, u64)) -> bool {
+        self.refused
+            .get(launch)
+            .is_none_or(|r| !r.terminal && Instant::now() >= r.retry_at)
+    }
+
+    fn record(&mut self, launch: (String, u64), status: &tonic::Status) {
+        let terminal = matches!(
+            status.code(),
+            tonic::Code::FailedPrecondition
+                | tonic::Code::PermissionDenied
+                | tonic::Code::NotFound
+                | tonic::Code::InvalidArgument
+        );
+        let reason = runplane_grpc::error_info(status)
+            .map(|i| i.reason)
+            .unwrap_or_default();
+        let sandbox_id = launch.0.clone();
+        let entry = self.refused.entry(launch).or_insert(Refusal {
+            terminal,
+            failures: 0,
+            retry_at: Instant::now(),
+        });
+        entry.terminal = terminal;
+        entry.failures += 1;
+        let wait = Duration::from_secs(1)
+            .saturating_mul(1 << (entry.failures - 1).min(5))
+            .min(Self::BACKOFF_CAP);
+        entry.retry_at = Instant::now() + wait;
+        if entry.failures == 1 {
+            if terminal {
+                tracing::warn!(%sandbox_id, code = ?status.code(), %reason, "launch not claimed; not asked again for this generation");
+            } else {
+                tracing::warn!(%sandbox_id, code = ?status.code(), %reason, "launch not claimed; retrying with backoff");
+            }
+        } else {
+            tracing::debug!(%sandbox_id, code = ?status.code(), %reason, failures = entry.failures, "launch not claimed again");
+        }
+    }
+
+    /// Forgets refusals of assignments no longer listed.
+    fn keep_listed(&mut self, assignments: &[pb::Assignment]) {
+        let listed: std::collections::HashSet<(&str, u64)> = assignments
+            .iter()
+            .map(|a| (a.sandbox_id.as_str(), a.execution_generation))
+            .collect();
+        self.refused
+            .retain(|(id, generation), _| listed.contains(&(id.as_str(), *generation)));
     }
 }
 
@@ -414,6 +501,8 @@ async fn adopt_or_report_lost(
     }
 }
 
+/// Acts on one assignment; the ClaimLaunch refusal of a RUN assignment, if any (the
+/// caller decides when it is asked again).
 async fn act(
     client: &Client,
     recovery: &Recovery,
@@ -422,7 +511,7 @@ async fn act(
     driver: &ProcessDriver,
     locals: &mut HashMap<String, Local>,
     a: pb::Assignment,
-) {
+) -> Option<tonic::Status> {
     match a.intent() {
         pb::AssignmentIntent::Run if !locals.contains_key(&a.sandbox_id) => {
             let claim = client
@@ -456,10 +545,9 @@ async fn act(
                         // otherwise say it is lost, so the loss grace can end its run
                         // instead of the assignment repeating for ever.
                         adopt_or_report_lost(client, config, epoch, driver, locals, &a).await;
-                    } else {
-                        tracing::warn!(sandbox_id = %a.sandbox_id, code = ?s.code(), "launch not claimed");
+                        return None;
                     }
-                    return;
+                    return Some(s);
                 }
             };
             match driver.create(&row_of(&a, String::new()), launch).await {
@@ -475,9 +563,9 @@ async fn act(
         pb::AssignmentIntent::Restore => {
             // The sandbox's process is found by its label wherever this node can see it.
             let row = row_of(&a, recorded_handle(config, &a.sandbox_id));
-            let restored =
-                driver.resume(&row).await.is_ok() && driver.status(&row).await == Probe::Alive;
-            if restored {
+            let resumed = driver.resume(&row).await.is_ok();
+            let probe = driver.status(&row).await;
+            if resumed && probe == Probe::Alive {
                 unpark(recovery, &row).await;
                 let report = client
                     .clone()
@@ -504,22 +592,36 @@ async fn act(
                         "restore refused"
                     ),
                 }
-            } else if let Err(s) = client
-                .clone()
-                .report_wake_failed(pb::ReportWakeFailedRequest {
-                    node_id: config.node_id.clone(),
-                    epoch,
-                    wake_id: a.wake_id.clone(),
-                    wake_attempt: a.wake_attempt,
-                    error: "the sandbox cannot be restored on this node".into(),
-                })
-                .await
-            {
-                tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "wake failure not reported");
+            } else {
+                // Its process is gone: say so, so the loss grace ends it instead of wakes
+                // being queued for a sandbox nothing can restore.
+                let gone = match probe {
+                    Probe::Exited(code) => Some((pb::SandboxStatus::Exited, code)),
+                    Probe::Lost => Some((pb::SandboxStatus::Lost, None)),
+                    Probe::Alive => None,
+                };
+                if let Some((status, code)) = gone {
+                    publish(client, config, epoch, &row, status, false, code).await;
+                }
+                tracing::warn!(sandbox_id = %row.id, probe = ?probe, attempt = a.wake_attempt, "sandbox not restored");
+                if let Err(s) = client
+                    .clone()
+                    .report_wake_failed(pb::ReportWakeFailedRequest {
+                        node_id: config.node_id.clone(),
+                        epoch,
+                        wake_id: a.wake_id.clone(),
+                        wake_attempt: a.wake_attempt,
+                        error: "the sandbox cannot be restored on this node".into(),
+                    })
+                    .await
+                {
+                    tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "wake failure not reported");
+                }
             }
         }
         _ => {}
     }
+    None
 }
 
 /// Suspends sandboxes idle past their timeout and publishes exits.

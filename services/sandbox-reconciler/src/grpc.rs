@@ -472,7 +472,7 @@ impl NodeService for NodeApi {
         s.store.node_at_epoch(&req.node_id, epoch).await?;
         let (applied, row) = s
             .store
-            .publish_observation(&req.node_id, &observation)
+            .publish_observation(&req.node_id, epoch, &observation)
             .await?;
         let placement = s.store.placement(&row.id).await?;
         Ok(Response::new(pb::PublishSandboxStateResponse {

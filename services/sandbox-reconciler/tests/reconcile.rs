@@ -305,6 +305,31 @@ impl World {
             .map(|_| ())
     }
 
+    /// A direct sandbox of `run_id` that `node` ran and idle-suspended: unplaced, its route
+    /// identity naming `node` at generation 1.
+    async fn suspended_on(&self, node: &str, run_id: &str) -> sandbox::Model {
+        let row = self
+            .store
+            .insert_sandbox(self.row(
+                &uuid::Uuid::new_v4().to_string(),
+                run_id,
+                "direct",
+                "suspended",
+                None,
+            ))
+            .await
+            .unwrap();
+        self.store
+            .set_route_identity(route_identity::Model {
+                sandbox_id: row.id.clone(),
+                current_node_id: node.into(),
+                execution_generation: 1,
+            })
+            .await
+            .unwrap();
+        row
+    }
+
     /// Stamps a first loss observation now, as an earlier tick would have.
     async fn stamp(&self, row: &sandbox::Model) -> sandbox::Model {
         let now = self.clock.now().timestamp_micros();
@@ -663,7 +688,7 @@ mod node_protocol {
             .epoch
     }
 
-    fn publish(
+    pub(super) fn publish(
         node: &str,
         epoch: u64,
         row: &sandbox::Model,
@@ -907,17 +932,7 @@ mod node_protocol {
     async fn a_restore_writes_placement_and_route_identity_and_settles_the_wake() {
         let w = World::new().await;
         let b = register(&w, "node-b", "b").await;
-        let row = w
-            .store
-            .insert_sandbox(w.row(
-                &uuid::Uuid::new_v4().to_string(),
-                "run-w",
-                "direct",
-                "suspended",
-                None,
-            ))
-            .await
-            .unwrap();
+        let row = w.suspended_on("node-b", "run-w").await;
         let wake = w.store.queue_wake(&row.id, "test").await.unwrap();
         assert_eq!(w.store.assign_wakes(0).await.unwrap(), 1);
         let mut client = nodes(&w).await;
@@ -994,17 +1009,7 @@ mod node_protocol {
         use sea_orm::EntityTrait;
         let w = World::new().await;
         let b = register(&w, "node-b", "b").await;
-        let row = w
-            .store
-            .insert_sandbox(w.row(
-                &uuid::Uuid::new_v4().to_string(),
-                "run-bounds",
-                "direct",
-                "suspended",
-                None,
-            ))
-            .await
-            .unwrap();
+        let row = w.suspended_on("node-b", "run-bounds").await;
         let queued = w.store.queue_wake(&row.id, "test").await.unwrap();
         assert_eq!(w.store.assign_wakes(0).await.unwrap(), 1);
         let wake_of = || async {
@@ -1530,10 +1535,11 @@ mod convergence {
         let w = World::new().await;
         let b = register(&w, "node-b", "b").await;
         let (row, _) = w.running_sandbox("late-wake").await;
+        // node-b ran it and suspended it: node-b holds it, and its wakes go to node-b.
         w.store
             .set_route_identity(route_identity::Model {
                 sandbox_id: row.id.clone(),
-                current_node_id: "node-a".into(),
+                current_node_id: "node-b".into(),
                 execution_generation: 1,
             })
             .await
@@ -1635,6 +1641,7 @@ mod convergence {
             reason: "stray".into(),
             requested_at_us: w.clock.now().timestamp_micros(),
             settled_at_us: None,
+            not_before_us: None,
         };
         stray
             .clone()
@@ -1648,6 +1655,14 @@ mod convergence {
         // And one assigned before the row was deleted behind its back: the restore itself
         // refuses an ended row and settles the wake.
         let (other, _) = w.running_sandbox("restore-after-delete").await;
+        w.store
+            .set_route_identity(route_identity::Model {
+                sandbox_id: other.id.clone(),
+                current_node_id: "node-b".into(),
+                execution_generation: 1,
+            })
+            .await
+            .unwrap();
         assert!(
             w.store
                 .publish(&other.id, 1, "suspended", None)
@@ -1715,10 +1730,11 @@ mod convergence {
         let w = World::new().await;
         let b = register(&w, "node-b", "b").await;
         let (row, _) = w.running_sandbox("restore-race").await;
+        // Suspended by node-b, which holds it.
         w.store
             .set_route_identity(route_identity::Model {
                 sandbox_id: row.id.clone(),
-                current_node_id: "node-a".into(),
+                current_node_id: "node-b".into(),
                 execution_generation: 1,
             })
             .await
@@ -1770,6 +1786,405 @@ mod convergence {
             vec![row.id.clone()]
         );
         assert!(intents(&list, rpb::AssignmentIntent::Run).is_empty());
+    }
+
+    use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
+}
+
+/// Several hosts: a wake goes to the node holding the sandbox, a node's publication is a
+/// compare-and-set on its ownership, a node lost with suspended sandboxes ends their runs
+/// through the loss grace, and a failing restore settles instead of looping.
+mod many_hosts {
+    use super::node_protocol::{nodes, publish, register};
+    use super::*;
+    use runplane_sandbox_reconciler::drivers::{ProcessDriver, RoutedDriver};
+    use runplane_sandbox_reconciler::store::entities::wake;
+    use sea_orm::{
+        ActiveModelTrait, ConnectionTrait, EntityTrait, IntoActiveModel, TransactionTrait,
+    };
+
+    async fn heartbeat(w: &World, node: &str, epoch: u64, used: u32) {
+        nodes(w)
+            .await
+            .heartbeat(authed(
+                rpb::HeartbeatRequest {
+                    node_id: node.into(),
+                    epoch,
+                    used,
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap();
+    }
+
+    async fn restores_listed(w: &World, node: &str, epoch: u64) -> Vec<rpb::Assignment> {
+        nodes(w)
+            .await
+            .list_assigned_sandboxes(authed(
+                rpb::ListAssignedSandboxesRequest {
+                    node_id: node.into(),
+                    epoch,
+                    known_revision: 0,
+                    wait: None,
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .assignments
+            .into_iter()
+            .filter(|a| a.intent() == rpb::AssignmentIntent::Restore)
+            .collect()
+    }
+
+    /// A running run whose sandbox node `node` ran and then suspended for idleness,
+    /// published through NodeService as the agent does.
+    async fn suspended_run(w: &World, name: &str, node: &str, epoch: u64) -> sandbox::Model {
+        let (row, _) = w.running_sandbox(name).await;
+        let mut placed = row.into_active_model();
+        placed.active_node_id = sea_orm::Set(Some(node.to_owned()));
+        let row = placed.update(w.store.database()).await.unwrap();
+        w.store
+            .set_route_identity(route_identity::Model {
+                sandbox_id: row.id.clone(),
+                current_node_id: node.into(),
+                execution_generation: 1,
+            })
+            .await
+            .unwrap();
+        let answer = nodes(w)
+            .await
+            .publish_sandbox_state(publish(
+                node,
+                epoch,
+                &row,
+                10,
+                rpb::SandboxStatus::Suspended,
+                false,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(answer.applied);
+        w.store.sandbox(&row.id).await.unwrap()
+    }
+
+    /// The reconciler as `runplane serve` builds it: node sandboxes probed through what
+    /// their nodes publish and how recently they heartbeat.
+    fn routed(w: &World, state: &std::path::Path) -> Reconciler {
+        Reconciler::new(
+            w.store.clone(),
+            Arc::new(RoutedDriver::new(
+                ProcessDriver::new(state, "/nonexistent/runplane"),
+                w.store.clone(),
+            )),
+            ReconcileSettings {
+                loss_grace: GRACE,
+                dispatch: false,
+                ..ReconcileSettings::default()
+            },
+        )
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wake_goes_to_the_node_holding_the_sandbox_and_waits_for_it() {
+        let w = World::new().await;
+        let a = register(&w, "node-a", "a").await;
+        let b = register(&w, "node-b", "b").await;
+        // node-a is busier: the least-used rule would pick node-b.
+        heartbeat(&w, "node-a", a, 3).await;
+        heartbeat(&w, "node-b", b, 0).await;
+        let row = w.suspended_on("node-a", "run-holder").await;
+        let wake = w.store.queue_wake(&row.id, "reattach").await.unwrap();
+
+        // node-a silent: the wake waits for it rather than going to node-b.
+        w.clock.advance(Duration::from_secs(11));
+        heartbeat(&w, "node-b", b, 0).await;
+        assert_eq!(
+            w.store.assign_wakes(w.store.silent_since()).await.unwrap(),
+            0
+        );
+        assert!(restores_listed(&w, "node-b", b).await.is_empty());
+
+        heartbeat(&w, "node-a", a, 3).await;
+        assert_eq!(
+            w.store.assign_wakes(w.store.silent_since()).await.unwrap(),
+            1
+        );
+        let on_a = restores_listed(&w, "node-a", a).await;
+        assert_eq!(on_a.len(), 1);
+        assert_eq!(on_a[0].wake_id, wake.id);
+        assert!(restores_listed(&w, "node-b", b).await.is_empty());
+    }
+
+    /// Backends of this test's database waiting on a lock.
+    async fn lock_waiters(db: &sea_orm::DatabaseConnection) -> i64 {
+        let row = db
+            .query_one_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                "SELECT count(*) AS n FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get::<i64>("", "n").unwrap()
+    }
+
+    async fn until_lock_waiters(db: &sea_orm::DatabaseConnection, n: i64) {
+        for _ in 0..500 {
+            if lock_waiters(db).await >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{n} backends never waited on a lock");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_publication_racing_a_restore_does_not_overwrite_it() {
+        let w = World::new().await;
+        let a = register(&w, "node-a", "a").await;
+        let b = register(&w, "node-b", "b").await;
+        let row = w.suspended_on("node-a", "run-publication-race").await;
+        // A wake handed to node-b (the least-used rule did this; a driver that restores
+        // anywhere still may), which restores the sandbox.
+        let queued = w.store.queue_wake(&row.id, "reattach").await.unwrap();
+        let mut handed = queued.clone().into_active_model();
+        handed.state = sea_orm::Set("assigned".into());
+        handed.node_id = sea_orm::Set(Some("node-b".into()));
+        handed.attempts = sea_orm::Set(1);
+        handed.update(w.store.database()).await.unwrap();
+
+        // A second connection holds the wake row, so the restore stops after writing the
+        // sandbox row and before it commits.
+        let holder = sea_orm::Database::connect(w._dbs.1.url()).await.unwrap();
+        let held = holder.begin().await.unwrap();
+        held.execute_unprepared(&format!(
+            "SELECT id FROM wakes WHERE id = '{}' FOR UPDATE",
+            queued.id
+        ))
+        .await
+        .unwrap();
+        let restore = {
+            let endpoint = w.reconciler_endpoint.clone();
+            let (wake_id, sandbox_id) = (queued.id.clone(), row.id.clone());
+            tokio::spawn(async move {
+                NodeServiceClient::connect(endpoint)
+                    .await
+                    .unwrap()
+                    .report_restored(authed(
+                        rpb::ReportRestoredRequest {
+                            node_id: "node-b".into(),
+                            epoch: b,
+                            wake_id,
+                            sandbox_id,
+                            execution_generation: 1,
+                            wake_attempt: 1,
+                        },
+                        TOKEN,
+                    ))
+                    .await
+            })
+        };
+        until_lock_waiters(w.store.database(), 1).await;
+        // node-a's publication (its suspend, sent again) reads the row as it was, still
+        // node-a's, and its write waits behind the restore.
+        let stale = {
+            let endpoint = w.reconciler_endpoint.clone();
+            let row = row.clone();
+            tokio::spawn(async move {
+                NodeServiceClient::connect(endpoint)
+                    .await
+                    .unwrap()
+                    .publish_sandbox_state(publish(
+                        "node-a",
+                        a,
+                        &row,
+                        20,
+                        rpb::SandboxStatus::Suspended,
+                        false,
+                    ))
+                    .await
+            })
+        };
+        until_lock_waiters(w.store.database(), 2).await;
+        held.commit().await.unwrap();
+
+        let restored = restore.await.unwrap();
+        let lost = stale.await.unwrap().unwrap_err();
+        assert_eq!(lost.code(), Code::PermissionDenied, "{lost:?}");
+        assert_eq!(
+            error_info(&lost).unwrap().reason,
+            ErrorReason::NodeNotOwner.as_str_name()
+        );
+        let now = w.store.sandbox(&row.id).await.unwrap();
+        assert_eq!(
+            (now.status.as_str(), now.active_node_id.as_deref()),
+            ("started", Some("node-b")),
+            "the restore stands"
+        );
+        restored.unwrap();
+        assert_eq!(
+            w.store
+                .route_of(&row.id)
+                .await
+                .unwrap()
+                .unwrap()
+                .current_node_id,
+            "node-b"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_node_lost_with_suspended_sandboxes_ends_their_runs_once_after_the_grace() {
+        let w = World::new().await;
+        // No sandbox here is local: the process driver is never asked.
+        let state = std::env::temp_dir().join(uuid::Uuid::new_v4().to_string());
+        let a = register(&w, "node-a", "a").await;
+        let b = register(&w, "node-b", "b").await;
+        let on_a = [
+            suspended_run(&w, "lost-host-1", "node-a", a).await,
+            suspended_run(&w, "lost-host-2", "node-a", a).await,
+        ];
+        let on_b = suspended_run(&w, "live-host", "node-b", b).await;
+        let waiting = w.store.queue_wake(&on_a[0].id, "reattach").await.unwrap();
+        let reconciler = routed(&w, &state);
+
+        // Both nodes heartbeat: suspended sandboxes wait for their wakes.
+        assert_eq!(reconciler.tick().await.unwrap().stamped, 0);
+
+        // node-a falls silent for good; node-b keeps heartbeating.
+        w.clock.advance(Duration::from_secs(11));
+        heartbeat(&w, "node-b", b, 0).await;
+        let first = reconciler.tick().await.unwrap();
+        assert_eq!(first.stamped, 2, "{first:?}");
+        assert_eq!(first.confirmed, 0, "one observation fails nothing");
+        assert!(
+            w.store
+                .sandbox(&on_b.id)
+                .await
+                .unwrap()
+                .loss_observed_at_us
+                .is_none()
+        );
+
+        // Past the grace: overlapping ticks confirm each loss once.
+        w.clock.advance(GRACE);
+        heartbeat(&w, "node-b", b, 0).await;
+        let (one, two) = tokio::join!(reconciler.tick(), reconciler.tick());
+        assert_eq!(one.unwrap().confirmed + two.unwrap().confirmed, 2);
+        let client = w.outbox_client().await;
+        deliver_outbox(&w.store, &client, 100).await.unwrap();
+        reconciler.tick().await.unwrap();
+        deliver_outbox(&w.store, &client, 100).await.unwrap();
+        assert_eq!(
+            w.fail_run_calls.load(Ordering::SeqCst),
+            2,
+            "one FailRun per run"
+        );
+        for row in &on_a {
+            let run = w.run_state(&row.run_id).await;
+            assert_eq!(run.state(), pb::RunState::Failed, "{run:?}");
+            assert_eq!(run.verdict.unwrap().reason, "sandbox_lost");
+            assert_eq!(w.store.sandbox(&row.id).await.unwrap().status, "lost");
+        }
+        let settled = wake::Entity::find_by_id(waiting.id.clone())
+            .one(w.store.database())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(settled.state, "failed", "nothing restores a lost sandbox");
+        assert_eq!(
+            w.run_state(&on_b.run_id).await.state(),
+            pb::RunState::Running,
+            "a live host's suspended run waits for its wake"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failing_restore_backs_off_and_settles_instead_of_looping() {
+        let w = World::new().await;
+        let a = register(&w, "node-a", "a").await;
+        let b = register(&w, "node-b", "b").await;
+        let row = w.suspended_on("node-a", "run-failing-restore").await;
+        let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
+            .await
+            .unwrap();
+        let request_wake = || {
+            authed(
+                rpb::RequestWakeRequest {
+                    sandbox_id: row.id.clone(),
+                    reason: "reattach".into(),
+                },
+                TOKEN,
+            )
+        };
+        // A minute of a client reattaching four times a second, a reconciler round at
+        // each, and node-a failing every restore it is handed.
+        let step = Duration::from_millis(250);
+        let steps = 4 * 60;
+        let mut attempts = 0;
+        for _ in 0..steps {
+            w.clock.advance(step);
+            heartbeat(&w, "node-a", a, 0).await;
+            heartbeat(&w, "node-b", b, 0).await;
+            api.request_wake(request_wake()).await.unwrap();
+            w.store.assign_wakes(w.store.silent_since()).await.unwrap();
+            assert!(
+                restores_listed(&w, "node-b", b).await.is_empty(),
+                "only the holder"
+            );
+            for restore in restores_listed(&w, "node-a", a).await {
+                attempts += 1;
+                nodes(&w)
+                    .await
+                    .report_wake_failed(authed(
+                        rpb::ReportWakeFailedRequest {
+                            node_id: "node-a".into(),
+                            epoch: a,
+                            wake_id: restore.wake_id,
+                            wake_attempt: restore.wake_attempt,
+                            error: "could not signal the sandbox".into(),
+                        },
+                        TOKEN,
+                    ))
+                    .await
+                    .unwrap();
+            }
+        }
+        // A wake tries 3 times within 3 s; the next one waits 30 s after it failed.
+        let window = Duration::from_millis(250) * steps;
+        let bound = 3 * (window.as_secs() / 30 + 1);
+        assert!(
+            attempts > 0 && attempts <= bound,
+            "{attempts} restores in {window:?}"
+        );
+
+        // Once node-a says the process is gone, nothing is handed out again.
+        nodes(&w)
+            .await
+            .publish_sandbox_state(publish(
+                "node-a",
+                a,
+                &row,
+                30,
+                rpb::SandboxStatus::Lost,
+                false,
+            ))
+            .await
+            .unwrap();
+        let mut after = 0;
+        for _ in 0..steps {
+            w.clock.advance(step);
+            heartbeat(&w, "node-a", a, 0).await;
+            let _ = api.request_wake(request_wake()).await;
+            w.store.assign_wakes(w.store.silent_since()).await.unwrap();
+            after += restores_listed(&w, "node-a", a).await.len();
+        }
+        assert_eq!(after, 0, "no restore of a sandbox its holder saw gone");
     }
 
     use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;

@@ -3,3 +3,4 @@
 pub mod loss;
 pub mod placement;
 pub mod route_token;
+pub mod wake;

@@ -11,7 +11,8 @@ use crate::store::entities::sandbox;
 type Script = dyn Fn(sandbox::Model) -> BoxFuture<'static, Probe> + Send + Sync;
 
 /// A test decides what each probe answers and what happens while it is in flight.
-/// Creating, suspending, resuming and destroying always succeed; destroys are recorded.
+/// Creating, suspending, resuming (on any node: it holds nothing) and destroying always
+/// succeed; destroys are recorded.
 #[derive(Clone)]
 pub struct FakeDriver {
     script: Arc<Script>,

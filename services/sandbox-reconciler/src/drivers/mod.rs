@@ -49,6 +49,11 @@ pub trait Driver: Send + Sync + 'static {
     /// Probes one sandbox. May take a while; the tick holds no transaction or lock across it.
     fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe>;
     fn suspend(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
+    /// Restores a suspended sandbox. Where it can be restored is the driver's to say:
+    /// `process` only on the host that suspended it (a wake goes to that node, and a
+    /// sandbox whose node is gone past the loss grace is declared lost, never restored
+    /// elsewhere); `routed` is `process` for local sandboxes and the node agents' own
+    /// `process` for the rest; `fake` restores anything, anywhere.
     fn resume(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
     fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
 }

@@ -9,6 +9,11 @@
 //! reconciler never waits on a process it did not start in this life; the ones it did
 //! start are reaped by a waiter task.
 //!
+//! A suspended sandbox is SIGSTOPped processes of this host, found by the pid its state
+//! directory recorded: only the driver on the same host (and state directory) can
+//! restore it. Nothing restores it elsewhere; a host that is gone for good leaves its
+//! suspended sandboxes to the loss grace, which ends them `sandbox_lost`.
+//!
 //! # Containment
 //!
 //! The agent is untrusted; its runner is not. So the boundary sits between them: the

@@ -1,5 +1,9 @@
 //! The reconciler's view of every sandbox: local ones through the process driver, ones
 //! on node agents through what those nodes publish and how recently they heartbeat.
+//!
+//! Restores: the node agents run the process driver, so a sandbox suspended on a node
+//! is restored by that node or not at all (see [`crate::domain::wake`]); a holder silent
+//! past [`NODE_SILENCE`] probes the sandbox lost, and the loss grace then ends it.
 
 use std::time::Duration;
 
@@ -54,9 +58,17 @@ impl Driver for RoutedDriver {
         let store = self.store.clone();
         let row = sandbox.clone();
         Box::pin(async move {
-            let Some(node_id) = row.active_node_id.clone() else {
-                // Suspended for idleness and unplaced: it waits on its node for a wake.
-                return Probe::Alive;
+            // Placed: its node. Suspended for idleness and unplaced: the node holding it
+            // (its route identity), which is the only one that can restore it, so a
+            // holder gone for good ends it through the loss grace like a placed one.
+            let node_id = match store.holder_of(&row).await {
+                Ok(Some(node_id)) => node_id,
+                // No node holds a direct execution: nothing can ever restore it.
+                Ok(None) if row.substrate == "direct" => return Probe::Lost,
+                // Restorable by any node: it waits for a wake.
+                Ok(None) => return Probe::Alive,
+                // The database is what failed; that says nothing about the sandbox.
+                Err(_) => return Probe::Alive,
             };
             match store.ready_nodes(store.silent_since()).await {
                 Ok(nodes) if nodes.iter().any(|n| n.id == node_id) => {}

@@ -107,6 +107,8 @@ pub mod wake {
         pub requested_at_us: i64,
         /// NULL while the wake is open.
         pub settled_at_us: Option<i64>,
+        /// Not handed to a node before this (a failed restore's backoff); NULL: at once.
+        pub not_before_us: Option<i64>,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

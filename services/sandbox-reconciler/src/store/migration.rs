@@ -18,6 +18,8 @@ impl MigratorTrait for Migrator {
             }),
             // Node agents' own credentials (`node_credentials`).
             Box::new(CreateNodeCredentials),
+            // A failed restore's backoff (`wakes.not_before_us`).
+            Box::new(AddWakeNotBefore),
         ]
     }
 }
@@ -159,6 +161,41 @@ impl MigrationTrait for CreateNodeCredentials {
             .drop_table(
                 Table::drop()
                     .table(Alias::new("node_credentials"))
+                    .to_owned(),
+            )
+            .await
+    }
+}
+
+/// `wakes.not_before_us`: a wake whose restore failed is not handed out again before
+/// it, so a failing restore backs off instead of looping. NULL: due at once.
+struct AddWakeNotBefore;
+
+impl MigrationName for AddWakeNotBefore {
+    fn name(&self) -> &str {
+        "m0004_wake_not_before"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddWakeNotBefore {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("wakes"))
+                    .add_column(col("not_before_us").big_integer().null())
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("wakes"))
+                    .drop_column(Alias::new("not_before_us"))
                     .to_owned(),
             )
             .await

@@ -46,6 +46,15 @@ pub const DELETED: &str = "deleted";
 /// A wake's `last_error` when its sandbox ended before it was restored.
 pub const WAKE_SANDBOX_ENDED: &str = "the sandbox ended before it was restored";
 
+/// A wake's `last_error` when the node holding its sandbox reported the process gone
+/// (a restore found it exited or missing); the loss grace ends the sandbox.
+pub const WAKE_GONE_ON_HOLDER: &str =
+    "the node holding the sandbox found its process gone; the loss grace ends it";
+
+/// A wake's `last_error` when no node holds its (direct) sandbox's execution, so no node
+/// can restore it; the loss grace ends the sandbox.
+pub const WAKE_NO_HOLDER: &str = "no node holds this sandbox's execution to restore it";
+
 /// A placed sandbox's serving node, as the one placement query reads it.
 #[derive(Debug, Clone)]
 pub struct Placement {
@@ -289,6 +298,7 @@ impl Store {
             reason: reason.to_owned(),
             requested_at_us: self.now_us(),
             settled_at_us: None,
+            not_before_us: self.requeue_not_before(&txn, sandbox_id).await?,
         };
         match wake::Entity::insert(row.clone().into_active_model())
             .exec_without_returning(&txn)
@@ -307,6 +317,28 @@ impl Store {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// When a new wake of `sandbox_id` may first be handed out: a while after its
+    /// previous wake failed for good, so reattaching to a sandbox its holder cannot
+    /// restore queues wakes that back off instead of restoring in a loop; `None` (at
+    /// once) otherwise.
+    async fn requeue_not_before(
+        &self,
+        db: &impl sea_orm::ConnectionTrait,
+        sandbox_id: &str,
+    ) -> Result<Option<i64>> {
+        let last_failure = wake::Entity::find()
+            .filter(wake::Column::SandboxId.eq(sandbox_id))
+            .filter(wake::Column::State.eq("failed"))
+            .order_by(wake::Column::SettledAtUs, Order::Desc)
+            .one(db)
+            .await?;
+        let wait = crate::domain::wake::RESTORE_BACKOFF_CAP.as_micros() as i64;
+        Ok(last_failure
+            .and_then(|w| w.settled_at_us)
+            .map(|settled| settled + wait)
+            .filter(|due| *due > self.now_us()))
     }
 
     pub async fn open_wake(&self, sandbox_id: &str) -> Result<Option<wake::Model>> {
@@ -409,6 +441,8 @@ impl Store {
         outbox::Entity::insert(fail_run.into_active_model())
             .exec_without_returning(&txn)
             .await?;
+        // Nothing restores a sandbox whose loss is confirmed.
+        Self::settle_wakes_of_ended(&txn, &row.id, self.now_us()).await?;
         txn.commit().await?;
         Ok(true)
     }
@@ -539,14 +573,29 @@ impl Store {
     /// Records that a deleted sandbox's process is stopped: nothing owes it a stop any
     /// more. Only a deleted row at `generation` is acknowledged.
     pub async fn acknowledge_destroyed(&self, id: &str, generation: i64) -> Result<bool> {
+        self.acknowledge_destroyed_where(
+            &self.db,
+            sea_orm::Condition::all()
+                .add(sandbox::Column::Id.eq(id))
+                .add(sandbox::Column::ExecutionGeneration.eq(generation)),
+        )
+        .await
+    }
+
+    /// [`Store::acknowledge_destroyed`] of the row `which` selects (a node's
+    /// acknowledgement adds its ownership to it).
+    pub(crate) async fn acknowledge_destroyed_where(
+        &self,
+        db: &impl sea_orm::ConnectionTrait,
+        which: sea_orm::Condition,
+    ) -> Result<bool> {
         let done = sandbox::Entity::update_many()
             .col_expr(sandbox::Column::ObservedStatus, Expr::value(DELETED))
             .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
-            .filter(sandbox::Column::Id.eq(id))
-            .filter(sandbox::Column::ExecutionGeneration.eq(generation))
+            .filter(which)
             .filter(sandbox::Column::Status.eq(DELETED))
             .filter(sandbox::Column::ObservedStatus.ne(DELETED))
-            .exec(&self.db)
+            .exec(db)
             .await?;
         Ok(done.rows_affected == 1)
     }

@@ -195,34 +195,61 @@ impl Store {
 
     /// Applies a node's observation. A node may publish only for rows placed on it, or
     /// unplaced rows whose route identity names it at the same generation (its own idle
-    /// suspend). Older observations (by sequence) and other generations change nothing.
+    /// suspend), and only at its current `epoch`. Older observations (by sequence) and
+    /// other generations change nothing.
+    ///
+    /// Ownership is part of the UPDATE itself ([`owned_by`]), and the node's row is held
+    /// at `epoch` until it commits: a restore that commits first wins, a new boot of the
+    /// node is ordered before or after the whole publication, and a publication that lost
+    /// is answered NODE_NOT_OWNER or NODE_EPOCH_STALE instead of overwriting anything.
     pub async fn publish_observation(
         &self,
         node_id: &str,
+        epoch: i64,
         o: &Observation<'_>,
     ) -> Result<(bool, sandbox::Model)> {
-        let row = self.sandbox(o.sandbox_id).await?;
-        let owns = match &row.active_node_id {
-            Some(active) => active == node_id,
-            None => route_identity::Entity::find_by_id(row.id.clone())
-                .one(&self.db)
+        let owned = owned_by(node_id, epoch, o.generation);
+        let txn = self.db.begin().await?;
+        // The node's row at `epoch`, share-locked until the write commits: a new boot's
+        // registration waits for this publication (and so does anything that boot then
+        // restores), or has committed and this publication finds the epoch stale. The
+        // UPDATE's own epoch test alone would be read from its statement's snapshot.
+        let at_epoch = node::Entity::find_by_id(node_id.to_owned())
+            .filter(node::Column::Epoch.eq(epoch))
+            .lock_shared()
+            .one(&txn)
+            .await?
+            .is_some();
+        let applied = at_epoch
+            && if o.status == super::DELETED {
+                // The node stopped a deleted sandbox's process: its destroy is acknowledged.
+                self.acknowledge_destroyed_where(
+                    &txn,
+                    sea_orm::Condition::all()
+                        .add(sandbox::Column::Id.eq(o.sandbox_id))
+                        .add(owned),
+                )
                 .await?
-                .is_some_and(|r| {
-                    r.current_node_id == node_id && r.execution_generation == o.generation
-                }),
-        };
-        if !owns {
-            return Err(ReconcilerError::NodeNotOwner {
-                node_id: node_id.to_owned(),
-                sandbox_id: row.id.clone(),
-            });
+            } else {
+                self.apply_observation(&txn, node_id, o, owned).await?
+            };
+        txn.commit().await?;
+        let row = self.sandbox(o.sandbox_id).await?;
+        if !applied {
+            self.explain_unapplied(node_id, epoch, o, &row).await?;
         }
-        if o.status == super::DELETED {
-            // The node stopped a deleted sandbox's process: its destroy is acknowledged.
-            let applied = row.execution_generation == o.generation
-                && self.acknowledge_destroyed(&row.id, o.generation).await?;
-            return Ok((applied, self.sandbox(o.sandbox_id).await?));
-        }
+        Ok((applied, row))
+    }
+
+    /// The observation's UPDATE, guarded by `owned` (node, epoch, generation), the
+    /// sequence and a live status; whether it applied.
+    async fn apply_observation(
+        &self,
+        db: &impl sea_orm::ConnectionTrait,
+        node_id: &str,
+        o: &Observation<'_>,
+        owned: sea_orm::Condition,
+    ) -> Result<bool> {
         let mut update = sandbox::Entity::update_many()
             .col_expr(sandbox::Column::ObservedStatus, Expr::value(o.status))
             .col_expr(sandbox::Column::ObservationSeq, Expr::value(o.seq))
@@ -240,44 +267,109 @@ impl Store {
         );
         let done = update
             .filter(sandbox::Column::Id.eq(o.sandbox_id))
-            .filter(sandbox::Column::ExecutionGeneration.eq(o.generation))
+            .filter(owned)
             .filter(sandbox::Column::ObservationSeq.lt(o.seq))
             .filter(sandbox::Column::Status.is_in(super::LIVE))
-            .exec(&self.db)
+            .exec(db)
             .await?;
-        Ok((done.rows_affected == 1, self.sandbox(o.sandbox_id).await?))
+        Ok(done.rows_affected == 1)
     }
 
-    /// Gives pending wakes to ready nodes, least used first; returns how many.
+    /// Why a publication changed nothing, read after its UPDATE: a stale epoch or a row
+    /// that is not (or no longer) the node's is an error; an older sequence, another
+    /// generation or an ended row is `applied: false`.
+    async fn explain_unapplied(
+        &self,
+        node_id: &str,
+        epoch: i64,
+        o: &Observation<'_>,
+        row: &sandbox::Model,
+    ) -> Result<()> {
+        self.node_at_epoch(node_id, epoch).await?;
+        let owns = match &row.active_node_id {
+            Some(active) => active == node_id,
+            None => self.route_of(&row.id).await?.is_some_and(|r| {
+                r.current_node_id == node_id && r.execution_generation == o.generation
+            }),
+        };
+        if !owns {
+            return Err(ReconcilerError::NodeNotOwner {
+                node_id: node_id.to_owned(),
+                sandbox_id: row.id.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `sandbox_id`'s route identity, whether or not the sandbox is placed: who holds it,
+    /// not where to route (routes read it only through [`Store::placement`]).
+    pub async fn route_of(&self, sandbox_id: &str) -> Result<Option<route_identity::Model>> {
+        Ok(route_identity::Entity::find_by_id(sandbox_id.to_owned())
+            .one(&self.db)
+            .await?)
+    }
+
+    /// The node holding `row`'s execution (see [`crate::domain::wake::holder`]).
+    pub async fn holder_of(&self, row: &sandbox::Model) -> Result<Option<String>> {
+        let route = self.route_of(&row.id).await?;
+        Ok(crate::domain::wake::holder(row, route.as_ref()).map(str::to_owned))
+    }
+
+    /// Gives pending wakes that are due to the nodes that can restore them; returns how
+    /// many. A direct sandbox's wake goes only to its holder, and waits while the holder
+    /// is not ready (the loss grace decides if it never returns); a wake nothing can
+    /// serve (the sandbox ended, its holder saw it gone, or nobody holds it) is settled
+    /// failed instead. Other substrates go to the least used ready node.
     pub async fn assign_wakes(&self, ready_since_us: i64) -> Result<u64> {
+        use crate::domain::wake::{WakeTarget, gone_on_holder, wake_target};
         let nodes = self.ready_nodes(ready_since_us).await?;
         if nodes.is_empty() {
             return Ok(0);
         }
+        let now = self.now_us();
         let pending = wake::Entity::find()
             .filter(wake::Column::State.eq("pending"))
             .filter(wake::Column::SettledAtUs.is_null())
+            .filter(
+                sea_orm::Condition::any()
+                    .add(wake::Column::NotBeforeUs.is_null())
+                    .add(wake::Column::NotBeforeUs.lte(now)),
+            )
             .order_by_asc(wake::Column::RequestedAtUs)
             .all(&self.db)
             .await?;
         let mut assigned = 0;
-        let mut i = 0;
+        let mut spread = nodes.iter().cycle();
         for w in &pending {
+            let row = sandbox::Entity::find_by_id(w.sandbox_id.clone())
+                .one(&self.db)
+                .await?;
             // A wake of a sandbox that ended is settled, never assigned (a deletion
             // settles its wakes; this catches one queued as the deletion committed).
-            let ended = sandbox::Entity::find_by_id(w.sandbox_id.clone())
-                .one(&self.db)
-                .await?
-                .is_none_or(|s| crate::domain::placement::is_ended(&s));
-            if ended {
-                Store::settle_wakes_of_ended(&self.db, &w.sandbox_id, self.now_us()).await?;
+            let Some(row) = row.filter(|s| !crate::domain::placement::is_ended(s)) else {
+                Store::settle_wakes_of_ended(&self.db, &w.sandbox_id, now).await?;
+                continue;
+            };
+            if gone_on_holder(&row) {
+                self.settle_wake_failed(w, super::WAKE_GONE_ON_HOLDER)
+                    .await?;
                 continue;
             }
-            let node = &nodes[i % nodes.len()];
-            i += 1;
+            let route = self.route_of(&row.id).await?;
+            let node_id = match wake_target(&row, route.as_ref()) {
+                WakeTarget::Holder(holder) => match nodes.iter().find(|n| n.id == holder) {
+                    Some(node) => node.id.clone(),
+                    None => continue,
+                },
+                WakeTarget::AnyNode => spread.next().expect("nodes is not empty").id.clone(),
+                WakeTarget::Nobody => {
+                    self.settle_wake_failed(w, super::WAKE_NO_HOLDER).await?;
+                    continue;
+                }
+            };
             let done = wake::Entity::update_many()
                 .col_expr(wake::Column::State, Expr::value("assigned"))
-                .col_expr(wake::Column::NodeId, Expr::value(node.id.clone()))
+                .col_expr(wake::Column::NodeId, Expr::value(node_id))
                 .col_expr(wake::Column::Attempts, Expr::value(w.attempts + 1))
                 .filter(wake::Column::Id.eq(w.id.as_str()))
                 .filter(wake::Column::State.eq("pending"))
@@ -286,6 +378,20 @@ impl Store {
             assigned += done.rows_affected;
         }
         Ok(assigned)
+    }
+
+    /// Settles pending wake `w` failed with `error`, compare-and-set on it still pending.
+    async fn settle_wake_failed(&self, w: &wake::Model, error: &str) -> Result<()> {
+        wake::Entity::update_many()
+            .col_expr(wake::Column::State, Expr::value("failed"))
+            .col_expr(wake::Column::LastError, Expr::value(error))
+            .col_expr(wake::Column::SettledAtUs, Expr::value(self.now_us()))
+            .filter(wake::Column::Id.eq(w.id.as_str()))
+            .filter(wake::Column::State.eq("pending"))
+            .exec(&self.db)
+            .await?;
+        tracing::info!(wake_id = %w.id, sandbox_id = %w.sandbox_id, error, "wake settled failed");
+        Ok(())
     }
 
     /// A wake restored its sandbox on `node_id`: placement and route identity are written
@@ -390,7 +496,9 @@ impl Store {
         self.sandbox(&row.id).await
     }
 
-    /// A wake could not restore here: back to the queue, or failed after its attempts.
+    /// A wake could not restore here: back to the queue after a backoff
+    /// ([`restore_backoff`](crate::domain::wake::restore_backoff)), or failed after its
+    /// attempts.
     /// `error` is kept to its first [`MAX_WAKE_ERROR_BYTES`], cut at a character.
     pub async fn report_wake_failed(
         &self,
@@ -409,6 +517,7 @@ impl Store {
                 wake_id: wake_id.to_owned(),
             })?;
         let give_up = current.attempts >= WAKE_ATTEMPTS;
+        let now = self.now_us();
         let mut update = wake::Entity::update_many()
             .col_expr(
                 wake::Column::State,
@@ -416,9 +525,17 @@ impl Store {
             )
             .col_expr(wake::Column::LastError, Expr::value(error))
             .col_expr(wake::Column::NodeId, Expr::value(Option::<String>::None));
-        if give_up {
-            update = update.col_expr(wake::Column::SettledAtUs, Expr::value(self.now_us()));
-        }
+        update = if give_up {
+            update.col_expr(wake::Column::SettledAtUs, Expr::value(now))
+        } else {
+            // Backs off before the next attempt, so a restore that keeps failing settles
+            // after its attempts instead of looping.
+            let wait = crate::domain::wake::restore_backoff(current.attempts);
+            update.col_expr(
+                wake::Column::NotBeforeUs,
+                Expr::value(now + wait.as_micros() as i64),
+            )
+        };
         update
             .filter(wake::Column::Id.eq(wake_id))
             .filter(wake::Column::NodeId.eq(node_id))
@@ -431,4 +548,37 @@ impl Store {
             .await?
             .unwrap_or(current))
     }
+}
+
+/// Rows `node_id` may write at `epoch` for execution `generation`: placed on it, or
+/// unplaced with a route identity naming it at that generation (its own idle suspend),
+/// and only while `epoch` is the node's current one. It goes into the UPDATE itself, so
+/// a restore or a re-registration that commits between a publication's read and its
+/// write makes the write change nothing.
+fn owned_by(node_id: &str, epoch: i64, generation: i64) -> sea_orm::Condition {
+    use sea_orm::sea_query::Query;
+    let routed_here = Query::select()
+        .column(route_identity::Column::SandboxId)
+        .from(route_identity::Entity)
+        .and_where(route_identity::Column::CurrentNodeId.eq(node_id))
+        .and_where(route_identity::Column::ExecutionGeneration.eq(generation))
+        .to_owned();
+    let at_epoch = Query::select()
+        .column(node::Column::Id)
+        .from(node::Entity)
+        .and_where(node::Column::Id.eq(node_id))
+        .and_where(node::Column::Epoch.eq(epoch))
+        .to_owned();
+    sea_orm::Condition::all()
+        .add(sandbox::Column::ExecutionGeneration.eq(generation))
+        .add(
+            sea_orm::Condition::any()
+                .add(sandbox::Column::ActiveNodeId.eq(node_id))
+                .add(
+                    sea_orm::Condition::all()
+                        .add(sandbox::Column::ActiveNodeId.is_null())
+                        .add(sandbox::Column::Id.in_subquery(routed_here)),
+                ),
+        )
+        .add(Expr::exists(at_epoch))
 }
