@@ -251,12 +251,24 @@ impl RunnerService for RunnerApi {
     ) -> std::result::Result<Response<pb::AppendEventsResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
-        s.runner(&request, &req.run_id, false).await?;
-        validate::client_key("batch_key", &req.batch_key)?;
-        let events = validate::batch(&req.events, &s.settings.limits, false)?;
+        let key = bearer(request.metadata()).ok_or(RunStoreError::Unauthenticated)?;
+        validate::run_id(&req.run_id)?;
+        let checked = validate::client_key("batch_key", &req.batch_key)
+            .and_then(|()| validate::batch(&req.events, &s.settings.limits, false));
+        let events = match checked {
+            Ok(events) => events,
+            // The key is judged before the batch: a caller without a valid key learns
+            // nothing about what it sent.
+            Err(invalid) => {
+                s.runner(&request, &req.run_id, false).await?;
+                return Err(invalid.into());
+            }
+        };
+        // Authenticates and appends together: the store checks the key in the statement
+        // that appends.
         let appended = s
             .store
-            .append_events(&req.run_id, &req.batch_key, &events)
+            .append_for_runner(key, &req.run_id, &req.batch_key, &events)
             .await?;
         s.changes.notify(&req.run_id);
         Ok(Response::new(pb::AppendEventsResponse {

@@ -15,10 +15,12 @@
 //! - `keyed_answers`: the stored answer of keyed calls whose effect is not a row of its
 //!   own (FailRun, MarkBackendError), so a replay gets the first answer back.
 
+mod append;
 pub mod entities;
 pub mod migration;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use prost::Message;
 use runplane_clock::SharedClock;
@@ -58,6 +60,10 @@ pub struct Store {
     /// Owe credential health a ReportTurnFailure for each failed turn (`[run_store]
     /// admission`).
     report_failures: bool,
+    /// The chain tips this replica last committed or read, for one-statement appends.
+    tips: Arc<append::ChainTips>,
+    /// Writes one-statement appends in groups (Postgres), started at the first.
+    groups: Arc<std::sync::OnceLock<append::AppendGroups>>,
 }
 
 /// `run_store → credential_health.report_turn_failure`.
@@ -204,6 +210,8 @@ impl Store {
             clock,
             postgres,
             report_failures: false,
+            tips: Arc::default(),
+            groups: Arc::default(),
         }
     }
 
@@ -808,6 +816,97 @@ impl Store {
 
     // --- events --------------------------------------------------------------------
 
+    /// A runner's AppendEvents: checks its key (`secret`) as [`Store::authenticate_runner`]
+    /// does for a live run, then appends as [`Store::append_events`] does.
+    ///
+    /// On Postgres the plain case is one statement (see [`append`]); anything else, and
+    /// SQLite, takes the checked path, which gives every refusal and replay its answer.
+    pub async fn append_for_runner(
+        &self,
+        secret: &str,
+        run_id: &str,
+        batch_key: &str,
+        events: &[CheckedEvent],
+    ) -> Result<Appended> {
+        let key_hash = ids::secret_hash(secret);
+        if let Some(appended) = self
+            .append_in_one_statement(&key_hash, run_id, batch_key, events)
+            .await?
+        {
+            return Ok(appended);
+        }
+        self.authenticate_key_hash(&key_hash, run_id, false).await?;
+        self.append_events(run_id, batch_key, events).await
+    }
+
+    /// The one-statement append from the tip this replica remembers (or reads); `None`
+    /// when it wrote nothing and the checked path must decide.
+    async fn append_in_one_statement(
+        &self,
+        key_hash: &str,
+        run_id: &str,
+        batch_key: &str,
+        events: &[CheckedEvent],
+    ) -> Result<Option<Appended>> {
+        // The outbox row of a failed turn is written by the checked path.
+        let owes_report = self.report_failures && events.iter().any(|e| e.kind == TURN_FAILED);
+        if !self.postgres || owes_report {
+            return Ok(None);
+        }
+        let pool = self.db.get_postgres_connection_pool();
+        let from = match self.tips.get(run_id) {
+            Some(tip) => tip,
+            None => match append::read_tip(pool, run_id).await? {
+                Some(tip) => tip,
+                None => return Ok(None),
+            },
+        };
+        let rows = chain_rows(run_id, &from, events, self.now_us());
+        let Some(last) = rows.last() else {
+            return Ok(None);
+        };
+        let appended = Appended {
+            first_sequence: (from.last_sequence + 1) as u64,
+            last_sequence: last.sequence as u64,
+            chain_head: last.digest.clone(),
+        };
+        let batch = append::Chained {
+            key_hash: key_hash.to_owned(),
+            run_id: run_id.to_owned(),
+            batch_key: batch_key.to_owned(),
+            batch_digest: crate::domain::validate::batch_digest(events),
+            from_sequence: from.last_sequence,
+            rows,
+        };
+        if !self.append_groups(pool).append(batch).await {
+            self.tips.forget(run_id);
+            return Ok(None);
+        }
+        self.remember_tip(run_id, &appended);
+        runplane_telemetry::metrics::events_appended().add(events.len() as u64, &[]);
+        Ok(Some(appended))
+    }
+
+    fn append_groups(&self, pool: &sea_orm::sqlx::PgPool) -> &append::AppendGroups {
+        self.groups.get_or_init(|| {
+            let clock = self.clock.clone();
+            append::AppendGroups::start(pool.clone(), move || now_us(&clock))
+        })
+    }
+
+    /// Remembers a committed append's end as the run's tip, for its next append.
+    fn remember_tip(&self, run_id: &str, appended: &Appended) {
+        if self.postgres {
+            self.tips.remember(
+                run_id,
+                append::ChainTip {
+                    last_sequence: appended.last_sequence as i64,
+                    head: appended.chain_head.clone(),
+                },
+            );
+        }
+    }
+
     /// Appends a batch, deduped on its key inside the transaction: a replay writes
     /// nothing and gets the first answer; the same key with other events is refused.
     pub async fn append_events(
@@ -830,6 +929,7 @@ impl Store {
             .append_locked(&txn, &run, batch_key, &digest, events)
             .await?;
         txn.commit().await?;
+        self.remember_tip(run_id, &appended);
         runplane_telemetry::metrics::events_appended().add(events.len() as u64, &[]);
         Ok(appended)
     }
@@ -869,41 +969,21 @@ impl Store {
         events: &[CheckedEvent],
     ) -> Result<Appended> {
         let now = self.now_us();
-        let mut head = run.chain_head.clone();
-        let mut sequence = run.last_sequence;
-        let mut rows = Vec::with_capacity(events.len());
-        for e in events {
-            sequence += 1;
-            head = chain::extend(
-                &head,
-                &ChainedEvent {
-                    sequence: sequence as u64,
-                    kind: e.kind,
-                    check: e.check,
-                    name: &e.name,
-                    text: &e.text,
-                    data: &e.data,
-                    observed_at_us: e.observed_at_us,
-                },
-            );
-            rows.push(
-                event::Model {
-                    run_id: run.id.clone(),
-                    sequence,
-                    kind: e.kind,
-                    text: e.text.clone(),
-                    data: e.data.clone(),
-                    is_check: e.check,
-                    name: e.name.clone(),
-                    observed_at_us: e.observed_at_us,
-                    recorded_at_us: now,
-                    digest: head.clone(),
-                }
-                .into_active_model(),
-            );
-        }
+        let from = append::ChainTip {
+            last_sequence: run.last_sequence,
+            head: run.chain_head.clone(),
+        };
+        let rows = chain_rows(&run.id, &from, events, now);
+        let (sequence, head) = rows
+            .last()
+            .map_or((from.last_sequence, from.head.clone()), |r| {
+                (r.sequence, r.digest.clone())
+            });
         // Insert in chunks: a statement has a bounded number of parameters.
-        let mut rows = rows.into_iter().peekable();
+        let mut rows = rows
+            .into_iter()
+            .map(IntoActiveModel::into_active_model)
+            .peekable();
         while rows.peek().is_some() {
             let chunk: Vec<_> = rows.by_ref().take(500).collect();
             event::Entity::insert_many(chunk)
@@ -1573,6 +1653,46 @@ impl Store {
                 key_id: r.key_id,
             }))
     }
+}
+
+/// The rows of `events` appended after `from`, each with its chain digest.
+fn chain_rows(
+    run_id: &str,
+    from: &append::ChainTip,
+    events: &[CheckedEvent],
+    recorded_at_us: i64,
+) -> Vec<event::Model> {
+    let mut head = from.head.clone();
+    let mut sequence = from.last_sequence;
+    let mut rows = Vec::with_capacity(events.len());
+    for e in events {
+        sequence += 1;
+        head = chain::extend(
+            &head,
+            &ChainedEvent {
+                sequence: sequence as u64,
+                kind: e.kind,
+                check: e.check,
+                name: &e.name,
+                text: &e.text,
+                data: &e.data,
+                observed_at_us: e.observed_at_us,
+            },
+        );
+        rows.push(event::Model {
+            run_id: run_id.to_owned(),
+            sequence,
+            kind: e.kind,
+            text: e.text.clone(),
+            data: e.data.clone(),
+            is_check: e.check,
+            name: e.name.clone(),
+            observed_at_us: e.observed_at_us,
+            recorded_at_us,
+            digest: head.clone(),
+        });
+    }
+    rows
 }
 
 /// The outcome enum number a keyed answer was stored as (4 bytes, big-endian).
