@@ -182,7 +182,8 @@ impl CredentialHealth {
         })
     }
 
-    /// Delivers due outbox rows once; returns how many the run store accepted.
+    /// Delivers due outbox rows once; returns how many the run store accepted. Each row is
+    /// claimed before its call, so replicas delivering at the same time send it once.
     pub async fn deliver_outbox(&self, limit: u64) -> Result<u64, CredentialHealthError> {
         use runplane_db::outbox::{Delivery, deliver_due};
         use tracing::Instrument;

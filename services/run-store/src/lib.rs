@@ -135,7 +135,8 @@ impl RunStore {
         Ok(ended)
     }
 
-    /// Delivers due outbox rows once (tests drive delivery by hand with this).
+    /// Delivers due outbox rows once (tests drive delivery by hand with this). Each row is
+    /// claimed before its call, so replicas delivering at the same time send it once.
     pub async fn deliver_outbox(&self) -> Result<u64, RunStoreError> {
         match &self.shared.credential_health {
             Some(client) => outbox::deliver(self.store(), client, 100).await,

@@ -16,7 +16,8 @@ use crate::store::Store;
 /// How often due rows are looked for.
 pub const EVERY: Duration = Duration::from_millis(250);
 
-/// Delivers due rows once; returns how many credential health accepted.
+/// Delivers due rows once, each claimed first (see `runplane_db::outbox`) so another
+/// replica's round does not send it too; returns how many credential health accepted.
 pub async fn deliver(
     store: &Store,
     client: &CredentialHealthClient,

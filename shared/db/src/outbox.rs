@@ -5,12 +5,40 @@
 //! keyed so a second decision for the same thing is a no-op, and delivered with that key
 //! until the callee answers. The callee dedupes on the key, so a delivery that was
 //! processed but whose answer was lost is simply delivered again.
+//!
+//! Every replica of a service runs the delivery loop over the same table, so a row is
+//! claimed before it is sent: the claim is a lease written into `next_attempt_at_us`
+//! (the row is not due for anyone else until the lease lapses), taken by one
+//! `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING` on Postgres,
+//! the same statement without the lock clause on SQLite (one process, and SQLite runs
+//! one write at a time). A replica that dies mid-delivery never books an outcome, so its
+//! lease lapses after [`CLAIM_TIMEOUT`] and another replica sends the row.
+//!
+//! Why a lease in `next_attempt_at_us` rather than a lock held across the call or a
+//! `claimed_until` column: the call to the other service happens outside any
+//! transaction (holding a row lock and a pooled connection across a remote call would
+//! tie the database to the callee's latency), and the column already means "not before
+//! then", which is exactly what a claim is. Keeping the table as it is also claims the
+//! rows of every service that shares this table, with no migration.
 
-use sea_orm::sea_query::{Alias, ColumnDef, Expr, OnConflict, Table, TableCreateStatement};
+use std::time::Duration;
+
+use sea_orm::sea_query::{
+    Alias, ColumnDef, Expr, LockBehavior, LockType, OnConflict, Query, Table, TableCreateStatement,
+};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DbErr, EntityTrait, IntoActiveModel, Order, QueryFilter,
-    QueryOrder, QuerySelect,
+    QueryOrder,
 };
+
+/// How long one delivery attempt may take before it counts as failed. It bounds how
+/// long a replica holds a row, so it stays well under [`CLAIM_TIMEOUT`].
+pub const DELIVERY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How long a claim keeps a row from the other replicas. A live claimant books its
+/// outcome within [`DELIVERY_DEADLINE`]; a claim still standing after three of those
+/// belongs to a replica that died, and the row is due again.
+pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub mod entity {
     use sea_orm::entity::prelude::*;
@@ -31,6 +59,8 @@ pub mod entity {
         /// W3C `traceparent` of the decision, so the delivery joins its trace.
         pub traceparent: String,
         pub attempts: i32,
+        /// When the row is next due: after a failed attempt, the end of its backoff;
+        /// while a replica delivers it, the end of that replica's claim.
         pub next_attempt_at_us: i64,
         /// Why the last attempt failed; on a delivered row, why it was given up on (empty
         /// when the callee accepted it).
@@ -97,18 +127,36 @@ pub async fn enqueue(db: &impl ConnectionTrait, row: OutboxRow) -> Result<bool, 
     Ok(written == 1)
 }
 
-/// Undelivered rows due at `now_us`, oldest first.
-pub async fn due(
+/// Claims the oldest undelivered row due at `now_us` for `claim_for_us`: the returned
+/// row's `next_attempt_at_us` is the end of the claim, and no other replica is handed
+/// the row before then. `None` when nothing is due (or every due row is being claimed
+/// by someone else right now).
+pub async fn claim_next(
     db: &impl ConnectionTrait,
     now_us: i64,
-    limit: u64,
-) -> Result<Vec<OutboxRow>, DbErr> {
-    entity::Entity::find()
-        .filter(entity::Column::DeliveredAtUs.is_null())
-        .filter(entity::Column::NextAttemptAtUs.lte(now_us))
-        .order_by(entity::Column::CreatedAtUs, Order::Asc)
-        .limit(limit)
-        .all(db)
+    claim_for_us: i64,
+) -> Result<Option<OutboxRow>, DbErr> {
+    use entity::{Column, Entity};
+    // SQLite's builder leaves the lock clause out: SQLite runs one write at a time, so
+    // the statement alone is the claim there.
+    let oldest_due = Query::select()
+        .column(Column::Id)
+        .from(Entity)
+        .and_where(Column::DeliveredAtUs.is_null())
+        .and_where(Column::NextAttemptAtUs.lte(now_us))
+        .order_by(Column::CreatedAtUs, Order::Asc)
+        .limit(1)
+        .lock_with_behavior(LockType::Update, LockBehavior::SkipLocked)
+        .to_owned();
+    let claim = Query::update()
+        .table(Entity)
+        .value(Column::NextAttemptAtUs, now_us + claim_for_us)
+        .and_where(Column::Id.in_subquery(oldest_due))
+        .returning_all()
+        .to_owned();
+    Entity::find()
+        .from_raw_sql(db.get_database_backend().build(&claim))
+        .one(db)
         .await
 }
 
@@ -153,7 +201,9 @@ async fn settle(
 }
 
 /// The call failed in a way a later attempt may not: try again after the backoff for
-/// the row's attempts so far (1 s doubling to 60 s).
+/// the row's attempts so far (1 s doubling to 60 s). `row` is the claimed row: only the
+/// claim it holds is replaced, so a claimant that outlived its claim cannot push back a
+/// row another replica has claimed since.
 pub async fn delivery_failed(
     db: &impl ConnectionTrait,
     row: &OutboxRow,
@@ -169,6 +219,7 @@ pub async fn delivery_failed(
         .col_expr(entity::Column::LastError, Expr::value(bounded(error)))
         .filter(entity::Column::Id.eq(row.id.as_str()))
         .filter(entity::Column::DeliveredAtUs.is_null())
+        .filter(entity::Column::NextAttemptAtUs.eq(row.next_attempt_at_us))
         .exec(db)
         .await?;
     Ok(())
@@ -213,7 +264,9 @@ impl Delivery {
 
 /// Delivers the rows due at `now_us()` once, oldest first, through `deliver`, and books
 /// each outcome: delivered, given up (logged at WARN, kept with why), or rescheduled
-/// after the backoff. Returns how many were delivered.
+/// after the backoff. Each row is claimed (see the module doc) just before its call, so
+/// replicas running this at the same time send each row once, and a claim covers one
+/// call, not a batch. Returns how many were delivered.
 pub async fn deliver_due<F, Fut>(
     db: &impl ConnectionTrait,
     now_us: impl Fn() -> i64,
@@ -224,14 +277,21 @@ where
     F: FnMut(OutboxRow) -> Fut,
     Fut: std::future::Future<Output = Delivery>,
 {
+    let claim_for_us = micros(CLAIM_TIMEOUT);
     let mut delivered = 0;
-    for row in due(db, now_us(), limit).await? {
+    for _ in 0..limit {
+        let Some(row) = claim_next(db, now_us(), claim_for_us).await? else {
+            break;
+        };
         let (id, key, kind) = (
             row.id.clone(),
             row.idempotency_key.clone(),
             row.kind.clone(),
         );
-        match deliver(row.clone()).await {
+        let outcome = tokio::time::timeout(DELIVERY_DEADLINE, deliver(row.clone()))
+            .await
+            .unwrap_or_else(|_| Delivery::Failed("no answer within the delivery deadline".into()));
+        match outcome {
             Delivery::Delivered => {
                 mark_delivered(db, &id, now_us()).await?;
                 delivered += 1;
@@ -247,6 +307,10 @@ where
         }
     }
     Ok(delivered)
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// Whether a callee's refusal is final: retrying the same request can never succeed.
