@@ -1,8 +1,51 @@
-//! What tests of node agents and sandboxes share: waiting for a condition, and the
-//! processes of a sandbox, which runs in a session of its own and so outlives the test
-//! unless the test reaps it.
+//! What tests of node agents and sandboxes share: the control plane they run against,
+//! waiting for a condition, and the processes of a sandbox, which runs in a session of
+//! its own and so outlives the test unless the test reaps it.
 
 use std::time::Duration;
+
+/// The environment of `runplane serve run-store sandbox-reconciler stream-recovery` on
+/// `addr`, accepting `token` as the operator's, with `extra` settings on top: each
+/// service on its own database, the coordinator in process (runners stream to it, node
+/// agents park with it), a 300 ms reconciler round.
+pub fn control_plane_env(
+    run_db: &runplane_testkit::TestDatabase,
+    reconciler_db: &runplane_testkit::TestDatabase,
+    addr: &str,
+    token: &str,
+    extra: &[(&'static str, &str)],
+) -> Vec<(&'static str, String)> {
+    const RECEIPT_KEY: &str = "2f2e3d4c5b6a79887766554433221100ffeeddccbbaa99887766554433221100";
+    let endpoint = format!("http://{addr}");
+    let mut env = vec![
+        ("RUNPLANE_SERVER__LISTEN", addr.to_owned()),
+        ("RUNPLANE_AUTH__OPERATOR_TOKEN", token.to_owned()),
+        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
+        (
+            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
+            RECEIPT_KEY.to_owned(),
+        ),
+        // Not about admission: runs are created on the credential they name.
+        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
+        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
+            reconciler_db.url().to_owned(),
+        ),
+        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
+        (
+            "RUNPLANE_STREAM_RECOVERY__REDIS_URL",
+            "memory://".to_owned(),
+        ),
+        ("RUNPLANE_STREAM_RECOVERY__ENDPOINT", endpoint),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
+            "300".to_owned(),
+        ),
+    ];
+    env.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
+    env
+}
 
 /// Polls `check` every 100 ms until it answers, for at most `limit`.
 pub async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T

@@ -95,7 +95,8 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
             org_id: "acme".into(),
             target: Some(pb::create_run_request::Target::CredentialId("c".into())),
             command: "sh".into(),
-            args: vec!["-c".into(), "exec sleep 120".into()],
+            // Waiting for a line nobody sends: parked, so the node may suspend it.
+            args: vec!["-c".into(), "read line; exec sleep 120".into()],
             ..Default::default()
         }))
         .await

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use runplane_integration_tests::sandboxes::{
-    ReapSession, eventually, session_members, start_node, start_node_logging,
+    self, ReapSession, eventually, session_members, start_node, start_node_logging,
 };
 use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
@@ -17,7 +17,6 @@ use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::{TestDatabase, free_local_addr};
 
 const TOKEN: &str = "node-test-operator-token-0123456789abcdefg";
-const RECEIPT_KEY: &str = "2f2e3d4c5b6a79887766554433221100ffeeddccbbaa99887766554433221100";
 
 fn authed<T>(message: T) -> tonic::Request<T> {
     let mut r = tonic::Request::new(message);
@@ -26,44 +25,13 @@ fn authed<T>(message: T) -> tonic::Request<T> {
     r
 }
 
-/// The environment of `runplane serve run-store sandbox-reconciler` on `addr`, with
-/// `extra` settings on top.
 fn control_plane_env(
     run_db: &TestDatabase,
     reconciler_db: &TestDatabase,
     addr: &str,
     extra: &[(&'static str, &str)],
 ) -> Vec<(&'static str, String)> {
-    let endpoint = format!("http://{addr}");
-    let mut env = vec![
-        ("RUNPLANE_SERVER__LISTEN", addr.to_owned()),
-        ("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN.to_owned()),
-        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
-        (
-            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
-            RECEIPT_KEY.to_owned(),
-        ),
-        // Not about admission: runs are created on the credential they name.
-        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
-        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
-            reconciler_db.url().to_owned(),
-        ),
-        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
-        // The coordinator in process: runners stream to it, node agents park with it.
-        (
-            "RUNPLANE_STREAM_RECOVERY__REDIS_URL",
-            "memory://".to_owned(),
-        ),
-        ("RUNPLANE_STREAM_RECOVERY__ENDPOINT", endpoint),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
-            "300".to_owned(),
-        ),
-    ];
-    env.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
-    env
+    sandboxes::control_plane_env(run_db, reconciler_db, addr, TOKEN, extra)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,17 +76,15 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
     );
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
-    // The agent finishes once the test lets it: frozen, it cannot.
+    // The agent waits for a line on its stdin (parked, so it may be suspended) and
+    // finishes once the test steers one to it: frozen, it cannot.
     let run = runs
         .create_run(authed(pb::CreateRunRequest {
             client_request_id: "idle-wake-request-0001".into(),
             org_id: "acme".into(),
             target: Some(pb::create_run_request::Target::CredentialId("c".into())),
             command: "sh".into(),
-            args: vec![
-                "-c".into(),
-                "until [ -e /workspace/go ]; do sleep 0.2; done; echo done".into(),
-            ],
+            args: vec!["-c".into(), "read go; echo done".into()],
             ..Default::default()
         }))
         .await
@@ -222,11 +188,13 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         "the wake went to the node holding the sandbox"
     );
 
-    // Thawed, the agent finishes and so does the run.
-    std::fs::write(
-        holder_dir.join(&sandbox.id).join("workspace").join("go"),
-        "",
-    )
+    // Thawed, the agent is given its line, finishes and so does the run.
+    runs.steer(authed(pb::SteerRequest {
+        run_id: run.id.clone(),
+        text: "go".into(),
+        idempotency_key: "idle-wake-steer-00001".into(),
+    }))
+    .await
     .unwrap();
     let ended = eventually(Duration::from_secs(30), "the run to finish", || {
         let mut runs = runs.clone();
@@ -502,7 +470,6 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
         let before = heartbeat_of(&api).await;
         eventually(Duration::from_secs(30), "the next heartbeat", || {
             let api = api.clone();
-            let before = before.clone();
             async move {
                 let now = heartbeat_of(&api).await;
                 (now.is_some() && now != before).then_some(())

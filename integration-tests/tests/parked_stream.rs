@@ -172,11 +172,11 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         TOKEN,
     );
 
-    // Ten lines, then it waits for a flag the test sets while the sandbox is frozen, so
-    // the last ten come only after the restore, on the same stream. The flag is in its
-    // workspace (its working directory): the agent sees nothing else of the host's files.
+    // Ten lines, then it waits for a line on its stdin (parked, so it may be suspended),
+    // which the test steers to it after the restore, so the last ten come only then, on
+    // the same stream.
     let script = "for i in $(seq 1 10); do echo line $i; done; \
-         while [ ! -e go-on ]; do sleep 0.1; done; \
+         read go_on; \
          for i in $(seq 11 20); do echo line $i; done"
         .to_owned();
     let mut runs = RunServiceClient::with_interceptor(channel(&endpoint).await, Bearer::new(TOKEN));
@@ -253,12 +253,7 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
     assert_eq!(held.budget.unwrap().attempts, 0, "nothing was spent");
     assert_eq!(held.lease.unwrap().state(), pb::LeaseState::Parked);
 
-    // The frozen workload may go on once it runs again; a wake restores it.
-    std::fs::write(
-        node_dir.join(&sandbox.id).join("workspace").join("go-on"),
-        b"",
-    )
-    .unwrap();
+    // A wake restores it; a steer gives the agent the line it waits for.
     api.clone()
         .request_wake(rpb::RequestWakeRequest {
             sandbox_id: sandbox.id.clone(),
@@ -266,6 +261,13 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         })
         .await
         .unwrap();
+    runs.steer(rs::SteerRequest {
+        run_id: run_id.clone(),
+        text: "go".into(),
+        idempotency_key: "parked-stream-steer-00001".into(),
+    })
+    .await
+    .unwrap();
     let status = eventually(Duration::from_secs(30), "the run to finish", || {
         let mut runs = runs.clone();
         let run_id = run_id.clone();

@@ -38,6 +38,9 @@ pub const ENV_RUN_KEY: &str = "RUNPLANE_RUN_KEY";
 pub const ENV_AGENT_WRAPPER: &str = "RUNPLANE_AGENT_WRAPPER";
 /// Where the stream recovery coordinator is; the run store's endpoint when unset.
 pub const ENV_RECOVERY_ENDPOINT: &str = "RUNPLANE_RECOVERY_ENDPOINT";
+/// The sandbox's directory under the process driver, where the runner keeps
+/// [`steering::STEERING_MARK`]; unset elsewhere.
+pub const ENV_SANDBOX_DIR: &str = "RUNPLANE_SANDBOX_DIR";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {

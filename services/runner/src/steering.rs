@@ -46,6 +46,10 @@ pub async fn poll(
     let mut attempts: HashMap<String, u32> = HashMap::new();
     let mut backoff = BACKOFF_START;
     let mut degraded: Option<(std::time::SystemTime, u32)> = None;
+    let mark = PollMark::from_env();
+    let mut answered: u64 = 0;
+    // The loop is up: whatever is queued for the agent is served by the first poll.
+    mark.record(answered, 0);
 
     loop {
         let sent_acks = acks.clone();
@@ -107,7 +111,12 @@ pub async fn poll(
             return;
         }
 
+        answered += 1;
+        // Pending until applied: a node must not take the agent for parked while a
+        // steer it was served is still on its way to the agent's stdin.
+        mark.record(answered, answer.messages.len());
         let mut new_acks = 0;
+        let mut unapplied = 0;
         for message in &answer.messages {
             if applied.contains(&message.id) {
                 acks.push(ack(&message.id, pb::AckOutcome::Applied, 1, ""));
@@ -137,15 +146,52 @@ pub async fn poll(
                     new_acks += 1;
                 }
                 Applied::Failed(error) => {
+                    unapplied += 1;
                     tracing::warn!(message_id = %message.id, attempt = *tries, %error, "steering message not applied yet");
                 }
             }
         }
+        mark.record(answered, unapplied);
         if !answer.messages.is_empty() && new_acks == 0 {
             tokio::time::sleep(jittered(backoff)).await;
             backoff = (backoff * 2).min(BACKOFF_CAP);
         } else {
             backoff = BACKOFF_START;
+        }
+    }
+}
+
+/// The sandbox driver's view of this loop, for idle suspend: how many polls were
+/// answered and how many served messages are not applied yet, in
+/// `$RUNPLANE_SANDBOX_DIR/steering` (outside the agent's reach), from the loop's start.
+/// A node suspends an agent waiting for input only when nothing is pending, and a
+/// restored one only after one more answer (it had its chance to hear what was sent while
+/// it was frozen). Without a sandbox directory (not the process driver) nothing is
+/// written.
+struct PollMark(Option<std::path::PathBuf>);
+
+/// The file [`PollMark`] writes, in the sandbox's directory.
+pub const STEERING_MARK: &str = "steering";
+
+impl PollMark {
+    fn from_env() -> Self {
+        Self(
+            std::env::var_os(crate::ENV_SANDBOX_DIR)
+                .filter(|dir| !dir.is_empty())
+                .map(|dir| std::path::Path::new(&dir).join(STEERING_MARK)),
+        )
+    }
+
+    /// Replaced whole (written aside, then renamed), so a reader never sees half of it.
+    fn record(&self, answered: u64, pending: usize) {
+        let Some(path) = &self.0 else {
+            return;
+        };
+        let aside = path.with_extension("new");
+        let written = std::fs::write(&aside, format!("{answered} {pending}\n"))
+            .and_then(|()| std::fs::rename(&aside, path));
+        if let Err(error) = written {
+            tracing::debug!(%error, "steering mark not written");
         }
     }
 }

@@ -3,13 +3,15 @@
 //! It registers (endpoint, capacity; a new boot gets a new epoch), heartbeats, long-polls
 //! its assignments and acts on them with the process driver: it launches sandboxes
 //! placed on it (claiming their run key), restores the ones a wake assigned to it and
-//! reports the restore, suspends a sandbox idle longer than its idle timeout and
+//! reports the restore, suspends a sandbox parked longer than its idle timeout and
 //! publishes it unplaced (its route identity still names this node: seed 003's exact
 //! situation), publishes exits, and stops every deleted sandbox it is handed a DESTROY
 //! for, suspended ones included, acknowledging each stop with a DELETED publication.
-//! runplane has no session traffic of its own yet, so a sandbox's idle clock starts at its
-//! launch or restore. A suspend is preceded by ParkStream on the stream recovery
-//! coordinator (a frozen runner renews nothing, and its lapsed lease must not look like a
+//! Idle means parked, not silent: its agent waits for input and no session reached it for
+//! the whole timeout ([`Local::idle_past_timeout`]). A node sees no session traffic but
+//! the reattach that woke a sandbox, so a sandbox's idle clock starts at its launch or
+//! restore, and again whenever its agent is found working. A suspend is preceded by
+//! ParkStream on the stream recovery coordinator (a frozen runner renews nothing, and its lapsed lease must not look like a
 //! lost controller) and a restore followed by UnparkStream. Only this node can restore
 //! what it suspended (its processes are on this host), so the reconciler hands it the
 //! wakes of its own sandboxes; a restore that finds the process gone publishes it exited
@@ -86,19 +88,46 @@ const UNPARK_TTL: Duration = Duration::from_secs(30);
 /// A sandbox this node runs.
 struct Local {
     row: sandbox::Model,
-    /// When its idle clock started (launch or restore).
-    active_since: Instant,
+    /// Since when it has been idle: its launch or restore (the only session traffic a
+    /// node sees), or the last round that found its agent working, whichever is later.
+    idle_since: Instant,
+    /// Its runner's answered steering polls when this node took it on (launch, restore or
+    /// adoption); None while its steering loop has not started.
+    polls_at_start: Option<u64>,
     suspended: bool,
 }
 
 impl Local {
-    /// A sandbox running here from now on.
-    fn active(row: sandbox::Model) -> Self {
+    /// A sandbox running here from now on, whose runner had `polls_at_start` answered
+    /// (read before it was resumed, for a restore).
+    fn active(row: sandbox::Model, polls_at_start: Option<u64>) -> Self {
         Self {
+            polls_at_start,
             row,
-            active_since: Instant::now(),
+            idle_since: Instant::now(),
             suspended: false,
         }
+    }
+
+    /// Whether it may be suspended for idleness now: idle suspend is on for it, its agent
+    /// is parked (waiting for input with no steering pending, [`ProcessDriver::parked`]),
+    /// and has been for its whole idle timeout since a session last reached it, and its
+    /// runner's steering loop moved on since this node took it on (started, after a
+    /// launch; one more poll answered, after a restore or an adoption). The last rule keeps
+    /// a restored sandbox from being frozen again before its runner heard what was sent to
+    /// it while it was frozen (the steer its reattach was for). A working agent restarts
+    /// the idle clock, so silence alone never suspends one.
+    fn idle_past_timeout(&mut self, driver: &ProcessDriver) -> bool {
+        let timeout = Duration::from_millis(self.row.idle_timeout_ms.max(0) as u64);
+        if timeout.is_zero() {
+            return false;
+        }
+        if !driver.parked(&self.row) {
+            self.idle_since = Instant::now();
+            return false;
+        }
+        let polled = answered_polls(driver, &self.row) > self.polls_at_start;
+        polled && self.idle_since.elapsed() >= timeout
     }
 }
 
@@ -451,13 +480,15 @@ fn row_of(a: &pb::Assignment, handle: String) -> sandbox::Model {
     }
 }
 
-/// Publishes `row` started and placed here, and keeps it among this node's sandboxes.
+/// Publishes `row` started and placed here, and keeps it among this node's sandboxes;
+/// its runner had `polls_at_start` answered ([`Local::polls_at_start`]).
 async fn take_on(
     client: &Client,
     config: &AgentConfig,
     epoch: u64,
     locals: &mut HashMap<String, Local>,
     row: sandbox::Model,
+    polls_at_start: Option<u64>,
 ) {
     publish(
         client,
@@ -469,7 +500,11 @@ async fn take_on(
         None,
     )
     .await;
-    locals.insert(row.id.clone(), Local::active(row));
+    locals.insert(row.id.clone(), Local::active(row, polls_at_start));
+}
+
+fn answered_polls(driver: &ProcessDriver, row: &sandbox::Model) -> Option<u64> {
+    driver.runner_polls(row).map(|p| p.answered)
 }
 
 /// A sandbox this node launched before a restart: re-adopted by the pid it recorded
@@ -485,7 +520,8 @@ async fn adopt_or_report_lost(
     let row = row_of(a, recorded_handle(config, &a.sandbox_id));
     if !row.driver_handle.is_empty() && driver.status(&row).await == Probe::Alive {
         tracing::info!(sandbox_id = %row.id, "sandbox re-adopted after a restart");
-        take_on(client, config, epoch, locals, row).await;
+        let polls = answered_polls(driver, &row);
+        take_on(client, config, epoch, locals, row, polls).await;
     } else {
         publish(
             client,
@@ -553,7 +589,8 @@ async fn act(
             match driver.create(&row_of(&a, String::new()), launch).await {
                 Ok(handle) => {
                     tracing::info!(sandbox_id = %a.sandbox_id, "sandbox launched");
-                    take_on(client, config, epoch, locals, row_of(&a, handle)).await;
+                    // A new runner: its steering loop has not started.
+                    take_on(client, config, epoch, locals, row_of(&a, handle), None).await;
                 }
                 Err(e) => {
                     tracing::error!(sandbox_id = %a.sandbox_id, error = %e, "sandbox not started")
@@ -563,6 +600,7 @@ async fn act(
         pb::AssignmentIntent::Restore => {
             // The sandbox's process is found by its label wherever this node can see it.
             let row = row_of(&a, recorded_handle(config, &a.sandbox_id));
+            let polls = answered_polls(driver, &row);
             let resumed = driver.resume(&row).await.is_ok();
             let probe = driver.status(&row).await;
             if resumed && probe == Probe::Alive {
@@ -581,7 +619,7 @@ async fn act(
                 match report {
                     Ok(_) => {
                         tracing::info!(sandbox_id = %row.id, "sandbox restored");
-                        locals.insert(row.id.clone(), Local::active(row));
+                        locals.insert(row.id.clone(), Local::active(row, polls));
                     }
                     // Refused (SANDBOX_ENDED for a deleted sandbox: its DESTROY assignment
                     // follows and stops the process resumed here).
@@ -624,7 +662,8 @@ async fn act(
     None
 }
 
-/// Suspends sandboxes idle past their timeout and publishes exits.
+/// Suspends sandboxes parked past their idle timeout ([`Local::idle_past_timeout`]) and
+/// publishes exits.
 async fn look_after(
     client: &Client,
     recovery: &Recovery,
@@ -652,12 +691,10 @@ async fn look_after(
             ended.push(local.row.id.clone());
             continue;
         }
-        let idle = Duration::from_millis(local.row.idle_timeout_ms.max(0) as u64);
         // A stream that could not be parked stays running this time: suspended, its
         // runner would stop renewing and the lapsed lease be taken over as if lost.
         // The next round tries again.
-        if !idle.is_zero()
-            && local.active_since.elapsed() >= idle
+        if local.idle_past_timeout(driver)
             && park(recovery, &local.row).await
             && driver.suspend(&local.row).await.is_ok()
         {

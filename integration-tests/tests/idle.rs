@@ -1,0 +1,285 @@
+//! Idle means parked, not silent (DESIGN.md "Sandbox reconciler"), over a real node
+//! agent, its process driver and real agents in bubblewrap, with a 3 s idle timeout:
+//! an agent that is quiet but working (`sleep 10`) is never suspended and finishes; an
+//! agent blocked reading its stdin is suspended, woken by a reattach on its own node, not
+//! frozen again before its runner polled, given its line by a steer, and finishes.
+
+use std::time::Duration;
+
+use runplane_integration_tests::sandboxes::{
+    ReapSession, control_plane_env, eventually, start_node_logging,
+};
+use runplane_integration_tests::{Process, channel, start_serve};
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::{TestDatabase, free_local_addr};
+use tokio_stream::StreamExt as _;
+
+const TOKEN: &str = "idle-test-operator-token-0123456789abcdefgh";
+const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
+/// What a node's log says each time it suspends a sandbox for idleness.
+const SUSPENDED: &str = "idle: suspended";
+
+fn authed<T>(message: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    r
+}
+
+/// A control plane with a 3 s idle timeout and one node agent, `node-i`, which holds
+/// every sandbox; the agent's log is kept to count its suspends.
+struct Cluster {
+    runs: RunServiceClient<tonic::transport::Channel>,
+    api: SandboxServiceClient<tonic::transport::Channel>,
+    node_dir: std::path::PathBuf,
+    node_log: std::path::PathBuf,
+    _node: tokio::process::Child,
+    _control_plane: Process,
+    _databases: (TestDatabase, TestDatabase),
+    _state: tempfile::TempDir,
+}
+
+impl Cluster {
+    async fn start(node_endpoint: &str) -> Self {
+        let (run_db, reconciler_db) = (TestDatabase::new().await, TestDatabase::new().await);
+        let state = tempfile::tempdir().unwrap();
+        let addr = free_local_addr().to_string();
+        let endpoint = format!("http://{addr}");
+        let idle = IDLE_TIMEOUT.as_secs().to_string();
+        let local_dir = state.path().join("reconciler").display().to_string();
+        let env = control_plane_env(
+            &run_db,
+            &reconciler_db,
+            &addr,
+            TOKEN,
+            &[
+                ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", &idle),
+                // Every sandbox goes to the node agent.
+                ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
+                ("RUNPLANE_SANDBOX_RECONCILER__STATE_DIR", &local_dir),
+            ],
+        );
+        let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let control_plane = start_serve(
+            &["run-store", "sandbox-reconciler", "stream-recovery"],
+            &env_refs,
+        )
+        .await;
+        let node_dir = state.path().join("node-i");
+        let node_log = state.path().join("node-i.log");
+        let node = start_node_logging(
+            "node-i",
+            node_endpoint,
+            &endpoint,
+            &endpoint,
+            &node_dir,
+            TOKEN,
+            &node_log,
+        );
+        Self {
+            runs: RunServiceClient::new(channel(&endpoint).await),
+            api: SandboxServiceClient::new(channel(&endpoint).await),
+            node_dir,
+            node_log,
+            _node: node,
+            _control_plane: control_plane,
+            _databases: (run_db, reconciler_db),
+            _state: state,
+        }
+    }
+
+    async fn create_run(&self, request_id: &str, script: &str) -> pb::Run {
+        self.runs
+            .clone()
+            .create_run(authed(pb::CreateRunRequest {
+                client_request_id: request_id.into(),
+                org_id: "acme".into(),
+                target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                command: "sh".into(),
+                args: vec!["-c".into(), script.into()],
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap()
+    }
+
+    /// The run's sandbox once `matches` holds for it.
+    async fn sandbox_when(
+        &self,
+        run_id: &str,
+        what: &str,
+        matches: impl Fn(&rpb::Sandbox) -> bool,
+    ) -> rpb::Sandbox {
+        let matches = &matches;
+        eventually(Duration::from_secs(30), what, || {
+            let mut api = self.api.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                api.list_sandboxes(authed(rpb::ListSandboxesRequest {
+                    run_id,
+                    ..Default::default()
+                }))
+                .await
+                .ok()?
+                .into_inner()
+                .sandboxes
+                .into_iter()
+                .find(|s| matches(s))
+            }
+        })
+        .await
+    }
+
+    /// The sandbox's session leader, whose session is killed whole when the guard drops
+    /// (a failing test must leave no frozen processes behind).
+    fn reap(&self, sandbox_id: &str) -> ReapSession {
+        let pid: u32 = std::fs::read_to_string(self.node_dir.join(sandbox_id).join("pid"))
+            .expect("the node recorded the sandbox's pid")
+            .trim()
+            .parse()
+            .expect("a pid");
+        assert!(pid > 1);
+        ReapSession(pid)
+    }
+
+    async fn ended(&self, run_id: &str) -> pb::Run {
+        eventually(Duration::from_secs(30), "the run to end", || {
+            let mut runs = self.runs.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                let run = runs
+                    .get_run(authed(pb::GetRunRequest { run_id }))
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .run?;
+                run.state().is_terminal().then_some(run)
+            }
+        })
+        .await
+    }
+
+    /// The stdout lines of an ended run, in order.
+    async fn stdout(&self, run_id: &str) -> Vec<String> {
+        let mut watch = self
+            .runs
+            .clone()
+            .watch_run(authed(pb::WatchRunRequest {
+                run_id: run_id.into(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut lines = Vec::new();
+        // Every event of an ended run comes before the first heartbeat.
+        while let Some(update) = watch.next().await {
+            match update.unwrap().update {
+                Some(pb::watch_run_response::Update::Event(e))
+                    if e.kind() == pb::EventKind::Stdout =>
+                {
+                    lines.push(e.text)
+                }
+                Some(pb::watch_run_response::Update::Heartbeat(_)) | None => break,
+                _ => {}
+            }
+        }
+        lines
+    }
+
+    fn suspends(&self) -> usize {
+        std::fs::read_to_string(&self.node_log)
+            .unwrap_or_default()
+            .matches(SUSPENDED)
+            .count()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_agent_that_is_working_is_never_suspended_and_finishes() {
+    let cluster = Cluster::start("127.0.0.1:17041").await;
+    // Silent for 10 s, over three idle timeouts, but never waiting for input.
+    let run = cluster
+        .create_run("idle-working-request-001", "sleep 10; echo done")
+        .await;
+    let sandbox = cluster
+        .sandbox_when(&run.id, "the sandbox on the node", |s| {
+            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
+        })
+        .await;
+    let _reap = cluster.reap(&sandbox.id);
+
+    let ended = cluster.ended(&run.id).await;
+    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(cluster.stdout(&run.id).await, ["done"]);
+    assert_eq!(cluster.suspends(), 0, "a working agent was frozen");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered_to_the_end() {
+    let cluster = Cluster::start("127.0.0.1:17042").await;
+    let run = cluster
+        .create_run("idle-parked-request-0001", "read line; echo got-$line")
+        .await;
+
+    // Parked: suspended and published unplaced.
+    let sandbox = cluster
+        .sandbox_when(&run.id, "the idle suspend", |s| {
+            s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+        })
+        .await;
+    let _reap = cluster.reap(&sandbox.id);
+    assert_eq!(cluster.suspends(), 1);
+
+    // The reattach: not placed, a wake is queued, and the node holding it restores it.
+    let resolve = || {
+        authed(rpb::ResolveRouteRequest {
+            sandbox_id: sandbox.id.clone(),
+            session_id: "session-1".into(),
+        })
+    };
+    let mut api = cluster.api.clone();
+    let refused = api.resolve_route(resolve()).await.unwrap_err();
+    assert_eq!(
+        runplane_grpc::error_info(&refused).unwrap().reason,
+        "NOT_PLACED"
+    );
+    cluster
+        .sandbox_when(&run.id, "the wake to restore it", |s| {
+            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
+        })
+        .await;
+    let route = api.resolve_route(resolve()).await.unwrap().into_inner();
+    assert_eq!(route.node_id, "node-i");
+
+    // Still parked, but its runner has not had a poll answered since the restore (the
+    // poll it was frozen in is held for 20 s): past the idle timeout and a node round,
+    // the node has not frozen it again, so what is sent now reaches it. This window is
+    // where a node that restarts the idle clock alone suspends it a second time.
+    tokio::time::sleep(IDLE_TIMEOUT + Duration::from_secs(2)).await;
+    assert_eq!(
+        cluster.suspends(),
+        1,
+        "suspended again before its runner polled"
+    );
+
+    cluster
+        .runs
+        .clone()
+        .steer(authed(pb::SteerRequest {
+            run_id: run.id.clone(),
+            text: "go".into(),
+            idempotency_key: "idle-parked-steer-00001".into(),
+        }))
+        .await
+        .unwrap();
+    let ended = cluster.ended(&run.id).await;
+    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
+}
