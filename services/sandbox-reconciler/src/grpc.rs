@@ -24,6 +24,8 @@ pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// What the services share.
 pub struct Shared {
     pub store: Store,
+    /// Hands work to node agents at once (see [`crate::signals`]).
+    pub signals: crate::signals::Signals,
     /// The run store, for the run keys node agents claim.
     pub run_store: crate::reconcile::RunStoreClient,
     pub run_store_endpoint: String,
@@ -381,6 +383,7 @@ impl NodeService for NodeApi {
             .unwrap_or_default()
             .min(Duration::from_secs(30));
         let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = s.signals.watch_assignments();
         loop {
             s.store
                 .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
@@ -399,10 +402,9 @@ impl NodeService for NodeApi {
                     revision,
                 }));
             }
-            tokio::time::sleep(
-                Duration::from_millis(250).min(deadline - tokio::time::Instant::now()),
-            )
-            .await;
+            // Read again when a round (here or on another replica) may have changed
+            // the assignments, else answer at the deadline.
+            changes.changed(deadline).await;
         }
     }
 
@@ -900,6 +902,8 @@ impl SandboxService for SandboxApi {
                 .store
                 .queue_wake(&req.sandbox_id, "session reattach")
                 .await?;
+            // Assign it now, not at the next interval.
+            s.signals.want_round();
             tracing::info!(wake_id = %wake.id, "sandbox not placed; wake queued");
             return Err(ReconcilerError::NotPlaced {
                 id: req.sandbox_id.clone(),
@@ -954,6 +958,7 @@ impl SandboxService for SandboxApi {
         }
         s.refuse_wake_of_ended_run(&p.sandbox).await?;
         let wake = s.store.queue_wake(&req.sandbox_id, &req.reason).await?;
+        s.signals.want_round();
         Ok(Response::new(pb::RequestWakeResponse {
             placed: false,
             wake: Some(wake_of(&wake)),

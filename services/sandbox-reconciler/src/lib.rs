@@ -14,6 +14,7 @@ pub mod drivers;
 pub mod error;
 pub mod grpc;
 pub mod reconcile;
+pub mod signals;
 pub mod slots;
 pub mod store;
 
@@ -83,9 +84,11 @@ impl SandboxReconciler {
         } else {
             None
         };
+        let signals = signals::Signals::new(&db);
         Ok(Self {
             fleet,
             shared: Arc::new(grpc::Shared {
+                signals,
                 store: store::Store::new(db, clock),
                 run_store,
                 run_store_endpoint: config.run_store.endpoint.clone(),
@@ -139,6 +142,7 @@ impl SandboxReconciler {
                 stream_recovery: self.shared.recovery_endpoint.clone(),
             },
             self.tick_interval,
+            self.shared.signals.clone(),
             shutdown,
         ))
     }

@@ -595,6 +595,7 @@ pub async fn run_loop(
     run_store: RunStoreClient,
     endpoints: RunnerEndpoints,
     interval: Duration,
+    signals: crate::signals::Signals,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -611,6 +612,7 @@ pub async fn run_loop(
             () = &mut shutdown => return,
             () = tokio::time::sleep(interval) => {}
             () = new_run.notified() => {}
+            () = signals.round_wanted() => {}
         }
         // A round is background work: not a trace of its own every tick. What it does
         // for a run (a launch, a FailRun) continues that run's trace explicitly.
@@ -620,6 +622,8 @@ pub async fn run_loop(
                 "reconcile.round",
             ))
             .await;
+        // The round may have placed, woken or destroyed sandboxes: node agents look now.
+        signals.assignments_changed();
     }
 }
 

@@ -1,0 +1,230 @@
+//! How long a reattach to an idle-suspended sandbox takes to become routable: the first
+//! ResolveRoute (NOT_PLACED, a wake queued) to the first ResolveRoute that answers with
+//! the node's endpoint, on the process driver of a real node agent.
+//!
+//! The control plane is `runplane serve run-store sandbox-reconciler stream-recovery` on
+//! Postgres, with the reconciler's round at its production default of 2 s, so only the
+//! event-driven path (the reattach asks for a round; the round signals the node's long
+//! poll) can be faster than a round. One `runplane node` on a state directory of its own
+//! runs every sandbox; its idle timeout is 1 s. Each of [`ROUNDS`] rounds starts
+//! [`PER_ROUND`] runs of an agent that waits for a line on stdin (idle, so suspended),
+//! waits until all are suspended, then reattaches to them one at a time, polling
+//! ResolveRoute every 5 ms; then it cancels them.
+//!
+//! Run: `cargo build --release -p runplane && cargo bench -p runplane-integration-tests
+//! --bench wake_latency` (needs the local Postgres). Prints p50/p99 with the goals
+//! (p50 <= 100 ms, p99 <= 1 s) beside them.
+
+use std::time::{Duration, Instant};
+
+use runplane_integration_tests::sandboxes::{self, ReapSession, eventually, start_node};
+use runplane_integration_tests::{Process, channel, start_serve};
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::{TestDatabase, free_local_addr};
+use tonic::transport::Channel;
+
+const TOKEN: &str = "wake-bench-operator-token-0123456789abcde";
+const ROUNDS: usize = 10;
+/// At most the node's capacity (8), so every run of a round is placed at once.
+const PER_ROUND: usize = 8;
+const POLL: Duration = Duration::from_millis(5);
+
+fn authed<T>(message: T) -> tonic::Request<T> {
+    runplane_integration_tests::authed(message, TOKEN)
+}
+
+async fn suspended(api: &SandboxServiceClient<Channel>, run_id: &str) -> Option<rpb::Sandbox> {
+    api.clone()
+        .list_sandboxes(authed(rpb::ListSandboxesRequest {
+            run_id: run_id.to_owned(),
+            ..Default::default()
+        }))
+        .await
+        .ok()?
+        .into_inner()
+        .sandboxes
+        .into_iter()
+        .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
+}
+
+/// From the first reattach to a routed answer.
+async fn reattach(api: &SandboxServiceClient<Channel>, sandbox_id: &str) -> Duration {
+    let resolve = || {
+        authed(rpb::ResolveRouteRequest {
+            sandbox_id: sandbox_id.to_owned(),
+            session_id: "bench-session".into(),
+        })
+    };
+    let started = Instant::now();
+    loop {
+        match api.clone().resolve_route(resolve()).await {
+            Ok(_) => return started.elapsed(),
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => {}
+            Err(status) => panic!("ResolveRoute failed: {status:?}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "never routable"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+fn at(sorted: &[Duration], q: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * q).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1000.0)
+}
+
+#[tokio::main]
+async fn main() {
+    let (run_db, reconciler_db) = (TestDatabase::new().await, TestDatabase::new().await);
+    let state = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let endpoint = format!("http://{addr}");
+    let local_dir = state.path().join("reconciler").display().to_string();
+    let env = sandboxes::control_plane_env(
+        &run_db,
+        &reconciler_db,
+        &addr,
+        TOKEN,
+        &[
+            ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", "1"),
+            ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
+            ("RUNPLANE_SANDBOX_RECONCILER__STATE_DIR", &local_dir),
+            // The production round: the safety net, not the path.
+            ("RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS", "2000"),
+        ],
+    );
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let _control_plane: Process = start_serve(
+        &["run-store", "sandbox-reconciler", "stream-recovery"],
+        &env,
+    )
+    .await;
+    let node_dir = state.path().join("node-a");
+    let _node = start_node(
+        "node-a",
+        "127.0.0.1:17101",
+        &endpoint,
+        &endpoint,
+        &node_dir,
+        TOKEN,
+    );
+    let api = SandboxServiceClient::new(channel(&endpoint).await);
+    let mut runs = RunServiceClient::new(channel(&endpoint).await);
+    // The node is ready before any run exists, so dispatch on creation has somewhere to go.
+    eventually(Duration::from_secs(30), "node-a ready", || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api
+                .list_nodes(authed(rpb::ListNodesRequest::default()))
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            nodes
+                .iter()
+                .any(|n| n.id == "node-a" && n.state() == rpb::NodeState::Ready)
+                .then_some(())
+        }
+    })
+    .await;
+
+    let mut latencies = Vec::with_capacity(ROUNDS * PER_ROUND);
+    for round in 0..ROUNDS {
+        let mut round_runs = Vec::new();
+        for i in 0..PER_ROUND {
+            let run = runs
+                .create_run(authed(pb::CreateRunRequest {
+                    client_request_id: format!("wake-bench-{round:03}-{i:03}-request"),
+                    org_id: "acme".into(),
+                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    command: "sh".into(),
+                    args: vec!["-c".into(), "read go; echo done".into()],
+                    ..Default::default()
+                }))
+                .await
+                .unwrap()
+                .into_inner()
+                .run
+                .unwrap();
+            round_runs.push(run.id);
+        }
+        let mut sandboxes = Vec::new();
+        let mut reaps = Vec::new();
+        for run_id in &round_runs {
+            let sandbox = eventually(Duration::from_secs(60), "the idle suspend", || {
+                suspended(&api, run_id)
+            })
+            .await;
+            if let Some(pid) = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
+                .ok()
+                .and_then(|p| p.trim().parse().ok())
+            {
+                reaps.push(ReapSession(pid));
+            }
+            sandboxes.push(sandbox.id);
+        }
+        for sandbox_id in &sandboxes {
+            latencies.push(reattach(&api, sandbox_id).await);
+        }
+        for run_id in &round_runs {
+            runs.cancel_run(authed(pb::CancelRunRequest {
+                run_id: run_id.clone(),
+                reason: "wake bench round over".into(),
+                idempotency_key: format!("wake-bench-cancel-{run_id}"),
+            }))
+            .await
+            .unwrap();
+        }
+        // The node stops the cancelled runs' sandboxes; make room for the next round.
+        for sandbox_id in &sandboxes {
+            let sandbox_id = sandbox_id.clone();
+            eventually(Duration::from_secs(60), "the sandbox deleted", || {
+                let mut api = api.clone();
+                let sandbox_id = sandbox_id.clone();
+                async move {
+                    match api
+                        .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id }))
+                        .await
+                    {
+                        Err(status) if status.code() == tonic::Code::NotFound => Some(()),
+                        Ok(answer) => (answer.into_inner().sandbox?.status()
+                            == rpb::SandboxStatus::Deleted)
+                            .then_some(()),
+                        Err(_) => None,
+                    }
+                }
+            })
+            .await;
+        }
+        drop(reaps);
+    }
+    latencies.sort();
+    println!(
+        "reattach -> routable on the process driver of one node agent, {} reattaches \
+         ({ROUNDS} rounds of {PER_ROUND}), reconciler round 2 s",
+        latencies.len()
+    );
+    println!(
+        "{:>8} | {:>8} | {:>8} | {:>8}",
+        "", "p50 ms", "p99 ms", "max ms"
+    );
+    println!(
+        "{:>8} | {:>8} | {:>8} | {:>8}",
+        "measured",
+        ms(at(&latencies, 0.5)),
+        ms(at(&latencies, 0.99)),
+        ms(*latencies.last().unwrap())
+    );
+    println!(
+        "{:>8} | {:>8} | {:>8} | {:>8}",
+        "goal", "<= 100", "<= 1000", "-"
+    );
+}

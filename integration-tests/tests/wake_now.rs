@@ -1,0 +1,142 @@
+//! A wake is handed to its node at once, not at the reconciler's next round: with the
+//! round at 60 s, a reattach to an idle-suspended sandbox is routable within seconds
+//! (the reattach asks for a round, and the round signals the node's long poll).
+
+use std::time::Duration;
+
+use runplane_integration_tests::sandboxes::{self, ReapSession, eventually, start_node};
+use runplane_integration_tests::{Process, channel, start_serve};
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::{TestDatabase, free_local_addr};
+
+const TOKEN: &str = "wake-now-operator-token-0123456789abcdefgh";
+
+fn authed<T>(message: T) -> tonic::Request<T> {
+    runplane_integration_tests::authed(message, TOKEN)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reattach_is_routable_long_before_the_next_round() {
+    let (run_db, reconciler_db) = (TestDatabase::new().await, TestDatabase::new().await);
+    let state = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let endpoint = format!("http://{addr}");
+    let local_dir = state.path().join("reconciler").display().to_string();
+    let env = sandboxes::control_plane_env(
+        &run_db,
+        &reconciler_db,
+        &addr,
+        TOKEN,
+        &[
+            ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", "1"),
+            ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
+            ("RUNPLANE_SANDBOX_RECONCILER__STATE_DIR", &local_dir),
+            // Far past the test: only the event-driven path can hand the wake over.
+            ("RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS", "60000"),
+        ],
+    );
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let _control_plane: Process = start_serve(
+        &["run-store", "sandbox-reconciler", "stream-recovery"],
+        &env,
+    )
+    .await;
+    let node_dir = state.path().join("node-a");
+    let _node = start_node(
+        "node-a",
+        "127.0.0.1:17201",
+        &endpoint,
+        &endpoint,
+        &node_dir,
+        TOKEN,
+    );
+    let mut api = SandboxServiceClient::new(channel(&endpoint).await);
+    let mut runs = RunServiceClient::new(channel(&endpoint).await);
+    // The node is ready before any run exists, so dispatch on creation has somewhere to go.
+    eventually(Duration::from_secs(30), "node-a ready", || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api
+                .list_nodes(authed(rpb::ListNodesRequest::default()))
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            nodes
+                .iter()
+                .any(|n| n.id == "node-a" && n.state() == rpb::NodeState::Ready)
+                .then_some(())
+        }
+    })
+    .await;
+    let run = runs
+        .create_run(authed(pb::CreateRunRequest {
+            client_request_id: "wake-now-request-0001".into(),
+            org_id: "acme".into(),
+            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            command: "sh".into(),
+            args: vec!["-c".into(), "read go; echo done".into()],
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    // Dispatched on creation (WaitForRuns), then suspended for idleness by the node.
+    let sandbox = eventually(Duration::from_secs(30), "the idle suspend", || {
+        let mut api = api.clone();
+        let run_id = run.id.clone();
+        async move {
+            api.list_sandboxes(authed(rpb::ListSandboxesRequest {
+                run_id,
+                ..Default::default()
+            }))
+            .await
+            .ok()?
+            .into_inner()
+            .sandboxes
+            .into_iter()
+            .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
+        }
+    })
+    .await;
+    let pid: u32 = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let _reap = ReapSession(pid);
+
+    let resolve = || {
+        authed(rpb::ResolveRouteRequest {
+            sandbox_id: sandbox.id.clone(),
+            session_id: "session-1".into(),
+        })
+    };
+    let refused = api.resolve_route(resolve()).await.unwrap_err();
+    assert_eq!(
+        runplane_grpc::error_info(&refused).unwrap().reason,
+        "NOT_PLACED"
+    );
+    // Well under the 60 s round.
+    let route = eventually(Duration::from_secs(10), "routable after the wake", || {
+        let mut api = api.clone();
+        let request = resolve();
+        async move { api.resolve_route(request).await.ok() }
+    })
+    .await
+    .into_inner();
+    assert_eq!(route.node_id, "node-a");
+
+    runs.cancel_run(authed(pb::CancelRunRequest {
+        run_id: run.id.clone(),
+        reason: "test over".into(),
+        idempotency_key: "wake-now-cancel-0001".into(),
+    }))
+    .await
+    .unwrap();
+}
