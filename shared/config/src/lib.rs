@@ -183,13 +183,17 @@ pub struct ServerConfig {
     /// (e.g. `"runplane.runstore.v1.RunnerService" = 2097152`).
     pub max_decoding_message_bytes_by_service: std::collections::BTreeMap<String, u32>,
     /// Ordinary calls (not long polls or streams) one service handles at once; past it a
-    /// call is refused at once with RESOURCE_EXHAUSTED (RATE_LIMITED) and pushback. 0 for
-    /// no limit.
+    /// call waits up to `overload_queue_ms` for a slot, then is refused with
+    /// RESOURCE_EXHAUSTED (RATE_LIMITED) and pushback. 0 for no limit.
     pub max_concurrent_requests: u32,
     /// Per-service overrides of `max_concurrent_requests`, by full service name.
     pub max_concurrent_requests_by_service: std::collections::BTreeMap<String, u32>,
     /// The pushback a shed call is told to wait, in milliseconds.
     pub overload_pushback_ms: u64,
+    /// How long a call over the limit waits for a slot, in arrival order, before it is
+    /// shed, in milliseconds: a burst is served in order instead of refused and retried
+    /// at random. 0 sheds at once.
+    pub overload_queue_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -208,6 +212,7 @@ impl Default for ServerConfig {
             max_concurrent_requests: 512,
             max_concurrent_requests_by_service: Default::default(),
             overload_pushback_ms: 250,
+            overload_queue_ms: 100,
         }
     }
 }
@@ -798,6 +803,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "server.overload_pushback_ms",
                 "must be between 1 and 60000",
+            ));
+        }
+        if server.overload_queue_ms > 10_000 {
+            return Err(ConfigError::invalid(
+                "server.overload_queue_ms",
+                "must be between 0 and 10000",
             ));
         }
         Ok(())

@@ -5,8 +5,8 @@
 //!   caller's W3C trace context, graceful shutdown with a deadline.
 //! - [`guard`]: a call without a well-formed bearer, or a message over its service's
 //!   decoding limit, is refused before any handler reads the body.
-//! - [`shed`]: past its concurrency limit a service answers `RESOURCE_EXHAUSTED` with
-//!   pushback at once instead of queueing.
+//! - [`shed`]: past its concurrency limit a call waits a short, bounded time for a slot
+//!   in arrival order, then is answered `RESOURCE_EXHAUSTED` with pushback.
 //! - [`client`]: channels that inject the current trace context into every request.
 //! - [`heartbeat`]: how often watch streams send heartbeats, and how long a client waits.
 //! - [`wake`]: keyed wake-ups, so a long poll or a watch wakes for its own key only.

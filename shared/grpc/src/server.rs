@@ -43,6 +43,8 @@ pub struct ServerLimits {
     pub max_concurrent_requests: Option<usize>,
     pub max_concurrent_requests_by_service: std::collections::BTreeMap<String, usize>,
     pub overload_pushback: Duration,
+    /// How long a call over the limit waits for a slot before it is shed.
+    pub overload_queue: Duration,
 }
 
 impl ServerLimits {
@@ -86,6 +88,7 @@ impl From<&runplane_config::ServerConfig> for ServerLimits {
                 .map(|(service, n)| (service.clone(), *n as usize))
                 .collect(),
             overload_pushback: Duration::from_millis(server.overload_pushback_ms),
+            overload_queue: Duration::from_millis(server.overload_queue_ms),
         }
     }
 }
@@ -245,7 +248,8 @@ pub async fn serve_with_tls(
     let shed = LoadShedLayer::new(
         limits.concurrency_limits(&names).collect::<Vec<_>>(),
         limits.overload_pushback,
-    );
+    )
+    .queueing(limits.overload_queue);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = builder
         .layer(ServerTraceLayer)

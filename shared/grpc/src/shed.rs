@@ -1,12 +1,15 @@
-//! Load shedding: each service handles at most so many ordinary calls at once, and a
-//! call past that is answered at once with `RESOURCE_EXHAUSTED` and pushback instead of
-//! queueing behind the others.
+//! Load shedding: each service handles at most so many ordinary calls at once; a call
+//! past that waits a short, bounded time for a slot, in arrival order, and is then
+//! answered with `RESOURCE_EXHAUSTED` and pushback instead of queueing without end.
 //!
 //! A server that queues everything gets slower for everyone when a fleet reconnects at
 //! once; one that refuses the excess with a pushback (`grpc-retry-pushback-ms` and
 //! `google.rpc.RetryInfo`, reason `RATE_LIMITED`) stays fast for the calls it takes, and
-//! runplane's transport waits out the pushback outside the outage budget. Long polls and
-//! streams are not counted: they wait by design and would starve the limit.
+//! runplane's transport waits out the pushback outside the outage budget. The short wait
+//! in between serves a burst in order: refused at once, the same burst comes back at
+//! random after its pushback, and some calls lose that lottery again and again (measured
+//! in the runner's outage bench, capacity-capped table). Long polls and streams are not
+//! counted: they wait by design and would starve the limit.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -30,6 +33,7 @@ use crate::guard::service_of;
 pub struct LoadShedLayer {
     limits: Arc<HashMap<String, Arc<Semaphore>>>,
     pushback: Duration,
+    queue: Duration,
 }
 
 impl LoadShedLayer {
@@ -44,7 +48,15 @@ impl LoadShedLayer {
                     .collect(),
             ),
             pushback,
+            queue: Duration::ZERO,
         }
+    }
+
+    /// A call over the limit waits up to `queue` for a slot (tokio's semaphore is fair:
+    /// first come, first served) before it is shed; zero sheds at once.
+    pub fn queueing(mut self, queue: Duration) -> Self {
+        self.queue = queue;
+        self
     }
 }
 
@@ -56,6 +68,7 @@ impl<S> Layer<S> for LoadShedLayer {
             inner,
             limits: self.limits.clone(),
             pushback: self.pushback,
+            queue: self.queue,
         }
     }
 }
@@ -66,6 +79,7 @@ pub struct LoadShed<S> {
     inner: S,
     limits: Arc<HashMap<String, Arc<Semaphore>>>,
     pushback: Duration,
+    queue: Duration,
 }
 
 type BoxFuture<T, E> = Pin<Box<dyn std::future::Future<Output = Result<T, E>> + Send>>;
@@ -93,8 +107,9 @@ fn overloaded(service: &str, pushback: Duration) -> http::Response<Body> {
 
 impl<S, ReqBody> Service<http::Request<ReqBody>> for LoadShed<S>
 where
-    S: Service<http::Request<ReqBody>, Response = http::Response<Body>> + Send,
+    S: Service<http::Request<ReqBody>, Response = http::Response<Body>> + Clone + Send + 'static,
     S::Future: Send + 'static,
+    ReqBody: Send + 'static,
 {
     type Response = http::Response<Body>;
     type Error = S::Error;
@@ -109,23 +124,31 @@ where
         let service = service_of(path);
         let counted = runplane_proto::policy_for(path)
             .is_none_or(|policy| policy.call_class() == CallClass::Unary);
-        let permit = match self.limits.get(service) {
-            Some(slots) if counted => match slots.clone().try_acquire_owned() {
-                Ok(permit) => Some(permit),
-                Err(_) => {
-                    tracing::debug!(
-                        rpc.service = service,
-                        "shedding a call over the concurrency limit"
-                    );
-                    let response = overloaded(service, self.pushback);
-                    return Box::pin(async move { Ok(response) });
-                }
-            },
-            _ => None,
+        let slots = match self.limits.get(service) {
+            Some(slots) if counted => slots.clone(),
+            _ => return Box::pin(self.inner.call(request)),
         };
-        let call = self.inner.call(request);
+        if let Ok(permit) = slots.clone().try_acquire_owned() {
+            let call = self.inner.call(request);
+            return Box::pin(async move {
+                let response = call.await;
+                drop(permit);
+                response
+            });
+        }
+        let (queue, pushback, service) = (self.queue, self.pushback, service.to_owned());
+        // The service polled ready is the one that takes the call, later: a clone stays.
+        let ready = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, ready);
         Box::pin(async move {
-            let response = call.await;
+            let Ok(Ok(permit)) = tokio::time::timeout(queue, slots.acquire_owned()).await else {
+                tracing::debug!(
+                    rpc.service = %service,
+                    "shedding a call over the concurrency limit"
+                );
+                return Ok(overloaded(&service, pushback));
+            };
+            let response = inner.call(request).await;
             drop(permit);
             response
         })

@@ -756,6 +756,77 @@ async fn an_attempt_past_its_deadline_is_retried_on_a_new_connection() {
     assert_eq!(script.calls(), 1, "not replayed");
 }
 
+/// A call over the limit waits its turn for up to `overload_queue`, then is shed: a slot
+/// that frees within the window serves it (no refusal), one that does not, refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_over_the_limit_waits_for_a_slot_within_the_queue_window() {
+    async fn serve_one_slot(queue: Duration) -> (String, Script) {
+        let (l, addr) = listener().await;
+        let script = Script::new([Answer::Stall(Duration::from_millis(300))]);
+        let mut services = runplane_grpc::ServiceSet::new();
+        services.add(RunnerServiceServer::new(script.clone()));
+        let mut limits = runplane_grpc::ServerLimits::default();
+        limits
+            .max_concurrent_requests_by_service
+            .insert("runplane.runstore.v1.RunnerService".to_owned(), 1);
+        limits.overload_queue = queue;
+        services.limits(limits);
+        tokio::spawn(runplane_grpc::serve(
+            l,
+            services,
+            std::future::pending(),
+            Duration::from_secs(1),
+        ));
+        (addr, script)
+    }
+    async fn second_call_while_the_first_holds_the_slot(
+        addr: &str,
+        script: &Script,
+    ) -> Result<(), Code> {
+        let channel = runplane_grpc::client::endpoint(&format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut first = RunnerServiceClient::new(channel.clone());
+        let holding = tokio::spawn(async move {
+            first
+                .append_events(authed_request(pb::AppendEventsRequest::default()))
+                .await
+        });
+        // The first call is in the handler (holding the slot) before the second is sent.
+        while script.calls() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = RunnerServiceClient::new(channel)
+            .append_events(authed_request(pb::AppendEventsRequest::default()))
+            .await;
+        holding.await.unwrap().unwrap();
+        second.map(|_| ()).map_err(|s| s.code())
+    }
+
+    let (addr, script) = serve_one_slot(Duration::from_secs(5)).await;
+    assert_eq!(
+        second_call_while_the_first_holds_the_slot(&addr, &script).await,
+        Ok(()),
+        "served in turn once the slot freed"
+    );
+    let (addr, script) = serve_one_slot(Duration::from_millis(20)).await;
+    assert_eq!(
+        second_call_while_the_first_holds_the_slot(&addr, &script).await,
+        Err(Code::ResourceExhausted),
+        "shed once the window passed"
+    );
+}
+
+fn authed_request<T>(message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer test-token".parse().unwrap());
+    request
+}
+
 /// A server over its concurrency limit sheds with pushback, and the transport waits it
 /// out: the shed call completes once the slot frees, outside the outage budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
