@@ -36,20 +36,6 @@ fn authed<T>(message: T) -> tonic::Request<T> {
     runplane_integration_tests::authed(message, TOKEN)
 }
 
-async fn suspended(api: &SandboxServiceClient<Channel>, run_id: &str) -> Option<rpb::Sandbox> {
-    api.clone()
-        .list_sandboxes(authed(rpb::ListSandboxesRequest {
-            run_id: run_id.to_owned(),
-            ..Default::default()
-        }))
-        .await
-        .ok()?
-        .into_inner()
-        .sandboxes
-        .into_iter()
-        .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
-}
-
 /// From the first reattach to a routed answer.
 async fn reattach(api: &SandboxServiceClient<Channel>, sandbox_id: &str) -> Duration {
     let resolve = || {
@@ -119,22 +105,7 @@ async fn main() {
     let api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The node is ready before any run exists, so dispatch on creation has somewhere to go.
-    eventually(Duration::from_secs(30), "node-a ready", || {
-        let mut api = api.clone();
-        async move {
-            let nodes = api
-                .list_nodes(authed(rpb::ListNodesRequest::default()))
-                .await
-                .ok()?
-                .into_inner()
-                .nodes;
-            nodes
-                .iter()
-                .any(|n| n.id == "node-a" && n.state() == rpb::NodeState::Ready)
-                .then_some(())
-        }
-    })
-    .await;
+    sandboxes::node_ready(&api, TOKEN, "node-a").await;
 
     let mut latencies = Vec::with_capacity(ROUNDS * PER_ROUND);
     for round in 0..ROUNDS {
@@ -159,16 +130,10 @@ async fn main() {
         let mut sandboxes = Vec::new();
         let mut reaps = Vec::new();
         for run_id in &round_runs {
-            let sandbox = eventually(Duration::from_secs(60), "the idle suspend", || {
-                suspended(&api, run_id)
-            })
-            .await;
-            if let Some(pid) = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
-                .ok()
-                .and_then(|p| p.trim().parse().ok())
-            {
-                reaps.push(ReapSession(pid));
-            }
+            let (sandbox, pid) =
+                sandboxes::idle_suspended(&api, TOKEN, run_id, &node_dir, Duration::from_secs(60))
+                    .await;
+            reaps.push(ReapSession(pid));
             sandboxes.push(sandbox.id);
         }
         for sandbox_id in &sandboxes {

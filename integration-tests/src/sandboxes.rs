@@ -4,6 +4,10 @@
 
 use std::time::Duration;
 
+use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use tonic::transport::Channel;
+
 /// The environment of `runplane serve run-store sandbox-reconciler stream-recovery` on
 /// `addr`, accepting `token` as the operator's, with `extra` settings on top: each
 /// service on its own database, the coordinator in process (runners stream to it, node
@@ -182,4 +186,64 @@ fn node_command(
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
     command
+}
+
+/// The sandbox of `run_id` once its node has suspended it for idleness and published it
+/// unplaced (within `limit`), with the pid its node recorded for it under `node_dir`.
+pub async fn idle_suspended(
+    api: &SandboxServiceClient<Channel>,
+    token: &str,
+    run_id: &str,
+    node_dir: &std::path::Path,
+    limit: Duration,
+) -> (rpb::Sandbox, u32) {
+    let sandbox = eventually(limit, "the idle suspend", || {
+        let mut api = api.clone();
+        let request = crate::authed(
+            rpb::ListSandboxesRequest {
+                run_id: run_id.to_owned(),
+                ..Default::default()
+            },
+            token,
+        );
+        async move {
+            api.list_sandboxes(request)
+                .await
+                .ok()?
+                .into_inner()
+                .sandboxes
+                .into_iter()
+                .find(|s| {
+                    s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+                })
+        }
+    })
+    .await;
+    let pid: u32 = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
+        .expect("the node recorded the sandbox's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    assert!(pid > 1);
+    (sandbox, pid)
+}
+
+/// Waits until node `id` is registered and ready (so a run created next is dispatched
+/// to it at once).
+pub async fn node_ready(api: &SandboxServiceClient<Channel>, token: &str, id: &str) {
+    eventually(Duration::from_secs(30), "the node ready", || {
+        let mut api = api.clone();
+        let request = crate::authed(rpb::ListNodesRequest::default(), token);
+        async move {
+            api.list_nodes(request)
+                .await
+                .ok()?
+                .into_inner()
+                .nodes
+                .iter()
+                .any(|n| n.id == id && n.state() == rpb::NodeState::Ready)
+                .then_some(())
+        }
+    })
+    .await;
 }

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use runplane_integration_tests::sandboxes::{
-    ReapSession, eventually, process_state, session_members, start_node,
+    self, ReapSession, eventually, process_state, session_members, start_node,
 };
 use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
@@ -107,29 +107,8 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
 
     // Launched on the node, then suspended for idleness and published unplaced.
     let api = SandboxServiceClient::new(channel(&endpoint).await);
-    let sandbox = eventually(Duration::from_secs(60), "the idle suspend", || {
-        let mut api = api.clone();
-        let run_id = run.id.clone();
-        async move {
-            api.list_sandboxes(authed(rpb::ListSandboxesRequest {
-                run_id,
-                ..Default::default()
-            }))
-            .await
-            .ok()?
-            .into_inner()
-            .sandboxes
-            .into_iter()
-            .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
-        }
-    })
-    .await;
-    let pid: u32 = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
-        .expect("the node recorded the sandbox's pid")
-        .trim()
-        .parse()
-        .expect("a pid");
-    assert!(pid > 1);
+    let (sandbox, pid) =
+        sandboxes::idle_suspended(&api, TOKEN, &run.id, &node_dir, Duration::from_secs(60)).await;
     // A sandbox runs in a session of its own and outlives this test; should the test
     // fail, its frozen processes must not stay behind on the machine.
     let _reap = ReapSession(pid);

@@ -94,29 +94,8 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         .unwrap();
 
     // Launched on node-b, then suspended for idleness and published unplaced.
-    let sandbox = eventually(Duration::from_secs(30), "the idle suspend", || {
-        let mut api = api.clone();
-        let run_id = run.id.clone();
-        async move {
-            api.list_sandboxes(authed(rpb::ListSandboxesRequest {
-                run_id,
-                ..Default::default()
-            }))
-            .await
-            .ok()?
-            .into_inner()
-            .sandboxes
-            .into_iter()
-            .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
-        }
-    })
-    .await;
-    let pid: u32 = std::fs::read_to_string(holder_dir.join(&sandbox.id).join("pid"))
-        .expect("node-b recorded the sandbox's pid")
-        .trim()
-        .parse()
-        .expect("a pid");
-    assert!(pid > 1);
+    let (sandbox, pid) =
+        sandboxes::idle_suspended(&api, TOKEN, &run.id, &holder_dir, Duration::from_secs(30)).await;
     // Frozen processes must not outlive a failing test.
     let _reap = ReapSession(pid);
 

@@ -56,22 +56,7 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The node is ready before any run exists, so dispatch on creation has somewhere to go.
-    eventually(Duration::from_secs(30), "node-a ready", || {
-        let mut api = api.clone();
-        async move {
-            let nodes = api
-                .list_nodes(authed(rpb::ListNodesRequest::default()))
-                .await
-                .ok()?
-                .into_inner()
-                .nodes;
-            nodes
-                .iter()
-                .any(|n| n.id == "node-a" && n.state() == rpb::NodeState::Ready)
-                .then_some(())
-        }
-    })
-    .await;
+    sandboxes::node_ready(&api, TOKEN, "node-a").await;
     let run = runs
         .create_run(authed(pb::CreateRunRequest {
             client_request_id: "wake-now-request-0001".into(),
@@ -87,28 +72,8 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
         .run
         .unwrap();
     // Dispatched on creation (WaitForRuns), then suspended for idleness by the node.
-    let sandbox = eventually(Duration::from_secs(30), "the idle suspend", || {
-        let mut api = api.clone();
-        let run_id = run.id.clone();
-        async move {
-            api.list_sandboxes(authed(rpb::ListSandboxesRequest {
-                run_id,
-                ..Default::default()
-            }))
-            .await
-            .ok()?
-            .into_inner()
-            .sandboxes
-            .into_iter()
-            .find(|s| s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty())
-        }
-    })
-    .await;
-    let pid: u32 = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let (sandbox, pid) =
+        sandboxes::idle_suspended(&api, TOKEN, &run.id, &node_dir, Duration::from_secs(30)).await;
     let _reap = ReapSession(pid);
 
     let resolve = || {
