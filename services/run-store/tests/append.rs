@@ -4,6 +4,7 @@
 //! (another replica's append, an acknowledgement's event, a revoke committed while the
 //! append waited for the run's lock) never forks the chain.
 
+#[macro_use]
 mod common;
 
 use std::time::Duration;
@@ -14,27 +15,6 @@ use runplane_proto::runstore::v1 as pb;
 use runplane_run_store::domain::chain::{self, ChainedEvent};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use tonic::Code;
-
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::start(super::Backend::postgres().await).await).await
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::start(super::Backend::sqlite().await).await).await
-                }
-            )*
-        }
-    };
-}
 
 on_both_backends!(
     a_key_superseded_after_appending_is_refused_at_once,

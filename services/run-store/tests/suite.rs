@@ -1,5 +1,6 @@
 //! The run store's behaviour over real gRPC, run once on Postgres and once on SQLite.
 
+#[macro_use]
 mod common;
 
 use std::collections::HashSet;
@@ -12,28 +13,7 @@ use runplane_run_store::domain::chain::{self, ChainedEvent};
 use runplane_run_store::domain::receipt::verify;
 use tonic::Code;
 
-macro_rules! suite {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::start(super::Backend::postgres().await).await).await
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::start(super::Backend::sqlite().await).await).await
-                }
-            )*
-        }
-    };
-}
-
-suite!(
+on_both_backends!(
     a_batch_whose_response_was_lost_is_stored_once_when_replayed,
     an_interrupt_whose_poll_response_was_lost_is_served_again,
     invalid_acknowledgements_are_refused_whole,

@@ -388,3 +388,27 @@ impl http_body::Body for FailingBody {
         ))))
     }
 }
+
+/// Each named scenario `async fn name(h: Harness)` as two tests, `postgres::name` and
+/// `sqlite::name`, each on a harness of its own.
+#[allow(unused_macros)]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Harness::start(super::Backend::postgres().await).await).await
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Harness::start(super::Backend::sqlite().await).await).await
+                }
+            )*
+        }
+    };
+}
