@@ -17,13 +17,14 @@
 
 use std::time::{Duration, Instant};
 
-use runplane_integration_tests::sandboxes::{self, ReapSession, eventually, start_node};
-use runplane_integration_tests::{Process, channel, start_serve};
+use runplane_integration_tests::channel;
+use runplane_integration_tests::sandboxes::{
+    self, ControlPlane, ReapSession, eventually, start_node,
+};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
-use runplane_testkit::{TestDatabase, free_local_addr};
 use tonic::transport::Channel;
 
 const TOKEN: &str = "wake-bench-operator-token-0123456789abcde";
@@ -69,30 +70,17 @@ fn ms(d: Duration) -> String {
 
 #[tokio::main]
 async fn main() {
-    let (run_db, reconciler_db) = (TestDatabase::new().await, TestDatabase::new().await);
-    let state = tempfile::tempdir().unwrap();
-    let addr = free_local_addr().to_string();
-    let endpoint = format!("http://{addr}");
-    let local_dir = state.path().join("reconciler").display().to_string();
-    let env = sandboxes::control_plane_env(
-        &run_db,
-        &reconciler_db,
-        &addr,
+    let control_plane = ControlPlane::start(
         TOKEN,
         &[
             ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", "1"),
             ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
-            ("RUNPLANE_SANDBOX_RECONCILER__STATE_DIR", &local_dir),
             // The production round: the safety net, not the path.
             ("RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS", "2000"),
         ],
-    );
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _control_plane: Process = start_serve(
-        &["run-store", "sandbox-reconciler", "stream-recovery"],
-        &env,
     )
     .await;
+    let (endpoint, state) = (control_plane.endpoint.clone(), &control_plane.state);
     let node_dir = state.path().join("node-a");
     let _node = start_node(
         "node-a",

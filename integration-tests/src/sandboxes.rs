@@ -8,47 +8,64 @@ use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use tonic::transport::Channel;
 
-/// The environment of `runplane serve run-store sandbox-reconciler stream-recovery` on
-/// `addr`, accepting `token` as the operator's, with `extra` settings on top: each
-/// service on its own database, the coordinator in process (runners stream to it, node
-/// agents park with it), a 300 ms reconciler round.
-pub fn control_plane_env(
-    run_db: &runplane_testkit::TestDatabase,
-    reconciler_db: &runplane_testkit::TestDatabase,
-    addr: &str,
-    token: &str,
-    extra: &[(&'static str, &str)],
-) -> Vec<(&'static str, String)> {
-    const RECEIPT_KEY: &str = "2f2e3d4c5b6a79887766554433221100ffeeddccbbaa99887766554433221100";
-    let endpoint = format!("http://{addr}");
-    let mut env = vec![
-        ("RUNPLANE_SERVER__LISTEN", addr.to_owned()),
-        ("RUNPLANE_AUTH__OPERATOR_TOKEN", token.to_owned()),
-        ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url().to_owned()),
-        (
-            "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY",
-            RECEIPT_KEY.to_owned(),
-        ),
-        // Not about admission: runs are created on the credential they name.
-        ("RUNPLANE_RUN_STORE__ADMISSION", "false".to_owned()),
-        ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.clone()),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
-            reconciler_db.url().to_owned(),
-        ),
-        ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.clone()),
-        (
-            "RUNPLANE_STREAM_RECOVERY__REDIS_URL",
-            "memory://".to_owned(),
-        ),
-        ("RUNPLANE_STREAM_RECOVERY__ENDPOINT", endpoint),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
-            "300".to_owned(),
-        ),
-    ];
-    env.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
-    env
+/// `runplane serve run-store sandbox-reconciler stream-recovery` on a free local port,
+/// accepting `token` as the operator's: each service on its own database, the
+/// coordinator in process (runners stream to it, node agents park with it), a 300 ms
+/// reconciler round, the reconciler's own sandboxes under `<state>/reconciler`, and
+/// `extra` settings on top. Node agents get directories of their own under `state`.
+pub struct ControlPlane {
+    /// First, so the processes stop before their directories and databases go.
+    _process: crate::Process,
+    pub endpoint: String,
+    pub state: tempfile::TempDir,
+    _databases: (
+        runplane_testkit::TestDatabase,
+        runplane_testkit::TestDatabase,
+    ),
+}
+
+impl ControlPlane {
+    pub async fn start(token: &str, extra: &[(&'static str, &str)]) -> Self {
+        const RECEIPT_KEY: &str =
+            "2f2e3d4c5b6a79887766554433221100ffeeddccbbaa99887766554433221100";
+        let run_db = runplane_testkit::TestDatabase::new().await;
+        let reconciler_db = runplane_testkit::TestDatabase::new().await;
+        let state = tempfile::tempdir().expect("a state directory");
+        let addr = runplane_testkit::free_local_addr().to_string();
+        let endpoint = format!("http://{addr}");
+        let local_dir = state.path().join("reconciler").display().to_string();
+        let mut env = vec![
+            ("RUNPLANE_SERVER__LISTEN", addr.as_str()),
+            ("RUNPLANE_AUTH__OPERATOR_TOKEN", token),
+            ("RUNPLANE_RUN_STORE__DATABASE_URL", run_db.url()),
+            ("RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY", RECEIPT_KEY),
+            // Not about admission: runs are created on the credential they name.
+            ("RUNPLANE_RUN_STORE__ADMISSION", "false"),
+            ("RUNPLANE_RUN_STORE__ENDPOINT", endpoint.as_str()),
+            (
+                "RUNPLANE_SANDBOX_RECONCILER__DATABASE_URL",
+                reconciler_db.url(),
+            ),
+            ("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", endpoint.as_str()),
+            ("RUNPLANE_SANDBOX_RECONCILER__STATE_DIR", local_dir.as_str()),
+            ("RUNPLANE_STREAM_RECOVERY__REDIS_URL", "memory://"),
+            ("RUNPLANE_STREAM_RECOVERY__ENDPOINT", endpoint.as_str()),
+            ("RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS", "300"),
+        ];
+        // A later setting of the same variable wins.
+        env.extend_from_slice(extra);
+        let process = crate::start_serve(
+            &["run-store", "sandbox-reconciler", "stream-recovery"],
+            &env,
+        )
+        .await;
+        Self {
+            _process: process,
+            endpoint,
+            state,
+            _databases: (run_db, reconciler_db),
+        }
+    }
 }
 
 /// Polls `check` every 100 ms until it answers, for at most `limit`.

@@ -6,15 +6,14 @@
 
 use std::time::Duration;
 
+use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{
-    ReapSession, control_plane_env, eventually, start_node_logging,
+    ControlPlane, ReapSession, eventually, start_node_logging,
 };
-use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
-use runplane_testkit::{TestDatabase, free_local_addr};
 use tokio_stream::StreamExt as _;
 
 const TOKEN: &str = "idle-test-operator-token-0123456789abcdefgh";
@@ -37,39 +36,24 @@ struct Cluster {
     node_dir: std::path::PathBuf,
     node_log: std::path::PathBuf,
     _node: tokio::process::Child,
-    _control_plane: Process,
-    _databases: (TestDatabase, TestDatabase),
-    _state: tempfile::TempDir,
+    _control_plane: ControlPlane,
 }
 
 impl Cluster {
     async fn start(node_endpoint: &str) -> Self {
-        let (run_db, reconciler_db) = (TestDatabase::new().await, TestDatabase::new().await);
-        let state = tempfile::tempdir().unwrap();
-        let addr = free_local_addr().to_string();
-        let endpoint = format!("http://{addr}");
         let idle = IDLE_TIMEOUT.as_secs().to_string();
-        let local_dir = state.path().join("reconciler").display().to_string();
-        let env = control_plane_env(
-            &run_db,
-            &reconciler_db,
-            &addr,
+        let control_plane = ControlPlane::start(
             TOKEN,
             &[
                 ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", &idle),
                 // Every sandbox goes to the node agent.
                 ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
-                ("RUNPLANE_SANDBOX_RECONCILER__STATE_DIR", &local_dir),
             ],
-        );
-        let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let control_plane = start_serve(
-            &["run-store", "sandbox-reconciler", "stream-recovery"],
-            &env_refs,
         )
         .await;
-        let node_dir = state.path().join("node-i");
-        let node_log = state.path().join("node-i.log");
+        let endpoint = control_plane.endpoint.clone();
+        let node_dir = control_plane.state.path().join("node-i");
+        let node_log = control_plane.state.path().join("node-i.log");
         let node = start_node_logging(
             "node-i",
             node_endpoint,
@@ -86,8 +70,6 @@ impl Cluster {
             node_log,
             _node: node,
             _control_plane: control_plane,
-            _databases: (run_db, reconciler_db),
-            _state: state,
         }
     }
 

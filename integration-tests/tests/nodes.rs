@@ -6,15 +6,14 @@
 
 use std::time::Duration;
 
+use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{
-    self, ReapSession, eventually, session_members, start_node, start_node_logging,
+    self, ControlPlane, ReapSession, eventually, session_members, start_node, start_node_logging,
 };
-use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
-use runplane_testkit::{TestDatabase, free_local_addr};
 
 const TOKEN: &str = "node-test-operator-token-0123456789abcdefg";
 
@@ -25,43 +24,18 @@ fn authed<T>(message: T) -> tonic::Request<T> {
     r
 }
 
-fn control_plane_env(
-    run_db: &TestDatabase,
-    reconciler_db: &TestDatabase,
-    addr: &str,
-    extra: &[(&'static str, &str)],
-) -> Vec<(&'static str, String)> {
-    sandboxes::control_plane_env(run_db, reconciler_db, addr, TOKEN, extra)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_finishes() {
-    let run_db = TestDatabase::new().await;
-    let reconciler_db = TestDatabase::new().await;
-    let state = tempfile::tempdir().unwrap();
-    let addr = free_local_addr().to_string();
-    let endpoint = format!("http://{addr}");
-    let local_dir = state.path().join("reconciler");
-    let env = control_plane_env(
-        &run_db,
-        &reconciler_db,
-        &addr,
+    let control_plane = ControlPlane::start(
+        TOKEN,
         &[
             ("RUNPLANE_SANDBOX_RECONCILER__IDLE_TIMEOUT_SECONDS", "3"),
             // Every sandbox goes to a node agent.
             ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
-            (
-                "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
-                &local_dir.display().to_string(),
-            ),
         ],
-    );
-    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _control_plane: Process = start_serve(
-        &["run-store", "sandbox-reconciler", "stream-recovery"],
-        &env_refs,
     )
     .await;
+    let (endpoint, state) = (control_plane.endpoint.clone(), &control_plane.state);
 
     // Two hosts: each node its own state directory, so only the node that suspended a
     // sandbox can resume its processes. node-b comes first and gets the run.
@@ -198,30 +172,15 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     // with the same id at once, so the reconciler still counts the node ready and assigns
     // the sandbox again. Its key was claimed by the dead runner: the agent must say the
     // sandbox is gone, or the run would stay RUNNING for ever.
-    let run_db = TestDatabase::new().await;
-    let reconciler_db = TestDatabase::new().await;
-    let state = tempfile::tempdir().unwrap();
-    let addr = free_local_addr().to_string();
-    let endpoint = format!("http://{addr}");
-    let env = control_plane_env(
-        &run_db,
-        &reconciler_db,
-        &addr,
+    let control_plane = ControlPlane::start(
+        TOKEN,
         &[
             ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
             ("RUNPLANE_SANDBOX_RECONCILER__LOSS_GRACE_SECONDS", "2"),
-            (
-                "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
-                &state.path().join("reconciler").display().to_string(),
-            ),
         ],
-    );
-    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _control_plane: Process = start_serve(
-        &["run-store", "sandbox-reconciler", "stream-recovery"],
-        &env_refs,
     )
     .await;
+    let (endpoint, state) = (control_plane.endpoint.clone(), &control_plane.state);
     let sandboxes = state.path().join("nodes");
     let agent = start_node(
         "node-r",
@@ -338,31 +297,16 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
     // The run store has moved the run to a newer sandbox generation, so the claim of
     // generation 1 is FAILED_PRECONDITION/GENERATION_STALE however often it is asked. The
     // RUN assignment stays listed; the agent must take the answer as final.
-    let run_db = TestDatabase::new().await;
-    let reconciler_db = TestDatabase::new().await;
-    let state = tempfile::tempdir().unwrap();
-    let addr = free_local_addr().to_string();
-    let endpoint = format!("http://{addr}");
-    let env = control_plane_env(
-        &run_db,
-        &reconciler_db,
-        &addr,
+    let control_plane = ControlPlane::start(
+        TOKEN,
         &[
             // The test places the sandbox itself.
             ("RUNPLANE_SANDBOX_RECONCILER__DISPATCH", "false"),
             ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
-            (
-                "RUNPLANE_SANDBOX_RECONCILER__STATE_DIR",
-                &state.path().join("reconciler").display().to_string(),
-            ),
         ],
-    );
-    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _control_plane: Process = start_serve(
-        &["run-store", "sandbox-reconciler", "stream-recovery"],
-        &env_refs,
     )
     .await;
+    let (endpoint, state) = (control_plane.endpoint.clone(), &control_plane.state);
     let log = state.path().join("node-q.log");
     let _agent = start_node_logging(
         "node-q",
