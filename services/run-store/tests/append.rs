@@ -12,7 +12,6 @@ use std::time::Duration;
 use common::*;
 use runplane_grpc::ErrorReason;
 use runplane_proto::runstore::v1 as pb;
-use runplane_run_store::domain::chain::{self, ChainedEvent};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use tonic::Code;
 
@@ -47,23 +46,7 @@ async fn assert_one_chain(h: &Harness, run_id: &str, expected: usize) {
         .await
         .unwrap();
     assert_eq!(events.len(), expected);
-    let mut head = chain::genesis(run_id);
-    for (i, e) in events.iter().enumerate() {
-        assert_eq!(e.sequence, i as i64 + 1, "no gaps, no duplicates");
-        head = chain::extend(
-            &head,
-            &ChainedEvent {
-                sequence: e.sequence as u64,
-                kind: e.kind,
-                check: e.is_check,
-                name: &e.name,
-                text: &e.text,
-                data: &e.data,
-                observed_at_us: e.observed_at_us,
-            },
-        );
-        assert_eq!(head, e.digest, "event {} extends the chain", e.sequence);
-    }
+    assert_chain_from_genesis(run_id, &events);
     let run = h.get_run(run_id).await;
     assert_eq!(run.last_sequence, expected as u64);
 }

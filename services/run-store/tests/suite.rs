@@ -9,7 +9,6 @@ use common::*;
 use futures::StreamExt;
 use runplane_grpc::{ErrorReason, error_info};
 use runplane_proto::runstore::v1 as pb;
-use runplane_run_store::domain::chain::{self, ChainedEvent};
 use runplane_run_store::domain::receipt::verify;
 use tonic::Code;
 
@@ -1139,23 +1138,7 @@ async fn concurrent_appends_to_one_run_keep_order_and_chain(h: Harness) {
         .await
         .unwrap();
     assert_eq!(events.len(), 120);
-    let mut head = chain::genesis(&run_id);
-    for (i, e) in events.iter().enumerate() {
-        assert_eq!(e.sequence, i as i64 + 1, "no gaps, no duplicates");
-        head = chain::extend(
-            &head,
-            &ChainedEvent {
-                sequence: e.sequence as u64,
-                kind: e.kind,
-                check: e.is_check,
-                name: &e.name,
-                text: &e.text,
-                data: &e.data,
-                observed_at_us: e.observed_at_us,
-            },
-        );
-        assert_eq!(head, e.digest, "event {} extends the chain", e.sequence);
-    }
+    assert_chain_from_genesis(&run_id, &events);
     // Each writer's batches kept their internal order.
     let texts: HashSet<_> = events.iter().map(|e| e.text.clone()).collect();
     assert_eq!(texts.len(), 120);

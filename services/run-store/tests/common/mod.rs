@@ -412,3 +412,29 @@ macro_rules! on_both_backends {
         }
     };
 }
+
+/// `events` are the run's 1..n without gaps or duplicates, and each extends the hash
+/// chain from the run's genesis.
+pub fn assert_chain_from_genesis(
+    run_id: &str,
+    events: &[runplane_run_store::store::entities::event::Model],
+) {
+    use runplane_run_store::domain::chain::{self, ChainedEvent};
+    let mut head = chain::genesis(run_id);
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.sequence, i as i64 + 1, "no gaps, no duplicates");
+        head = chain::extend(
+            &head,
+            &ChainedEvent {
+                sequence: e.sequence as u64,
+                kind: e.kind,
+                check: e.is_check,
+                name: &e.name,
+                text: &e.text,
+                data: &e.data,
+                observed_at_us: e.observed_at_us,
+            },
+        );
+        assert_eq!(head, e.digest, "event {} extends the chain", e.sequence);
+    }
+}
