@@ -18,9 +18,7 @@
 use std::time::{Duration, Instant};
 
 use runplane_integration_tests::channel;
-use runplane_integration_tests::sandboxes::{
-    self, ControlPlane, ReapSession, eventually, start_node,
-};
+use runplane_integration_tests::sandboxes::{self, ControlPlane, ReapSession, eventually};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
@@ -80,16 +78,8 @@ async fn main() {
         ],
     )
     .await;
-    let (endpoint, state) = (control_plane.endpoint.clone(), &control_plane.state);
-    let node_dir = state.path().join("node-a");
-    let _node = start_node(
-        "node-a",
-        "127.0.0.1:17101",
-        &endpoint,
-        &endpoint,
-        &node_dir,
-        TOKEN,
-    );
+    let endpoint = control_plane.endpoint.clone();
+    let (_node, node_dir) = control_plane.node("node-a", "127.0.0.1:17101");
     let api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The node is ready before any run exists, so dispatch on creation has somewhere to go.
@@ -99,20 +89,12 @@ async fn main() {
     for round in 0..ROUNDS {
         let mut round_runs = Vec::new();
         for i in 0..PER_ROUND {
-            let run = runs
-                .create_run(authed(pb::CreateRunRequest {
-                    client_request_id: format!("wake-bench-{round:03}-{i:03}-request"),
-                    org_id: "acme".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-                    command: "sh".into(),
-                    args: vec!["-c".into(), "read go; echo done".into()],
-                    ..Default::default()
-                }))
-                .await
-                .unwrap()
-                .into_inner()
-                .run
-                .unwrap();
+            let run = control_plane
+                .create_script_run(
+                    &format!("wake-bench-{round:03}-{i:03}-request"),
+                    "read go; echo done",
+                )
+                .await;
             round_runs.push(run.id);
         }
         let mut sandboxes = Vec::new();

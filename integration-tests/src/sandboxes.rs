@@ -18,6 +18,7 @@ pub struct ControlPlane {
     _process: crate::Process,
     pub endpoint: String,
     pub state: tempfile::TempDir,
+    token: String,
     _databases: (
         runplane_testkit::TestDatabase,
         runplane_testkit::TestDatabase,
@@ -63,8 +64,52 @@ impl ControlPlane {
             _process: process,
             endpoint,
             state,
+            token: token.to_owned(),
             _databases: (run_db, reconciler_db),
         }
+    }
+}
+
+impl ControlPlane {
+    /// Starts node agent `id`, advertising `advertised`, on a state directory of its own
+    /// (`<state>/<id>`, as on a host of its own); returns it and that directory.
+    pub fn node(&self, id: &str, advertised: &str) -> (tokio::process::Child, std::path::PathBuf) {
+        let dir = self.state.path().join(id);
+        let node = start_node(
+            id,
+            advertised,
+            &self.endpoint,
+            &self.endpoint,
+            &dir,
+            &self.token,
+        );
+        (node, dir)
+    }
+
+    /// Creates a run of `sh -c script` for org acme on credential `c`.
+    pub async fn create_script_run(
+        &self,
+        request_id: &str,
+        script: &str,
+    ) -> runplane_proto::runstore::v1::Run {
+        use runplane_proto::runstore::v1 as pb;
+        pb::run_service_client::RunServiceClient::new(crate::channel(&self.endpoint).await)
+            .create_run(crate::authed(
+                pb::CreateRunRequest {
+                    client_request_id: request_id.to_owned(),
+                    org_id: "acme".into(),
+                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    command: "sh".into(),
+                    args: vec!["-c".into(), script.to_owned()],
+                    ..Default::default()
+                },
+                &self.token,
+            ))
+            .await
+            .expect("CreateRun")
+            .into_inner()
+            .run
+            .expect("the created run")
     }
 }
 

@@ -36,7 +36,7 @@ struct Cluster {
     node_dir: std::path::PathBuf,
     node_log: std::path::PathBuf,
     _node: tokio::process::Child,
-    _control_plane: ControlPlane,
+    control_plane: ControlPlane,
 }
 
 impl Cluster {
@@ -69,26 +69,14 @@ impl Cluster {
             node_dir,
             node_log,
             _node: node,
-            _control_plane: control_plane,
+            control_plane,
         }
     }
 
     async fn create_run(&self, request_id: &str, script: &str) -> pb::Run {
-        self.runs
-            .clone()
-            .create_run(authed(pb::CreateRunRequest {
-                client_request_id: request_id.into(),
-                org_id: "acme".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-                command: "sh".into(),
-                args: vec!["-c".into(), script.into()],
-                ..Default::default()
-            }))
+        self.control_plane
+            .create_script_run(request_id, script)
             .await
-            .unwrap()
-            .into_inner()
-            .run
-            .unwrap()
     }
 
     /// The run's sandbox once `matches` holds for it.

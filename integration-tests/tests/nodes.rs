@@ -35,37 +35,18 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         ],
     )
     .await;
-    let (endpoint, state) = (control_plane.endpoint.clone(), &control_plane.state);
+    let endpoint = control_plane.endpoint.clone();
 
     // Two hosts: each node its own state directory, so only the node that suspended a
     // sandbox can resume its processes. node-b comes first and gets the run.
-    let holder_dir = state.path().join("node-b");
-    let _b = start_node(
-        "node-b",
-        "127.0.0.1:17002",
-        &endpoint,
-        &endpoint,
-        &holder_dir,
-        TOKEN,
-    );
+    let (_b, holder_dir) = control_plane.node("node-b", "127.0.0.1:17002");
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The agent waits for a line on its stdin (parked, so it may be suspended) and
     // finishes once the test steers one to it: frozen, it cannot.
-    let run = runs
-        .create_run(authed(pb::CreateRunRequest {
-            client_request_id: "idle-wake-request-0001".into(),
-            org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-            command: "sh".into(),
-            args: vec!["-c".into(), "read go; echo done".into()],
-            ..Default::default()
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
+    let run = control_plane
+        .create_script_run("idle-wake-request-0001", "read go; echo done")
+        .await;
 
     // Launched on node-b, then suspended for idleness and published unplaced.
     let (sandbox, pid) =
@@ -75,14 +56,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
 
     // node-a joins: registered, ready, using no more than node-b and first of the two by
     // id, so the least-used rule would hand it the wake.
-    let _a = start_node(
-        "node-a",
-        "127.0.0.1:17001",
-        &endpoint,
-        &endpoint,
-        &state.path().join("node-a"),
-        TOKEN,
-    );
+    let _a = control_plane.node("node-a", "127.0.0.1:17001");
     eventually(Duration::from_secs(30), "node-a ready and idle", || {
         let mut api = api.clone();
         async move {

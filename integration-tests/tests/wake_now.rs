@@ -5,9 +5,7 @@
 use std::time::Duration;
 
 use runplane_integration_tests::channel;
-use runplane_integration_tests::sandboxes::{
-    self, ControlPlane, ReapSession, eventually, start_node,
-};
+use runplane_integration_tests::sandboxes::{self, ControlPlane, ReapSession, eventually};
 use runplane_proto::reconciler::v1 as rpb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as pb;
@@ -31,34 +29,15 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
         ],
     )
     .await;
-    let (endpoint, state) = (control_plane.endpoint.clone(), &control_plane.state);
-    let node_dir = state.path().join("node-a");
-    let _node = start_node(
-        "node-a",
-        "127.0.0.1:17201",
-        &endpoint,
-        &endpoint,
-        &node_dir,
-        TOKEN,
-    );
+    let endpoint = control_plane.endpoint.clone();
+    let (_node, node_dir) = control_plane.node("node-a", "127.0.0.1:17201");
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The node is ready before any run exists, so dispatch on creation has somewhere to go.
     sandboxes::node_ready(&api, TOKEN, "node-a").await;
-    let run = runs
-        .create_run(authed(pb::CreateRunRequest {
-            client_request_id: "wake-now-request-0001".into(),
-            org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-            command: "sh".into(),
-            args: vec!["-c".into(), "read go; echo done".into()],
-            ..Default::default()
-        }))
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
+    let run = control_plane
+        .create_script_run("wake-now-request-0001", "read go; echo done")
+        .await;
     // Dispatched on creation (WaitForRuns), then suspended for idleness by the node.
     let (sandbox, pid) =
         sandboxes::idle_suspended(&api, TOKEN, &run.id, &node_dir, Duration::from_secs(30)).await;
