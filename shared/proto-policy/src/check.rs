@@ -1,4 +1,5 @@
-//! The build-time check: every RPC carries a consistent `runplane.options.v1.policy`.
+//! The build-time check: every RPC carries a consistent `runplane.options.v1.policy`,
+//! callers included.
 //!
 //! Custom options are read through a prost-reflect descriptor pool because prost's own
 //! descriptor types drop extensions.
@@ -8,7 +9,7 @@ use std::fmt;
 
 use prost_reflect::{DescriptorPool, DynamicMessage, Kind, MethodDescriptor, Value};
 
-use crate::{OutageBudget, ReplaySafety};
+use crate::{Caller, Callers, OutageBudget, ReplaySafety};
 
 /// Full name of the method option the check reads.
 pub const POLICY_EXTENSION: &str = "runplane.options.v1.policy";
@@ -31,6 +32,7 @@ pub struct ClassifiedMethod {
     /// The number of the request's `google.protobuf.Duration wait` field of a unary
     /// method: a long poll.
     pub long_poll_wait_field: Option<u32>,
+    pub callers: Vec<Caller>,
 }
 
 /// One reason a method's classification is refused.
@@ -202,6 +204,29 @@ fn classify(
         _ => {}
     }
 
+    let mut callers = Vec::new();
+    if let Some(list) = policy.get_field_by_name("callers")
+        && let Some(values) = list.as_list()
+    {
+        for value in values {
+            match value.as_enum_number() {
+                Some(1) => callers.push(Caller::Operator),
+                Some(2) => callers.push(Caller::Service),
+                Some(3) => callers.push(Caller::Org),
+                Some(4) => callers.push(Caller::Runner),
+                Some(5) => callers.push(Caller::Node),
+                Some(6) => callers.push(Caller::Route),
+                _ => problems.push("callers names CALLER_UNSPECIFIED or an unknown caller".into()),
+            }
+        }
+    }
+    if callers.is_empty() {
+        problems.push("callers is empty: name who may call it (CALLER_OPERATOR, …)".into());
+    }
+    if Callers::of(&callers).iter().count() != callers.len() {
+        problems.push("callers names a caller twice".into());
+    }
+
     let level = enum_field(&options, "idempotency_level");
     let expected = match replay_safety {
         Some(ReplaySafety::ReadOnly) => Some((NO_SIDE_EFFECTS, "NO_SIDE_EFFECTS")),
@@ -228,6 +253,7 @@ fn classify(
             client_streaming: false,
             server_streaming: false,
             long_poll_wait_field: None,
+            callers,
         }),
         _ => Err(problems),
     }
@@ -283,14 +309,20 @@ pub fn render_table(methods: &[ClassifiedMethod]) -> String {
             OutageBudget::Ordinary => "Ordinary",
             OutageBudget::Terminal => "Terminal",
         };
+        let callers: Vec<String> = m
+            .callers
+            .iter()
+            .map(|c| format!("::runplane_proto_policy::Caller::{c:?}"))
+            .collect();
         out.push_str(&format!(
-            "    ::runplane_proto_policy::MethodPolicy {{\n        path: {:?},\n        replay_safety: ::runplane_proto_policy::ReplaySafety::{replay_safety},\n        key_field: {:?},\n        outage_budget: ::runplane_proto_policy::OutageBudget::{outage_budget},\n        justification: {:?},\n        client_streaming: {},\n        server_streaming: {},\n        long_poll_wait_field: {:?},\n    }},\n",
+            "    ::runplane_proto_policy::MethodPolicy {{\n        path: {:?},\n        replay_safety: ::runplane_proto_policy::ReplaySafety::{replay_safety},\n        key_field: {:?},\n        outage_budget: ::runplane_proto_policy::OutageBudget::{outage_budget},\n        justification: {:?},\n        client_streaming: {},\n        server_streaming: {},\n        long_poll_wait_field: {:?},\n        callers: ::runplane_proto_policy::Callers::of(&[{}]),\n    }},\n",
             m.path,
             m.key_field,
             m.justification,
             m.client_streaming,
             m.server_streaming,
-            m.long_poll_wait_field
+            m.long_poll_wait_field,
+            callers.join(", ")
         ));
     }
     out.push_str("];\n");

@@ -1,4 +1,4 @@
-//! The replay-safety classification of every runplane RPC.
+//! The replay-safety classification of every runplane RPC, and who may call it.
 //!
 //! The types here are what the generated table in `runplane-proto` is made of; the
 //! `check` module holds the build-time half that reads `runplane.options.v1.policy`
@@ -62,6 +62,78 @@ impl OutageBudget {
     }
 }
 
+/// Who presents a call's bearer credential (`runplane.options.v1.Caller`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Caller {
+    /// The operator token: humans, the CLI, grpcurl. Any org.
+    Operator,
+    /// The service token: runplane's services calling each other. Any org.
+    Service,
+    /// An org token; the handler confines it to its org.
+    Org,
+    /// A run key, checked by the handler against the run it names.
+    Runner,
+    /// A node credential, checked by the handler against the node it names.
+    Node,
+    /// A route token, checked by the node it names.
+    Route,
+}
+
+impl Caller {
+    pub const ALL: [Caller; 6] = [
+        Caller::Operator,
+        Caller::Service,
+        Caller::Org,
+        Caller::Runner,
+        Caller::Node,
+        Caller::Route,
+    ];
+
+    const fn bit(self) -> u8 {
+        1 << self as u8
+    }
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Caller::Operator => "operator",
+            Caller::Service => "service",
+            Caller::Org => "org",
+            Caller::Runner => "runner",
+            Caller::Node => "node",
+            Caller::Route => "route",
+        }
+    }
+}
+
+/// The callers a method admits, as a set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Callers(u8);
+
+impl Callers {
+    pub const fn of(callers: &[Caller]) -> Self {
+        let mut bits = 0;
+        let mut i = 0;
+        while i < callers.len() {
+            bits |= callers[i].bit();
+            i += 1;
+        }
+        Self(bits)
+    }
+
+    pub const fn admits(self, caller: Caller) -> bool {
+        self.0 & caller.bit() != 0
+    }
+
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The callers in the set, in [`Caller::ALL`] order.
+    pub fn iter(self) -> impl Iterator<Item = Caller> {
+        Caller::ALL.into_iter().filter(move |c| self.admits(*c))
+    }
+}
+
 /// The policy of one RPC, generated from its `runplane.options.v1.policy` option.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MethodPolicy {
@@ -78,6 +150,8 @@ pub struct MethodPolicy {
     /// for a unary method that has one. Its attempts get the wait plus a margin as their
     /// deadline instead of an ordinary call's.
     pub long_poll_wait_field: Option<u32>,
+    /// Who may call it; never empty.
+    pub callers: Callers,
 }
 
 /// How a client bounds one attempt of a method, derived from its shape.

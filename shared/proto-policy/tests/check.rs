@@ -117,3 +117,35 @@ fn rejects_contradictions_shared_messages_and_missing_budgets() {
         ["outage_budget is unspecified"]
     );
 }
+
+#[test]
+fn rejects_a_method_that_names_no_caller_or_a_caller_twice() {
+    let err = rejected("uncalled.proto");
+    assert_eq!(
+        problems_of(&err, "/fixture.uncalled.v1.Widgets/Poke"),
+        ["callers is empty: name who may call it (CALLER_OPERATOR, …)"]
+    );
+    assert_eq!(
+        problems_of(&err, "/fixture.uncalled.v1.Widgets/Prod"),
+        [
+            "callers names CALLER_UNSPECIFIED or an unknown caller",
+            "callers is empty: name who may call it (CALLER_OPERATOR, …)"
+        ]
+    );
+    assert_eq!(
+        problems_of(&err, "/fixture.uncalled.v1.Widgets/Nudge"),
+        ["callers names a caller twice"]
+    );
+}
+
+#[test]
+fn the_table_carries_each_methods_callers() {
+    let methods = check(&pool("good.proto")).expect("good.proto passes");
+    assert!(
+        methods
+            .iter()
+            .all(|m| m.callers == [runplane_proto_policy::Caller::Operator])
+    );
+    let table = render_table(&methods);
+    assert!(table.contains("callers: ::runplane_proto_policy::Callers::of(&[::runplane_proto_policy::Caller::Operator])"), "{table}");
+}

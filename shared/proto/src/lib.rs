@@ -3,10 +3,12 @@
 //! - one module per package (`runstore::v1`, `reconciler::v1`, …) with prost messages
 //!   and tonic clients and servers;
 //! - [`FILE_DESCRIPTOR_SET`] for gRPC reflection;
-//! - [`METHOD_POLICIES`] and [`policy_for`]: each RPC's replay-safety policy, from its
-//!   `runplane.options.v1.policy` option.
+//! - [`METHOD_POLICIES`] and [`policy_for`]: each RPC's replay-safety policy and its
+//!   callers, from its `runplane.options.v1.policy` option.
 
-pub use runplane_proto_policy::{CallClass, MethodPolicy, OutageBudget, ReplaySafety};
+pub use runplane_proto_policy::{
+    CallClass, Caller, Callers, MethodPolicy, OutageBudget, ReplaySafety,
+};
 
 /// The encoded `FileDescriptorSet` of every runplane proto and its imports, with options.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

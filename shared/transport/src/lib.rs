@@ -337,6 +337,7 @@ const UNKNOWN: MethodPolicy = MethodPolicy {
     client_streaming: false,
     server_streaming: false,
     long_poll_wait_field: None,
+    callers: runplane_proto::Callers::of(&[]),
 };
 
 impl Service<http::Request<Body>> for Retry {

@@ -264,6 +264,7 @@ static UNSAFE_HELLO: &[MethodPolicy] = &[
         client_streaming: false,
         server_streaming: false,
         long_poll_wait_field: None,
+        callers: runplane_proto::Callers::of(&[runplane_proto::Caller::Runner]),
     },
     MethodPolicy {
         path: "/runplane.runstore.v1.RunnerService/Hello",
@@ -274,6 +275,7 @@ static UNSAFE_HELLO: &[MethodPolicy] = &[
         client_streaming: false,
         server_streaming: false,
         long_poll_wait_field: None,
+        callers: runplane_proto::Callers::of(&[runplane_proto::Caller::Runner]),
     },
 ];
 
