@@ -68,6 +68,8 @@ fn ms(d: Duration) -> String {
 
 #[tokio::main]
 async fn main() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17101 = runplane_testkit::free_local_addr().to_string();
     let control_plane = ControlPlane::start(
         TOKEN,
         &[
@@ -79,7 +81,7 @@ async fn main() {
     )
     .await;
     let endpoint = control_plane.endpoint.clone();
-    let (_node, node_dir) = control_plane.node("node-a", "127.0.0.1:17101");
+    let (_node, node_dir) = control_plane.node("node-a", node_endpoint_17101.as_str());
     let api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The node is ready before any run exists, so dispatch on creation has somewhere to go.

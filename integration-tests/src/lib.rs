@@ -176,6 +176,9 @@ async fn read_banner(stdout: ChildStdout) -> (String, Vec<String>) {
     (address, seen)
 }
 
+/// The service token [`start_serve`] gives every service it starts.
+pub const SERVICE_TOKEN: &str = "integration-service-token-0123456789abcdef01";
+
 /// Starts `runplane serve <services>` with `env` and waits for its `serving` log line.
 pub async fn start_serve(services: &[&str], env: &[(&str, &str)]) -> Process {
     let mut command = Command::new(runplane_bin());
@@ -184,6 +187,8 @@ pub async fn start_serve(services: &[&str], env: &[(&str, &str)]) -> Process {
         .args(services)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("RUNPLANE_CONFIG")
+        // What every deployment gives its services; `env` may name another.
+        .env("RUNPLANE_AUTH__SERVICE_TOKEN", SERVICE_TOKEN)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

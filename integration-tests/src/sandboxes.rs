@@ -174,7 +174,8 @@ impl Drop for ReapSession {
 
 /// Starts `runplane node` as node `id`, advertising `endpoint`, with its own
 /// `state_dir` (as on a host of its own), reaching the reconciler at `reconciler` and
-/// the stream recovery coordinator (which it parks streams with) at `recovery`.
+/// telling its runners the stream recovery coordinator is at `recovery`. It holds only
+/// its own node credential, minted with the operator `token`.
 pub fn start_node(
     id: &str,
     endpoint: &str,
@@ -184,9 +185,31 @@ pub fn start_node(
     token: &str,
 ) -> tokio::process::Child {
     node_command(id, endpoint, reconciler, recovery, state_dir)
-        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", token)
+        .env(
+            "RUNPLANE_NODE_TOKEN",
+            mint_node_credential(reconciler, token, id),
+        )
         .spawn()
         .expect("start runplane node")
+}
+
+/// A new node credential for node `id`, made with `runplane node token create` and the
+/// operator token, as an operator gives a node its credential.
+pub fn mint_node_credential(reconciler: &str, operator_token: &str, id: &str) -> String {
+    let out = std::process::Command::new(crate::runplane_bin())
+        .args(["node", "token", "create", id, "--endpoint", reconciler])
+        .env("RUNPLANE_TOKEN", operator_token)
+        .env_remove("RUNPLANE_CONFIG")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run runplane node token create");
+    assert!(
+        out.status.success(),
+        "runplane node token create {id}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let token = String::from_utf8(out.stdout).expect("a utf-8 credential");
+    token.trim().to_owned()
 }
 
 /// [`start_node`] with its log (stderr) written to `log`, for a test that reads what the
@@ -201,14 +224,17 @@ pub fn start_node_logging(
     log: &std::path::Path,
 ) -> tokio::process::Child {
     node_command(id, endpoint, reconciler, recovery, state_dir)
-        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", token)
+        .env(
+            "RUNPLANE_NODE_TOKEN",
+            mint_node_credential(reconciler, token, id),
+        )
         .stderr(std::fs::File::create(log).expect("create the node's log"))
         .spawn()
         .expect("start runplane node")
 }
 
-/// [`start_node`] holding only its own node credential (RUNPLANE_NODE_TOKEN), no
-/// operator token; `env` adds settings (e.g. its isolation).
+/// [`start_node`] with the node credential `credential` (RUNPLANE_NODE_TOKEN); `env`
+/// adds settings (e.g. its isolation).
 pub fn start_node_with_credential(
     id: &str,
     endpoint: &str,

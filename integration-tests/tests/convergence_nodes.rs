@@ -27,6 +27,8 @@ fn authed<T>(message: T) -> tonic::Request<T> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_stopped() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17021 = runplane_testkit::free_local_addr().to_string();
     let run_db = TestDatabase::new().await;
     let reconciler_db = TestDatabase::new().await;
     let state = tempfile::tempdir().unwrap();
@@ -81,7 +83,7 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
     let node_dir = state.path().join("node-c");
     let _agent = start_node(
         "node-c",
-        "127.0.0.1:17021",
+        node_endpoint_17021.as_str(),
         &endpoint,
         &endpoint,
         &node_dir,

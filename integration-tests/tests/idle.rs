@@ -173,7 +173,9 @@ impl Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_agent_that_is_working_is_never_suspended_and_finishes() {
-    let cluster = Cluster::start("127.0.0.1:17041").await;
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17041 = runplane_testkit::free_local_addr().to_string();
+    let cluster = Cluster::start(node_endpoint_17041.as_str()).await;
     // Silent for 10 s, over three idle timeouts, but never waiting for input.
     let run = cluster
         .create_run("idle-working-request-001", "sleep 10; echo done")
@@ -193,7 +195,9 @@ async fn a_silent_agent_that_is_working_is_never_suspended_and_finishes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered_to_the_end() {
-    let cluster = Cluster::start("127.0.0.1:17042").await;
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17042 = runplane_testkit::free_local_addr().to_string();
+    let cluster = Cluster::start(node_endpoint_17042.as_str()).await;
     let run = cluster
         .create_run("idle-parked-request-0001", "read line; echo got-$line")
         .await;

@@ -112,11 +112,18 @@ async fn runplane_dev_keeps_node_credentials_on_sqlite_and_refuses_a_bad_node_id
             "NODE_CREDENTIAL_WRONG_NODE".to_owned()
         )
     );
-    // The operator token still acts for any node here (dev's single-machine setup).
-    nodes
-        .register_node(authed(register("node-b"), &operator))
-        .await
-        .expect("the operator token registers any node");
+    // Nothing but a node's own credential acts as a node: not the operator token either.
+    assert_eq!(
+        refusal(
+            nodes
+                .register_node(authed(register("node-b"), &operator))
+                .await
+        ),
+        (
+            tonic::Code::PermissionDenied,
+            "PERMISSION_DENIED".to_owned()
+        )
+    );
     let revoked = token_command(&endpoint, &operator, &["revoke", "node-a"]).await;
     assert!(revoked.status.success());
     assert_eq!(
@@ -479,13 +486,15 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17011 = runplane_testkit::free_local_addr().to_string();
     let dir = tempfile::tempdir().unwrap();
     let split = split(&dir).await;
     let reconciler = split.url("sandbox-reconciler");
     let own = cli(&split, &["create", "node-own"]).await.trim().to_owned();
     let mut node = start_node_with_credential(
         "node-own",
-        "127.0.0.1:17011",
+        node_endpoint_17011.as_str(),
         &reconciler,
         &split.url("stream-recovery"),
         &dir.path().join("node"),

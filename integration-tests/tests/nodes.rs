@@ -26,6 +26,9 @@ fn authed<T>(message: T) -> tonic::Request<T> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_finishes() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17001 = runplane_testkit::free_local_addr().to_string();
+    let node_endpoint_17002 = runplane_testkit::free_local_addr().to_string();
     let control_plane = ControlPlane::start(
         TOKEN,
         &[
@@ -39,7 +42,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
 
     // Two hosts: each node its own state directory, so only the node that suspended a
     // sandbox can resume its processes. node-b comes first and gets the run.
-    let (_b, holder_dir) = control_plane.node("node-b", "127.0.0.1:17002");
+    let (_b, holder_dir) = control_plane.node("node-b", node_endpoint_17002.as_str());
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The agent waits for a line on its stdin (parked, so it may be suspended) and
@@ -56,7 +59,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
 
     // node-a joins: registered, ready, using no more than node-b and first of the two by
     // id, so the least-used rule would hand it the wake.
-    let _a = control_plane.node("node-a", "127.0.0.1:17001");
+    let _a = control_plane.node("node-a", node_endpoint_17001.as_str());
     eventually(Duration::from_secs(30), "node-a ready and idle", || {
         let mut api = api.clone();
         async move {
@@ -111,7 +114,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         .into_inner();
     assert_eq!(
         (route.node_id.as_str(), route.endpoint.as_str()),
-        ("node-b", "127.0.0.1:17002"),
+        ("node-b", node_endpoint_17002.as_str()),
         "the wake went to the node holding the sandbox"
     );
 
@@ -142,6 +145,8 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_ends() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17011 = runplane_testkit::free_local_addr().to_string();
     // The agent and its sandbox die together (a container restart); the agent comes back
     // with the same id at once, so the reconciler still counts the node ready and assigns
     // the sandbox again. Its key was claimed by the dead runner: the agent must say the
@@ -158,7 +163,7 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     let sandboxes = state.path().join("nodes");
     let agent = start_node(
         "node-r",
-        "127.0.0.1:17011",
+        node_endpoint_17011.as_str(),
         &endpoint,
         &endpoint,
         &sandboxes,
@@ -234,7 +239,7 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     // Back at once, same id, same state directory.
     let _agent = start_node(
         "node-r",
-        "127.0.0.1:17011",
+        node_endpoint_17011.as_str(),
         &endpoint,
         &endpoint,
         &sandboxes,
@@ -268,6 +273,8 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17031 = runplane_testkit::free_local_addr().to_string();
     // The run store has moved the run to a newer sandbox generation, so the claim of
     // generation 1 is FAILED_PRECONDITION/GENERATION_STALE however often it is asked. The
     // RUN assignment stays listed; the agent must take the answer as final.
@@ -284,7 +291,7 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
     let log = state.path().join("node-q.log");
     let _agent = start_node_logging(
         "node-q",
-        "127.0.0.1:17031",
+        node_endpoint_17031.as_str(),
         &endpoint,
         &endpoint,
         &state.path().join("node-q"),

@@ -37,6 +37,7 @@ type Sandboxes = SandboxServiceClient<InterceptedService<Channel, Bearer>>;
 async fn coordinator(redis: &TestRedis, run_store: &str, clock: &ManualClock) -> String {
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_integration_tests::SERVICE_TOKEN);
     config.run_store.endpoint = run_store.to_owned();
     let store = RedisStore::connect(redis.url(), redis.prefix())
         .await
@@ -113,6 +114,8 @@ fn lines(items: &[pb::tail_response::Item]) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17031 = runplane_testkit::free_local_addr().to_string();
     let run_db = TestDatabase::new().await;
     let reconciler_db = TestDatabase::new().await;
     let redis = TestRedis::new().await;
@@ -165,7 +168,7 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
     let node_dir = state.path().join("node-p");
     let _agent = start_node(
         "node-p",
-        "127.0.0.1:17031",
+        node_endpoint_17031.as_str(),
         &endpoint,
         &recovery_endpoint,
         &node_dir,

@@ -89,10 +89,43 @@ async fn serve_without_an_operator_token_refuses_to_start() {
 }
 
 #[tokio::test]
+async fn serve_without_a_service_token_or_with_the_operator_token_as_one_refuses_to_start() {
+    for (service_token, expected) in [
+        (
+            None,
+            "invalid config: auth.service_token: required to serve",
+        ),
+        (
+            Some(TOKEN),
+            "invalid config: auth.service_token: must differ from auth.operator_token",
+        ),
+    ] {
+        let mut command = tokio::process::Command::new(runplane_bin());
+        command
+            .args(["serve", "run-store"])
+            .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+            .env_remove("RUNPLANE_AUTH__SERVICE_TOKEN")
+            .env_remove("RUNPLANE_CONFIG");
+        if let Some(token) = service_token {
+            command.env("RUNPLANE_AUTH__SERVICE_TOKEN", token);
+        }
+        let output = command.output().await.unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(expected), "{stderr}");
+        assert!(!stderr.contains(TOKEN), "a token in the error: {stderr}");
+    }
+}
+
+#[tokio::test]
 async fn a_bad_override_names_the_field_and_its_variable() {
     let output = tokio::process::Command::new(runplane_bin())
         .args(["serve", "all"])
         .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+        .env(
+            "RUNPLANE_AUTH__SERVICE_TOKEN",
+            runplane_integration_tests::SERVICE_TOKEN,
+        )
         .env("RUNPLANE_SERVER__LISTEN", "not-an-address")
         .env_remove("RUNPLANE_CONFIG")
         .output()
@@ -126,6 +159,10 @@ exhaustedPattern = "credit balance is too low"
         .args(["serve", "credential-health", "--config"])
         .arg(&config)
         .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+        .env(
+            "RUNPLANE_AUTH__SERVICE_TOKEN",
+            runplane_integration_tests::SERVICE_TOKEN,
+        )
         .env("RUNPLANE_SERVER__LISTEN", "127.0.0.1:0")
         .env_remove("RUNPLANE_CONFIG")
         .output()

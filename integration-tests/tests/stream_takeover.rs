@@ -66,6 +66,7 @@ impl World {
         let db = TestDatabase::new().await;
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
+        config.auth.service_token = Secret::new(runplane_integration_tests::SERVICE_TOKEN);
         config.run_store.database_url = db.url().to_owned();
         config.run_store.receipt_signing_key =
             Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());

@@ -174,6 +174,10 @@ async fn unusable_tls_settings_stop_the_start_naming_the_field() {
             .env_remove("RUNPLANE_CONFIG")
             .env("RUNPLANE_SERVER__LISTEN", "127.0.0.1:0")
             .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+            .env(
+                "RUNPLANE_AUTH__SERVICE_TOKEN",
+                runplane_integration_tests::SERVICE_TOKEN,
+            )
             .env("RUNPLANE_CREDENTIAL_HEALTH__DATABASE_URL", &database)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())

@@ -19,6 +19,8 @@ fn authed<T>(message: T) -> tonic::Request<T> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reattach_is_routable_long_before_the_next_round() {
+    // Each node listens on its advertised endpoint: a free port, not a shared one.
+    let node_endpoint_17201 = runplane_testkit::free_local_addr().to_string();
     let control_plane = ControlPlane::start(
         TOKEN,
         &[
@@ -30,7 +32,7 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
     )
     .await;
     let endpoint = control_plane.endpoint.clone();
-    let (_node, node_dir) = control_plane.node("node-a", "127.0.0.1:17201");
+    let (_node, node_dir) = control_plane.node("node-a", node_endpoint_17201.as_str());
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     // The node is ready before any run exists, so dispatch on creation has somewhere to go.

@@ -277,6 +277,7 @@ async fn start() -> Bench {
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.run_store.database_url = run_db.url().to_owned();
     config.run_store.endpoint = endpoint.clone();
     config.run_store.receipt_signing_key =

@@ -1,6 +1,5 @@
 //! The tonic side of credential health: `runplane.credentials.v1.CredentialHealthService`.
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,10 +42,8 @@ pub struct Shared {
     pub store: Store,
     pub profiles: Profiles,
     pub run_store: RunStoreClient,
-    pub token_hash: Option<[u8; 32]>,
-    /// SHA-256 of each org token (`auth.org_tokens`) to its org; only WatchNotices
-    /// takes one.
-    pub org_token_hashes: HashMap<[u8; 32], String>,
+    /// The tokens the server's authentication layer knows (`[auth]`).
+    pub tokens: runplane_grpc::auth::Tokens,
     /// Notice watchers, by lead ([`crate::store::notice_key`]); what each last sent is its
     /// lead's notice sequence.
     pub notices: Wakeups<i64>,
@@ -67,7 +64,7 @@ impl std::fmt::Debug for Shared {
 /// Who is calling.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Caller {
-    /// The operator (service) token: any org.
+    /// The operator or service token: any org.
     AnyOrg,
     /// An org token: only its org.
     Org(String),
@@ -82,24 +79,18 @@ impl Shared {
         }
     }
 
+    /// The caller the server's authentication layer found; only WatchNotices takes an
+    /// org token, and the layer refuses one on every other method.
     fn caller<T>(&self, request: &Request<T>) -> Result<Caller, CredentialHealthError> {
-        let token = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, token) = v.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then_some(token)
-            })
-            .ok_or(CredentialHealthError::Unauthenticated)?;
-        let hash: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
-        if self.token_hash == Some(hash) {
-            return Ok(Caller::AnyOrg);
+        match runplane_grpc::auth::caller(request) {
+            Some(runplane_grpc::auth::Caller::Operator | runplane_grpc::auth::Caller::Service) => {
+                Ok(Caller::AnyOrg)
+            }
+            Some(runplane_grpc::auth::Caller::Org(org)) => Ok(Caller::Org(org.clone())),
+            Some(runplane_grpc::auth::Caller::Presented(_)) | None => {
+                Err(CredentialHealthError::Unauthenticated)
+            }
         }
-        self.org_token_hashes
-            .get(&hash)
-            .map(|org| Caller::Org(org.clone()))
-            .ok_or(CredentialHealthError::Unauthenticated)
     }
 
     /// Active runs per credential and per `profile/credential`, from the run store.

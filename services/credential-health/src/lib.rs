@@ -27,7 +27,6 @@ use runplane_grpc::ServiceSet;
 use runplane_proto::credentials::v1::credential_health_service_server::CredentialHealthServiceServer;
 use runplane_proto::runstore::v1 as rs;
 use sea_orm::DatabaseConnection;
-use sha2::{Digest, Sha256};
 
 pub use error::CredentialHealthError;
 
@@ -63,7 +62,7 @@ impl CredentialHealth {
             &config.credential_health.database_url,
         )
         .await?;
-        let token = &config.auth.operator_token;
+        let token = &config.auth.service_token;
         let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
             .map_err(|e| CredentialHealthError::invalid("run_store.endpoint", e.to_string()))?;
         let run_store = rs::run_service_client::RunServiceClient::with_interceptor(
@@ -97,19 +96,7 @@ impl CredentialHealth {
                 store,
                 profiles,
                 run_store,
-                token_hash: (!token.is_empty())
-                    .then(|| Sha256::digest(token.expose().as_bytes()).into()),
-                org_token_hashes: config
-                    .auth
-                    .org_tokens
-                    .iter()
-                    .map(|(org, token)| {
-                        (
-                            Sha256::digest(token.expose().as_bytes()).into(),
-                            org.clone(),
-                        )
-                    })
-                    .collect(),
+                tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
                 notices,
                 notice_relay,
                 outbox: tokio::sync::watch::channel(0).0,
@@ -138,10 +125,13 @@ impl CredentialHealth {
     /// Adds the service to `services`; at shutdown, notice watches end.
     pub fn register(&self, services: &mut ServiceSet) {
         let closing = self.shared.clone();
-        services.add(self.service()).on_shutdown(move || {
-            closing.closing.send_replace(true);
-            closing.notices.close();
-        });
+        services
+            .authenticate(self.shared.tokens.clone())
+            .add(self.service())
+            .on_shutdown(move || {
+                closing.closing.send_replace(true);
+                closing.notices.close();
+            });
     }
 
     /// Delivers the outbox (MarkBackendError to the run store) and prunes notices past

@@ -66,6 +66,7 @@ impl Gate {
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
+        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
         config.run_store.database_url = run_db.url().to_owned();
         config.run_store.endpoint = endpoint.clone();
         config.run_store.receipt_signing_key =
@@ -1216,6 +1217,7 @@ async fn replicas_sharing_the_database_open_exactly_one_incident() {
     let gate = Gate::start().await;
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.credential_health.database_url = gate._dbs.1.url().to_owned();
     config.credential_health.profiles = vec![profile("sonnet", "cred-a")];
     let clock: runplane_clock::SharedClock = Arc::new(gate.clock.clone());
@@ -1325,6 +1327,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
     drop(health_listener); // start_health binds it, again after the restart
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.run_store.database_url = run_db.url().to_owned();
     config.run_store.endpoint = format!("http://{}", run_listener.local_addr().unwrap());
     config.run_store.receipt_signing_key =

@@ -49,8 +49,15 @@ impl Receiver {
     async fn serve(&self) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        // It accepts what a run store would: the harness's service token.
+        let auth = runplane_config::AuthConfig {
+            service_token: Secret::new(runplane_testkit::SERVICE_TOKEN),
+            ..Default::default()
+        };
         let mut services = ServiceSet::new();
-        services.add(RunServiceServer::new(self.clone()));
+        services
+            .authenticate(runplane_grpc::auth::Tokens::from_config(&auth))
+            .add(RunServiceServer::new(self.clone()));
         tokio::spawn(runplane_grpc::serve(
             listener,
             services,
@@ -97,6 +104,7 @@ impl Replicas {
         let receiver = Receiver::new();
         let mut config = Config::default();
         config.auth.operator_token = Secret::new("service-token-0123456789abcdef0123456789");
+        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
         config.run_store.endpoint = receiver.serve().await;
         config.credential_health.database_url = db.url().to_owned();
         config.credential_health.profiles = vec![ProfileConfig {

@@ -200,6 +200,7 @@ async fn main() {
     let db = TestDatabase::new().await;
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.run_store.database_url = db.url().to_owned();
     config.run_store.receipt_signing_key =
         Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());

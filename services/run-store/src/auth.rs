@@ -1,22 +1,19 @@
-//! Who is calling.
-//!
-//! Operators and services present a configured token as `authorization: Bearer <token>`;
-//! the service token acts in any org, an org token only in its org. Runners present
-//! their run key the same way. Tokens and keys are compared by SHA-256 and never logged.
+//! Who is calling, as the server's authentication layer (`runplane_grpc::auth`) found:
+//! the operator and service tokens act in any org, an org token only in its org, and a
+//! run key is checked here against its run. Tokens and keys are compared by SHA-256 and
+//! never logged.
 
-use std::collections::HashMap;
+use runplane_grpc::auth::Caller;
+use tonic::Request;
 
-use runplane_config::Config;
-use tonic::metadata::MetadataMap;
-
-use crate::domain::ids::secret_hash;
 use crate::error::RunStoreError;
 
-/// The bearer credential of a call, if any.
-pub fn bearer(metadata: &MetadataMap) -> Option<&str> {
-    let value = metadata.get("authorization")?.to_str().ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    (scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty()).then(|| token.trim())
+/// The token a runner presented, for its run key to be checked against the store.
+pub fn presented<T>(request: &Request<T>) -> Result<&str, RunStoreError> {
+    runplane_grpc::auth::caller(request)
+        .and_then(Caller::presented)
+        .map(|p| p.expose())
+        .ok_or(RunStoreError::Unauthenticated)
 }
 
 /// An authenticated operator or service.
@@ -52,37 +49,14 @@ impl Operator {
     }
 }
 
-/// Checks operator and service tokens.
-#[derive(Debug, Clone)]
-pub struct OperatorAuth {
-    service_token_hash: Option<String>,
-    org_token_hashes: HashMap<String, String>,
-}
-
-impl OperatorAuth {
-    pub fn from_config(config: &Config) -> Self {
-        let service = &config.auth.operator_token;
-        Self {
-            service_token_hash: (!service.is_empty()).then(|| secret_hash(service.expose())),
-            org_token_hashes: config
-                .auth
-                .org_tokens
-                .iter()
-                .map(|(org, token)| (secret_hash(token.expose()), org.clone()))
-                .collect(),
+impl Operator {
+    /// The operator a call comes from; a run key (or no caller) is no operator.
+    pub fn of<T>(request: &Request<T>) -> Result<Self, RunStoreError> {
+        match runplane_grpc::auth::caller(request) {
+            Some(Caller::Operator | Caller::Service) => Ok(Operator::AnyOrg),
+            Some(Caller::Org(org)) => Ok(Operator::Org(org.clone())),
+            Some(Caller::Presented(_)) | None => Err(RunStoreError::Unauthenticated),
         }
-    }
-
-    pub fn authenticate(&self, metadata: &MetadataMap) -> Result<Operator, RunStoreError> {
-        let token = bearer(metadata).ok_or(RunStoreError::Unauthenticated)?;
-        let hash = secret_hash(token);
-        if self.service_token_hash.as_deref() == Some(hash.as_str()) {
-            return Ok(Operator::AnyOrg);
-        }
-        self.org_token_hashes
-            .get(&hash)
-            .map(|org| Operator::Org(org.clone()))
-            .ok_or(RunStoreError::Unauthenticated)
     }
 }
 
@@ -90,40 +64,33 @@ impl OperatorAuth {
 mod tests {
     use super::*;
 
-    fn metadata(value: &str) -> MetadataMap {
-        let mut m = MetadataMap::new();
-        m.insert("authorization", value.parse().unwrap());
-        m
-    }
-
     #[test]
-    fn service_and_org_tokens_are_told_apart() {
-        let mut config = Config::default();
-        config.auth.operator_token = runplane_config::Secret::new("s".repeat(40));
-        config
-            .auth
-            .org_tokens
-            .insert("acme".into(), runplane_config::Secret::new("a".repeat(40)));
-        let auth = OperatorAuth::from_config(&config);
-
-        let service = auth
-            .authenticate(&metadata(&format!("Bearer {}", "s".repeat(40))))
-            .unwrap();
-        assert_eq!(service, Operator::AnyOrg);
-        let acme = auth
-            .authenticate(&metadata(&format!("bearer {}", "a".repeat(40))))
-            .unwrap();
-        assert_eq!(acme, Operator::Org("acme".into()));
+    fn an_org_token_acts_only_in_its_org() {
+        let acme = Operator::Org("acme".into());
         assert!(acme.may_act_in("acme").is_ok());
         assert!(acme.may_act_in("globex").is_err());
         assert_eq!(acme.org_filter("").unwrap(), Some("acme".into()));
+        assert!(acme.org_filter("globex").is_err());
+        assert!(Operator::AnyOrg.may_act_in("globex").is_ok());
+        assert_eq!(Operator::AnyOrg.org_filter("").unwrap(), None);
+    }
 
+    #[test]
+    fn a_call_without_an_operator_caller_is_unauthenticated() {
+        let bare = Request::new(());
         assert!(matches!(
-            auth.authenticate(&metadata("Bearer nope")),
+            Operator::of(&bare),
             Err(RunStoreError::Unauthenticated)
         ));
         assert!(matches!(
-            auth.authenticate(&MetadataMap::new()),
+            presented(&bare),
+            Err(RunStoreError::Unauthenticated)
+        ));
+        let mut service = Request::new(());
+        service.extensions_mut().insert(Caller::Service);
+        assert_eq!(Operator::of(&service).unwrap(), Operator::AnyOrg);
+        assert!(matches!(
+            presented(&service),
             Err(RunStoreError::Unauthenticated)
         ));
     }

@@ -15,7 +15,7 @@ use runplane_telemetry::metrics;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
-use crate::auth::{Operator, OperatorAuth, bearer};
+use crate::auth::{Operator, presented};
 use crate::changes::Changes;
 use crate::config::RunStoreSettings;
 use crate::convert;
@@ -52,7 +52,8 @@ struct Admitted {
 pub struct Shared {
     pub store: Store,
     pub settings: RunStoreSettings,
-    pub operators: OperatorAuth,
+    /// The tokens the server's authentication layer knows (`[auth]`).
+    pub tokens: runplane_grpc::auth::Tokens,
     pub changes: Changes,
     /// Credential health, asked for admission and told of failed turns; `None` when
     /// `[run_store] admission` is off.
@@ -140,7 +141,7 @@ impl Shared {
 
 impl Shared {
     fn operator<T>(&self, request: &Request<T>) -> Result<Operator> {
-        self.operators.authenticate(request.metadata())
+        Operator::of(request)
     }
 
     /// Calls only runplane's own services may make.
@@ -157,7 +158,7 @@ impl Shared {
         run_id: &str,
         allow_terminal: bool,
     ) -> Result<RunnerAuth> {
-        let key = bearer(request.metadata()).ok_or(RunStoreError::Unauthenticated)?;
+        let key = presented(request)?;
         validate::run_id(run_id)?;
         self.store
             .authenticate_runner(key, run_id, allow_terminal)
@@ -251,7 +252,7 @@ impl RunnerService for RunnerApi {
     ) -> std::result::Result<Response<pb::AppendEventsResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
-        let key = bearer(request.metadata()).ok_or(RunStoreError::Unauthenticated)?;
+        let key = presented(&request)?;
         validate::run_id(&req.run_id)?;
         let checked = validate::client_key("batch_key", &req.batch_key)
             .and_then(|()| validate::batch(&req.events, &s.settings.limits, false));

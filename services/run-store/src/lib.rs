@@ -51,7 +51,7 @@ impl RunStore {
             })?;
             Some(CredentialHealthServiceClient::with_interceptor(
                 channel,
-                runplane_grpc::client::Bearer::new(config.auth.operator_token.expose()),
+                runplane_grpc::client::Bearer::new(config.auth.service_token.expose()),
             ))
         } else {
             None
@@ -78,8 +78,8 @@ impl RunStore {
         Ok(Self {
             shared: Arc::new(grpc::Shared {
                 store,
-                operators: auth::OperatorAuth::from_config(config),
                 settings,
+                tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
                 changes,
                 credential_health,
             }),
@@ -175,6 +175,7 @@ impl RunStore {
         let (runner, run) = self.services();
         let store = self.clone();
         services
+            .authenticate(self.shared.tokens.clone())
             .add(runner)
             .add(run)
             .on_shutdown(move || store.begin_shutdown());

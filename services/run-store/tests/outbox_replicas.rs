@@ -69,7 +69,9 @@ impl Receiver {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         let mut services = ServiceSet::new();
-        services.add(CredentialHealthServiceServer::new(self.clone()));
+        services
+            .authenticate(service_tokens())
+            .add(CredentialHealthServiceServer::new(self.clone()));
         tokio::spawn(runplane_grpc::serve(
             listener,
             services,
@@ -102,10 +104,20 @@ impl CredentialHealthService for Receiver {
     }
 }
 
+/// What a credential health replica would accept: the harness's service token.
+fn service_tokens() -> runplane_grpc::auth::Tokens {
+    let auth = runplane_config::AuthConfig {
+        service_token: Secret::new(runplane_testkit::SERVICE_TOKEN),
+        ..Default::default()
+    };
+    runplane_grpc::auth::Tokens::from_config(&auth)
+}
+
 /// A run-store replica with admission on, reporting turn failures to `receiver`.
 async fn replica(database_url: &str, receiver: &str, clock: SharedClock) -> RunStore {
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(common::SERVICE_TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.run_store.database_url = database_url.to_owned();
     config.run_store.receipt_signing_key =
         Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());

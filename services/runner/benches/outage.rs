@@ -119,6 +119,7 @@ fn start_server(
         let (runner, run) = store.services();
         let mut services = ServiceSet::new();
         services
+            .authenticate(runplane_grpc::auth::Tokens::from_config(&config.auth))
             .add(Count {
                 inner: runner,
                 arrivals: arrivals.clone(),
@@ -433,6 +434,7 @@ async fn main() {
     let db = TestDatabase::new().await;
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.run_store.database_url = db.url().to_owned();
     config.run_store.receipt_signing_key =
         Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());

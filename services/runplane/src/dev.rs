@@ -1,6 +1,6 @@
 //! `runplane dev`: all four services in one process on one port, on an embedded default
 //! (SQLite under the data directory, the in-process coordinator store), with an operator
-//! token generated once and kept in the data directory.
+//! token and a service token generated once and kept in the data directory.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -13,6 +13,7 @@ use runplane_run_store::domain::receipt::ReceiptSigner;
 use crate::serve::{Selection, bind, init_telemetry, local_containment, open, run_until};
 
 const TOKEN_FILE: &str = "operator-token";
+const SERVICE_TOKEN_FILE: &str = "service-token";
 const RECEIPT_KEY_FILE: &str = "receipt-signing-key";
 
 pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> anyhow::Result<()> {
@@ -23,12 +24,17 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     let shutdown = runplane_grpc::shutdown_signal();
 
     let data_dir = prepare_data_dir(data_dir)?;
+    let random_token = || {
+        let mut bytes = [0u8; 32];
+        rand::rng().fill_bytes(&mut bytes);
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    };
     if config.auth.operator_token.is_empty() {
-        config.auth.operator_token = kept_secret(&data_dir, TOKEN_FILE, || {
-            let mut bytes = [0u8; 32];
-            rand::rng().fill_bytes(&mut bytes);
-            bytes.iter().map(|b| format!("{b:02x}")).collect()
-        })?;
+        config.auth.operator_token = kept_secret(&data_dir, TOKEN_FILE, random_token)?;
+    }
+    // What the services call each other with, inside this process; never printed.
+    if config.auth.service_token.is_empty() {
+        config.auth.service_token = kept_secret(&data_dir, SERVICE_TOKEN_FILE, random_token)?;
     }
     if config.run_store.receipt_signing_key.is_empty() {
         config.run_store.receipt_signing_key = kept_secret(&data_dir, RECEIPT_KEY_FILE, || {

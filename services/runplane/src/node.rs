@@ -1,10 +1,10 @@
 //! `runplane node`: the node agent, and `runplane node token …`, its credentials.
 //!
-//! The agent authenticates to NodeService with its own credential when it has one:
+//! The agent authenticates to NodeService with its own credential, and with nothing else:
 //! RUNPLANE_NODE_TOKEN, else `--token-file` (never an argument, so it stays out of `ps`).
-//! Without either it uses the operator token, as it always did. The credential acts for
-//! `[node].id` only (NodeService refuses it for any other node id, and every other
-//! service refuses it outright).
+//! Without one it does not start. The credential acts for `[node].id` only (NodeService
+//! refuses it for any other node id, and every other service refuses it outright); the
+//! operator and service tokens are refused by NodeService, so a node host holds neither.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -20,7 +20,7 @@ use runplane_sandbox_reconciler::drivers::process::Containment;
 #[command(args_conflicts_with_subcommands = true)]
 pub struct NodeArgs {
     /// File holding this node's own credential (`runplane node token create` prints
-    /// it); RUNPLANE_NODE_TOKEN overrides it. Without either, the operator token.
+    /// it); RUNPLANE_NODE_TOKEN overrides it. One of the two is required.
     #[arg(long, value_name = "FILE")]
     token_file: Option<PathBuf>,
 
@@ -111,17 +111,17 @@ fn node_credential(token_file: Option<&Path>) -> anyhow::Result<Option<Secret>> 
 
 async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
-    let own = node_credential(token_file)?;
-    let operator =
-        (!config.auth.operator_token.is_empty()).then(|| config.auth.operator_token.clone());
-    let (token, recovery_token) = match (own, operator) {
-        (Some(own), Some(operator)) => (own, Some(operator)),
-        // ParkStream needs the service token: without it idle sandboxes keep running.
-        (Some(own), None) => (own, None),
-        (None, _) => {
-            let operator = config.require_operator_token()?.clone();
-            (operator.clone(), Some(operator))
-        }
+    // A node acts only as itself: the operator and service tokens are refused by
+    // NodeService, and a node host never needs them.
+    let Some(token) = node_credential(token_file)? else {
+        bail!(
+            "runplane node needs this node's own credential: create one with `runplane node token create {}` (operator token) and give it as RUNPLANE_NODE_TOKEN or --token-file",
+            if config.node.id.is_empty() {
+                "NODE"
+            } else {
+                &config.node.id
+            }
+        );
     };
     let _telemetry = crate::serve::init_telemetry(&config, "runplane-node")?;
     runplane_grpc::tls::install(&config.tls)?;
@@ -129,23 +129,18 @@ async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::R
     // Refused at start when the host cannot contain agents as configured.
     let containment = Containment::probe(&config.sandbox_reconciler).await?;
     tracing::info!(isolation = %containment.describe(), "sandboxes of this node");
-    if token.expose() != config.auth.operator_token.expose() {
-        tracing::info!("authenticating with this node's own credential");
-    }
-    if recovery_token.is_none() {
-        tracing::warn!(
-            "no operator token: streams cannot be parked (ParkStream), so idle sandboxes are not suspended"
-        );
-    }
     run_agent(
         AgentConfig {
             node_id: config.node.id.clone(),
             endpoint: config.node.endpoint.clone(),
+            listen: match config.node.listen.as_str() {
+                "" => config.node.endpoint.clone(),
+                listen => listen.to_owned(),
+            },
             capacity: config.node.capacity,
             reconciler_endpoint: config.sandbox_reconciler.endpoint.clone(),
             recovery_endpoint: config.stream_recovery.endpoint.clone(),
             token,
-            recovery_token,
             state_dir: config.node.state_dir.clone().into(),
             runplane_binary: std::env::current_exe()
                 .context("locating the runplane binary for sandboxes")?,

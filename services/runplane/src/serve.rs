@@ -54,6 +54,7 @@ impl Selection {
 pub async fn serve(config_file: Option<&Path>, names: &[ServiceName]) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
     config.require_operator_token()?;
+    config.require_service_token()?;
     let _telemetry = init_telemetry(&config, &telemetry_name(names))?;
     runplane_grpc::tls::install(&config.tls)?;
     let shutdown = runplane_grpc::shutdown_signal();

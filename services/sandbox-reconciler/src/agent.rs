@@ -8,11 +8,14 @@
 //! situation), publishes exits, and stops every deleted sandbox it is handed a DESTROY
 //! for, suspended ones included, acknowledging each stop with a DELETED publication.
 //! Idle means parked, not silent: its agent waits for input and no session reached it for
-//! the whole timeout ([`Local::idle_past_timeout`]). A node sees no session traffic but
-//! the reattach that woke a sandbox, so a sandbox's idle clock starts at its launch or
-//! restore, and again whenever its agent is found working. A suspend is preceded by
-//! ParkStream on the stream recovery coordinator (a frozen runner renews nothing, and its lapsed lease must not look like a
-//! lost controller) and a restore followed by UnparkStream. Only this node can restore
+//! the whole timeout ([`Local::idle_past_timeout`]). Sessions reach a sandbox at the
+//! node's own endpoint with the route token ResolveRoute gave them ([`crate::session`],
+//! which verifies it); each attach restarts the sandbox's idle clock, as do its launch, its
+//! restore and every round that finds its agent working. A suspend is preceded by
+//! parking the run's stream (a frozen runner renews nothing, and its lapsed lease must
+//! not look like a lost controller) and a restore followed by unparking it, both through
+//! the reconciler (NodeService.ParkSandboxStream and UnparkSandboxStream): the node holds
+//! only its own credential, which no other service takes. Only this node can restore
 //! what it suspended (its processes are on this host), so the reconciler hands it the
 //! wakes of its own sandboxes; a restore that finds the process gone publishes it exited
 //! or lost, and the loss grace ends it.
@@ -24,35 +27,29 @@ use std::time::Duration;
 use runplane_config::Secret;
 use runplane_proto::reconciler::v1 as pb;
 use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
-use runplane_proto::recovery::v1 as rpb;
-use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
 use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::domain::loss::Probe;
 use crate::drivers::process::Containment;
 use crate::drivers::{Driver, Launch, ProcessDriver};
+use crate::session::Sessions;
 use crate::store::entities::sandbox;
 
 /// What a node agent needs.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     pub node_id: String,
+    /// Where sessions reach it, as the reconciler tells them (host:port).
     pub endpoint: String,
+    /// Where its session endpoint listens (host:port).
+    pub listen: String,
     pub capacity: u32,
     pub reconciler_endpoint: String,
-    /// The stream recovery coordinator, asked to park a run's stream before its sandbox
-    /// is suspended and to hand it back after the restore.
+    /// The stream recovery coordinator its sandboxes' runners talk to.
     pub recovery_endpoint: String,
-    /// NodeService's bearer: this node's own credential, or the operator token.
+    /// NodeService's bearer: this node's own credential (`runplane node token create`).
     pub token: Secret,
-    /// ParkStream/UnparkStream's bearer. These stay on the service (operator) token the
-    /// coordinator accepts; they are not moved onto the run key, because a wake may
-    /// restore a sandbox on a node that never claimed its key. Without one (a node that
-    /// holds only its own credential) nothing is parked, so idle sandboxes keep running
-    /// instead of being suspended (a suspended runner's lease would lapse and be taken
-    /// over), and a restore here leaves the lease to the runner's next renewal.
-    pub recovery_token: Option<Secret>,
     pub state_dir: PathBuf,
     pub runplane_binary: PathBuf,
     /// How its agents are contained ([`Containment::probe`], at start).
@@ -69,17 +66,12 @@ pub enum AgentError {
         "the reconciler refuses this node's credential ({0}); it was revoked or is another node's"
     )]
     Refused(String),
+    #[error("cannot listen on {0} for sessions ([node] listen): {1}")]
+    Listen(String, String),
 }
 
 type Client = NodeServiceClient<
     InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
->;
-
-/// None without a service token ([`AgentConfig::recovery_token`]).
-type Recovery = Option<
-    StreamRecoveryServiceClient<
-        InterceptedService<runplane_transport::RunnerChannel, runplane_grpc::client::Bearer>,
-    >,
 >;
 
 /// The lease time a restored runner gets before its next renewal (the runner's own).
@@ -88,8 +80,9 @@ const UNPARK_TTL: Duration = Duration::from_secs(30);
 /// A sandbox this node runs.
 struct Local {
     row: sandbox::Model,
-    /// Since when it has been idle: its launch or restore (the only session traffic a
-    /// node sees), or the last round that found its agent working, whichever is later.
+    /// Since when it has been idle: its launch or restore, the last session attach at
+    /// this node's session endpoint, or the last round that found its agent working,
+    /// whichever is latest.
     idle_since: Instant,
     /// Its runner's answered steering polls when this node took it on (launch, restore or
     /// adoption); None while its steering loop has not started.
@@ -117,10 +110,13 @@ impl Local {
     /// a restored sandbox from being frozen again before its runner heard what was sent to
     /// it while it was frozen (the steer its reattach was for). A working agent restarts
     /// the idle clock, so silence alone never suspends one.
-    fn idle_past_timeout(&mut self, driver: &ProcessDriver) -> bool {
+    fn idle_past_timeout(&mut self, driver: &ProcessDriver, sessions: &Sessions) -> bool {
         let timeout = Duration::from_millis(self.row.idle_timeout_ms.max(0) as u64);
         if timeout.is_zero() {
             return false;
+        }
+        if let Some(attached) = sessions.last_attach(&self.row.id) {
+            self.idle_since = self.idle_since.max(attached);
         }
         if !driver.parked(&self.row) {
             self.idle_since = Instant::now();
@@ -143,15 +139,34 @@ pub async fn run(
         channel,
         runplane_grpc::client::Bearer::new(config.token.expose()),
     );
-    let recovery: Recovery = match &config.recovery_token {
-        Some(token) => Some(StreamRecoveryServiceClient::with_interceptor(
-            runplane_transport::connect_lazy(&config.recovery_endpoint, &layer)?,
-            runplane_grpc::client::Bearer::new(token.expose()),
-        )),
-        None => None,
-    };
     let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary)
         .contained(config.containment.clone());
+    // Sessions reach this node's sandboxes here, with the route tokens ResolveRoute signs
+    // for this node; it refuses to start where it cannot listen.
+    let sessions = Sessions::new(&config.node_id);
+    let listener = tokio::net::TcpListener::bind(&config.listen)
+        .await
+        .map_err(|e| AgentError::Listen(config.listen.clone(), e.to_string()))?;
+    let (stop_sessions, sessions_stopped) = tokio::sync::oneshot::channel::<()>();
+    let _stop_sessions_on_return = stop_sessions;
+    tokio::spawn({
+        let mut set = runplane_grpc::ServiceSet::new();
+        set.add(sessions.service());
+        async move {
+            let stopped = runplane_grpc::serve(
+                listener,
+                set,
+                async move {
+                    let _ = sessions_stopped.await;
+                },
+                Duration::from_secs(1),
+            )
+            .await;
+            if let Err(e) = stopped {
+                tracing::error!(error = %e, "the session endpoint stopped");
+            }
+        }
+    });
     let boot_id = format!("boot-{}", uuid::Uuid::new_v4().simple());
 
     let registered = client
@@ -169,6 +184,7 @@ pub async fn run(
         .into_inner();
     let epoch = registered.epoch;
     tracing::info!(node_id = %config.node_id, epoch, "node registered");
+    sessions.set_key(registered.route_key);
 
     let mut locals: HashMap<String, Local> = HashMap::new();
     let mut refusals = LaunchRefusals::default();
@@ -233,7 +249,7 @@ pub async fn run(
                         continue;
                     }
                     if let Some(refused) =
-                        act(&client, &recovery, &config, epoch, &driver, &mut locals, a).await
+                        act(&client, &config, epoch, &driver, &mut locals, a).await
                     {
                         refusals.record(launch, &refused);
                     }
@@ -254,7 +270,13 @@ pub async fn run(
             }
         }
         stops.reap();
-        look_after(&client, &recovery, &config, epoch, &driver, &mut locals).await;
+        look_after(&client, &config, epoch, &driver, &sessions, &mut locals).await;
+        sessions.set_running(
+            locals
+                .values()
+                .filter(|l| !l.suspended)
+                .map(|l| (l.row.id.clone(), l.row.execution_generation as u64)),
+        );
         if last_heartbeat.elapsed() >= Duration::from_secs(2) {
             let used = locals.values().filter(|l| !l.suspended).count() as u32;
             if let Err(status) = client
@@ -541,7 +563,6 @@ async fn adopt_or_report_lost(
 /// caller decides when it is asked again).
 async fn act(
     client: &Client,
-    recovery: &Recovery,
     config: &AgentConfig,
     epoch: u64,
     driver: &ProcessDriver,
@@ -604,7 +625,7 @@ async fn act(
             let resumed = driver.resume(&row).await.is_ok();
             let probe = driver.status(&row).await;
             if resumed && probe == Probe::Alive {
-                unpark(recovery, &row).await;
+                unpark(client, config, epoch, &row).await;
                 let report = client
                     .clone()
                     .report_restored(pb::ReportRestoredRequest {
@@ -666,10 +687,10 @@ async fn act(
 /// publishes exits.
 async fn look_after(
     client: &Client,
-    recovery: &Recovery,
     config: &AgentConfig,
     epoch: u64,
     driver: &ProcessDriver,
+    sessions: &Sessions,
     locals: &mut HashMap<String, Local>,
 ) {
     let mut ended = Vec::new();
@@ -694,8 +715,8 @@ async fn look_after(
         // A stream that could not be parked stays running this time: suspended, its
         // runner would stop renewing and the lapsed lease be taken over as if lost.
         // The next round tries again.
-        if local.idle_past_timeout(driver)
-            && park(recovery, &local.row).await
+        if local.idle_past_timeout(driver, sessions)
+            && park(client, config, epoch, &local.row).await
             && driver.suspend(&local.row).await.is_ok()
         {
             local.suspended = true;
@@ -720,25 +741,28 @@ async fn look_after(
 /// How long a park or unpark may take before the agent moves on.
 const PARK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Parks `row`'s run's stream for a suspend; false when the coordinator did not answer
-/// that it did (a run whose lease was never granted has nothing to park, which is fine).
-async fn park(recovery: &Recovery, row: &sandbox::Model) -> bool {
-    let Some(recovery) = recovery else {
-        return false;
-    };
-    // Bounded: an unreachable coordinator must not hold up the agent's loop (its
-    // heartbeats, launches and destroys) for a whole outage budget.
+/// Parks `row`'s run's stream for a suspend, through the reconciler (which checks this
+/// node holds the sandbox and asks the coordinator with the service token); false when
+/// it did not answer that it did (a run whose lease was never granted has nothing to
+/// park, which is fine).
+async fn park(client: &Client, config: &AgentConfig, epoch: u64, row: &sandbox::Model) -> bool {
+    // Bounded: an unreachable reconciler or coordinator must not hold up the agent's loop
+    // (its heartbeats, launches and destroys) for a whole outage budget.
     let parked = tokio::time::timeout(
         PARK_TIMEOUT,
-        recovery.clone().park_stream(rpb::ParkStreamRequest {
-            run_id: row.run_id.clone(),
-            sandbox_id: row.id.clone(),
-        }),
+        client
+            .clone()
+            .park_sandbox_stream(pb::ParkSandboxStreamRequest {
+                node_id: config.node_id.clone(),
+                epoch,
+                sandbox_id: row.id.clone(),
+                execution_generation: row.execution_generation as u64,
+            }),
     )
     .await
     .unwrap_or_else(|_| {
         Err(tonic::Status::deadline_exceeded(
-            "ParkStream did not answer in time",
+            "ParkSandboxStream did not answer in time",
         ))
     });
     match parked {
@@ -755,21 +779,23 @@ async fn park(recovery: &Recovery, row: &sandbox::Model) -> bool {
 
 /// Hands a restored sandbox's stream back to its runner. Should this fail, the lease stays
 /// parked (never taken over) until the runner's next renewal or append takes it back.
-async fn unpark(recovery: &Recovery, row: &sandbox::Model) {
-    let Some(recovery) = recovery else {
-        return;
-    };
+async fn unpark(client: &Client, config: &AgentConfig, epoch: u64, row: &sandbox::Model) {
     let unparked = tokio::time::timeout(
         PARK_TIMEOUT,
-        recovery.clone().unpark_stream(rpb::UnparkStreamRequest {
-            run_id: row.run_id.clone(),
-            ttl: Some(runplane_grpc::proto_duration(UNPARK_TTL)),
-        }),
+        client
+            .clone()
+            .unpark_sandbox_stream(pb::UnparkSandboxStreamRequest {
+                node_id: config.node_id.clone(),
+                epoch,
+                sandbox_id: row.id.clone(),
+                execution_generation: row.execution_generation as u64,
+                ttl: Some(runplane_grpc::proto_duration(UNPARK_TTL)),
+            }),
     )
     .await
     .unwrap_or_else(|_| {
         Err(tonic::Status::deadline_exceeded(
-            "UnparkStream did not answer in time",
+            "UnparkSandboxStream did not answer in time",
         ))
     });
     if let Err(s) = unparked {

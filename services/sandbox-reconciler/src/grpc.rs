@@ -18,6 +18,15 @@ use crate::store::entities::{node, sandbox, wake};
 use crate::store::nodes::{Assigned, MAX_WAKE_ERROR_BYTES, Observation};
 use crate::store::{Placement, Store};
 
+/// The stream recovery coordinator, called with the service token.
+pub type RecoveryClient =
+    runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient<
+        tonic::service::interceptor::InterceptedService<
+            runplane_grpc::client::TracedChannel,
+            runplane_grpc::client::Bearer,
+        >,
+    >;
+
 /// How soon a client told NOT_PLACED should try again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -28,12 +37,14 @@ pub struct Shared {
     pub signals: crate::signals::Signals,
     /// The run store, for the run keys node agents claim.
     pub run_store: crate::reconcile::RunStoreClient,
+    /// The stream recovery coordinator, which parks a node's sandbox's stream for it.
+    pub recovery: RecoveryClient,
     pub run_store_endpoint: String,
     pub recovery_endpoint: String,
     /// Where this reconciler's own (local) sandboxes live.
     pub local_state_dir: std::path::PathBuf,
-    /// SHA-256 of the service/operator token.
-    pub token_hash: Option<[u8; 32]>,
+    /// The tokens the server's authentication layer knows (`[auth]`).
+    pub tokens: runplane_grpc::auth::Tokens,
     pub route_key: Vec<u8>,
     pub route_ttl: Duration,
 }
@@ -102,41 +113,61 @@ impl Shared {
         Ok(p)
     }
 
-    /// The operator/service token only: every method but NodeService's. A node
-    /// credential is refused here (it is not this token).
+    /// The sandbox `sandbox_id` if node `node_id` (at `epoch`) holds its execution
+    /// `generation`: it is placed there, or suspended with its route identity naming it
+    /// (the holder [`crate::domain::wake::holder`] finds). NODE_NOT_OWNER otherwise.
+    async fn held_by(
+        &self,
+        node_id: &str,
+        epoch: u64,
+        sandbox_id: &str,
+        generation: u64,
+    ) -> Result<sandbox::Model, ReconcilerError> {
+        node_name("node_id", node_id)?;
+        self::sandbox_id(sandbox_id)?;
+        self.store
+            .node_at_epoch(node_id, int64("epoch", epoch)?)
+            .await?;
+        let p = self.live_placement(sandbox_id).await?;
+        let holds = crate::domain::wake::holder(&p.sandbox, p.route.as_ref()) == Some(node_id)
+            && p.sandbox.execution_generation == int64("execution_generation", generation)?;
+        if !holds {
+            return Err(ReconcilerError::NodeNotOwner {
+                node_id: node_id.to_owned(),
+                sandbox_id: sandbox_id.to_owned(),
+            });
+        }
+        Ok(p.sandbox)
+    }
+
+    /// The operator or a service, as the server's authentication layer found: every
+    /// method but NodeService's (the layer admits only the callers each method names).
     fn authenticate<T>(&self, request: &Request<T>) -> Result<(), ReconcilerError> {
-        if self.is_operator_token(bearer(request)?) {
-            Ok(())
-        } else {
-            Err(ReconcilerError::Unauthenticated)
+        match runplane_grpc::auth::caller(request) {
+            Some(c) if c.is_any_org() => Ok(()),
+            _ => Err(ReconcilerError::Unauthenticated),
         }
     }
 
-    /// Whether `token` (a bearer token) is the operator/service token.
-    fn is_operator_token(&self, token: &str) -> bool {
-        let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        self.token_hash == Some(hash)
-    }
-
-    /// NodeService's check: a live node credential issued for `node_id` (the request's),
-    /// or the operator token. The operator token stays accepted for every node so that
-    /// `runplane dev` (whose reconciler runs its own sandboxes) and deployments without
-    /// node credentials keep working; a node given its own credential needs no operator
-    /// token on its host. A credential of another node is NODE_CREDENTIAL_WRONG_NODE, a
-    /// revoked one UNAUTHENTICATED.
+    /// NodeService's check: a live node credential issued for `node_id` (the request's).
+    /// Nothing else acts as a node: not the operator token, not the service token (the
+    /// layer refuses both here). A credential of another node is
+    /// NODE_CREDENTIAL_WRONG_NODE, a revoked one UNAUTHENTICATED.
     async fn authenticate_node<T>(
         &self,
         request: &Request<T>,
         node_id: &str,
     ) -> Result<(), ReconcilerError> {
-        let token = bearer(request)?;
-        if self.is_operator_token(token) {
-            return Ok(());
-        }
-        if !token.starts_with(crate::store::node_credentials::TOKEN_PREFIX) {
+        let presented = runplane_grpc::auth::caller(request)
+            .and_then(runplane_grpc::auth::Caller::presented)
+            .ok_or(ReconcilerError::Unauthenticated)?;
+        if !presented
+            .expose()
+            .starts_with(crate::store::node_credentials::TOKEN_PREFIX)
+        {
             return Err(ReconcilerError::Unauthenticated);
         }
-        let hash = crate::store::node_credentials::token_sha256(token);
+        let hash = crate::store::node_credentials::token_sha256(presented.expose());
         let credential = self
             .store
             .node_credential_by_hash(&hash)
@@ -157,20 +188,6 @@ impl Shared {
         }
         Ok(())
     }
-}
-
-/// The bearer token of `request`, trimmed.
-fn bearer<T>(request: &Request<T>) -> Result<&str, ReconcilerError> {
-    request
-        .metadata()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim)
-        .ok_or(ReconcilerError::Unauthenticated)
 }
 
 #[derive(Debug, Clone)]
@@ -343,6 +360,7 @@ impl NodeService for NodeApi {
             epoch: node.epoch as u64,
             node: Some(node_of(&node)),
             heartbeat_interval: Some(runplane_grpc::proto_duration(HEARTBEAT_EVERY)),
+            route_key: route_token::node_key(&s.route_key, &node.id),
         }))
     }
 
@@ -538,6 +556,80 @@ impl NodeService for NodeApi {
             wake: Some(wake_of(&wake)),
         }))
     }
+
+    #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
+    async fn park_sandbox_stream(
+        &self,
+        request: Request<pb::ParkSandboxStreamRequest>,
+    ) -> Result<Response<pb::ParkSandboxStreamResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        s.authenticate_node(&request, &req.node_id).await?;
+        let row = s
+            .held_by(
+                &req.node_id,
+                req.epoch,
+                &req.sandbox_id,
+                req.execution_generation,
+            )
+            .await?;
+        let answer = s
+            .recovery
+            .clone()
+            .park_stream(runplane_proto::recovery::v1::ParkStreamRequest {
+                run_id: row.run_id.clone(),
+                sandbox_id: row.id.clone(),
+            })
+            .await
+            .map_err(|status| coordinator_failed("ParkStream", &status))?;
+        Ok(Response::new(pb::ParkSandboxStreamResponse {
+            parked: answer.into_inner().parked,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
+    async fn unpark_sandbox_stream(
+        &self,
+        request: Request<pb::UnparkSandboxStreamRequest>,
+    ) -> Result<Response<pb::UnparkSandboxStreamResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        s.authenticate_node(&request, &req.node_id).await?;
+        let row = s
+            .held_by(
+                &req.node_id,
+                req.epoch,
+                &req.sandbox_id,
+                req.execution_generation,
+            )
+            .await?;
+        s.recovery
+            .clone()
+            .unpark_stream(runplane_proto::recovery::v1::UnparkStreamRequest {
+                run_id: row.run_id.clone(),
+                ttl: req.ttl,
+            })
+            .await
+            .map_err(|status| coordinator_failed("UnparkStream", &status))?;
+        Ok(Response::new(pb::UnparkSandboxStreamResponse {}))
+    }
+}
+
+/// The coordinator's refusal as the node should see it: its own answer when it gave a
+/// reason (a bad TTL, say), UNAVAILABLE otherwise.
+fn coordinator_failed(method: &str, status: &Status) -> Status {
+    if runplane_grpc::error_info(status).is_some() && status.code() != tonic::Code::Unavailable {
+        return status.clone();
+    }
+    runplane_grpc::status_with_reason(
+        tonic::Code::Unavailable,
+        runplane_grpc::ErrorReason::UpstreamUnavailable,
+        format!(
+            "the stream recovery coordinator did not answer {method}: {:?}",
+            status.code()
+        ),
+        std::iter::empty::<(String, String)>(),
+    )
 }
 
 /// Longest `reason` of DestroySandbox and RequestWake, as their protos document.
@@ -922,7 +1014,7 @@ impl SandboxService for SandboxApi {
         let expires_us = s.store.now_us() + s.route_ttl.as_micros() as i64;
         let generation = p.sandbox.execution_generation as u64;
         let token = route_token::sign(
-            &s.route_key,
+            &route_token::node_key(&s.route_key, &node.id),
             &RouteClaims {
                 sandbox_id: req.sandbox_id.clone(),
                 node_id: node.id.clone(),

@@ -14,6 +14,7 @@ pub mod drivers;
 pub mod error;
 pub mod grpc;
 pub mod reconcile;
+pub mod session;
 pub mod signals;
 pub mod slots;
 pub mod store;
@@ -26,7 +27,6 @@ use runplane_grpc::ServiceSet;
 use runplane_proto::reconciler::v1::node_credential_service_server::NodeCredentialServiceServer;
 use runplane_proto::reconciler::v1::node_service_server::NodeServiceServer;
 use runplane_proto::reconciler::v1::sandbox_service_server::SandboxServiceServer;
-use sha2::{Digest, Sha256};
 
 pub use error::ReconcilerError;
 
@@ -52,9 +52,9 @@ impl SandboxReconciler {
             &config.sandbox_reconciler.database_url,
         )
         .await?;
-        let token = &config.auth.operator_token;
+        let token = &config.auth.service_token;
         let route_key = match config.sandbox_reconciler.route_token_key.expose() {
-            "" => token.expose().as_bytes().to_vec(),
+            "" => domain::route_token::default_key(token.expose()),
             key => key.as_bytes().to_vec(),
         };
         let channel =
@@ -84,6 +84,15 @@ impl SandboxReconciler {
         } else {
             None
         };
+        let recovery = runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient::with_interceptor(
+            runplane_grpc::client::connect_lazy(&config.stream_recovery.endpoint).map_err(|e| {
+                ReconcilerError::InvalidField {
+                    field: "stream_recovery.endpoint",
+                    reason: e.to_string(),
+                }
+            })?,
+            runplane_grpc::client::Bearer::new(token.expose()),
+        );
         let signals = signals::Signals::new(&db);
         Ok(Self {
             fleet,
@@ -91,11 +100,11 @@ impl SandboxReconciler {
                 signals,
                 store: store::Store::new(db, clock),
                 run_store,
+                recovery,
                 run_store_endpoint: config.run_store.endpoint.clone(),
                 recovery_endpoint: config.stream_recovery.endpoint.clone(),
                 local_state_dir: config.sandbox_reconciler.state_dir.clone().into(),
-                token_hash: (!token.is_empty())
-                    .then(|| Sha256::digest(token.expose().as_bytes()).into()),
+                tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
                 route_key,
                 route_ttl: Duration::from_secs(
                     config.sandbox_reconciler.route_token_ttl_seconds.into(),
@@ -154,6 +163,7 @@ impl SandboxReconciler {
     /// Adds the reconciler's gRPC services to `services`.
     pub fn register(&self, services: &mut ServiceSet) {
         services
+            .authenticate(self.shared.tokens.clone())
             .add(SandboxServiceServer::new(grpc::SandboxApi {
                 shared: self.shared.clone(),
             }))

@@ -92,6 +92,12 @@ struct World {
     _dbs: (TestDatabase, TestDatabase),
 }
 
+/// Node `id`'s own credential (its row is written by [`World::new`]): NodeService takes
+/// nothing else.
+fn node_token(id: &str) -> String {
+    format!("rpnode_reconcile-test-credential-of-{id}")
+}
+
 fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
     let mut r = tonic::Request::new(message);
     r.metadata_mut()
@@ -117,6 +123,7 @@ impl World {
         let reconciler_db = TestDatabase::new().await;
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
+        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
         config.run_store.database_url = run_db.url().to_owned();
         config.run_store.receipt_signing_key =
             Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
@@ -131,11 +138,14 @@ impl World {
         let (runner, run) = run_store.services();
         let mut services = ServiceSet::new();
         let on_list_runs = Arc::new(std::sync::Mutex::new(None));
-        services.add(runner).add(CountFailRun {
-            inner: run,
-            calls: calls.clone(),
-            on_list_runs: on_list_runs.clone(),
-        });
+        services
+            .authenticate(runplane_grpc::auth::Tokens::from_config(&config.auth))
+            .add(runner)
+            .add(CountFailRun {
+                inner: run,
+                calls: calls.clone(),
+                on_list_runs: on_list_runs.clone(),
+            });
         let run_store_endpoint = serve(services).await;
         config.run_store.endpoint = run_store_endpoint.clone();
 
@@ -143,6 +153,29 @@ impl World {
         let reconciler = SandboxReconciler::open(&config, Arc::new(clock.clone()))
             .await
             .unwrap();
+        // The nodes of these tests, each with its own credential, as an operator makes them.
+        let db = sea_orm::Database::connect(reconciler_db.url())
+            .await
+            .unwrap();
+        for node in ["node-a", "node-b"] {
+            use runplane_sandbox_reconciler::store::entities::node_credential;
+            use sea_orm::EntityTrait;
+            node_credential::Entity::insert(node_credential::ActiveModel::from(
+                node_credential::Model {
+                    id: format!("credential-of-{node}"),
+                    node_id: node.to_owned(),
+                    token_sha256:
+                        runplane_sandbox_reconciler::store::node_credentials::token_sha256(
+                            &node_token(node),
+                        ),
+                    created_at_us: 0,
+                    revoked_at_us: None,
+                },
+            ))
+            .exec_without_returning(&db)
+            .await
+            .unwrap();
+        }
         let mut services = ServiceSet::new();
         reconciler.register(&mut services);
         let reconciler_endpoint = serve(services).await;
@@ -642,12 +675,12 @@ async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names() 
         (route.node_id.as_str(), route.endpoint.as_str()),
         ("node-a", "127.0.0.1:7443")
     );
-    let claims = route_token::verify(
-        TOKEN.as_bytes(),
-        &route.route_token,
-        w.clock.now().timestamp(),
-    )
-    .expect("a valid route token");
+    let node_a_key = route_token::node_key(
+        &route_token::default_key(runplane_testkit::SERVICE_TOKEN),
+        "node-a",
+    );
+    let claims = route_token::verify(&node_a_key, &route.route_token, w.clock.now().timestamp())
+        .expect("a valid route token");
     assert_eq!(
         (claims.sandbox_id, claims.node_id),
         (placed.id.clone(), "node-a".to_owned())
@@ -680,7 +713,7 @@ mod node_protocol {
                     labels: Default::default(),
                     agent_version: "test".into(),
                 },
-                TOKEN,
+                &node_token(id),
             ))
             .await
             .unwrap()
@@ -708,7 +741,7 @@ mod node_protocol {
                 exit_code: None,
                 observed_at: None,
             },
-            TOKEN,
+            &node_token(node),
         )
     }
 
@@ -798,7 +831,7 @@ mod node_protocol {
                     epoch: first,
                     used: 0,
                 },
-                TOKEN,
+                &node_token("node-a"),
             ))
             .await
             .unwrap_err();
@@ -944,7 +977,7 @@ mod node_protocol {
                     known_revision: 0,
                     wait: None,
                 },
-                TOKEN,
+                &node_token("node-b"),
             ))
             .await
             .unwrap()
@@ -969,7 +1002,7 @@ mod node_protocol {
                     execution_generation: 1,
                     wake_attempt: 1,
                 },
-                TOKEN,
+                &node_token("node-b"),
             ))
             .await
             .unwrap()
@@ -993,7 +1026,7 @@ mod node_protocol {
                     execution_generation: 1,
                     wake_attempt: 1,
                 },
-                TOKEN,
+                &node_token("node-b"),
             ))
             .await
             .unwrap_err();
@@ -1030,7 +1063,7 @@ mod node_protocol {
                     wake_attempt: attempt,
                     error,
                 },
-                TOKEN,
+                &node_token("node-b"),
             )
         };
         let field = |e: &tonic::Status| {
@@ -1069,7 +1102,7 @@ mod node_protocol {
                     exit_code: None,
                     observed_at: None,
                 },
-                TOKEN,
+                &node_token("node-b"),
             ))
             .await
             .unwrap_err();
@@ -1335,7 +1368,7 @@ mod convergence {
                     known_revision: 0,
                     wait: None,
                 },
-                TOKEN,
+                &node_token(node),
             ))
             .await
             .unwrap()
@@ -1368,7 +1401,7 @@ mod convergence {
                 execution_generation: 1,
                 wake_attempt: 1,
             },
-            TOKEN,
+            &node_token(node),
         )
     }
 
@@ -1508,7 +1541,7 @@ mod convergence {
                         exit_code: None,
                         observed_at: None,
                     },
-                    TOKEN,
+                    &node_token("node-a"),
                 ))
                 .await
                 .unwrap()
@@ -1812,7 +1845,7 @@ mod many_hosts {
                     epoch,
                     used,
                 },
-                TOKEN,
+                &node_token(node),
             ))
             .await
             .unwrap();
@@ -1828,7 +1861,7 @@ mod many_hosts {
                     known_revision: 0,
                     wait: None,
                 },
-                TOKEN,
+                &node_token(node),
             ))
             .await
             .unwrap()
@@ -1984,7 +2017,7 @@ mod many_hosts {
                             execution_generation: 1,
                             wake_attempt: 1,
                         },
-                        TOKEN,
+                        &node_token("node-b"),
                     ))
                     .await
             })
@@ -2149,7 +2182,7 @@ mod many_hosts {
                             wake_attempt: restore.wake_attempt,
                             error: "could not signal the sandbox".into(),
                         },
-                        TOKEN,
+                        &node_token("node-a"),
                     ))
                     .await
                     .unwrap();

@@ -69,6 +69,7 @@ async fn storm(tails: usize) -> Outcome {
     let redis = TestRedis::new().await;
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.run_store.database_url = db.url().to_owned();
     config.run_store.receipt_signing_key =
         Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
@@ -77,7 +78,10 @@ async fn storm(tails: usize) -> Outcome {
     let run_store = RunStore::open(&config, clock.clone()).await.unwrap();
     let (runner_service, run_service) = run_store.services();
     let mut services = ServiceSet::new();
-    services.add(runner_service).add(run_service);
+    services
+        .authenticate(runplane_grpc::auth::Tokens::from_config(&config.auth))
+        .add(runner_service)
+        .add(run_service);
     let run_store_endpoint = serve(services).await;
     config.run_store.endpoint = run_store_endpoint.clone();
     let store = RedisStore::connect(redis.url(), redis.prefix())

@@ -14,7 +14,6 @@ use runplane_proto::recovery::v1 as pb;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryService;
 use runplane_proto::runstore::v1 as rs;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
-use sha2::{Digest, Sha256};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Code, Request, Response, Status};
 
@@ -32,7 +31,8 @@ pub struct Shared {
     pub run_store: RunStoreClient,
     pub limits: BufferLimits,
     /// SHA-256 of the operator/service token.
-    pub token_hash: Option<[u8; 32]>,
+    /// The tokens the server's authentication layer knows (`[auth]`).
+    pub tokens: runplane_grpc::auth::Tokens,
 }
 
 impl std::fmt::Debug for Shared {
@@ -180,24 +180,25 @@ impl Shared {
         self.clock.now().timestamp_millis()
     }
 
+    /// The operator or a service, as the server's authentication layer found.
     fn operator<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        let token = bearer(request).ok_or_else(unauthenticated)?;
-        let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        match self.token_hash {
-            Some(expected) if expected == hash => Ok(()),
+        match runplane_grpc::auth::caller(request) {
+            Some(c) if c.is_any_org() => Ok(()),
             _ => Err(unauthenticated()),
         }
     }
 
     /// The runner's key, checked by the run store by its hash: the key never leaves here.
     async fn runner<T>(&self, request: &Request<T>, run_id: &str) -> Result<String, Status> {
-        let key = bearer(request).ok_or_else(unauthenticated)?;
+        let key = runplane_grpc::auth::caller(request)
+            .and_then(runplane_grpc::auth::Caller::presented)
+            .ok_or_else(unauthenticated)?;
         let check = self
             .run_store
             .clone()
             .check_run_key(rs::CheckRunKeyRequest {
                 run_id: run_id.to_owned(),
-                key_sha256: Sha256::digest(key.as_bytes()).to_vec(),
+                key_sha256: key.sha256().to_vec(),
             })
             .await;
         match check {
@@ -506,14 +507,6 @@ pub async fn sweep_forever(shared: Arc<Shared>, every: Duration, batch: usize) {
             }
         }
     }
-}
-
-fn bearer<T>(request: &Request<T>) -> Option<String> {
-    let value = request.metadata().get("authorization")?.to_str().ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim().to_owned())
 }
 
 fn unauthenticated() -> Status {

@@ -17,7 +17,6 @@ use std::time::Duration;
 use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryServiceServer;
-use sha2::{Digest, Sha256};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecoveryError {
@@ -69,7 +68,7 @@ impl StreamRecovery {
         config: &runplane_config::Config,
         clock: SharedClock,
     ) -> Result<Self, RecoveryError> {
-        let token = &config.auth.operator_token;
+        let token = &config.auth.service_token;
         let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
             .map_err(|e| RecoveryError::Endpoint(e.to_string()))?;
         let run_store =
@@ -83,8 +82,7 @@ impl StreamRecovery {
                 clock,
                 run_store,
                 limits: policy::BufferLimits::default(),
-                token_hash: (!token.is_empty())
-                    .then(|| Sha256::digest(token.expose().as_bytes()).into()),
+                tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
             }),
             sweep_every: policy::SWEEP_EVERY,
         })
@@ -114,6 +112,7 @@ impl StreamRecovery {
             policy::SWEEP_BATCH,
         ));
         services
+            .authenticate(self.shared.tokens.clone())
             .add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
                 shared: self.shared.clone(),
             }))

@@ -134,6 +134,7 @@ impl World {
         };
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
+        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
         config.run_store.database_url = db.url().to_owned();
         config.run_store.receipt_signing_key =
             Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
@@ -146,11 +147,14 @@ impl World {
         let get_runs = Arc::new(AtomicUsize::new(0));
         let (runner_service, run_service) = run_store.services();
         let mut services = ServiceSet::new();
-        services.add(runner_service).add(FaultyRunService {
-            inner: run_service,
-            fail_enqueue: fail_enqueue.clone(),
-            get_runs: get_runs.clone(),
-        });
+        services
+            .authenticate(runplane_grpc::auth::Tokens::from_config(&config.auth))
+            .add(runner_service)
+            .add(FaultyRunService {
+                inner: run_service,
+                fail_enqueue: fail_enqueue.clone(),
+                get_runs: get_runs.clone(),
+            });
         let run_store_endpoint = serve(services).await;
 
         config.run_store.endpoint = if dead_run_store {

@@ -136,6 +136,8 @@ pub struct NodeConfig {
     pub id: String,
     /// `host:port` where sessions reach this node, as registered.
     pub endpoint: String,
+    /// `host:port` its session endpoint listens on; empty: `endpoint`'s.
+    pub listen: String,
     /// Sandboxes this node runs at once.
     pub capacity: u32,
     /// Where the node keeps its sandboxes' pid, exit status and runner log.
@@ -147,6 +149,7 @@ impl Default for NodeConfig {
         Self {
             id: "node-1".to_owned(),
             endpoint: "127.0.0.1:7443".to_owned(),
+            listen: String::new(),
             capacity: 8,
             state_dir: ".runplane/node-sandboxes".to_owned(),
         }
@@ -220,9 +223,14 @@ impl Default for ServerConfig {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
-    /// Bearer token of runplane's services and of operators acting in any org. Required
+    /// Bearer token of operators (humans, the CLI, grpcurl) acting in any org. Required
     /// to serve; at least 32 characters.
     pub operator_token: Secret,
+    /// Bearer token runplane's services call each other with, any org. Required to
+    /// serve; at least 32 characters, and not the operator token. It cannot reach what
+    /// only operators may do (CreateRun, steering, node credentials), and node agents
+    /// never hold it: each has its own node credential.
+    pub service_token: Secret,
     /// Org-scoped operator tokens: org id to token (each at least 32 characters). A call
     /// with one of these acts only in its org.
     pub org_tokens: std::collections::BTreeMap<String, Secret>,
@@ -294,7 +302,8 @@ pub struct SandboxReconcilerConfig {
     pub endpoint: String,
     /// How long a sandbox must stay exited or lost before its run is failed.
     pub loss_grace_seconds: u32,
-    /// Key that signs route tokens (shared with node agents); the operator token when empty.
+    /// Key that signs route tokens. Empty: one derived from `auth.service_token`. Node
+    /// agents never see it, only a key derived from it for their own node id.
     pub route_token_key: Secret,
     /// Lifetime of a route token.
     pub route_token_ttl_seconds: u32,
@@ -602,8 +611,9 @@ impl Config {
         Ok(config)
     }
 
-    /// Checks what serde cannot. Requirements that depend on the role (a token to serve)
-    /// are checked by [`Config::require_operator_token`].
+    /// Checks what serde cannot. Requirements that depend on the role (tokens to serve)
+    /// are checked by [`Config::require_operator_token`] and
+    /// [`Config::require_service_token`].
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.listen_addr()?;
         if self.server.shutdown_grace_seconds == 0 || self.server.shutdown_grace_seconds > 600 {
@@ -617,6 +627,20 @@ impl Config {
             return Err(ConfigError::invalid(
                 "auth.operator_token",
                 "must be at least 32 characters",
+            ));
+        }
+        if !self.auth.service_token.is_empty() && self.auth.service_token.expose().len() < 32 {
+            return Err(ConfigError::invalid(
+                "auth.service_token",
+                "must be at least 32 characters",
+            ));
+        }
+        if !self.auth.service_token.is_empty()
+            && self.auth.service_token.expose() == self.auth.operator_token.expose()
+        {
+            return Err(ConfigError::invalid(
+                "auth.service_token",
+                "must differ from auth.operator_token: services and operators hold different secrets",
             ));
         }
         if self
@@ -934,6 +958,17 @@ impl Config {
         Ok(&self.auth.operator_token)
     }
 
+    /// Serving needs the service token too; the error says how to set one.
+    pub fn require_service_token(&self) -> Result<&Secret, ConfigError> {
+        if self.auth.service_token.is_empty() {
+            return Err(ConfigError::invalid(
+                "auth.service_token",
+                "required to serve: the token runplane's services call each other with; set it in the config file or RUNPLANE_AUTH__SERVICE_TOKEN (at least 32 characters, not the operator token)",
+            ));
+        }
+        Ok(&self.auth.service_token)
+    }
+
     pub fn shutdown_grace(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.server.shutdown_grace_seconds)
     }
@@ -963,7 +998,12 @@ fn refuse_unreadable_env() -> Result<(), ConfigError> {
 }
 
 /// Fields whose values are secrets, by key name.
-const SECRET_KEYS: &[&str] = &["operator_token", "receipt_signing_key", "route_token_key"];
+const SECRET_KEYS: &[&str] = &[
+    "operator_token",
+    "service_token",
+    "receipt_signing_key",
+    "route_token_key",
+];
 
 /// Figment's message plus where the bad value came from; never the value of a secret,
 /// because figment only quotes values for type errors and secrets are plain strings.
@@ -1069,6 +1109,45 @@ mod tests {
             "{msg}"
         );
         assert!(!msg.contains("hunter2"), "{msg}");
+    }
+
+    #[test]
+    fn the_service_token_is_required_to_serve_and_is_not_the_operator_token() {
+        let operator = "o".repeat(32);
+        let none = load_with(&format!("[auth]\noperator_token = \"{operator}\"\n"), &[]).unwrap();
+        let missing = none.require_service_token().unwrap_err().to_string();
+        assert!(
+            missing.starts_with("invalid config: auth.service_token: required to serve"),
+            "{missing}"
+        );
+        let same = load_with(
+            &format!("[auth]\noperator_token = \"{operator}\"\nservice_token = \"{operator}\"\n"),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            same.contains("auth.service_token: must differ from auth.operator_token"),
+            "{same}"
+        );
+        assert!(!same.contains(&operator), "{same}");
+        let short = load_with("[auth]\nservice_token = \"hunter2\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            short.starts_with("invalid config: auth.service_token:"),
+            "{short}"
+        );
+        assert!(!short.contains("hunter2"), "{short}");
+        let both = load_with(
+            &format!(
+                "[auth]\noperator_token = \"{operator}\"\nservice_token = \"{}\"\n",
+                "s".repeat(32)
+            ),
+            &[],
+        )
+        .unwrap();
+        assert!(both.require_service_token().is_ok());
     }
 
     #[test]

@@ -29,7 +29,7 @@ fn cases(default: u32) -> Cases {
 /// Every section and a few of its fields, plus a name no section has.
 const KEYS: &[(&str, &[&str])] = &[
     ("server", &["listen", "shutdown_grace_seconds"]),
-    ("auth", &["operator_token"]),
+    ("auth", &["operator_token", "service_token"]),
     ("telemetry", &["log_format"]),
     (
         "run_store",
@@ -70,7 +70,10 @@ const KEYS: &[(&str, &[&str])] = &[
             "notice_retention_hours",
         ],
     ),
-    ("node", &["id", "endpoint", "capacity", "state_dir"]),
+    (
+        "node",
+        &["id", "endpoint", "listen", "capacity", "state_dir"],
+    ),
     (
         "tls",
         &["cert_file", "key_file", "client_ca_file", "ca_file"],
@@ -81,7 +84,12 @@ const KEYS: &[(&str, &[&str])] = &[
 const SECRET: &str = "s3cr3t-never-echoed-0123456789abcdef";
 
 /// The fields whose values are secrets: an error about them never shows the value.
-const SECRET_FIELDS: &[&str] = &["operator_token", "receipt_signing_key", "route_token_key"];
+const SECRET_FIELDS: &[&str] = &[
+    "operator_token",
+    "service_token",
+    "receipt_signing_key",
+    "route_token_key",
+];
 
 fn echoes_a_secret(error: &ConfigError, fields: &[(String, String, String)]) -> bool {
     let message = error.to_string();

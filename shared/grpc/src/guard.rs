@@ -4,8 +4,8 @@
 //!
 //! Both run in the server's tower stack, ahead of every service, so a client without a
 //! credential cannot make a server buffer and decode megabytes, and a message over the
-//! limit is refused from its 5-byte gRPC prefix, before any of it is buffered. The full
-//! credential check stays with each service (it knows its tokens and roles); this layer
+//! limit is refused from its 5-byte gRPC prefix, before any of it is buffered. Who the
+//! caller is, and whether the method is theirs, is [`crate::auth`]'s to judge; this layer
 //! only refuses what no service would accept.
 
 use std::collections::BTreeMap;
@@ -21,9 +21,7 @@ use tower_service::Service;
 
 use crate::error::{ErrorReason, status_with_reason};
 
-/// Services whose calls need no credential: health (load balancers, probes) and
-/// reflection (grpcurl's `list` and `describe`).
-const OPEN_SERVICES: &[&str] = &["grpc.health.v1.", "grpc.reflection."];
+use crate::auth::OPEN_SERVICES;
 
 /// The longest bearer token accepted; every runplane token and key is far shorter.
 const MAX_BEARER_LEN: usize = 4096;
@@ -65,9 +63,12 @@ fn bearer_is_well_formed(value: Option<&http::HeaderValue>) -> bool {
     let Some((scheme, token)) = value.split_once(' ') else {
         return false;
     };
-    let token = token.trim();
-    scheme.eq_ignore_ascii_case("bearer")
-        && !token.is_empty()
+    scheme.eq_ignore_ascii_case("bearer") && token_is_well_formed(token.trim())
+}
+
+/// Whether `token` has a form some service could accept: short, printable, no spaces.
+pub(crate) fn token_is_well_formed(token: &str) -> bool {
+    !token.is_empty()
         && token.len() <= MAX_BEARER_LEN
         && token.bytes().all(|b| b.is_ascii_graphic())
 }

@@ -3,6 +3,7 @@
 //! - [`server::ServiceSet`] and [`server::serve`]: health per service (NOT_SERVING while
 //!   shutting down), reflection v1 and v1alpha, a request span per call joined to the
 //!   caller's W3C trace context, graceful shutdown with a deadline.
+//! - [`auth`]: who is calling; each method admits the callers its proto names.
 //! - [`guard`]: a call without a well-formed bearer, or a message over its service's
 //!   decoding limit, is refused before any handler reads the body.
 //! - [`shed`]: past its concurrency limit a call waits a short, bounded time for a slot
@@ -14,6 +15,7 @@
 //! - [`error`]: `tonic::Status` with `google.rpc.ErrorInfo` carrying a stable reason.
 //! - [`shutdown_signal`]: SIGTERM or SIGINT.
 
+pub mod auth;
 pub mod client;
 pub mod error;
 pub mod guard;

@@ -107,6 +107,7 @@ pub struct ServiceSet {
     names: Vec<&'static str>,
     on_shutdown: Vec<Box<dyn FnOnce() + Send>>,
     limits: ServerLimits,
+    tokens: crate::auth::Tokens,
 }
 
 impl ServiceSet {
@@ -140,6 +141,14 @@ impl ServiceSet {
     /// Full names of the services added so far.
     pub fn names(&self) -> &[&'static str] {
         &self.names
+    }
+
+    /// The tokens the server's [`crate::auth`] layer knows. Each service sets them from
+    /// its `[auth]` when it registers (one process serves one config); a set without them
+    /// admits only the credentials handlers check themselves.
+    pub fn authenticate(&mut self, tokens: crate::auth::Tokens) -> &mut Self {
+        self.tokens = tokens;
+        self
     }
 
     /// Replaces the default [`ServerLimits`] (those of `[server]`'s defaults).
@@ -188,6 +197,7 @@ pub async fn serve_with_tls(
         names,
         on_shutdown,
         limits,
+        tokens,
     } = services;
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -257,6 +267,7 @@ pub async fn serve_with_tls(
             limits.max_decoding_message_bytes,
             limits.max_decoding_message_bytes_by_service,
         )))
+        .layer(crate::auth::AuthLayer::new(tokens))
         .layer(shed)
         .add_routes(routes.routes())
         .serve_with_incoming_shutdown(incoming(listener), async {

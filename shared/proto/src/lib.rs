@@ -42,6 +42,7 @@ package!(runstore, "runplane.runstore.v1");
 package!(reconciler, "runplane.reconciler.v1");
 package!(recovery, "runplane.recovery.v1");
 package!(credentials, "runplane.credentials.v1");
+package!(node, "runplane.node.v1");
 
 impl runstore::v1::RunState {
     /// SUCCEEDED, FAILED, CANCELLED and BACKEND_ERROR: no runner call, steer or event is

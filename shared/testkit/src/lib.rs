@@ -19,6 +19,10 @@ use sea_orm::{ConnectOptions, ConnectionTrait, Database};
 
 pub mod pki;
 
+/// The service token (`auth.service_token`) of in-process test harnesses: what their
+/// services call each other with, and what their fakes of a service must accept.
+pub const SERVICE_TOKEN: &str = "harness-service-token-0123456789abcdef0123";
+
 pub const DEFAULT_POSTGRES_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 pub const START_POSTGRES: &str =

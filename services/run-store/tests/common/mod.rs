@@ -89,6 +89,7 @@ impl Harness {
     pub async fn start(backend: Backend) -> Self {
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(SERVICE_TOKEN);
+        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
         config
             .auth
             .org_tokens
@@ -107,6 +108,7 @@ impl Harness {
         let (runner, run) = store.services();
         let mut services = ServiceSet::new();
         services
+            .authenticate(runplane_grpc::auth::Tokens::from_config(&config.auth))
             .add(CutAfterCommit {
                 inner: runner,
                 cuts: cuts.clone(),

@@ -19,6 +19,7 @@ pub const TOKEN: &str = "runner-test-service-token-0123456789abcd";
 pub fn config(database_url: &str, seed: &str) -> Config {
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
+    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
     config.run_store.database_url = database_url.to_owned();
     config.run_store.receipt_signing_key = Secret::new(seed);
     // Not about admission: runs are created on the credential they name.

@@ -1,6 +1,12 @@
 //! Signed, short-lived route tokens: `base64url(payload).base64url(HMAC-SHA256(payload))`
-//! with payload `sandbox|node|generation|session|expires_unix`. Nodes hold the same key
-//! and refuse a token that is forged, expired, or for another sandbox or node.
+//! with payload `sandbox|node|generation|session|expires_unix`.
+//!
+//! A token for node N is signed with N's own key, [`node_key`]: an HMAC of the
+//! reconciler's route-signing key and N's id. The reconciler hands N that key at
+//! registration and no other, so a node verifies the tokens naming it and cannot mint one
+//! that another node would accept. The verifier is the node agent's session endpoint
+//! (`agent::session`), which also refuses a token for another sandbox, node or
+//! generation.
 
 use base64::Engine;
 use hmac::{Hmac, Mac};
@@ -15,6 +21,24 @@ pub struct RouteClaims {
     pub execution_generation: u64,
     pub session_id: String,
     pub expires_unix: i64,
+}
+
+/// Node `node_id`'s route key, derived from the route-signing key `key`.
+pub fn node_key(key: &[u8], node_id: &str) -> Vec<u8> {
+    let mut mac = HmacSha256::new_from_slice(key).expect("HMAC takes keys of any length");
+    mac.update(b"runplane route token key for node ");
+    mac.update(node_id.as_bytes());
+    mac.finalize().into_bytes().to_vec()
+}
+
+/// The route-signing key when `[sandbox_reconciler].route_token_key` is not set: derived
+/// from the service token, so it is never a bearer token itself, and every reconciler
+/// replica of one deployment derives the same.
+pub fn default_key(service_token: &str) -> Vec<u8> {
+    let mut mac = HmacSha256::new_from_slice(service_token.as_bytes())
+        .expect("HMAC takes keys of any length");
+    mac.update(b"runplane route-signing key");
+    mac.finalize().into_bytes().to_vec()
 }
 
 pub fn sign(key: &[u8], claims: &RouteClaims) -> String {
@@ -62,6 +86,29 @@ pub fn verify(key: &[u8], token: &str, now_unix: i64) -> Option<RouteClaims> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_node_verifies_only_tokens_signed_for_it() {
+        let claims = RouteClaims {
+            sandbox_id: "s".into(),
+            node_id: "a".into(),
+            execution_generation: 1,
+            session_id: String::new(),
+            expires_unix: 1000,
+        };
+        let key = default_key("service-token");
+        let (a, b) = (node_key(&key, "a"), node_key(&key, "b"));
+        assert_ne!(a, b);
+        assert_ne!(key, node_key(&key, ""));
+        let token = sign(&a, &claims);
+        assert_eq!(verify(&a, &token, 999), Some(claims));
+        assert_eq!(
+            verify(&b, &token, 999),
+            None,
+            "node b's key refuses node a's token"
+        );
+        assert_eq!(verify(&key, &token, 999), None);
+    }
 
     #[test]
     fn tokens_verify_until_they_expire_and_not_when_forged() {
