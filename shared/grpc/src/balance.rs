@@ -14,14 +14,19 @@
 //! So this extends the transport's `Upstream` approach to several live addresses: calls
 //! go round robin over every resolved address; an attempt that provably never reached a
 //! handler (connect failed, or the server sent not one byte within
-//! [`HANDSHAKE_TIMEOUT`]) moves to the next address, for every method; an attempt with
-//! no answer within its deadline condemns its connection and is sent to the next address
-//! once more only when the method is replay-safe (`runplane_proto::policy_for`). An
-//! address that failed cools off (1 s doubling to 30 s) and is then tried again, so a
-//! replica that restarts gets calls back; while every address cools, they are still
-//! tried, in order. What bounds a frozen replica: [`HANDSHAKE_TIMEOUT`] on a fresh
-//! connection, the attempt deadline (the call's `grpc-timeout`, else
-//! [`ANSWER_TIMEOUT`]) on an established one, h2 keepalive on an open stream.
+//! [`HANDSHAKE_TIMEOUT`]) moves to the next address, for every method; an attempt that
+//! failed after it was sent (reset, the connection's liveness ping unanswered) condemns
+//! its connection and is sent to the next address once more only when the method is
+//! replay-safe (`runplane_proto::policy_for`). An address that failed cools off (1 s
+//! doubling to 30 s) and is then tried again, so a replica that restarts gets calls
+//! back; while every address cools, they are still tried, in order.
+//!
+//! What bounds a frozen replica (SIGSTOPped: the kernel accepts, nothing answers): on a
+//! fresh connection, [`HANDSHAKE_TIMEOUT`]; on an established one, an h2 ping after
+//! [`LIVENESS_INTERVAL`] without a frame while a call is open, unanswered within
+//! [`LIVENESS_TIMEOUT`], breaks it. A live server's h2 layer answers pings while its
+//! handler works, so a slow call is not cut short; only a silent process is. The
+//! call's own `grpc-timeout`, if any, is enforced by tonic.
 //!
 //! Requests are buffered to be resent: every runplane method takes a single message.
 
@@ -50,8 +55,10 @@ use crate::endpoints::{EndpointList, RESOLVE_EVERY, Target};
 /// proves that nothing sent on it reached a handler.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// How long an attempt without a `grpc-timeout` waits for its response headers.
-pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// While a call is open and nothing came for this long, the connection is pinged.
+pub const LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+/// A ping unanswered for this long breaks the connection and fails its calls.
+pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Cool-off of an address after its first failure, doubling per failure in a row.
 const COOL_OFF_BASE: Duration = Duration::from_secs(1);
@@ -136,7 +143,7 @@ impl Balanced {
         let mut last = format!("{} resolves to no address", pool.list.shown());
         for member in &members {
             let heard = Arc::new(AtomicBool::new(false));
-            let endpoint = pool.list.targets()[member.target].endpoint().clone();
+            let endpoint = liveness(pool.list.targets()[member.target].endpoint().clone());
             match endpoint
                 .clone()
                 .connect_with_connector(Dial::new(member.address, heard.clone()))
@@ -189,10 +196,7 @@ enum Outcome {
     Answered(http::Response<Body>),
     /// Provably never reached a handler: try the next address.
     NotSent(BoxError),
-    /// No answer within the deadline after the server had spoken: may have been
-    /// processed.
-    Stalled(BoxError),
-    /// Failed after sending (reset, broken pipe): may have been processed.
+    /// Failed after sending (reset, liveness ping unanswered): may have been processed.
     Failed(BoxError),
 }
 
@@ -205,8 +209,6 @@ impl Pool {
         let body = body.collect().await.map_err(BoxError::from)?.to_bytes();
         let replay_safe = runplane_proto::policy_for(parts.uri.path())
             .is_some_and(|p| p.replay_safety.is_replay_safe());
-        let wait =
-            grpc_timeout(&parts.headers).map_or(ANSWER_TIMEOUT, |d| d + Duration::from_millis(500));
         let members = self.members().await;
         if members.is_empty() {
             return Err(Box::new(tonic::Status::unavailable(format!(
@@ -215,10 +217,10 @@ impl Pool {
             ))));
         }
         let mut last: Option<BoxError> = None;
-        let mut resent_after_stall = false;
+        let mut resent = false;
         for member in self.order(members) {
             let request = rebuild(&parts, body.clone());
-            match attempt(&member, request, wait).await {
+            match attempt(&member, request).await {
                 Outcome::Answered(response) => {
                     member.recovered();
                     return Ok(response);
@@ -228,18 +230,14 @@ impl Pool {
                     member.failed(true);
                     last = Some(e);
                 }
-                Outcome::Stalled(e) => {
+                Outcome::Failed(e) => {
                     member.failed(true);
-                    if !replay_safe || resent_after_stall {
+                    if !replay_safe || resent {
                         return Err(e);
                     }
-                    tracing::info!(address = %member.shown, error = %e, "no answer: resending to the next address");
-                    resent_after_stall = true;
+                    tracing::info!(address = %member.shown, error = %e, "failed after sending: resending to the next address");
+                    resent = true;
                     last = Some(e);
-                }
-                Outcome::Failed(e) => {
-                    member.failed(false);
-                    return Err(e);
                 }
             }
         }
@@ -325,7 +323,7 @@ impl Member {
             Some(_) => target.shown().clone(),
             None => format!("{} ({address})", target.shown()).into(),
         };
-        let endpoint = target.endpoint().clone();
+        let endpoint = liveness(target.endpoint().clone());
         let conn = Conn::open(&endpoint, address, 0);
         Self {
             target: target_index,
@@ -365,6 +363,13 @@ impl Member {
     }
 }
 
+/// Short h2 keepalive while calls are open: the frozen-replica detector.
+fn liveness(endpoint: Endpoint) -> Endpoint {
+    endpoint
+        .http2_keep_alive_interval(LIVENESS_INTERVAL)
+        .keep_alive_timeout(LIVENESS_TIMEOUT)
+}
+
 impl Conn {
     fn open(endpoint: &Endpoint, address: SocketAddr, generation: u64) -> Self {
         let heard = Arc::new(AtomicBool::new(false));
@@ -378,18 +383,18 @@ impl Conn {
     }
 }
 
-/// One attempt on `member`'s connection, bounded by the handshake timeout (while the
-/// connection has heard nothing) and by `wait`.
-async fn attempt(member: &Member, request: http::Request<Body>, wait: Duration) -> Outcome {
+/// One attempt on `member`'s connection, bounded by the handshake timeout while the
+/// connection has heard nothing (and by its liveness pings once it has).
+async fn attempt(member: &Member, request: http::Request<Body>) -> Outcome {
     let conn = member.conn.lock().expect("conn poisoned").clone();
-    let started = Instant::now();
     let mut channel = conn.channel.clone();
     let call = async move {
         std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
         channel.call(request).await
     };
     tokio::pin!(call);
-    let silent = |what: String| -> BoxError { Box::new(tonic::Status::unavailable(what)) };
+    let handshake = tokio::time::sleep(HANDSHAKE_TIMEOUT);
+    tokio::pin!(handshake);
     let mut handshake_checked = false;
     loop {
         tokio::select! {
@@ -398,27 +403,15 @@ async fn attempt(member: &Member, request: http::Request<Body>, wait: Duration) 
                 Err(e) if is_connect(&e) => Outcome::NotSent(Box::new(e)),
                 Err(e) => Outcome::Failed(Box::new(e)),
             },
-            () = tokio::time::sleep_until(started + HANDSHAKE_TIMEOUT), if !handshake_checked => {
+            () = &mut handshake, if !handshake_checked => {
                 handshake_checked = true;
                 if !conn.heard.load(Ordering::SeqCst) {
-                    return Outcome::NotSent(silent(format!(
+                    return Outcome::NotSent(Box::new(tonic::Status::unavailable(format!(
                         "no answer from {}: it sent nothing within {} ms",
                         member.shown,
                         HANDSHAKE_TIMEOUT.as_millis()
-                    )));
+                    ))));
                 }
-            }
-            () = tokio::time::sleep_until(started + wait) => {
-                let e: BoxError = Box::new(tonic::Status::deadline_exceeded(format!(
-                    "no answer from {} within {} ms",
-                    member.shown,
-                    wait.as_millis()
-                )));
-                return if conn.heard.load(Ordering::SeqCst) {
-                    Outcome::Stalled(e)
-                } else {
-                    Outcome::NotSent(e)
-                };
             }
         }
     }
@@ -434,22 +427,6 @@ fn is_connect(error: &tonic::transport::Error) -> bool {
         cause = e.source();
     }
     false
-}
-
-/// A call's own `grpc-timeout`, when it set one.
-fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
-    let value = headers.get("grpc-timeout")?.to_str().ok()?;
-    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
 }
 
 fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Body> {
@@ -571,5 +548,81 @@ impl AsyncWrite for Heard {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
+
+    /// A real health server on a local port.
+    async fn live() -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_reporter, health) = tonic_health::server::health_reporter();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        addr
+    }
+
+    /// A port nothing listens on: connects are refused.
+    async fn dead() -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        listener.local_addr().unwrap()
+    }
+
+    #[tokio::test]
+    async fn calls_move_off_a_refused_and_a_silent_address_and_every_call_succeeds() {
+        let (refused, live) = (dead().await, live().await);
+        // The kernel completes connects into its backlog; nothing ever answers.
+        let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let silent = frozen.local_addr().unwrap();
+        let list = EndpointList::parse_with_tls(
+            &format!("http://{refused},http://{silent},http://{live}"),
+            None,
+        )
+        .unwrap();
+        let mut client = HealthClient::new(Balanced::lazy(list));
+        // Three calls start at each address once (round robin): each gets its answer.
+        for _ in 0..6 {
+            let answer = client
+                .check(HealthCheckRequest::default())
+                .await
+                .expect("the call moved on to the live address");
+            assert_eq!(answer.into_inner().status(), ServingStatus::Serving);
+        }
+        drop(frozen);
+    }
+
+    #[tokio::test]
+    async fn an_address_that_failed_is_tried_again_once_it_listens() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let list = EndpointList::parse_with_tls(&format!("http://127.0.0.1:{port}"), None).unwrap();
+        let mut client = HealthClient::new(Balanced::lazy(list));
+        client
+            .check(HealthCheckRequest::default())
+            .await
+            .expect_err("nothing listens yet");
+        // The replica comes back on the same port: the address was cooled off, not dropped.
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (_reporter, health) = tonic_health::server::health_reporter();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        client
+            .check(HealthCheckRequest::default())
+            .await
+            .expect("the restarted replica answers");
     }
 }
