@@ -19,7 +19,9 @@ use tonic::service::interceptor::InterceptedService;
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunStoreConnect {
     /// Run store endpoint; defaults to [run_store].endpoint. Several, separated by
-    /// commas, are replicas: a call that cannot connect or stalls moves to the next.
+    /// commas, are replicas, and a name stands for every address it resolves to: a
+    /// command starts at a random one, and a call that cannot connect or stalls moves
+    /// to the next.
     #[arg(long, value_name = "URL")]
     pub endpoint: Option<String>,
     /// File holding the operator token (RUNPLANE_TOKEN overrides it).
@@ -98,13 +100,19 @@ pub fn channel_retrying_for(
 ) -> anyhow::Result<OperatorChannel> {
     let config = Config::load(config_file)?;
     runplane_grpc::tls::install(&config.tls)?;
-    let endpoint = endpoint
-        .unwrap_or_else(|| default_endpoint(&config))
-        .to_owned();
+    let (field, endpoint) = match endpoint {
+        Some(endpoint) => ("--endpoint", endpoint.to_owned()),
+        None => (
+            "the config's endpoint",
+            default_endpoint(&config).to_owned(),
+        ),
+    };
     let token = token(token_file, &config)?;
     // The CLI rides out a control-plane restart like the runner does, for `retry_for`.
+    // A command starts at a random replica, so operators' calls spread over them.
     let layer = RetryLayer::new(retry_config(retry_for));
-    let channel = runplane_transport::connect_lazy(&endpoint, &layer)?;
+    let channel = runplane_transport::connect_lazy_spread(&endpoint, &layer)
+        .map_err(|e| anyhow::anyhow!("{field}: {e}"))?;
     Ok(InterceptedService::new(channel, Bearer::new(token)))
 }
 

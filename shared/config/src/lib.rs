@@ -572,6 +572,62 @@ impl Default for ProfileConfig {
     }
 }
 
+/// An endpoint field is one `http://` or `https://` URL or several separated by commas
+/// (replicas). The full parse happens where the client is built
+/// (`runplane_grpc::endpoints`); this catches a bad list at start-up, naming the field
+/// and the entry, and never echoing an entry that could hold a secret.
+fn validate_endpoint_list(field: &str, list: &str, has_ca: bool) -> Result<(), ConfigError> {
+    for (i, entry) in list.split(',').map(str::trim).enumerate() {
+        let which = format!("entry {} of the list", i + 1);
+        if entry.is_empty() {
+            return Err(ConfigError::invalid(
+                field.to_owned(),
+                format!(
+                    "{which} is empty: give one http:// or https:// URL, or several separated by commas"
+                ),
+            ));
+        }
+        if entry.contains(['@', '?']) {
+            return Err(ConfigError::invalid(
+                field.to_owned(),
+                format!(
+                    "{which} (not shown) has userinfo or a query: credentials do not belong in an endpoint"
+                ),
+            ));
+        }
+        let rest = entry
+            .strip_prefix("http://")
+            .or_else(|| entry.strip_prefix("https://"));
+        match rest {
+            None => {
+                return Err(ConfigError::invalid(
+                    field.to_owned(),
+                    format!("{which} (`{entry}`) must be an http:// or https:// URL"),
+                ));
+            }
+            Some(rest)
+                if rest.trim_end_matches('/').is_empty()
+                    || rest.trim_end_matches('/').contains('/') =>
+            {
+                return Err(ConfigError::invalid(
+                    field.to_owned(),
+                    format!("{which} (`{entry}`) must be a host and port, with no path"),
+                ));
+            }
+            Some(_) => {}
+        }
+        if entry.starts_with("https://") && !has_ca {
+            return Err(ConfigError::invalid(
+                "tls.ca_file",
+                format!(
+                    "required by the https:// endpoint in {field}: the CA that signed its server certificate"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn default_endpoint() -> String {
     format!("http://{DEFAULT_LISTEN}")
 }
@@ -768,20 +824,7 @@ impl Config {
                 &self.credential_health.endpoint,
             ),
         ] {
-            if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
-                return Err(ConfigError::invalid(
-                    field,
-                    "must be an http:// or https:// URL",
-                ));
-            }
-            if endpoint.starts_with("https://") && self.tls.ca_file.is_empty() {
-                return Err(ConfigError::invalid(
-                    "tls.ca_file",
-                    format!(
-                        "required by the https:// endpoint in {field}: the CA that signed its server certificate"
-                    ),
-                ));
-            }
+            validate_endpoint_list(field, endpoint, !self.tls.ca_file.is_empty())?;
         }
         Ok(())
     }
@@ -1201,6 +1244,45 @@ mod tests {
         assert!(config.tls.serves_tls());
         assert!(config.tls.requires_client_certificates());
         assert_eq!(config.tls.ca_file, "ca.pem");
+    }
+
+    #[test]
+    fn an_endpoint_list_is_checked_entry_by_entry_without_echoing_secrets() {
+        let config = load_with(
+            "[run_store]\nendpoint = \"http://run-store-0:7070, http://run-store-1:7070\"\n",
+            &[],
+        )
+        .expect("a list of replicas loads");
+        assert!(config.run_store.endpoint.contains("run-store-1"));
+        for (list, says) in [
+            (
+                "http://a:1,run-store:7070",
+                "entry 2 of the list (`run-store:7070`)",
+            ),
+            ("http://a:1,,http://b:1", "entry 2 of the list is empty"),
+            ("http://a:1/v1", "no path"),
+        ] {
+            let err = load_with(&format!("[run_store]\nendpoint = \"{list}\"\n"), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("run_store.endpoint") && err.contains(says),
+                "{err}"
+            );
+        }
+        let err = load_with(
+            "[credential_health]\nendpoint = \"http://a:1,http://u:hunter2-secret@b:1\"\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("credential_health.endpoint"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+        // An https:// entry anywhere in the list needs a CA.
+        let err = load_with("[run_store]\nendpoint = \"http://a:1,https://b:1\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tls.ca_file"), "{err}");
     }
 
     #[test]

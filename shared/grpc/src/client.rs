@@ -2,8 +2,10 @@
 
 use std::time::Duration;
 
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
+use crate::balance::Balanced;
+use crate::endpoints::EndpointList;
 use crate::tls::ClientTls;
 use crate::trace_context::{ClientTrace, ClientTraceLayer};
 use tower_layer::Layer;
@@ -38,8 +40,9 @@ impl tonic::service::Interceptor for Bearer {
     }
 }
 
-/// A channel whose requests carry W3C trace context.
-pub type TracedChannel = ClientTrace<Channel>;
+/// A channel whose requests carry W3C trace context, spread over every address of its
+/// endpoint list ([`crate::balance`]).
+pub type TracedChannel = ClientTrace<Balanced>;
 
 /// How long a TCP connect may take before it counts as failed (and provably unsent).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -73,7 +76,7 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// bounds the connect (the retrying transport does, and classifies it).
 pub fn endpoint_settings(uri: &str, tls: Option<&ClientTls>) -> Result<Endpoint, ClientError> {
     let invalid = |reason: String| ClientError::InvalidEndpoint {
-        endpoint: uri.to_owned(),
+        endpoint: crate::endpoints::shown(uri),
         reason,
     };
     let endpoint = Endpoint::from_shared(uri.to_owned())
@@ -96,21 +99,18 @@ pub fn endpoint_settings(uri: &str, tls: Option<&ClientTls>) -> Result<Endpoint,
         .map_err(|e| invalid(error_chain(&e)))
 }
 
-/// Connects now; fails when nothing listens at `uri`.
-pub async fn connect(uri: &str) -> Result<TracedChannel, ClientError> {
-    let channel = endpoint(uri)?
-        .connect()
-        .await
-        .map_err(|e| ClientError::Connect {
-            endpoint: uri.to_owned(),
-            reason: error_chain(&e),
-        })?;
+/// Connects now; fails when no address of `endpoints` accepts a connection.
+/// `endpoints` is an endpoint list ([`crate::endpoints`]).
+pub async fn connect(endpoints: &str) -> Result<TracedChannel, ClientError> {
+    let channel = Balanced::connect(EndpointList::parse(endpoints)?).await?;
     Ok(ClientTraceLayer.layer(channel))
 }
 
-/// Connects on first use and reconnects after failures; for long-lived clients.
-pub fn connect_lazy(uri: &str) -> Result<TracedChannel, ClientError> {
-    Ok(ClientTraceLayer.layer(endpoint(uri)?.connect_lazy()))
+/// Resolves and connects on first use, spreads calls over every address of
+/// `endpoints` (one URI, several separated by commas, names standing for all their
+/// addresses) and moves off one that fails or stalls; for long-lived clients.
+pub fn connect_lazy(endpoints: &str) -> Result<TracedChannel, ClientError> {
+    Ok(ClientTraceLayer.layer(Balanced::lazy(EndpointList::parse(endpoints)?)))
 }
 
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {

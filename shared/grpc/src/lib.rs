@@ -9,6 +9,8 @@
 //! - [`shed`]: past its concurrency limit a call waits a short, bounded time for a slot
 //!   in arrival order, then is answered `RESOURCE_EXHAUSTED` with pushback.
 //! - [`client`]: channels that inject the current trace context into every request.
+//! - [`endpoints`] and [`balance`]: endpoint lists (replicas, names with several
+//!   addresses) and the channel that spreads calls over them and moves off failures.
 //! - [`heartbeat`]: how often watch streams send heartbeats, and how long a client waits.
 //! - [`wake`]: keyed wake-ups, so a long poll or a watch wakes for its own key only.
 //! - [`tls`]: rustls TLS and mutual TLS of servers and `https://` channels, from `[tls]`.
@@ -16,7 +18,9 @@
 //! - [`shutdown_signal`]: SIGTERM or SIGINT.
 
 pub mod auth;
+pub mod balance;
 pub mod client;
+pub mod endpoints;
 pub mod error;
 pub mod guard;
 pub mod heartbeat;

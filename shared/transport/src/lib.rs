@@ -64,9 +64,8 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 pub use classify::{Failure, Pushback};
-use runplane_grpc::client::TracedChannel;
-use upstream::Conn;
 pub use upstream::Upstream;
+use upstream::{Conn, ConnChannel};
 pub use watch::{StreamConnection, Watch, WatchError};
 
 /// Errors the layer returns: the inner channel's, boxed.
@@ -623,7 +622,7 @@ impl Shared {
 
     async fn attempt(
         &self,
-        mut inner: TracedChannel,
+        mut inner: ConnChannel,
         request: http::Request<Body>,
         policy: &MethodPolicy,
     ) -> Attempt {
@@ -713,6 +712,15 @@ pub fn connect_lazy(
     layer: &RetryLayer,
 ) -> Result<RunnerChannel, runplane_grpc::client::ClientError> {
     Ok(layer.layer(Upstream::new(endpoint, layer.config().connect_timeout)?))
+}
+
+/// [`connect_lazy`] starting at a random entry of `endpoint` ([`Upstream::spread`]),
+/// for short-lived clients such as the CLI, so their calls spread over the replicas.
+pub fn connect_lazy_spread(
+    endpoint: &str,
+    layer: &RetryLayer,
+) -> Result<RunnerChannel, runplane_grpc::client::ClientError> {
+    Ok(layer.layer(Upstream::spread(endpoint, layer.config().connect_timeout)?))
 }
 
 fn rebuild(

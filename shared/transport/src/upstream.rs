@@ -7,31 +7,39 @@
 //! retry layer calls [`Upstream::replace`], which moves to the next address (behind one
 //! balancer address: a fresh connection, which the balancer may place elsewhere).
 //!
+//! The addresses come from the shared endpoint-list parser
+//! ([`runplane_grpc::endpoints`]): a URI whose host is a name is resolved at every
+//! connect, and each new connection takes the name's next address (from a random first
+//! one, so a fleet spreads over a headless Service's pods), so replacing a connection
+//! to a frozen pod reaches another pod rather than the same first address again.
+//!
 //! Each connection records whether the server ever sent a byte. An h2 server sends its
 //! SETTINGS before it reads a request, so a connection that heard nothing proves that
 //! nothing sent on it reached a handler.
 
 use std::io;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use hyper_util::rt::TokioIo;
-use runplane_grpc::client::{ClientError, TracedChannel};
-use runplane_grpc::trace_context::ClientTraceLayer;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
-use tonic::transport::{Endpoint, Uri};
+use runplane_grpc::balance::{Dial, Heard};
+use runplane_grpc::client::ClientError;
+use runplane_grpc::endpoints::{EndpointList, Target};
+use runplane_grpc::trace_context::{ClientTrace, ClientTraceLayer};
+use tonic::transport::{Channel, Uri};
 use tower_layer::Layer as _;
+
+/// One connection's channel, with trace context.
+pub(crate) type ConnChannel = ClientTrace<Channel>;
 
 /// The connection an attempt goes out on.
 #[derive(Clone)]
 pub(crate) struct Conn {
     pub generation: u64,
-    pub channel: TracedChannel,
+    pub channel: ConnChannel,
     /// The server has sent at least one byte on the current connection.
     pub heard: Arc<AtomicBool>,
     pub address: Arc<str>,
@@ -40,10 +48,12 @@ pub(crate) struct Conn {
 /// Every address of one upstream, and the connection in use.
 #[derive(Clone)]
 pub struct Upstream {
-    endpoints: Arc<[(Arc<str>, Endpoint)]>,
+    endpoints: EndpointList,
     connect_timeout: Duration,
     state: Arc<Mutex<State>>,
     replaced: Arc<AtomicU64>,
+    /// Which address of a name the next connection takes.
+    turn: Arc<AtomicUsize>,
 }
 
 struct State {
@@ -53,38 +63,40 @@ struct State {
 
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let addresses: Vec<&str> = self.endpoints.iter().map(|(a, _)| &**a).collect();
         f.debug_struct("Upstream")
-            .field("addresses", &addresses)
+            .field("addresses", &self.endpoints.shown())
             .finish()
     }
 }
 
 impl Upstream {
-    /// `endpoints` is one URI or several separated by commas; the first is used first.
+    /// `endpoints` is an endpoint list ([`runplane_grpc::endpoints`]); its first entry
+    /// is used first.
     pub fn new(endpoints: &str, connect_timeout: Duration) -> Result<Self, ClientError> {
-        let tls = runplane_grpc::tls::client();
-        let endpoints: Vec<(Arc<str>, Endpoint)> = endpoints
-            .split(',')
-            .map(str::trim)
-            .filter(|e| !e.is_empty())
-            .map(|uri| {
-                runplane_grpc::client::endpoint_settings(uri, tls.as_ref())
-                    .map(|e| (Arc::<str>::from(uri), e))
-            })
-            .collect::<Result<_, _>>()?;
-        if endpoints.is_empty() {
-            return Err(ClientError::InvalidEndpoint {
-                endpoint: String::new(),
-                reason: "no endpoint given".into(),
-            });
-        }
-        let conn = open(&endpoints[0], 0, connect_timeout);
+        Self::starting_at(endpoints, connect_timeout, |_| 0)
+    }
+
+    /// [`Upstream::new`] starting at a random entry, so many short-lived clients (the
+    /// CLI) spread over the replicas instead of all landing on the first.
+    pub fn spread(endpoints: &str, connect_timeout: Duration) -> Result<Self, ClientError> {
+        Self::starting_at(endpoints, connect_timeout, |n| rand::random_range(0..n))
+    }
+
+    fn starting_at(
+        endpoints: &str,
+        connect_timeout: Duration,
+        first: impl FnOnce(usize) -> usize,
+    ) -> Result<Self, ClientError> {
+        let endpoints = EndpointList::parse(endpoints)?;
+        let index = first(endpoints.targets().len());
+        let turn = Arc::new(AtomicUsize::new(rand::random_range(0..1024)));
+        let conn = open(&endpoints.targets()[index], 0, connect_timeout, &turn);
         Ok(Self {
-            endpoints: endpoints.into(),
+            endpoints,
             connect_timeout,
-            state: Arc::new(Mutex::new(State { index: 0, conn })),
+            state: Arc::new(Mutex::new(State { index, conn })),
             replaced: Arc::default(),
+            turn,
         })
     }
 
@@ -99,11 +111,13 @@ impl Upstream {
         if state.conn.generation != generation {
             return;
         }
-        state.index = (state.index + 1) % self.endpoints.len();
+        let targets = self.endpoints.targets();
+        state.index = (state.index + 1) % targets.len();
         state.conn = open(
-            &self.endpoints[state.index],
+            &targets[state.index],
             generation + 1,
             self.connect_timeout,
+            &self.turn,
         );
         self.replaced.fetch_add(1, Ordering::Relaxed);
         tracing::info!(address = %state.conn.address, "moving to a new connection");
@@ -116,119 +130,58 @@ impl Upstream {
 }
 
 fn open(
-    (address, endpoint): &(Arc<str>, Endpoint),
+    target: &Target,
     generation: u64,
     connect_timeout: Duration,
+    turn: &Arc<AtomicUsize>,
 ) -> Conn {
     let heard = Arc::new(AtomicBool::new(false));
-    let channel = endpoint.connect_with_connector_lazy(Connector {
+    let channel = target.endpoint().connect_with_connector_lazy(Connector {
+        target: target.clone(),
         heard: heard.clone(),
         connect_timeout,
+        turn: turn.clone(),
     });
     Conn {
         generation,
         channel: ClientTraceLayer.layer(channel),
         heard,
-        address: address.clone(),
+        address: target.shown().clone(),
     }
 }
 
-/// TCP with a bounded connect, marking when the server first speaks.
+/// Resolves the target and dials one of its addresses, taking turns.
 #[derive(Clone)]
 struct Connector {
+    target: Target,
     heard: Arc<AtomicBool>,
     connect_timeout: Duration,
+    turn: Arc<AtomicUsize>,
 }
 
 impl tower_service::Service<Uri> for Connector {
-    type Response = TokioIo<Heard>;
+    type Response = hyper_util::rt::TokioIo<Heard>;
     type Error = io::Error;
-    type Future = BoxFuture<'static, io::Result<TokioIo<Heard>>>;
+    type Future = BoxFuture<'static, io::Result<Self::Response>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let heard = self.heard.clone();
-        let connect_timeout = self.connect_timeout;
+        let this = self.clone();
         Box::pin(async move {
-            let host = uri
-                .host()
-                .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no host"))?
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned();
-            let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
-                Some("https") => 443,
-                _ => 80,
-            });
-            let stream = tokio::time::timeout(connect_timeout, TcpStream::connect((host, port)))
+            let address: SocketAddr = match this.target.literal() {
+                Some(address) => address,
+                None => {
+                    let addresses = this.target.resolve().await?;
+                    addresses[this.turn.fetch_add(1, Ordering::Relaxed) % addresses.len()]
+                }
+            };
+            Dial::new(address, this.heard)
+                .with_connect_timeout(this.connect_timeout)
+                .call(uri)
                 .await
-                .map_err(|_| {
-                    io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!("connect timed out after {connect_timeout:?}"),
-                    )
-                })??;
-            stream.set_nodelay(true)?;
-            // A new connection has heard nothing yet.
-            heard.store(false, Ordering::SeqCst);
-            Ok(TokioIo::new(Heard {
-                inner: stream,
-                heard,
-            }))
         })
-    }
-}
-
-/// A TCP stream that records the first byte read from it.
-pub(crate) struct Heard {
-    inner: TcpStream,
-    heard: Arc<AtomicBool>,
-}
-
-impl AsyncRead for Heard {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.heard.store(true, Ordering::SeqCst);
-        }
-        polled
-    }
-}
-
-impl AsyncWrite for Heard {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, data)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
