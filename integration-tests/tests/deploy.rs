@@ -105,10 +105,14 @@ const METRICS: [(&str, Instrument, &[&str]); 14] = [
 const SERIES_LABELS: [&str; 3] = ["job", "instance", "le"];
 
 /// The keys of the Secret `runplane-secrets`, with stand-in values that pass validation.
-const SECRET_KEYS: [(&str, &str); 3] = [
+const SECRET_KEYS: [(&str, &str); 4] = [
     (
         "operator-token",
         "test-operator-token-test-operator-token-0123",
+    ),
+    (
+        "service-token",
+        "test-service-token-test-service-token-012345",
     ),
     (
         "receipt-signing-key",
@@ -118,10 +122,14 @@ const SECRET_KEYS: [(&str, &str); 3] = [
 ];
 
 /// Stand-ins for the compose variables of deploy/.env that have no default.
-const COMPOSE_VARIABLES: [(&str, &str); 2] = [
+const COMPOSE_VARIABLES: [(&str, &str); 3] = [
     (
         "RUNPLANE_OPERATOR_TOKEN",
         "test-operator-token-test-operator-token-0123",
+    ),
+    (
+        "RUNPLANE_SERVICE_TOKEN",
+        "test-service-token-test-service-token-012345",
     ),
     (
         "RUNPLANE_RECEIPT_SIGNING_KEY",
@@ -318,8 +326,14 @@ fn load_config(env: &BTreeMap<String, String>) -> Result<Config, String> {
         for (name, value) in env {
             jail.set_env(name, value);
         }
+        // `runplane serve` needs both tokens; a node agent (RUNPLANE_NODE__ID) holds
+        // neither, its own credential comes from a file.
+        let node_agent = env.contains_key("RUNPLANE_NODE__ID");
         loaded = Some(Config::load(None).and_then(|config| {
-            config.require_operator_token()?;
+            if !node_agent {
+                config.require_operator_token()?;
+                config.require_service_token()?;
+            }
             Ok(config)
         }));
         Ok(())
@@ -354,6 +368,7 @@ fn the_config_check_catches_a_misspelt_field_and_a_bad_value() {
     let mut env: BTreeMap<String, String> = [
         ("RUNPLANE_SERVER__LISTEN", "0.0.0.0:7070"),
         ("RUNPLANE_AUTH__OPERATOR_TOKEN", SECRET_KEYS[0].1),
+        ("RUNPLANE_AUTH__SERVICE_TOKEN", SECRET_KEYS[1].1),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -1515,14 +1530,18 @@ fn k8s_node_agents_run_runplane_node_on_every_node() {
         .collect();
     assert_eq!(
         command,
-        ["node"],
-        "DaemonSet {NODE_AGENTS} runs `runplane node`"
+        [
+            "node",
+            "--token-file=/etc/runplane/node-tokens/$(NODE_NAME)"
+        ],
+        "DaemonSet {NODE_AGENTS} runs `runplane node` with its node's own credential"
     );
     assert!(
         subcommands().contains("node"),
         "`runplane node` is a subcommand of the binary"
     );
-    // `runplane node` listens on nothing: a gRPC, TCP or HTTP probe would always fail.
+    // `runplane node` serves sessions but no health service, and a probe that failed
+    // would restart it and end its sandboxes.
     for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
         assert!(
             container[probe].is_null() || !container[probe]["exec"].is_null(),
@@ -1558,8 +1577,8 @@ fn k8s_node_agents_run_runplane_node_on_every_node() {
         .collect();
     assert_eq!(
         secret_keys,
-        BTreeSet::from(["operator-token"]),
-        "DaemonSet {NODE_AGENTS}: the secrets its sandboxes would inherit"
+        BTreeSet::new(),
+        "DaemonSet {NODE_AGENTS}: no secret in the environment its sandboxes would inherit"
     );
 
     let env = container_environment(container, &config_maps);
