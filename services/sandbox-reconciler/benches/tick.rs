@@ -82,6 +82,7 @@ async fn main() {
                 created_at_us: now,
                 updated_at_us: now,
                 traceparent: String::new(),
+                network: String::new(),
             })
             .collect();
         for chunk in rows.chunks(1000) {

@@ -499,6 +499,11 @@ fn row_of(a: &pb::Assignment, handle: String) -> sandbox::Model {
         created_at_us: 0,
         updated_at_us: 0,
         traceparent: String::new(),
+        network: if a.no_network {
+            "none".into()
+        } else {
+            String::new()
+        },
     }
 }
 

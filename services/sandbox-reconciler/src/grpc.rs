@@ -47,6 +47,8 @@ pub struct Shared {
     pub tokens: runplane_grpc::auth::Tokens,
     pub route_key: Vec<u8>,
     pub route_ttl: Duration,
+    /// Profiles whose sandboxes get no network (`network = "none"`).
+    pub offline_profiles: std::collections::BTreeSet<String>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -297,6 +299,7 @@ fn assignment_of(a: &Assigned) -> pb::Assignment {
             seconds: row.idle_timeout_ms / 1000,
             nanos: ((row.idle_timeout_ms % 1000) * 1_000_000) as i32,
         }),
+        no_network: row.network == "none",
     }
 }
 
@@ -827,6 +830,7 @@ impl SandboxService for SandboxApi {
                 run.org_id,
                 node_id,
                 idle_timeout_ms,
+                crate::domain::placement::network_of(&s.offline_profiles, &run.profile),
                 // The sandbox's work joins the run's trace (this call's, if untraced).
                 if run.traceparent.is_empty() {
                     runplane_grpc::trace_context::current_traceparent().unwrap_or_default()

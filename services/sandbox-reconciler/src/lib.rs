@@ -109,6 +109,7 @@ impl SandboxReconciler {
                 route_ttl: Duration::from_secs(
                     config.sandbox_reconciler.route_token_ttl_seconds.into(),
                 ),
+                offline_profiles: config.credential_health.offline_profiles(),
             }),
             settings: reconcile::ReconcileSettings {
                 loss_grace: Duration::from_secs(
@@ -119,6 +120,7 @@ impl SandboxReconciler {
                 ),
                 dispatch: config.sandbox_reconciler.dispatch,
                 local_sandboxes: config.sandbox_reconciler.local_sandboxes,
+                offline_profiles: config.credential_health.offline_profiles(),
                 ..reconcile::ReconcileSettings::default()
             },
             run_store_endpoint: config.run_store.endpoint.clone(),

@@ -39,6 +39,8 @@ pub struct ReconcileSettings {
     pub dispatch: bool,
     /// Whether a run may get a local sandbox when no node agent is ready.
     pub local_sandboxes: bool,
+    /// Profiles whose sandboxes get no network (`network = "none"`).
+    pub offline_profiles: std::collections::BTreeSet<String>,
 }
 
 impl Default for ReconcileSettings {
@@ -50,6 +52,7 @@ impl Default for ReconcileSettings {
             idle_timeout: Duration::ZERO,
             dispatch: true,
             local_sandboxes: true,
+            offline_profiles: Default::default(),
         }
     }
 }
@@ -294,6 +297,7 @@ impl Reconciler {
                 endpoints,
                 self.settings.idle_timeout,
                 self.settings.local_sandboxes,
+                &self.settings.offline_profiles,
             )
             .await
         {
@@ -470,6 +474,7 @@ pub async fn dispatch(
     endpoints: &RunnerEndpoints,
     idle_timeout: Duration,
     local_sandboxes: bool,
+    offline_profiles: &std::collections::BTreeSet<String>,
 ) -> Result<u64, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
@@ -502,6 +507,7 @@ pub async fn dispatch(
                     run.org_id,
                     node_id,
                     idle_timeout.as_millis() as i64,
+                    crate::domain::placement::network_of(offline_profiles, &run.profile),
                     run.traceparent,
                 )
                 .await?;

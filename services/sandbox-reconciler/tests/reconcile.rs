@@ -299,6 +299,7 @@ impl World {
             created_at_us: now,
             updated_at_us: now,
             traceparent: String::new(),
+            network: String::new(),
         }
     }
 
@@ -782,6 +783,7 @@ mod node_protocol {
             &endpoints,
             Duration::ZERO,
             false,
+            &Default::default(),
         )
         .await
         .unwrap();
@@ -800,6 +802,7 @@ mod node_protocol {
             &endpoints,
             Duration::ZERO,
             false,
+            &Default::default(),
         )
         .await
         .unwrap();

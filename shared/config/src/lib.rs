@@ -554,6 +554,23 @@ pub struct ProfileConfig {
     /// runs.
     #[serde(default)]
     pub orgs: Vec<String>,
+    /// The network of this profile's sandboxes: `none` takes it away (bubblewrap's
+    /// `--unshare-net`: only loopback), for runs that must not reach anything; unset, the
+    /// deployment's `sandbox_reconciler.network`. It can only take the network away: a
+    /// profile cannot give one to sandboxes of a deployment whose network is `none`.
+    #[serde(default)]
+    pub network: Option<SandboxNetwork>,
+}
+
+impl CredentialHealthConfig {
+    /// The profiles whose sandboxes have no network (`network = "none"`).
+    pub fn offline_profiles(&self) -> std::collections::BTreeSet<String> {
+        self.profiles
+            .iter()
+            .filter(|p| p.network == Some(SandboxNetwork::None))
+            .map(|p| p.name.clone())
+            .collect()
+    }
 }
 
 impl Default for ProfileConfig {
@@ -568,6 +585,7 @@ impl Default for ProfileConfig {
             exhausted_pattern: r"(?i)credit balance is too low|insufficient_quota|quota exceeded|usage limit reached".to_owned(),
             max_run_seconds: 0,
             orgs: Vec::new(),
+            network: None,
         }
     }
 }
@@ -974,6 +992,20 @@ impl Config {
                     ),
                 ));
             }
+            // A profile's sandboxes have one network, whichever credential carries them.
+            if let Some(other) = c
+                .profiles
+                .iter()
+                .find(|o| o.name == p.name && o.network != p.network)
+            {
+                return Err(ConfigError::invalid(
+                    format!("{field}.network"),
+                    format!(
+                        "profile `{}` gives its sandboxes two networks (on credentials `{}` and `{}`); say it once, the same on every entry",
+                        p.name, other.credential_id, p.credential_id
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -1152,6 +1184,34 @@ mod tests {
             "{msg}"
         );
         assert!(!msg.contains("hunter2"), "{msg}");
+    }
+
+    #[test]
+    fn a_profile_may_take_the_network_away_and_says_so_once() {
+        let entry = |credential: &str, network: &str| {
+            format!(
+                "[[credential_health.profiles]]\nname = \"p\"\ncredential_id = \"{credential}\"\ncapacity = 1\nerror_pattern = \"e\"\nexhausted_pattern = \"x\"\n{network}"
+            )
+        };
+        let offline = load_with(
+            &(entry("a", "network = \"none\"\n") + &entry("b", "network = \"none\"\n")),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            offline.credential_health.offline_profiles(),
+            ["p".to_owned()].into()
+        );
+        let default = load_with(&entry("a", ""), &[]).unwrap();
+        assert!(default.credential_health.offline_profiles().is_empty());
+        let mixed = load_with(&(entry("a", "network = \"none\"\n") + &entry("b", "")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            mixed.contains("profile `p` gives its sandboxes two networks"),
+            "{mixed}"
+        );
+        assert!(load_with(&entry("a", "network = \"off\"\n"), &[]).is_err());
     }
 
     #[test]

@@ -21,6 +21,16 @@ pub fn serving_node(
     }
 }
 
+/// The `network` of a new sandbox of a run on `profile`: `none` when the profile takes
+/// the network away, empty (the deployment's) otherwise.
+pub fn network_of(offline_profiles: &std::collections::BTreeSet<String>, profile: &str) -> String {
+    if offline_profiles.contains(profile) {
+        "none".to_owned()
+    } else {
+        String::new()
+    }
+}
+
 pub fn is_ended(sandbox: &sandbox::Model) -> bool {
     ENDED.contains(&sandbox.status.as_str())
 }

@@ -110,7 +110,7 @@ impl Containment {
         if let Some(uid) = uid {
             let _ = std::os::unix::fs::chown(&workspace, Some(uid), Some(uid));
         }
-        let mut argv = containment.wrapper(&workspace, uid);
+        let mut argv = containment.wrapper(&workspace, uid, false);
         argv.extend(["sh".into(), "-c".into(), format!("touch {WORKSPACE}/probe")]);
         let probed = tokio::process::Command::new(&argv[0])
             .args(&argv[1..])
@@ -182,10 +182,12 @@ impl Containment {
     ///   then drops to the sandbox's own host uid with no capabilities, so the agent is an
     ///   unprivileged user of the host, not root of a user namespace (whose files would be
     ///   root's). Not as root, `--unshare-user` keeps the driver's uid.
-    pub fn wrapper(&self, workspace: &Path, uid: Option<u32>) -> Vec<String> {
+    pub fn wrapper(&self, workspace: &Path, uid: Option<u32>, offline: bool) -> Vec<String> {
         let Containment::Bwrap { no_network, .. } = self else {
             return Vec::new();
         };
+        // The deployment's network, unless the sandbox's profile takes it away.
+        let no_network = *no_network || offline;
         let mut argv: Vec<String> = [
             "sh",
             "-c",
@@ -228,7 +230,7 @@ impl Containment {
         if uid.is_none() {
             argv.push("--unshare-user".into());
         }
-        if *no_network {
+        if no_network {
             argv.push("--unshare-net".into());
         }
         // Merged-/usr systems link these into /usr; older ones have them as directories.
@@ -438,8 +440,23 @@ impl ProcessDriver {
 
     /// The workspace of the sandbox in `dir`, made writable by its agent, and the
     /// wrapper its runner starts the agent under.
-    fn prepare_agent(&self, dir: &Path, id: &str) -> Result<Vec<String>, DriverError> {
+    fn prepare_agent(
+        &self,
+        dir: &Path,
+        id: &str,
+        offline: bool,
+    ) -> Result<Vec<String>, DriverError> {
         if self.containment == Containment::None {
+            // Uncontained, the agent has the host's network; a profile that takes it away
+            // cannot be honoured, so the sandbox is not started at all.
+            if offline {
+                return Err(DriverError::Start(
+                    "its profile takes the network away (network = \"none\"), which needs \
+                     contained sandboxes; this host runs them uncontained \
+                     (sandbox_reconciler.isolation = \"none\")"
+                        .into(),
+                ));
+            }
             return Ok(Vec::new());
         }
         let start = |e: std::io::Error| DriverError::Start(e.to_string());
@@ -459,7 +476,7 @@ impl ProcessDriver {
             std::fs::set_permissions(&workspace, std::fs::Permissions::from_mode(0o700))
                 .map_err(start)?;
         }
-        let wrapper = self.containment.wrapper(&workspace, uid);
+        let wrapper = self.containment.wrapper(&workspace, uid, offline);
         if wrapper.iter().any(|arg| arg.contains('\n')) {
             return Err(DriverError::Start(format!(
                 "the sandbox path {} holds a line break",
@@ -768,6 +785,7 @@ impl Driver for ProcessDriver {
         let runplane = self.runplane.clone();
         let id = sandbox.id.clone();
         let existing = sandbox.driver_handle.clone();
+        let offline = sandbox.network == "none";
         let this = self.clone();
         Box::pin(async move {
             // Idempotent: a sandbox whose process lives is adopted, not started twice.
@@ -783,7 +801,7 @@ impl Driver for ProcessDriver {
             std::fs::create_dir_all(&dir).map_err(|e| DriverError::Start(e.to_string()))?;
             // A previous runner's polls say nothing about the one started now.
             let _ = std::fs::remove_file(dir.join(STEERING_MARK));
-            let wrapper = this.prepare_agent(&dir, &id)?;
+            let wrapper = this.prepare_agent(&dir, &id, offline)?;
             let log = std::fs::File::create(dir.join("runner.log"))
                 .map_err(|e| DriverError::Start(e.to_string()))?;
             let log_err = log

@@ -34,6 +34,9 @@ pub mod sandbox {
         /// W3C traceparent of the run's trace: the launch, the runner and a FailRun for
         /// this sandbox continue it. Empty when untraced.
         pub traceparent: String,
+        /// `none`: its agent has no network (its run's profile says `network = "none"`).
+        /// Empty: the deployment's `sandbox_reconciler.network`.
+        pub network: String,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

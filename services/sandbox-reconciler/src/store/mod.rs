@@ -99,6 +99,7 @@ impl Store {
         org_id: String,
         node_id: String,
         idle_timeout_ms: i64,
+        network: String,
         traceparent: String,
     ) -> Result<sandbox::Model> {
         let now = self.now_us();
@@ -121,6 +122,7 @@ impl Store {
                 created_at_us: now,
                 updated_at_us: now,
                 traceparent,
+                network,
             })
             .await?;
         if let Some(node) = row
