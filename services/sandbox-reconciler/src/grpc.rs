@@ -824,20 +824,20 @@ impl SandboxService for SandboxApi {
         }
         let row = s
             .store
-            .create_placed(
-                req.client_request_id.clone(),
-                run.id,
-                run.org_id,
-                node_id,
-                idle_timeout_ms,
-                crate::domain::placement::network_of(&s.offline_profiles, &run.profile),
+            .create_placed(crate::store::NewSandbox {
+                client_request_id: req.client_request_id.clone(),
+                network: crate::domain::placement::network_of(&s.offline_profiles, &run.profile),
                 // The sandbox's work joins the run's trace (this call's, if untraced).
-                if run.traceparent.is_empty() {
+                traceparent: if run.traceparent.is_empty() {
                     runplane_grpc::trace_context::current_traceparent().unwrap_or_default()
                 } else {
                     run.traceparent
                 },
-            )
+                run_id: run.id,
+                org_id: run.org_id,
+                node_id,
+                idle_timeout_ms,
+            })
             .await?;
         let placement = s.store.placement(&row.id).await?;
         Ok(Response::new(pb::CreateSandboxResponse {

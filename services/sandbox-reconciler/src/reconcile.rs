@@ -501,15 +501,15 @@ pub async fn dispatch(
                 .get(i % nodes.len().max(1))
                 .map_or_else(|| LOCAL_NODE.to_owned(), |n| n.id.clone());
             store
-                .create_placed(
-                    format!("dispatch:{}", run.id),
-                    run.id,
-                    run.org_id,
+                .create_placed(crate::store::NewSandbox {
+                    client_request_id: format!("dispatch:{}", run.id),
+                    network: crate::domain::placement::network_of(offline_profiles, &run.profile),
+                    run_id: run.id,
+                    org_id: run.org_id,
                     node_id,
-                    idle_timeout.as_millis() as i64,
-                    crate::domain::placement::network_of(offline_profiles, &run.profile),
-                    run.traceparent,
-                )
+                    idle_timeout_ms: idle_timeout.as_millis() as i64,
+                    traceparent: run.traceparent,
+                })
                 .await?;
         }
     }

@@ -71,6 +71,22 @@ pub struct Store {
     clock: SharedClock,
 }
 
+/// What a new sandbox is made of ([`Store::create_placed`]).
+#[derive(Debug, Clone)]
+pub struct NewSandbox {
+    /// The dedupe key: a replay returns the row the first call wrote.
+    pub client_request_id: String,
+    pub run_id: String,
+    pub org_id: String,
+    /// Where it is placed.
+    pub node_id: String,
+    pub idle_timeout_ms: i64,
+    /// `none` for no network, empty for the deployment's ([`sandbox::Model::network`]).
+    pub network: String,
+    /// The run's trace.
+    pub traceparent: String,
+}
+
 impl Store {
     pub fn new(db: DatabaseConnection, clock: SharedClock) -> Self {
         Self { db, clock }
@@ -89,19 +105,19 @@ impl Store {
         self.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64
     }
 
-    /// A new sandbox of `run` in `creating` on `node_id`, keyed by `client_request_id`
+    /// A new sandbox of `new.run_id` in `creating` on `new.node_id`, keyed by `client_request_id`
     /// (a replay returns the row the first call wrote). A sandbox placed on a node agent
     /// gets its route identity now; a local one is routed by the local loop.
-    pub async fn create_placed(
-        &self,
-        client_request_id: String,
-        run_id: String,
-        org_id: String,
-        node_id: String,
-        idle_timeout_ms: i64,
-        network: String,
-        traceparent: String,
-    ) -> Result<sandbox::Model> {
+    pub async fn create_placed(&self, new: NewSandbox) -> Result<sandbox::Model> {
+        let NewSandbox {
+            client_request_id,
+            run_id,
+            org_id,
+            node_id,
+            idle_timeout_ms,
+            network,
+            traceparent,
+        } = new;
         let now = self.now_us();
         let row = self
             .insert_sandbox(sandbox::Model {
