@@ -11,7 +11,7 @@ pub mod outbox;
 use std::path::Path;
 use std::time::Duration;
 
-use sea_orm::{ConnectOptions, Database, DatabaseConnection, DbBackend};
+use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend};
 use sea_orm_migration::MigratorTrait;
 
 #[derive(Debug, thiserror::Error)]
@@ -98,7 +98,6 @@ pub async fn connect(url: &str) -> Result<DatabaseConnection, DbError> {
         })
 }
 
-/// Connects and applies every pending migration of `M`.
 /// A transaction that will write. On SQLite it takes the write lock at `BEGIN`
 /// (IMMEDIATE), so two writers queue on the busy timeout instead of one failing when it
 /// upgrades a read lock; on Postgres it is an ordinary READ COMMITTED transaction.
@@ -117,14 +116,35 @@ pub async fn write_tx(
     }
 }
 
+/// The advisory lock key migrations run under on Postgres (any fixed number; it is
+/// `runplane` in ASCII).
+pub const MIGRATION_LOCK: i64 = 0x72_75_6e_70_6c_61_6e_65;
+
+/// Connects and applies every pending migration of `M`; on Postgres one process at a
+/// time ([`MIGRATION_LOCK`]).
 pub async fn connect_and_migrate<M: MigratorTrait>(
     url: &str,
 ) -> Result<DatabaseConnection, DbError> {
     let db = connect(url).await?;
-    M::up(&db, None).await.map_err(|e| DbError::Migrate {
+    let failed = |e: sea_orm::DbErr| DbError::Migrate {
         url: redact_url(url),
         reason: e.to_string(),
-    })?;
+    };
+    if is_postgres(&db) {
+        // Replicas started together on a fresh database would create the same tables at
+        // once and one would fail (a duplicate `pg_type` row). One migrates at a time,
+        // under a transaction-scoped advisory lock; the others wait for it, then find
+        // every migration applied. Postgres runs the DDL in the transaction.
+        use sea_orm::TransactionTrait;
+        let txn = db.begin().await.map_err(failed)?;
+        txn.execute_unprepared(&format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"))
+            .await
+            .map_err(failed)?;
+        M::up(&txn, None).await.map_err(failed)?;
+        txn.commit().await.map_err(failed)?;
+    } else {
+        M::up(&db, None).await.map_err(failed)?;
+    }
     tracing::debug!(url = %redact_url(url), backend = ?db.get_database_backend(), "database migrated");
     Ok(db)
 }

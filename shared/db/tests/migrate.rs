@@ -84,3 +84,50 @@ async fn an_unknown_scheme_is_refused_by_name() {
         "unsupported database url `mysql://root:***@localhost/x`: use postgres://… or sqlite://path"
     );
 }
+
+/// Replicas started together on a fresh Postgres migrate one at a time: while another
+/// process holds the migration lock, a start waits, and it finishes once that one is
+/// done. (Without the lock two replicas created the same tables at once and one failed
+/// with a duplicate `pg_type` row.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_waits_for_another_replicas_migration_on_postgres() {
+    let db = TestDatabase::new().await;
+    let other = sea_orm::Database::connect(db.url()).await.unwrap();
+    let holder = {
+        use sea_orm::TransactionTrait;
+        other.begin().await.unwrap()
+    };
+    holder
+        .execute_unprepared(&format!(
+            "SELECT pg_advisory_xact_lock({})",
+            runplane_db::MIGRATION_LOCK
+        ))
+        .await
+        .unwrap();
+    let url = db.url().to_owned();
+    let mut start =
+        tokio::spawn(async move { runplane_db::connect_and_migrate::<Migrator>(&url).await });
+    // It waits for the lock, however long the other migration takes.
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_secs(2), &mut start)
+            .await
+            .is_err(),
+        "migrated while another replica held the migration lock"
+    );
+    holder.commit().await.unwrap();
+    start
+        .await
+        .unwrap()
+        .expect("migrates once the other replica is done");
+
+    // And several starting at once all come up.
+    let starts: Vec<_> = (0..4)
+        .map(|_| {
+            let url = db.url().to_owned();
+            tokio::spawn(async move { runplane_db::connect_and_migrate::<Migrator>(&url).await })
+        })
+        .collect();
+    for start in starts {
+        start.await.unwrap().expect("every replica starts");
+    }
+}
