@@ -20,7 +20,13 @@ impl MigratorTrait for Migrator {
             Box::new(CreateNodeCredentials),
             // A failed restore's backoff (`wakes.not_before_us`).
             Box::new(AddWakeNotBefore),
-            Box::new(AddSandboxNetwork),
+            // `none` for a sandbox whose run's profile takes the network away
+            // (`sandboxes.network`).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0005_sandbox_network",
+                table: "sandboxes",
+                column: "network",
+            }),
         ]
     }
 }
@@ -162,40 +168,6 @@ impl MigrationTrait for CreateNodeCredentials {
             .drop_table(
                 Table::drop()
                     .table(Alias::new("node_credentials"))
-                    .to_owned(),
-            )
-            .await
-    }
-}
-
-/// `sandboxes.network`: `none` for a sandbox whose run's profile takes the network away.
-struct AddSandboxNetwork;
-
-impl MigrationName for AddSandboxNetwork {
-    fn name(&self) -> &str {
-        "m0005_sandbox_network"
-    }
-}
-
-#[async_trait::async_trait]
-impl MigrationTrait for AddSandboxNetwork {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("sandboxes"))
-                    .add_column(col("network").string().not_null().default(""))
-                    .to_owned(),
-            )
-            .await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("sandboxes"))
-                    .drop_column(Alias::new("network"))
                     .to_owned(),
             )
             .await
