@@ -147,8 +147,11 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .map_err(|e| AgentError::Listen(config.listen.clone(), e.to_string()))?;
+    // Stopped when the agent returns, for whatever reason; an endpoint that fails while
+    // the agent runs is an error, one cut short by the agent's own exit is not.
+    let stopping = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (stop_sessions, sessions_stopped) = tokio::sync::oneshot::channel::<()>();
-    let _stop_sessions_on_return = stop_sessions;
+    let _stop_sessions_on_return = StopOnDrop(Some(stop_sessions), stopping.clone());
     tokio::spawn({
         let mut set = runplane_grpc::ServiceSet::new();
         set.add(sessions.service());
@@ -162,7 +165,9 @@ pub async fn run(
                 Duration::from_secs(1),
             )
             .await;
-            if let Err(e) = stopped {
+            if let Err(e) = stopped
+                && !stopping.load(std::sync::atomic::Ordering::SeqCst)
+            {
                 tracing::error!(error = %e, "the session endpoint stopped");
             }
         }
@@ -291,6 +296,21 @@ pub async fn run(
                 tracing::warn!(code = ?status.code(), "heartbeat failed");
             }
             last_heartbeat = Instant::now();
+        }
+    }
+}
+
+/// Stops the session endpoint when the agent's `run` returns.
+struct StopOnDrop(
+    Option<tokio::sync::oneshot::Sender<()>>,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.1.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(stop) = self.0.take() {
+            let _ = stop.send(());
         }
     }
 }
