@@ -285,26 +285,8 @@ pub async fn idle_suspended(
     node_dir: &std::path::Path,
     limit: Duration,
 ) -> (rpb::Sandbox, u32) {
-    let sandbox = eventually(limit, "the idle suspend", || {
-        let mut api = api.clone();
-        let request = crate::authed(
-            rpb::ListSandboxesRequest {
-                run_id: run_id.to_owned(),
-                ..Default::default()
-            },
-            token,
-        );
-        async move {
-            api.list_sandboxes(request)
-                .await
-                .ok()?
-                .into_inner()
-                .sandboxes
-                .into_iter()
-                .find(|s| {
-                    s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
-                })
-        }
+    let sandbox = sandbox_where(api, token, run_id, limit, "the idle suspend", |s| {
+        s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
     })
     .await;
     let pid: u32 = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
@@ -314,6 +296,38 @@ pub async fn idle_suspended(
         .expect("a pid");
     assert!(pid > 1);
     (sandbox, pid)
+}
+
+/// The first sandbox of `run_id` that `wanted` holds for, polled until `limit`.
+pub async fn sandbox_where(
+    api: &SandboxServiceClient<Channel>,
+    token: &str,
+    run_id: &str,
+    limit: Duration,
+    what: &str,
+    wanted: impl Fn(&rpb::Sandbox) -> bool,
+) -> rpb::Sandbox {
+    eventually(limit, what, || {
+        let mut api = api.clone();
+        let request = crate::authed(
+            rpb::ListSandboxesRequest {
+                run_id: run_id.to_owned(),
+                ..Default::default()
+            },
+            token,
+        );
+        let wanted = &wanted;
+        async move {
+            api.list_sandboxes(request)
+                .await
+                .ok()?
+                .into_inner()
+                .sandboxes
+                .into_iter()
+                .find(wanted)
+        }
+    })
+    .await
 }
 
 /// Waits until node `id` is registered and ready (so a run created next is dispatched

@@ -20,25 +20,14 @@ async fn placed(
     api: &SandboxServiceClient<tonic::transport::Channel>,
     run_id: &str,
 ) -> rpb::Sandbox {
-    eventually(Duration::from_secs(30), "the sandbox placed", || {
-        let mut api = api.clone();
-        let request = runplane_integration_tests::authed(
-            rpb::ListSandboxesRequest {
-                run_id: run_id.to_owned(),
-                ..Default::default()
-            },
-            TOKEN,
-        );
-        async move {
-            api.list_sandboxes(request)
-                .await
-                .ok()?
-                .into_inner()
-                .sandboxes
-                .into_iter()
-                .find(|s| s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty())
-        }
-    })
+    sandboxes::sandbox_where(
+        api,
+        TOKEN,
+        run_id,
+        Duration::from_secs(30),
+        "the sandbox placed",
+        |s| s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty(),
+    )
     .await
 }
 
