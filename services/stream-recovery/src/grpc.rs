@@ -425,12 +425,16 @@ impl Shared {
         let runs = self.store.runs(cursor, limit).await.map_err(store_error)?;
         let mut results = Vec::new();
         for run_id in &runs {
-            let now = self.now_ms();
             let action = match self.run(run_id).await {
                 Err(status) if status.code() == Code::NotFound => pb::OrphanAction::KeysDeleted,
                 Err(status) => return Err(status),
                 Ok(run) if run.state().is_terminal() => pb::OrphanAction::KeysDeleted,
                 Ok(_) => {
+                    // The time is read after the run store answers, however long that
+                    // took: the lease and the window are judged at the same moment the
+                    // store reads them, or a spent budget whose window lapsed meanwhile
+                    // (its lease gone too) would be ended though a claim starts afresh.
+                    let now = self.now_ms();
                     let b = self.store.budget(run_id, now).await.map_err(store_error)?;
                     let in_window = b
                         .claimed_ms

@@ -35,13 +35,15 @@ const TOKEN: &str = "recovery-test-service-token-0123456789ab";
 type Coordinator = StreamRecoveryServiceClient<InterceptedService<Channel, Bearer>>;
 
 /// The run store's RunService, with EnqueueControl failing while `fail_enqueue` is set
-/// (the run store unreachable just for the hand-off after a claim), and its GetRun calls
-/// counted (what polling the run store would cost).
+/// (the run store unreachable just for the hand-off after a claim), its GetRun calls
+/// counted (what polling the run store would cost), and each GetRun answered only once
+/// it can take `get_run_gate` (a slow run store, held up for as long as a test needs).
 #[derive(Clone)]
 struct FaultyRunService<S> {
     inner: S,
     fail_enqueue: Arc<AtomicBool>,
     get_runs: Arc<AtomicUsize>,
+    get_run_gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl<S: tonic::server::NamedService> tonic::server::NamedService for FaultyRunService<S> {
@@ -69,13 +71,19 @@ where
     }
 
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
-        if request.uri().path().ends_with("/GetRun") {
-            self.get_runs.fetch_add(1, Ordering::SeqCst);
-        }
         if request.uri().path().ends_with("/EnqueueControl")
             && self.fail_enqueue.load(Ordering::SeqCst)
         {
             return Box::pin(async { Ok(tonic::Status::unavailable("injected").into_http()) });
+        }
+        if request.uri().path().ends_with("/GetRun") {
+            self.get_runs.fetch_add(1, Ordering::SeqCst);
+            let gate = self.get_run_gate.clone();
+            let answer = self.inner.call(request);
+            return Box::pin(async move {
+                drop(gate.lock().await);
+                answer.await
+            });
         }
         Box::pin(self.inner.call(request))
     }
@@ -85,6 +93,7 @@ struct World {
     clock: ManualClock,
     fail_enqueue: Arc<AtomicBool>,
     get_runs: Arc<AtomicUsize>,
+    get_run_gate: Arc<tokio::sync::Mutex<()>>,
     backend: Backend,
     config: Config,
     run_store: RunStore,
@@ -145,6 +154,7 @@ impl World {
             .unwrap();
         let fail_enqueue = Arc::new(AtomicBool::new(false));
         let get_runs = Arc::new(AtomicUsize::new(0));
+        let get_run_gate = Arc::default();
         let (runner_service, run_service) = run_store.services();
         let mut services = ServiceSet::new();
         services
@@ -154,6 +164,7 @@ impl World {
                 inner: run_service,
                 fail_enqueue: fail_enqueue.clone(),
                 get_runs: get_runs.clone(),
+                get_run_gate: Arc::clone(&get_run_gate),
             });
         let run_store_endpoint = serve(services).await;
 
@@ -181,6 +192,7 @@ impl World {
             clock,
             fail_enqueue,
             get_runs,
+            get_run_gate,
             backend,
             config,
             run_store,
@@ -1165,6 +1177,57 @@ async fn the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(backend: Bac
     assert_eq!(fresh.budget.unwrap().attempts, 1);
 }
 
+/// A sweep held up reading the run judges the budget at the run store's answer, not at
+/// the time it asked: a spent budget whose window lapsed meanwhile starts afresh on the
+/// next claim, so the run is left alone.
+async fn a_sweep_held_up_by_the_run_store_judges_the_budget_when_it_answers(backend: Backend) {
+    let w = World::on(false, backend).await;
+    let (run_id, key) = w.running_run().await;
+    w.acquire(&run_id, &key).await;
+    spend_budget(&w, &run_id).await;
+
+    // The run store is slow: the sweep asks about the run while the fifth claim's lease
+    // is held, and hears back after the window (and the lease) lapsed.
+    let held = w.get_run_gate.lock().await;
+    let asked = w.get_runs.load(Ordering::SeqCst);
+    let mut op = w.operator().await;
+    let sweep = tokio::spawn(async move {
+        op.sweep_orphans(pb::SweepOrphansRequest {
+            cursor: String::new(),
+            limit: 10,
+            dry_run: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+    });
+    wait_for("the sweep asking the run store", async || {
+        w.get_runs.load(Ordering::SeqCst) > asked
+    })
+    .await;
+    w.clock.advance(Duration::from_secs(5 * 60 + 1));
+    drop(held);
+    let swept = sweep.await.unwrap();
+
+    let action = swept.results.iter().find(|r| r.run_id == run_id).unwrap();
+    assert_eq!(action.action(), pb::OrphanAction::Skipped);
+    assert_eq!(w.run_state(&run_id).await.state(), rs::RunState::Running);
+    assert!(
+        w.messages(&run_id, rs::SteeringKind::Abort)
+            .await
+            .is_empty()
+    );
+    let fresh = w
+        .operator()
+        .await
+        .plan_recovery(plan(&run_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fresh.decision(), pb::RecoveryDecision::Claimed);
+    assert_eq!(fresh.budget.unwrap().attempts, 1);
+}
+
 async fn a_parked_run_sleeps_through_any_number_of_leases(backend: Backend) {
     let w = World::on(false, backend).await;
     let (run_id, key) = w.running_run().await;
@@ -1405,6 +1468,7 @@ on_every_backend! {
     a_queued_run_is_never_taken_over_and_later_runs_normally: tails_and_plans_of_a_queued_run_spend_nothing_on_redis, tails_and_plans_of_a_queued_run_spend_nothing_on_a_cluster, tails_and_plans_of_a_queued_run_spend_nothing_in_memory;
     a_failed_hand_off_after_a_claim_changes_nothing: a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_redis, a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_on_a_cluster, a_failed_enqueue_after_a_claim_leaves_the_budget_unchanged_in_memory;
     the_scheduled_sweep_ends_spent_runs_and_respects_the_reset: the_sweep_runs_by_itself_and_respects_the_reset_on_redis, the_sweep_runs_by_itself_and_respects_the_reset_on_a_cluster, the_sweep_runs_by_itself_and_respects_the_reset_in_memory;
+    a_sweep_held_up_by_the_run_store_judges_the_budget_when_it_answers: a_slow_run_store_does_not_make_the_sweep_end_a_reset_run_on_redis, a_slow_run_store_does_not_make_the_sweep_end_a_reset_run_on_a_cluster, a_slow_run_store_does_not_make_the_sweep_end_a_reset_run_in_memory;
     a_parked_run_sleeps_through_any_number_of_leases: a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_redis, a_suspended_run_tailed_past_five_leases_is_never_taken_over_on_a_cluster, a_suspended_run_tailed_past_five_leases_is_never_taken_over_in_memory;
     bad_run_ids_are_refused_and_leave_no_state: unknown_and_malformed_runs_are_refused_with_no_keys_on_redis, unknown_and_malformed_runs_are_refused_with_no_keys_on_a_cluster, unknown_and_malformed_runs_are_refused_with_no_state_in_memory;
 }
