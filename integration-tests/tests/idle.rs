@@ -2,7 +2,9 @@
 //! agent, its process driver and real agents in bubblewrap, with a 3 s idle timeout:
 //! an agent that is quiet but working (`sleep 10`) is never suspended and finishes; an
 //! agent blocked reading its stdin is suspended, woken by a reattach on its own node, not
-//! frozen again before its runner polled, given its line by a steer, and finishes.
+//! frozen again before its runner polled, given its line by a steer, and finishes; and
+//! whatever is addressed to a parked run (a steer, an interrupt, a resume_stream, a
+//! cancel) reaches it with no reattach.
 
 use std::time::Duration;
 
@@ -137,30 +139,50 @@ impl Cluster {
 
     /// The stdout lines of an ended run, in order.
     async fn stdout(&self, run_id: &str) -> Vec<String> {
+        self.events(run_id)
+            .await
+            .into_iter()
+            .filter(|e| e.kind() == pb::EventKind::Stdout)
+            .map(|e| e.text)
+            .collect()
+    }
+
+    /// The kinds of the steering messages the run's runner applied, in order.
+    async fn applied(&self, run_id: &str) -> Vec<String> {
+        self.events(run_id)
+            .await
+            .into_iter()
+            .filter(|e| e.kind() == pb::EventKind::SteerApplied)
+            .map(|e| e.name)
+            .collect()
+    }
+
+    /// The run's events so far, in order.
+    async fn events(&self, run_id: &str) -> Vec<pb::Event> {
         let mut watch = self
             .runs
             .clone()
             .watch_run(authed(pb::WatchRunRequest {
                 run_id: run_id.into(),
+                heartbeat_interval: Some(prost_types::Duration {
+                    seconds: 1,
+                    nanos: 0,
+                }),
                 ..Default::default()
             }))
             .await
             .unwrap()
             .into_inner();
-        let mut lines = Vec::new();
-        // Every event of an ended run comes before the first heartbeat.
+        let mut events = Vec::new();
+        // Every event stored so far comes before the first heartbeat.
         while let Some(update) = watch.next().await {
             match update.unwrap().update {
-                Some(pb::watch_run_response::Update::Event(e))
-                    if e.kind() == pb::EventKind::Stdout =>
-                {
-                    lines.push(e.text)
-                }
+                Some(pb::watch_run_response::Update::Event(e)) => events.push(e),
                 Some(pb::watch_run_response::Update::Heartbeat(_)) | None => break,
                 _ => {}
             }
         }
-        lines
+        events
     }
 
     fn suspends(&self) -> usize {
@@ -256,4 +278,112 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
     let ended = cluster.ended(&run.id).await;
     assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
     assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
+    let node_endpoint = runplane_testkit::free_local_addr().to_string();
+    let cluster = Cluster::start(node_endpoint.as_str()).await;
+    let script = "read line; echo got-$line";
+    let steered = cluster.create_run("parked-steer-request-01", script).await;
+    let interrupted = cluster.create_run("parked-interrupt-req-01", script).await;
+    let resumed = cluster.create_run("parked-resume-request-1", script).await;
+    let cancelled = cluster.create_run("parked-cancel-request-1", script).await;
+    let mut reaps = Vec::new();
+    let mut parked = Vec::new();
+    for run in [&steered, &interrupted, &resumed, &cancelled] {
+        let sandbox = cluster
+            .sandbox_when(&run.id, "the idle suspend", |s| {
+                s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+            })
+            .await;
+        reaps.push(cluster.reap(&sandbox.id));
+        parked.push(sandbox);
+    }
+    let mut runs = cluster.runs.clone();
+
+    // A steer alone: the run is woken on its node, takes its line and finishes.
+    runs.steer(authed(pb::SteerRequest {
+        run_id: steered.id.clone(),
+        text: "go".into(),
+        idempotency_key: "parked-steer-key-000001".into(),
+    }))
+    .await
+    .unwrap();
+    let ended = cluster.ended(&steered.id).await;
+    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(cluster.stdout(&steered.id).await, ["got-go"]);
+
+    // An interrupt alone: woken, the runner applies it, and the agent it stops ends the run.
+    runs.interrupt(authed(pb::InterruptRequest {
+        run_id: interrupted.id.clone(),
+        reason: "enough".into(),
+        idempotency_key: "parked-interrupt-key-01".into(),
+        grace: None,
+    }))
+    .await
+    .unwrap();
+    let ended = cluster.ended(&interrupted.id).await;
+    assert!(ended.state().is_terminal(), "{ended:?}");
+    assert_eq!(cluster.applied(&interrupted.id).await, ["interrupt"]);
+
+    // A resume_stream (what the stream recovery coordinator sends) alone: woken, placed on
+    // its node again, and applied by the runner.
+    let mut service = RunServiceClient::new(
+        runplane_integration_tests::channel(&cluster.control_plane.endpoint).await,
+    );
+    service
+        .enqueue_control(runplane_integration_tests::authed(
+            pb::EnqueueControlRequest {
+                run_id: resumed.id.clone(),
+                idempotency_key: "parked-resume-key-00001".into(),
+                control: Some(pb::enqueue_control_request::Control::ResumeStream(
+                    pb::ResumeStreamPayload {
+                        controller_token: "a-controller-token".into(),
+                        next_sequence: 1,
+                        attempt: 1,
+                        lease_expires_at: None,
+                    },
+                )),
+            },
+            runplane_integration_tests::SERVICE_TOKEN,
+        ))
+        .await
+        .unwrap();
+    cluster
+        .sandbox_when(&resumed.id, "the resume_stream to restore it", |s| {
+            s.status() == rpb::SandboxStatus::Started && s.active_node_id == "node-i"
+        })
+        .await;
+    eventually(
+        Duration::from_secs(30),
+        "the runner applying the resume_stream",
+        || async { (cluster.applied(&resumed.id).await == ["resume_stream"]).then_some(()) },
+    )
+    .await;
+
+    // A cancel: the run ends at once, and its frozen agent is destroyed with its sandbox.
+    runs.cancel_run(authed(pb::CancelRunRequest {
+        run_id: cancelled.id.clone(),
+        reason: "not needed".into(),
+        idempotency_key: "parked-cancel-key-00001".into(),
+    }))
+    .await
+    .unwrap();
+    let leader = reaps[3].0;
+    eventually(
+        Duration::from_secs(30),
+        "the cancelled run's agent to be gone",
+        || async {
+            runplane_integration_tests::sandboxes::session_members(leader)
+                .is_empty()
+                .then_some(())
+        },
+    )
+    .await;
+    cluster
+        .sandbox_when(&cancelled.id, "the cancelled run's sandbox deleted", |s| {
+            s.status() == rpb::SandboxStatus::Deleted
+        })
+        .await;
 }

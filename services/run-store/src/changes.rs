@@ -1,6 +1,6 @@
 //! Wake-ups for long polls and watches when a run changes.
 //!
-//! Every waiter subscribes to the one key it waits on (a run id, or [`NEW_RUN`]) before
+//! Every waiter subscribes to the one key it waits on (a run id, or [`RECONCILER_WORK`]) before
 //! it reads, so a change between its read and its wait is not lost. A change made in
 //! this process wakes that key's subscribers at once, and no one else: an idle
 //! watcher costs nothing, however many changes other runs see. On Postgres, the other
@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use runplane_db::notify::Relay;
 use runplane_grpc::wake::Wakeups;
+use runplane_telemetry::metrics;
 use sea_orm::sqlx;
 
 /// How often the replica re-reads the runs being watched, without a wake-up.
@@ -33,8 +34,9 @@ const RECHECK_BATCH: usize = 1000;
 /// The Postgres channel of run changes; a payload is `<replica>:<run id>`.
 pub const CHANNEL: &str = "runplane_run_changes";
 
-/// Not a run id: what is notified when a run is created (WaitForRuns waits on it).
-pub const NEW_RUN: &str = "new-run";
+/// Not a run id: what is notified when the reconciler has something to act on (a run
+/// was created, had a message queued, or ended); WaitForRuns waits on it.
+pub const RECONCILER_WORK: &str = "reconciler-work";
 
 /// What a watcher last read of a run: its last event and its last update. Both only
 /// grow, so a run whose stored version differs has changed since.
@@ -108,7 +110,28 @@ impl Changes {
         }
     }
 
-    /// Subscribes to `key` (a run id or [`NEW_RUN`]). Subscribe before reading, so a
+    /// A run was created: the reconciler dispatches it.
+    pub fn created(&self) {
+        self.notify(RECONCILER_WORK);
+    }
+
+    /// A steering or control message was queued for `run_id`: its long polls answer, and
+    /// the reconciler wakes its sandbox if that is suspended (the message waits for a
+    /// runner that is frozen otherwise).
+    pub fn queued(&self, run_id: &str) {
+        self.notify(run_id);
+        self.notify(RECONCILER_WORK);
+    }
+
+    /// `run_id` became terminal in `state`: counted, its watchers woken, and the
+    /// reconciler destroys its sandboxes (suspended ones included) and fills its slot.
+    pub fn ended(&self, run_id: &str, state: &str) {
+        metrics::runs_finished().add(1, &[metrics::attr("state", state.to_owned())]);
+        self.notify(run_id);
+        self.notify(RECONCILER_WORK);
+    }
+
+    /// Subscribes to `key` (a run id or [`RECONCILER_WORK`]). Subscribe before reading, so a
     /// change between the read and the wait is not lost.
     pub fn subscribe(&self, key: &str) -> Subscription {
         self.waiters.subscribe(key)

@@ -32,12 +32,6 @@ const MAX_LISTED_RUN_IDS: usize = 500;
 /// Most bytes of a CancelRun reason.
 const MAX_CANCEL_REASON_BYTES: usize = 256;
 
-/// Counts a run that became terminal in `state` (a done run re-marked backend_error
-/// counts again, as backend_error).
-pub(crate) fn finished_as(state: &str) {
-    metrics::runs_finished().add(1, &[metrics::attr("state", state.to_owned())]);
-}
-
 /// What admission granted a new run.
 #[derive(Debug)]
 struct Admitted {
@@ -361,8 +355,7 @@ impl RunnerService for RunnerApi {
             )
             .await?;
         if finished.made_terminal {
-            finished_as(&finished.run.state);
-            s.changes.notify(&req.run_id);
+            s.changes.ended(&req.run_id, &finished.run.state);
             tracing::info!(outcome = %state::outcome_name(verdict.outcome()), reason = %verdict.reason, "run finished");
         }
         let receipt = s.store.receipt(&req.run_id).await?;
@@ -587,7 +580,7 @@ impl RunService for RunApi {
             .await?;
         if created {
             metrics::runs_created().add(1, &[]);
-            s.changes.notify(crate::changes::NEW_RUN);
+            s.changes.created();
             tracing::info!(run_id = %run.id, "run created");
         }
         Ok(Response::new(pb::CreateRunResponse {
@@ -640,6 +633,7 @@ impl RunService for RunApi {
             profile: (!req.profile.is_empty()).then(|| req.profile.clone()),
             states,
             run_ids: req.run_ids.clone(),
+            with_pending_messages: req.with_pending_messages,
             after: None,
             limit: u64::from(limit) + 1,
         };
@@ -711,7 +705,7 @@ impl RunService for RunApi {
         let deadline = tokio::time::Instant::now() + wait;
         let woken = s
             .changes
-            .subscribe(crate::changes::NEW_RUN)
+            .subscribe(crate::changes::RECONCILER_WORK)
             .changed(deadline)
             .await;
         Ok(Response::new(pb::WaitForRunsResponse { woken }))
@@ -863,7 +857,7 @@ impl RunService for RunApi {
                 false,
             )
             .await?;
-        s.changes.notify(&req.run_id);
+        s.changes.queued(&req.run_id);
         Ok(Response::new(pb::SteerResponse {
             message: Some(convert::message(&message)),
         }))
@@ -890,8 +884,7 @@ impl RunService for RunApi {
                 .cancel_queued(&req.run_id, &req.reason, &s.settings.signer)
                 .await?
         {
-            finished_as(&cancelled.state);
-            s.changes.notify(&req.run_id);
+            s.changes.ended(&req.run_id, &cancelled.state);
             return Ok(Response::new(pb::InterruptResponse {
                 message: None,
                 run: Some(convert::run(&cancelled)),
@@ -912,7 +905,7 @@ impl RunService for RunApi {
                 false,
             )
             .await?;
-        s.changes.notify(&req.run_id);
+        s.changes.queued(&req.run_id);
         let run = s.store.get_run(&req.run_id).await?;
         Ok(Response::new(pb::InterruptResponse {
             message: Some(convert::message(&message)),
@@ -963,7 +956,7 @@ impl RunService for RunApi {
                 on_terminal,
             )
             .await?;
-        s.changes.notify(&req.run_id);
+        s.changes.queued(&req.run_id);
         Ok(Response::new(pb::EnqueueControlResponse {
             message: Some(convert::message(&message)),
         }))
@@ -1006,8 +999,7 @@ impl RunService for RunApi {
             .instrument(span.clone())
             .await?;
         if finished.made_terminal {
-            finished_as(&finished.run.state);
-            s.changes.notify(&req.run_id);
+            s.changes.ended(&req.run_id, &finished.run.state);
             span.in_scope(|| tracing::info!(reason = %message, "run cancelled"));
         }
         Ok(Response::new(pb::CancelRunResponse {
@@ -1063,8 +1055,7 @@ impl RunService for RunApi {
             )
             .await?;
         if outcome == pb::FailRunOutcome::MadeTerminal {
-            finished_as(&run.state);
-            s.changes.notify(&req.run_id);
+            s.changes.ended(&req.run_id, &run.state);
         }
         tracing::info!(outcome = outcome.as_str_name(), "fail run");
         Ok(Response::new(pb::FailRunResponse {
@@ -1113,9 +1104,10 @@ impl RunService for RunApi {
             )
             .await?;
         if outcome == pb::MarkBackendErrorOutcome::Marked {
-            finished_as(&run.state);
+            s.changes.ended(&req.run_id, &run.state);
+        } else {
+            s.changes.notify(&req.run_id);
         }
-        s.changes.notify(&req.run_id);
         Ok(Response::new(pb::MarkBackendErrorResponse {
             outcome: outcome as i32,
             run: Some(convert::run(&run)),
@@ -1256,13 +1248,14 @@ async fn watch(
 fn page_filter_digest(filter: &RunFilter) -> String {
     digest_hex(
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}",
             filter.org_id,
             filter.lead_id,
             filter.credential_id,
             filter.profile,
             filter.states,
-            filter.run_ids
+            filter.run_ids,
+            filter.with_pending_messages
         )
         .as_bytes(),
     )[..16]

@@ -41,6 +41,7 @@ on_both_backends!(
     a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone,
     a_terminal_runs_poll_answers_its_state_and_pending_abort,
     list_runs_by_ids,
+    pending_messages_are_listed_and_wake_the_reconciler_as_ends_do,
     claim_slots_fills_a_credential_to_its_capacity_oldest_first,
     concurrent_claims_never_overfill_a_credential,
     numbers_past_their_columns_are_invalid_argument_and_change_nothing,
@@ -511,6 +512,96 @@ async fn list_runs_by_ids(h: Harness) {
         .await
         .unwrap_err();
     assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
+}
+
+/// A WaitForRuns long poll, answered in the background.
+async fn wait_for_runs(h: &Harness) -> tokio::task::JoinHandle<bool> {
+    let mut op = h.operator().await;
+    tokio::spawn(async move {
+        op.wait_for_runs(pb::WaitForRunsRequest {
+            wait: Some(prost_types::Duration {
+                seconds: 20,
+                nanos: 0,
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .woken
+    })
+}
+
+/// What the reconciler relies on to wake a parked run: a queued message wakes
+/// WaitForRuns, and ListRuns names the runs whose messages are not yet acknowledged; a
+/// run ending wakes WaitForRuns too (its sandboxes are destroyed at once).
+async fn pending_messages_are_listed_and_wake_the_reconciler_as_ends_do(h: Harness) {
+    let (steered, key) = h.running_run("pending-steered").await;
+    let (quiet, _) = h.running_run("pending-quiet").await;
+    let queued = h.create_run("pending-queued").await;
+    let ids = vec![steered.clone(), quiet.clone(), queued.id.clone()];
+    let pending = async |h: &Harness| {
+        let mut listed: Vec<String> = h
+            .operator()
+            .await
+            .list_runs(pb::ListRunsRequest {
+                run_ids: ids.clone(),
+                with_pending_messages: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .runs
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        listed.sort();
+        listed
+    };
+    assert!(pending(&h).await.is_empty());
+
+    let waiting = wait_for_runs(&h).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "WaitForRuns answered with nothing to say"
+    );
+    h.operator()
+        .await
+        .steer(pb::SteerRequest {
+            run_id: steered.clone(),
+            text: "are you there".into(),
+            idempotency_key: "pending-steer-0001".into(),
+        })
+        .await
+        .unwrap();
+    assert!(
+        waiting.await.unwrap(),
+        "a queued message wakes the reconciler"
+    );
+    assert_eq!(pending(&h).await, std::slice::from_ref(&steered));
+
+    // Served is not acknowledged: still pending until the runner says it landed.
+    let mut runner = h.runner(&key).await;
+    let served = poll(&mut runner, &steered, vec![]).await.unwrap();
+    assert_eq!(pending(&h).await, std::slice::from_ref(&steered));
+    poll(&mut runner, &steered, vec![applied(&served.messages[0].id)])
+        .await
+        .unwrap();
+    assert!(pending(&h).await.is_empty());
+
+    let waiting = wait_for_runs(&h).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    h.operator()
+        .await
+        .cancel_run(pb::CancelRunRequest {
+            run_id: quiet.clone(),
+            reason: String::new(),
+            idempotency_key: "pending-cancel-0001".into(),
+        })
+        .await
+        .unwrap();
+    assert!(waiting.await.unwrap(), "a run's end wakes the reconciler");
 }
 
 async fn append(

@@ -173,6 +173,7 @@ pub async fn runs(
                 page_size: remaining.unwrap_or(MAX_PAGE).min(MAX_PAGE),
                 page_token: page_token.clone(),
                 run_ids: Vec::new(),
+                with_pending_messages: false,
             })
             .await
             .map_err(rpc)?

@@ -230,17 +230,7 @@ impl Reconciler {
             let Some(last) = rows.last() else { break };
             cursor = Some(last.id.clone());
             let full = rows.len() as u64 == batch;
-            // Only ids that can name a run (a lowercase UUID): the run store refuses the
-            // whole question otherwise, and no run could be ended under another id.
-            let mut run_ids: Vec<String> = rows
-                .iter()
-                .map(|r| r.run_id.clone())
-                .filter(|id| {
-                    uuid::Uuid::parse_str(id).is_ok() && id.bytes().all(|b| !b.is_ascii_uppercase())
-                })
-                .collect();
-            run_ids.sort();
-            run_ids.dedup();
+            let run_ids = run_ids_of(&rows);
             let ended = if run_ids.is_empty() {
                 Default::default()
             } else {
@@ -261,6 +251,55 @@ impl Reconciler {
             }
         }
         Ok(deleted)
+    }
+
+    /// Wakes every suspended, unplaced sandbox whose run has a steering or control
+    /// message its runner has not acknowledged (a steer, an interrupt, a resume_stream,
+    /// an abort): the message would wait for a runner that is frozen, so whatever is
+    /// addressed to a parked run wakes it, as a reattach does, with no reattach. The wake
+    /// goes to the sandbox's holder like any other. Reads its rows in bounded batches and
+    /// asks the run store which of their runs have such a message (it never reads the
+    /// run store's tables). Returns how many wakes it queued.
+    pub async fn wake_sandboxes_with_messages(
+        &self,
+        run_store: &RunStoreClient,
+    ) -> Result<u64, ReconcilerError> {
+        let batch = self.settings.batch.clamp(1, RUN_IDS_PER_QUESTION);
+        let mut queued = 0;
+        let mut cursor: Option<String> = None;
+        loop {
+            let rows = self
+                .store
+                .suspended_unplaced(cursor.as_deref(), batch)
+                .await?;
+            let Some(last) = rows.last() else { break };
+            cursor = Some(last.id.clone());
+            let full = rows.len() as u64 == batch;
+            let run_ids = run_ids_of(&rows);
+            let asked_at = self.store.now_us();
+            let waiting = if run_ids.is_empty() {
+                Default::default()
+            } else {
+                runs_with_messages(run_store, run_ids).await?
+            };
+            for row in rows.iter().filter(|r| waiting.contains(&r.run_id)) {
+                match self.store.queue_wake(&row.id, MESSAGE_WAKE_REASON).await {
+                    // Queued by this call, not one already open.
+                    Ok(wake) if wake.requested_at_us >= asked_at => {
+                        queued += 1;
+                        tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "a message waits for the suspended run; wake queued");
+                    }
+                    Ok(_) => {}
+                    // Ended since it was read: nothing to wake.
+                    Err(ReconcilerError::SandboxEnded { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+        Ok(queued)
     }
 
     /// Stops the processes of this reconciler's own deleted sandboxes that are still owed
@@ -284,7 +323,8 @@ impl Reconciler {
     }
 
     /// One round of the reconciler's background work: dispatch, the sweep of ended runs,
-    /// local stops, wake assignment, the loss tick and outbox delivery. Each step logs its
+    /// local stops, wakes of parked runs with messages, wake assignment, the loss tick and
+    /// outbox delivery. Each step logs its
     /// failure and the next round retries it. The sweep comes before wake assignment, so a
     /// wake of a sandbox whose run ended is settled, not assigned.
     pub async fn round(&self, run_store: &RunStoreClient, endpoints: &RunnerEndpoints) {
@@ -309,6 +349,9 @@ impl Reconciler {
         if let Err(e) = self.stop_owed_local().await {
             tracing::warn!(error = %e, "stopping deleted local sandboxes failed; next round retries");
         }
+        if let Err(e) = self.wake_sandboxes_with_messages(run_store).await {
+            tracing::warn!(error = %e, "waking parked runs with messages failed; next round retries");
+        }
         if let Err(e) = self.store.assign_wakes(self.store.silent_since()).await {
             tracing::warn!(error = %e, "wake assignment failed; next round retries");
         }
@@ -325,6 +368,63 @@ impl Reconciler {
         if let Err(e) = deliver_outbox(&self.store, run_store, 100).await {
             tracing::warn!(error = %e, "outbox delivery failed; next round retries");
         }
+    }
+}
+
+/// Why a wake is queued for a parked run that has a message waiting.
+pub const MESSAGE_WAKE_REASON: &str = "a message is queued for its run";
+
+/// The distinct run ids of `rows` that can name a run (a lowercase UUID): the run store
+/// refuses the whole question otherwise, and no run has another id.
+fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
+    let mut run_ids: Vec<String> = rows
+        .iter()
+        .map(|r| r.run_id.clone())
+        .filter(|id| {
+            uuid::Uuid::parse_str(id).is_ok() && id.bytes().all(|b| !b.is_ascii_uppercase())
+        })
+        .collect();
+    run_ids.sort();
+    run_ids.dedup();
+    run_ids
+}
+
+/// Which of `run_ids` (at most 500) are live and have a steering or control message not
+/// yet acknowledged, as the run store says (checked here too: id asked for, not
+/// terminal).
+async fn runs_with_messages(
+    run_store: &RunStoreClient,
+    run_ids: Vec<String>,
+) -> Result<std::collections::HashSet<String>, ReconcilerError> {
+    let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
+    let mut waiting = std::collections::HashSet::new();
+    let mut page_token = String::new();
+    loop {
+        let page = run_store
+            .clone()
+            .list_runs(pb::ListRunsRequest {
+                run_ids: run_ids.clone(),
+                states: [pb::RunState::Starting, pb::RunState::Running]
+                    .iter()
+                    .map(|s| *s as i32)
+                    .collect(),
+                with_pending_messages: true,
+                page_size: RUN_IDS_PER_QUESTION as u32,
+                page_token,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        waiting.extend(
+            page.runs
+                .into_iter()
+                .filter(|r| !r.state().is_terminal() && asked.contains(&r.id))
+                .map(|r| r.id),
+        );
+        if page.next_page_token.is_empty() {
+            return Ok(waiting);
+        }
+        page_token = page.next_page_token;
     }
 }
 
@@ -605,19 +705,19 @@ pub async fn run_loop(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
-    // New runs start a round at once (see `wait_for_runs`); the interval stays the
-    // safety net for everything else and for a wake-up that never came.
-    let new_run = Arc::new(tokio::sync::Notify::new());
-    let waiter = reconciler
-        .settings
-        .dispatch
-        .then(|| tokio::spawn(wait_for_runs(run_store.clone(), new_run.clone())));
-    let _stop_waiter = waiter.map(AbortOnDrop);
+    // A run created, a message queued or a run ended starts a round at once (see
+    // `wait_for_runs`); the interval stays the safety net for everything else and for a
+    // wake-up that never came.
+    let run_store_work = Arc::new(tokio::sync::Notify::new());
+    let _stop_waiter = AbortOnDrop(tokio::spawn(wait_for_runs(
+        run_store.clone(),
+        run_store_work.clone(),
+    )));
     loop {
         tokio::select! {
             () = &mut shutdown => return,
             () = tokio::time::sleep(interval) => {}
-            () = new_run.notified() => {}
+            () = run_store_work.notified() => {}
             () = signals.round_wanted() => {}
         }
         // A round is background work: not a trace of its own every tick. What it does
@@ -646,10 +746,10 @@ impl Drop for AbortOnDrop {
 const WAIT_FOR_RUNS: Duration = Duration::from_secs(25);
 
 /// Keeps a WaitForRuns long poll open on the run store and wakes the loop when a run is
-/// created. The next call starts as soon as one answers, so only a creation in the gap
-/// between two calls waits for the interval's round. A run store that does not have the
-/// method (an older version) is left to the interval.
-async fn wait_for_runs(run_store: RunStoreClient, new_run: Arc<tokio::sync::Notify>) {
+/// created, has a message queued or ends. The next call starts as soon as one answers,
+/// so only a change in the gap between two calls waits for the interval's round. A run
+/// store that does not have the method (an older version) is left to the interval.
+async fn wait_for_runs(run_store: RunStoreClient, work: Arc<tokio::sync::Notify>) {
     loop {
         let answer = run_store
             .clone()
@@ -661,11 +761,11 @@ async fn wait_for_runs(run_store: RunStoreClient, new_run: Arc<tokio::sync::Noti
             })
             .await;
         match answer {
-            Ok(a) if a.get_ref().woken => new_run.notify_one(),
+            Ok(a) if a.get_ref().woken => work.notify_one(),
             Ok(_) => {}
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::info!(
-                    "the run store cannot say when runs are created; dispatch waits for each round"
+                    "the run store cannot say when runs change; the reconciler waits for each round"
                 );
                 return;
             }

@@ -144,6 +144,8 @@ pub struct RunFilter {
     pub states: Vec<&'static str>,
     /// Only these runs (empty: any).
     pub run_ids: Vec<String>,
+    /// Only runs with a steering message not yet acknowledged.
+    pub with_pending_messages: bool,
     /// Start after this (created_at_us, id), newest first.
     pub after: Option<(i64, String)>,
     pub limit: u64,
@@ -424,6 +426,21 @@ impl Store {
         }
         if !filter.run_ids.is_empty() {
             query = query.filter(run::Column::Id.is_in(filter.run_ids.iter().cloned()));
+        }
+        if filter.with_pending_messages {
+            // EXISTS on the run's own messages (the (run_id, sequence) index), not a scan
+            // of every message ever queued.
+            query = query.filter(Expr::exists(
+                sea_orm::sea_query::Query::select()
+                    .expr(Expr::val(1))
+                    .from(steering_message::Entity)
+                    .and_where(sea_orm::sea_query::ExprTrait::equals(
+                        Expr::col((steering_message::Entity, steering_message::Column::RunId)),
+                        (run::Entity, run::Column::Id),
+                    ))
+                    .and_where(steering_message::Column::AckedAtUs.is_null())
+                    .to_owned(),
+            ));
         }
         if let Some((created, id)) = &filter.after {
             query = query.filter(

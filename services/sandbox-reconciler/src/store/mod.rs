@@ -559,6 +559,27 @@ impl Store {
             .await?)
     }
 
+    /// Sandboxes suspended and unplaced (parked for idleness), by id after `after`, at
+    /// most `limit`: what the round reads to wake the ones whose run has a message
+    /// waiting.
+    pub async fn suspended_unplaced(
+        &self,
+        after: Option<&str>,
+        limit: u64,
+    ) -> Result<Vec<sandbox::Model>> {
+        let mut query = sandbox::Entity::find()
+            .filter(sandbox::Column::Status.eq("suspended"))
+            .filter(sandbox::Column::ActiveNodeId.is_null());
+        if let Some(after) = after {
+            query = query.filter(sandbox::Column::Id.gt(after));
+        }
+        Ok(query
+            .order_by(sandbox::Column::Id, Order::Asc)
+            .limit(limit)
+            .all(&self.db)
+            .await?)
+    }
+
     /// Deleted sandboxes whose process `node_id` still owes a stop: placed there when
     /// they were deleted, or suspended unplaced with a route identity naming it. A stop is
     /// owed until the node (or, for [`LOCAL_NODE`](crate::reconcile::LOCAL_NODE), the
