@@ -578,14 +578,44 @@ pub async fn dispatch(
 ) -> Result<u64, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
+    use crate::store::Placed;
+
     let nodes = store.ready_nodes(store.silent_since()).await?;
+    // What each ready node has room for: its capacity less what is placed on it. Runs go
+    // to nodes only within that room; with no node ready, they run here (when allowed).
+    let mut room = if nodes.is_empty() {
+        Vec::new()
+    } else {
+        let ids: Vec<String> = nodes.iter().map(|n| n.id.clone()).collect();
+        let placed = store.placed_per_node(&ids).await?;
+        nodes
+            .iter()
+            .map(|n| {
+                let used = placed.get(&n.id).copied().unwrap_or(0);
+                (n.id.clone(), (i64::from(n.capacity) - used).max(0))
+            })
+            .collect()
+    };
+    let free: i64 = room.iter().map(|(_, free)| free).sum();
     // Slots are claimed only where a sandbox can be placed; otherwise runs wait queued.
-    let placeable = !nodes.is_empty() || local_sandboxes;
+    let placeable = if nodes.is_empty() {
+        local_sandboxes
+    } else {
+        free > 0
+    };
     if !placeable {
-        tracing::debug!("no node agent is ready and local sandboxes are off; runs wait");
+        tracing::debug!(
+            nodes = nodes.len(),
+            "no node agent has room and local sandboxes are off or unused; runs wait"
+        );
     }
+    let max_runs = if nodes.is_empty() {
+        crate::slots::CLAIM_PER_ROUND
+    } else {
+        u32::try_from(free).unwrap_or(u32::MAX)
+    };
     let to_place = if placeable {
-        crate::slots::runs_to_place(run_store, fleet)
+        crate::slots::runs_to_place(run_store, fleet, max_runs)
             .await
             .map_err(|status| {
                 tracing::warn!(code = ?status.code(), message = status.message(), "no slots claimed this round; runs wait");
@@ -595,22 +625,51 @@ pub async fn dispatch(
         None
     };
     if let Some(runs) = to_place {
-        for (i, run) in runs.into_iter().enumerate() {
-            // Spread over ready node agents; with none, run it here.
-            let node_id = nodes
-                .get(i % nodes.len().max(1))
-                .map_or_else(|| LOCAL_NODE.to_owned(), |n| n.id.clone());
-            store
-                .create_placed(crate::store::NewSandbox {
-                    client_request_id: format!("dispatch:{}", run.id),
-                    network: crate::domain::placement::network_of(offline_profiles, &run.profile),
-                    run_id: run.id,
-                    org_id: run.org_id,
-                    node_id,
-                    idle_timeout_ms: idle_timeout.as_millis() as i64,
-                    traceparent: run.traceparent,
-                })
-                .await?;
+        for run in runs {
+            let new = |node_id: String| crate::store::NewSandbox {
+                client_request_id: format!("dispatch:{}", run.id),
+                network: crate::domain::placement::network_of(offline_profiles, &run.profile),
+                run_id: run.id.clone(),
+                org_id: run.org_id.clone(),
+                node_id,
+                idle_timeout_ms: idle_timeout.as_millis() as i64,
+                traceparent: run.traceparent.clone(),
+            };
+            if nodes.is_empty() {
+                store.create_placed(new(LOCAL_NODE.to_owned())).await?;
+                continue;
+            }
+            // The node with the most room, within its capacity (checked again under the
+            // node's lock, against every replica's placements). With none left the run
+            // waits STARTING for the next round; only a run claimed before a crash, or
+            // by a replica that placed on the same nodes at once, gets here.
+            loop {
+                let Some(most) = room
+                    .iter_mut()
+                    .filter(|(_, free)| *free > 0)
+                    .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
+                else {
+                    tracing::debug!(run_id = %run.id, "every ready node is full; the run waits");
+                    break;
+                };
+                let capacity = nodes
+                    .iter()
+                    .find(|n| n.id == most.0)
+                    .map_or(0, |n| i64::from(n.capacity));
+                match store
+                    .place_within_capacity(new(most.0.clone()), capacity)
+                    .await?
+                {
+                    Placed::New(_) => {
+                        most.1 -= 1;
+                        break;
+                    }
+                    // A run placed earlier (its launch not claimed yet) is counted where
+                    // it is.
+                    Placed::Existing(_) => break,
+                    Placed::Full => most.1 = 0,
+                }
+            }
         }
     }
 

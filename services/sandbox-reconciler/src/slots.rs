@@ -21,7 +21,7 @@ use crate::reconcile::RunStoreClient;
 pub type FleetClient = CredentialHealthServiceClient<InterceptedService<TracedChannel, Bearer>>;
 
 /// Most runs one round claims.
-const CLAIM_PER_ROUND: u32 = 100;
+pub const CLAIM_PER_ROUND: u32 = 100;
 
 /// The runs dispatch gives sandboxes now: those this call claimed, and those claimed
 /// earlier whose sandbox may not exist yet (an answer lost, a crash between the claim and
@@ -31,15 +31,20 @@ const CLAIM_PER_ROUND: u32 = 100;
 /// Without `fleet` (no credential health runs: `[run_store] admission` off) runs are
 /// claimed without a capacity. When the fleet cannot be read, nothing is claimed this
 /// round: runs wait rather than overfill a credential.
+///
+/// At most `max_runs` (1 to [`CLAIM_PER_ROUND`]) are claimed: the room the ready nodes
+/// have.
 pub async fn runs_to_place(
     run_store: &RunStoreClient,
     fleet: Option<&FleetClient>,
+    max_runs: u32,
 ) -> Result<Vec<pb::Run>, tonic::Status> {
+    let max_runs = max_runs.clamp(1, CLAIM_PER_ROUND);
     let request = match fleet {
         None => pb::ClaimSlotsRequest {
             credentials: Vec::new(),
             unlimited: true,
-            max_runs: CLAIM_PER_ROUND,
+            max_runs,
         },
         Some(fleet) => {
             let view = fleet
@@ -50,7 +55,7 @@ pub async fn runs_to_place(
             pb::ClaimSlotsRequest {
                 credentials: view.credentials.iter().map(slots_of).collect(),
                 unlimited: false,
-                max_runs: CLAIM_PER_ROUND,
+                max_runs,
             }
         }
     };

@@ -44,6 +44,9 @@ struct CountFailRun<S> {
     inner: S,
     calls: Arc<AtomicUsize>,
     on_list_runs: Arc<std::sync::Mutex<Option<ListRunsHook>>>,
+    /// When set, every ListRuns waits at this barrier before it is answered (replicas
+    /// held at the same point of a round).
+    list_runs_barrier: Arc<std::sync::Mutex<Option<Arc<tokio::sync::Barrier>>>>,
 }
 
 impl<S: NamedService> NamedService for CountFailRun<S> {
@@ -67,15 +70,21 @@ where
         if request.uri().path().ends_with("/FailRun") {
             self.calls.fetch_add(1, Ordering::SeqCst);
         }
-        let hook = if request.uri().path().ends_with("/ListRuns") {
-            self.on_list_runs.lock().unwrap().take()
+        let (hook, barrier) = if request.uri().path().ends_with("/ListRuns") {
+            (
+                self.on_list_runs.lock().unwrap().take(),
+                self.list_runs_barrier.lock().unwrap().clone(),
+            )
         } else {
-            None
+            (None, None)
         };
         let answer = self.inner.call(request);
         Box::pin(async move {
             if let Some(hook) = hook {
                 hook().await;
+            }
+            if let Some(barrier) = barrier {
+                barrier.wait().await;
             }
             answer.await
         })
@@ -89,6 +98,7 @@ struct World {
     run_store_endpoint: String,
     fail_run_calls: Arc<AtomicUsize>,
     on_list_runs: Arc<std::sync::Mutex<Option<ListRunsHook>>>,
+    list_runs_barrier: Arc<std::sync::Mutex<Option<Arc<tokio::sync::Barrier>>>>,
     _dbs: (TestDatabase, TestDatabase),
 }
 
@@ -138,6 +148,7 @@ impl World {
         let (runner, run) = run_store.services();
         let mut services = ServiceSet::new();
         let on_list_runs = Arc::new(std::sync::Mutex::new(None));
+        let list_runs_barrier = Arc::new(std::sync::Mutex::new(None));
         services
             .authenticate(runplane_grpc::auth::Tokens::from_config(&config.auth))
             .add(runner)
@@ -145,6 +156,7 @@ impl World {
                 inner: run,
                 calls: calls.clone(),
                 on_list_runs: on_list_runs.clone(),
+                list_runs_barrier: list_runs_barrier.clone(),
             });
         let run_store_endpoint = serve(services).await;
         config.run_store.endpoint = run_store_endpoint.clone();
@@ -186,8 +198,38 @@ impl World {
             run_store_endpoint,
             fail_run_calls: calls,
             on_list_runs,
+            list_runs_barrier,
             _dbs: (run_db, reconciler_db),
         }
+    }
+
+    /// Another reconciler replica's store: the same database through a pool of its own.
+    async fn replica_store(&self) -> Store {
+        Store::new(
+            runplane_db::connect(self._dbs.1.url()).await.unwrap(),
+            Arc::new(self.clock.clone()),
+        )
+    }
+
+    /// A queued run of org acme, created by request `name`.
+    async fn queued_run(&self, name: &str) -> pb::Run {
+        self.run_store()
+            .await
+            .create_run(authed(
+                pb::CreateRunRequest {
+                    client_request_id: format!("{name}-request-00000001"),
+                    org_id: "acme".into(),
+                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    command: "agent".into(),
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .run
+            .unwrap()
     }
 
     async fn run_store(&self) -> RunServiceClient<tonic::transport::Channel> {
@@ -2224,4 +2266,154 @@ mod many_hosts {
     }
 
     use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
+}
+
+/// Two reconciler replicas, each with its own connection pool on one database, running
+/// the same background step at the same moment.
+mod two_replicas {
+    use super::node_protocol::register;
+    use super::*;
+    use sea_orm::EntityTrait;
+
+    async fn dispatch_once(w: &World, store: &Store) {
+        let client = w.outbox_client().await;
+        let endpoints = RunnerEndpoints {
+            run_store: w.run_store_endpoint.clone(),
+            stream_recovery: w.run_store_endpoint.clone(),
+        };
+        dispatch(
+            store,
+            &FakeDriver::always(Probe::Alive),
+            &client,
+            None,
+            &endpoints,
+            Duration::ZERO,
+            false,
+            &Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+
+    /// Both replicas read the nodes' room, then both are held at the same point (their
+    /// ListRuns of STARTING runs) until each has claimed, so both place against the same
+    /// stale room: the node's lock and count at the insert keep every node within its
+    /// capacity (4), and no run gets two sandboxes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn dispatching_at_once_they_place_each_run_once_within_each_nodes_capacity() {
+        let w = World::new().await;
+        register(&w, "node-a", "a").await;
+        register(&w, "node-b", "b").await;
+        let mut runs = Vec::new();
+        for i in 0..12 {
+            runs.push(w.queued_run(&format!("two-dispatch-{i:02}")).await.id);
+        }
+        let other = w.replica_store().await;
+        *w.list_runs_barrier.lock().unwrap() = Some(Arc::new(tokio::sync::Barrier::new(2)));
+        tokio::join!(dispatch_once(&w, &w.store), dispatch_once(&w, &other));
+        *w.list_runs_barrier.lock().unwrap() = None;
+
+        let rows = sandbox::Entity::find()
+            .all(w.store.database())
+            .await
+            .unwrap();
+        let mut per_run = std::collections::HashMap::<&str, usize>::new();
+        let mut per_node = std::collections::HashMap::<&str, usize>::new();
+        for row in &rows {
+            *per_run.entry(row.run_id.as_str()).or_default() += 1;
+            *per_node
+                .entry(row.active_node_id.as_deref().unwrap_or("unplaced"))
+                .or_default() += 1;
+        }
+        assert!(
+            per_run.values().all(|n| *n == 1),
+            "a run placed twice: {per_run:?}"
+        );
+        assert_eq!(per_node.get("node-a"), Some(&4), "{per_node:?}");
+        assert_eq!(per_node.get("node-b"), Some(&4), "{per_node:?}");
+        assert_eq!(rows.len(), 8);
+
+        // Room frees (two runs end): the next round places runs that waited, still within
+        // capacity, and never a run twice.
+        let mut op = w.run_store().await;
+        for row in rows
+            .iter()
+            .filter(|r| r.active_node_id.as_deref() == Some("node-a"))
+            .take(2)
+        {
+            op.cancel_run(authed(
+                pb::CancelRunRequest {
+                    run_id: row.run_id.clone(),
+                    reason: String::new(),
+                    idempotency_key: format!("free-{}", row.id),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap();
+            w.store.mark_deleted(&row.id, 1).await.unwrap();
+        }
+        tokio::join!(dispatch_once(&w, &w.store), dispatch_once(&w, &other));
+        let rows = sandbox::Entity::find()
+            .all(w.store.database())
+            .await
+            .unwrap();
+        let live: Vec<_> = rows.iter().filter(|r| r.status != "deleted").collect();
+        let on_a = live
+            .iter()
+            .filter(|r| r.active_node_id.as_deref() == Some("node-a"))
+            .count();
+        assert_eq!(on_a, 4, "node-a filled to its capacity again, not past it");
+        let mut runs_placed: Vec<&str> = rows.iter().map(|r| r.run_id.as_str()).collect();
+        let placed = runs_placed.len();
+        runs_placed.sort();
+        runs_placed.dedup();
+        assert_eq!(runs_placed.len(), placed, "a run placed twice");
+        assert_eq!(placed, 10);
+    }
+
+    /// Both replicas tick over the same sandboxes past their loss grace at once: every
+    /// loss is confirmed by exactly one of them, one FailRun owed for each.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn ticking_at_once_they_confirm_each_loss_once() {
+        let w = World::new().await;
+        let mut rows = Vec::new();
+        for i in 0..6 {
+            let (row, _) = w.running_sandbox(&format!("two-ticks-{i}")).await;
+            rows.push(w.stamp(&row).await);
+        }
+        w.clock.advance(GRACE + Duration::from_secs(1));
+        let other = w.replica_store().await;
+        let settings = ReconcileSettings {
+            loss_grace: GRACE,
+            // Small batches, so the replicas' passes interleave row by row.
+            batch: 2,
+            ..ReconcileSettings::default()
+        };
+        let a = Reconciler::new(
+            w.store.clone(),
+            Arc::new(FakeDriver::always(Probe::Lost)),
+            settings.clone(),
+        );
+        let b = Reconciler::new(other, Arc::new(FakeDriver::always(Probe::Lost)), settings);
+        let (ra, rb) = tokio::join!(a.tick(), b.tick());
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        assert_eq!(ra.confirmed + rb.confirmed, 6, "{ra:?} {rb:?}");
+        assert_eq!(w.store.outbox().await.unwrap().len(), 6);
+
+        let client = w.outbox_client().await;
+        let (da, db) = tokio::join!(
+            deliver_outbox(&w.store, &client, 10),
+            deliver_outbox(&w.store, &client, 10)
+        );
+        assert_eq!(da.unwrap() + db.unwrap(), 6);
+        assert_eq!(
+            w.fail_run_calls.load(Ordering::SeqCst),
+            6,
+            "FailRun once per loss"
+        );
+        for row in &rows {
+            assert_eq!(w.run_state(&row.run_id).await.state(), pb::RunState::Failed);
+        }
+    }
 }

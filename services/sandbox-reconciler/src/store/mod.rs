@@ -39,6 +39,54 @@ type Result<T> = std::result::Result<T, ReconcilerError>;
 /// failed.
 pub const LIVE: [&str; 4] = ["creating", "started", "suspended", "restoring"];
 
+/// Statuses of a sandbox that runs, or is about to, on the node it is placed on: what a
+/// node's capacity is weighed against (a suspended one is parked there, not running).
+pub const PLACED: [&str; 3] = ["creating", "started", "restoring"];
+
+/// What [`Store::place_within_capacity`] did.
+#[derive(Debug)]
+pub enum Placed {
+    /// Placed now.
+    New(sandbox::Model),
+    /// The request's sandbox already existed (a replay, or another replica placed it).
+    Existing(sandbox::Model),
+    /// The node has no room.
+    Full,
+}
+
+/// The row of a new direct sandbox in `creating`, at generation 1.
+fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
+    let NewSandbox {
+        client_request_id,
+        run_id,
+        org_id,
+        node_id,
+        idle_timeout_ms,
+        network,
+        traceparent,
+    } = new;
+    sandbox::Model {
+        id: uuid::Uuid::new_v4().to_string(),
+        client_request_id,
+        run_id,
+        org_id,
+        substrate: "direct".into(),
+        status: "creating".into(),
+        active_node_id: Some(node_id),
+        execution_generation: 1,
+        loss_observed_at_us: None,
+        idle_timeout_ms,
+        exit_code: None,
+        driver_handle: String::new(),
+        observation_seq: 0,
+        observed_status: String::new(),
+        created_at_us: now,
+        updated_at_us: now,
+        traceparent,
+        network,
+    }
+}
+
 /// The final status: destroyed. Its `observed_status` becomes `deleted` too once the
 /// process is known to be stopped.
 pub const DELETED: &str = "deleted";
@@ -109,37 +157,8 @@ impl Store {
     /// (a replay returns the row the first call wrote). A sandbox placed on a node agent
     /// gets its route identity now; a local one is routed by the local loop.
     pub async fn create_placed(&self, new: NewSandbox) -> Result<sandbox::Model> {
-        let NewSandbox {
-            client_request_id,
-            run_id,
-            org_id,
-            node_id,
-            idle_timeout_ms,
-            network,
-            traceparent,
-        } = new;
-        let now = self.now_us();
         let row = self
-            .insert_sandbox(sandbox::Model {
-                id: uuid::Uuid::new_v4().to_string(),
-                client_request_id,
-                run_id,
-                org_id,
-                substrate: "direct".into(),
-                status: "creating".into(),
-                active_node_id: Some(node_id),
-                execution_generation: 1,
-                loss_observed_at_us: None,
-                idle_timeout_ms,
-                exit_code: None,
-                driver_handle: String::new(),
-                observation_seq: 0,
-                observed_status: String::new(),
-                created_at_us: now,
-                updated_at_us: now,
-                traceparent,
-                network,
-            })
+            .insert_sandbox(new_direct_sandbox(new, self.now_us()))
             .await?;
         if let Some(node) = row
             .active_node_id
@@ -156,21 +175,85 @@ impl Store {
         Ok(row)
     }
 
+    /// [`Store::create_placed`] on node agent `new.node_id` only while it has room: fewer
+    /// than `capacity` sandboxes placed there (creating, started or restoring). The node's
+    /// row is locked while it counts and inserts, so reconciler replicas placing on one
+    /// node at once never put more on it than its capacity.
+    pub async fn place_within_capacity(&self, new: NewSandbox, capacity: i64) -> Result<Placed> {
+        if let Some(existing) = self.sandbox_for_request(&new.client_request_id).await? {
+            return Ok(Placed::Existing(existing));
+        }
+        let node_id = new.node_id.clone();
+        let txn = runplane_db::write_tx(&self.db).await?;
+        node::Entity::find_by_id(node_id.clone())
+            .lock_exclusive()
+            .one(&txn)
+            .await?;
+        let placed = sea_orm::PaginatorTrait::count(
+            sandbox::Entity::find()
+                .filter(sandbox::Column::ActiveNodeId.eq(node_id.as_str()))
+                .filter(sandbox::Column::Status.is_in(PLACED)),
+            &txn,
+        )
+        .await?;
+        if placed as i64 >= capacity {
+            txn.rollback().await?;
+            return Ok(Placed::Full);
+        }
+        let row = new_direct_sandbox(new, self.now_us());
+        let inserted = sandbox::Entity::insert(row.clone().into_active_model())
+            .exec_without_returning(&txn)
+            .await;
+        match inserted {
+            Ok(_) => {}
+            // Placed by a concurrent call meanwhile: that one is the sandbox.
+            Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => {
+                txn.rollback().await?;
+                return self
+                    .sandbox_for_request(&row.client_request_id)
+                    .await?
+                    .map(Placed::Existing)
+                    .ok_or(ReconcilerError::Storage(e));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        route_identity::Entity::insert(
+            route_identity::Model {
+                sandbox_id: row.id.clone(),
+                current_node_id: node_id,
+                execution_generation: row.execution_generation,
+            }
+            .into_active_model(),
+        )
+        .exec_without_returning(&txn)
+        .await?;
+        txn.commit().await?;
+        Ok(Placed::New(row))
+    }
+
     pub async fn insert_sandbox(&self, row: sandbox::Model) -> Result<sandbox::Model> {
         match sandbox::Entity::insert(row.clone().into_active_model())
             .exec_without_returning(&self.db)
             .await
         {
             Ok(_) => Ok(row),
-            Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => {
-                sandbox::Entity::find()
-                    .filter(sandbox::Column::ClientRequestId.eq(row.client_request_id.as_str()))
-                    .one(&self.db)
-                    .await?
-                    .ok_or(ReconcilerError::Storage(e))
-            }
+            Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => self
+                .sandbox_for_request(&row.client_request_id)
+                .await?
+                .ok_or(ReconcilerError::Storage(e)),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The sandbox created for `client_request_id`, if there is one.
+    pub async fn sandbox_for_request(
+        &self,
+        client_request_id: &str,
+    ) -> Result<Option<sandbox::Model>> {
+        Ok(sandbox::Entity::find()
+            .filter(sandbox::Column::ClientRequestId.eq(client_request_id))
+            .one(&self.db)
+            .await?)
     }
 
     pub async fn sandbox(&self, id: &str) -> Result<sandbox::Model> {

@@ -157,6 +157,30 @@ impl Store {
             .await?)
     }
 
+    /// How many sandboxes each of `node_ids` runs or is about to (placed there: creating,
+    /// started or restoring), as this reconciler placed them; what dispatch weighs against
+    /// a node's capacity. A suspended sandbox is parked, not running, as the node's own
+    /// `used` counts it.
+    pub async fn placed_per_node(
+        &self,
+        node_ids: &[String],
+    ) -> Result<std::collections::HashMap<String, i64>> {
+        let rows: Vec<(Option<String>, i64)> = sandbox::Entity::find()
+            .select_only()
+            .column(sandbox::Column::ActiveNodeId)
+            .column_as(sandbox::Column::Id.count(), "n")
+            .filter(sandbox::Column::ActiveNodeId.is_in(node_ids.iter().cloned()))
+            .filter(sandbox::Column::Status.is_in(super::PLACED))
+            .group_by(sandbox::Column::ActiveNodeId)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(node, n)| Some((node?, n)))
+            .collect())
+    }
+
     /// What `node_id` should be doing.
     pub async fn assignments(&self, node_id: &str) -> Result<Vec<Assigned>> {
         let mut out: Vec<Assigned> = sandbox::Entity::find()
