@@ -276,16 +276,19 @@ impl Reconciler {
             cursor = Some(last.id.clone());
             let full = rows.len() as u64 == batch;
             let run_ids = run_ids_of(&rows);
-            let asked_at = self.store.now_us();
             let waiting = if run_ids.is_empty() {
                 Default::default()
             } else {
                 runs_with_messages(run_store, run_ids).await?
             };
             for row in rows.iter().filter(|r| waiting.contains(&r.run_id)) {
-                match self.store.queue_wake(&row.id, MESSAGE_WAKE_REASON).await {
+                match self
+                    .store
+                    .queue_wake_once(&row.id, MESSAGE_WAKE_REASON)
+                    .await
+                {
                     // Queued by this call, not one already open.
-                    Ok(wake) if wake.requested_at_us >= asked_at => {
+                    Ok((_, true)) => {
                         queued += 1;
                         tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "a message waits for the suspended run; wake queued");
                     }

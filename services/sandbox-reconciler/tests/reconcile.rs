@@ -2372,6 +2372,98 @@ mod two_replicas {
         assert_eq!(placed, 10);
     }
 
+    /// Both replicas sweep the sandboxes of ended runs at once, both holding the same
+    /// answer from the run store: each sandbox is deleted by exactly one of them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sweeping_ended_runs_at_once_they_delete_each_sandbox_once() {
+        let w = World::new().await;
+        let mut op = w.run_store().await;
+        let mut rows = Vec::new();
+        for i in 0..5 {
+            let (row, _) = w.running_sandbox(&format!("two-sweeps-{i}")).await;
+            op.cancel_run(authed(
+                pb::CancelRunRequest {
+                    run_id: row.run_id.clone(),
+                    reason: String::new(),
+                    idempotency_key: format!("two-sweeps-cancel-{i}"),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap();
+            rows.push(row);
+        }
+        let driver = || Arc::new(FakeDriver::always(Probe::Alive));
+        let a = Reconciler::new(w.store.clone(), driver(), ReconcileSettings::default());
+        let b = Reconciler::new(
+            w.replica_store().await,
+            driver(),
+            ReconcileSettings::default(),
+        );
+        let client = w.outbox_client().await;
+        *w.list_runs_barrier.lock().unwrap() = Some(Arc::new(tokio::sync::Barrier::new(2)));
+        let (da, db) = tokio::join!(
+            a.delete_sandboxes_of_ended_runs(&client),
+            b.delete_sandboxes_of_ended_runs(&client)
+        );
+        *w.list_runs_barrier.lock().unwrap() = None;
+        assert_eq!(da.unwrap() + db.unwrap(), 5, "each deleted by one replica");
+        for row in &rows {
+            assert_eq!(w.store.sandbox(&row.id).await.unwrap().status, "deleted");
+        }
+    }
+
+    /// Both replicas find the same parked runs with a message waiting at once: each
+    /// sandbox gets one wake, queued by one of them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn waking_parked_runs_at_once_they_queue_one_wake_each() {
+        use runplane_sandbox_reconciler::store::entities::wake;
+        let w = World::new().await;
+        let mut op = w.run_store().await;
+        let mut parked = Vec::new();
+        for i in 0..4 {
+            let (row, _) = w.running_sandbox(&format!("two-wakes-{i}")).await;
+            w.store.mark_deleted(&row.id, 1).await.unwrap();
+            op.steer(authed(
+                pb::SteerRequest {
+                    run_id: row.run_id.clone(),
+                    text: "are you there".into(),
+                    idempotency_key: format!("two-wakes-steer-{i}"),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap();
+            parked.push(w.suspended_on("node-a", &row.run_id).await);
+        }
+        let driver = || Arc::new(FakeDriver::always(Probe::Alive));
+        let a = Reconciler::new(w.store.clone(), driver(), ReconcileSettings::default());
+        let b = Reconciler::new(
+            w.replica_store().await,
+            driver(),
+            ReconcileSettings::default(),
+        );
+        let client = w.outbox_client().await;
+        *w.list_runs_barrier.lock().unwrap() = Some(Arc::new(tokio::sync::Barrier::new(2)));
+        let (qa, qb) = tokio::join!(
+            a.wake_sandboxes_with_messages(&client),
+            b.wake_sandboxes_with_messages(&client)
+        );
+        *w.list_runs_barrier.lock().unwrap() = None;
+        assert_eq!(
+            qa.unwrap() + qb.unwrap(),
+            4,
+            "each wake queued by one replica"
+        );
+        let wakes = wake::Entity::find().all(w.store.database()).await.unwrap();
+        assert_eq!(wakes.len(), 4, "{wakes:?}");
+        for row in &parked {
+            assert_eq!(wakes.iter().filter(|k| k.sandbox_id == row.id).count(), 1);
+        }
+        // Asked again, nothing more is queued: the open wakes stand.
+        assert_eq!(a.wake_sandboxes_with_messages(&client).await.unwrap(), 0);
+    }
+
     /// Both replicas tick over the same sandboxes past their loss grace at once: every
     /// loss is confirmed by exactly one of them, one FailRun owed for each.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -370,8 +370,18 @@ impl Store {
     /// write on the sandbox row, so it either lands before a deletion (whose transaction
     /// then settles it) or sees the deletion and refuses.
     pub async fn queue_wake(&self, sandbox_id: &str, reason: &str) -> Result<wake::Model> {
+        Ok(self.queue_wake_once(sandbox_id, reason).await?.0)
+    }
+
+    /// [`Store::queue_wake`], saying whether this call queued it (`true`) or found it
+    /// open (queued before, or by a concurrent call).
+    pub async fn queue_wake_once(
+        &self,
+        sandbox_id: &str,
+        reason: &str,
+    ) -> Result<(wake::Model, bool)> {
         if let Some(open) = self.open_wake(sandbox_id).await? {
-            return Ok(open);
+            return Ok((open, false));
         }
         let txn = self.db.begin().await?;
         // Writes nothing new; takes the row's lock only while it has not ended.
@@ -407,13 +417,14 @@ impl Store {
         {
             Ok(_) => {
                 txn.commit().await?;
-                Ok(row)
+                Ok((row, true))
             }
             // A concurrent request queued it first.
             Err(e) if matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => {
                 txn.rollback().await?;
                 self.open_wake(sandbox_id)
                     .await?
+                    .map(|open| (open, false))
                     .ok_or(ReconcilerError::Storage(e))
             }
             Err(e) => Err(e.into()),
