@@ -387,3 +387,69 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
         })
         .await;
 }
+
+/// An agent that waits for input by polling its stdin (a non-blocking read between
+/// sleeps), as an event loop does: the syscall rule sees it sleeping, so it is working
+/// and never frozen, unless it says it is parked with its park mark (`$RUNPLANE_PARK`).
+const POLLING_AGENT: &str = "while :; do l=$(dd iflag=nonblock bs=64 count=1 2>/dev/null); \
+     [ -n \"$l\" ] && break; sleep 0.3; done; rm -f \"$RUNPLANE_PARK\"; echo got-$l";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
+    let node_endpoint = runplane_testkit::free_local_addr().to_string();
+    let cluster = Cluster::start(node_endpoint.as_str()).await;
+    let marked = cluster
+        .create_run(
+            "park-mark-request-000001",
+            &format!("touch \"$RUNPLANE_PARK\"; {POLLING_AGENT}"),
+        )
+        .await;
+    let unmarked = cluster
+        .create_run("park-none-request-000001", POLLING_AGENT)
+        .await;
+    let working = cluster
+        .sandbox_when(&unmarked.id, "the unmarked agent's sandbox", |s| {
+            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
+        })
+        .await;
+    let _reap_working = cluster.reap(&working.id);
+    let parked = cluster
+        .sandbox_when(&marked.id, "the marked agent's idle suspend", |s| {
+            s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+        })
+        .await;
+    let _reap_parked = cluster.reap(&parked.id);
+
+    // Past another idle timeout and a node round, the agent polling without a mark is
+    // still running: it is working as far as anyone can tell.
+    tokio::time::sleep(IDLE_TIMEOUT + Duration::from_secs(2)).await;
+    assert_eq!(cluster.suspends(), 1, "only the marked agent was frozen");
+    cluster
+        .sandbox_when(&unmarked.id, "the unmarked agent still running", |s| {
+            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
+        })
+        .await;
+
+    // A steer wakes the parked one, its runner removes the mark before the line, and
+    // both take their line and finish.
+    for (run, key) in [
+        (&marked, "park-mark-steer-000001"),
+        (&unmarked, "park-none-steer-000001"),
+    ] {
+        cluster
+            .runs
+            .clone()
+            .steer(authed(pb::SteerRequest {
+                run_id: run.id.clone(),
+                text: "go".into(),
+                idempotency_key: key.into(),
+            }))
+            .await
+            .unwrap();
+    }
+    for run in [&marked, &unmarked] {
+        let ended = cluster.ended(&run.id).await;
+        assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+        assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
+    }
+}

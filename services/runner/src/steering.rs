@@ -196,6 +196,23 @@ impl PollMark {
     }
 }
 
+/// The park mark a contained agent may leave in its workspace (the process driver's
+/// `PARK_MARK`): `<sandbox dir>/workspace/.runplane-park`.
+pub const PARK_MARK: &str = ".runplane-park";
+
+/// Removes the agent's park mark, if it left one (a link is removed, never followed).
+fn unpark() {
+    let Some(dir) = std::env::var_os(crate::ENV_SANDBOX_DIR).filter(|d| !d.is_empty()) else {
+        return;
+    };
+    let mark = std::path::Path::new(&dir).join("workspace").join(PARK_MARK);
+    match std::fs::remove_file(&mark) {
+        Ok(()) => tracing::debug!("the agent's park mark removed before a steer"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => tracing::warn!(%error, "the agent's park mark not removed"),
+    }
+}
+
 async fn apply(
     message: &pb::SteeringMessage,
     control: &Control,
@@ -204,10 +221,15 @@ async fn apply(
 ) -> Applied {
     use pb::steering_message::Payload;
     match &message.payload {
-        Some(Payload::Steer(steer)) => match control.write_line(&steer.text).await {
-            Ok(()) => Applied::Yes,
-            Err(e) => Applied::Failed(e.to_string()),
-        },
+        Some(Payload::Steer(steer)) => {
+            // Input ends a park: the mark goes before the line, so a node never sees the
+            // agent parked with a line it has not read.
+            unpark();
+            match control.write_line(&steer.text).await {
+                Ok(()) => Applied::Yes,
+                Err(e) => Applied::Failed(e.to_string()),
+            }
+        }
         Some(Payload::Interrupt(interrupt)) => {
             let grace = interrupt
                 .grace

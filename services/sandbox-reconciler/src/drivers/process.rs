@@ -56,6 +56,14 @@ pub const ENV_AGENT_WRAPPER: &str = "RUNPLANE_AGENT_WRAPPER";
 /// Where a contained agent's workspace appears, and its home.
 pub const WORKSPACE: &str = "/workspace";
 
+/// The park mark: a file an agent creates in its workspace (`$RUNPLANE_PARK`,
+/// `/workspace/.runplane-park`) to say it is waiting for input however it waits (an
+/// event loop polling its stdin, say, which the syscall rule counts as working), and
+/// removes when it resumes work. The runner removes it before it writes a steer, so input
+/// always ends a park. Only the agent can hurt itself by it: a false park freezes its own
+/// sandbox until something is sent to it or a session attaches.
+pub const PARK_MARK: &str = ".runplane-park";
+
 /// How agents are contained: `sandbox_reconciler.isolation`, checked against the host.
 ///
 /// bubblewrap rather than namespaces made here through `nix`: the same kernel features,
@@ -271,6 +279,9 @@ impl Containment {
             "--setenv".into(),
             "TMPDIR".into(),
             "/tmp".into(),
+            "--setenv".into(),
+            "RUNPLANE_PARK".into(),
+            format!("{WORKSPACE}/{PARK_MARK}"),
             "--".into(),
             "env".into(),
             "--default-signal=INT,TERM,HUP,QUIT".into(),
@@ -490,14 +501,22 @@ impl ProcessDriver {
         self.state_dir.join(sandbox_id)
     }
 
-    /// Whether `sandbox`'s agent is parked: waiting for input, with its runner holding no
-    /// steering it has yet to write. See [`agent_waits_for_input`] and [`RunnerPolls`].
+    /// Whether `sandbox`'s agent is parked: waiting for input (blocked reading its stdin,
+    /// or saying so with its [`PARK_MARK`]), with its runner holding no steering it has
+    /// yet to write. See [`agent_waits_for_input`] and [`RunnerPolls`].
     pub fn parked(&self, sandbox: &sandbox::Model) -> bool {
         let Some(leader) = Self::live_pid(&sandbox.driver_handle, &sandbox.id) else {
             return false;
         };
         let pending = self.runner_polls(sandbox).is_none_or(|p| p.pending > 0);
-        !pending && agent_waits_for_input(leader)
+        !pending && (self.park_marked(sandbox) || agent_waits_for_input(leader))
+    }
+
+    /// Whether the agent left its [`PARK_MARK`]: a plain file (a link the agent made
+    /// there is not followed, and counts as no mark).
+    fn park_marked(&self, sandbox: &sandbox::Model) -> bool {
+        std::fs::symlink_metadata(self.dir(&sandbox.id).join("workspace").join(PARK_MARK))
+            .is_ok_and(|m| m.file_type().is_file())
     }
 
     /// What `sandbox`'s runner last said of its steering polls, None before its first.
