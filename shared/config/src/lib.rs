@@ -40,6 +40,25 @@ pub enum ConfigError {
     },
 }
 
+/// `Ok` when `value` lies in `range`; otherwise `field` is invalid and "must be between"
+/// the range's ends, which is how every bounded number of the config is checked.
+fn in_range<T: PartialOrd + std::fmt::Display>(
+    field: impl Into<std::borrow::Cow<'static, str>>,
+    value: T,
+    range: std::ops::RangeInclusive<T>,
+) -> Result<(), ConfigError> {
+    if range.contains(&value) {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(field, between(&range)))
+    }
+}
+
+/// "must be between LO and HI".
+fn between<T: std::fmt::Display>(range: &std::ops::RangeInclusive<T>) -> String {
+    format!("must be between {} and {}", range.start(), range.end())
+}
+
 impl ConfigError {
     fn invalid(
         field: impl Into<std::borrow::Cow<'static, str>>,
@@ -690,12 +709,11 @@ impl Config {
     /// [`Config::require_service_token`].
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.listen_addr()?;
-        if self.server.shutdown_grace_seconds == 0 || self.server.shutdown_grace_seconds > 600 {
-            return Err(ConfigError::invalid(
-                "server.shutdown_grace_seconds",
-                "must be between 1 and 600",
-            ));
-        }
+        in_range(
+            "server.shutdown_grace_seconds",
+            self.server.shutdown_grace_seconds,
+            1..=600,
+        )?;
         self.validate_server_limits()?;
         if !self.auth.operator_token.is_empty() && self.auth.operator_token.expose().len() < 32 {
             return Err(ConfigError::invalid(
@@ -735,24 +753,21 @@ impl Config {
                 "must be 64 hex digits (an Ed25519 seed; `runplane receipt keygen` makes one)",
             ));
         }
-        if !(1..=10_000).contains(&self.run_store.max_batch_events) {
-            return Err(ConfigError::invalid(
-                "run_store.max_batch_events",
-                "must be between 1 and 10000",
-            ));
-        }
-        if !(1024..=(16 << 20)).contains(&self.run_store.max_batch_bytes) {
-            return Err(ConfigError::invalid(
-                "run_store.max_batch_bytes",
-                "must be between 1024 and 16777216",
-            ));
-        }
-        if !(1..=3600).contains(&self.sandbox_reconciler.loss_grace_seconds) {
-            return Err(ConfigError::invalid(
-                "sandbox_reconciler.loss_grace_seconds",
-                "must be between 1 and 3600",
-            ));
-        }
+        in_range(
+            "run_store.max_batch_events",
+            self.run_store.max_batch_events,
+            1..=10_000,
+        )?;
+        in_range(
+            "run_store.max_batch_bytes",
+            self.run_store.max_batch_bytes,
+            1024..=(16 << 20),
+        )?;
+        in_range(
+            "sandbox_reconciler.loss_grace_seconds",
+            self.sandbox_reconciler.loss_grace_seconds,
+            1..=3600,
+        )?;
         let uids = &self.sandbox_reconciler;
         if uids.sandbox_uid_base < 1000
             || uids.sandbox_uid_count == 0
@@ -767,18 +782,16 @@ impl Config {
                  and the range must fit in a u32",
             ));
         }
-        if !(100..=600_000).contains(&self.sandbox_reconciler.tick_interval_ms) {
-            return Err(ConfigError::invalid(
-                "sandbox_reconciler.tick_interval_ms",
-                "must be between 100 and 600000",
-            ));
-        }
-        if !(1..=3600).contains(&self.sandbox_reconciler.route_token_ttl_seconds) {
-            return Err(ConfigError::invalid(
-                "sandbox_reconciler.route_token_ttl_seconds",
-                "must be between 1 and 3600",
-            ));
-        }
+        in_range(
+            "sandbox_reconciler.tick_interval_ms",
+            self.sandbox_reconciler.tick_interval_ms,
+            100..=600_000,
+        )?;
+        in_range(
+            "sandbox_reconciler.route_token_ttl_seconds",
+            self.sandbox_reconciler.route_token_ttl_seconds,
+            1..=3600,
+        )?;
         self.validate_credential_health()?;
         self.validate_tls()?;
         if self.run_store.max_run_duration_seconds == 0 {
@@ -787,18 +800,16 @@ impl Config {
                 "must be at least 1",
             ));
         }
-        if !(10..=600_000).contains(&self.run_store.deadline_sweep_interval_ms) {
-            return Err(ConfigError::invalid(
-                "run_store.deadline_sweep_interval_ms",
-                "must be between 10 and 600000",
-            ));
-        }
-        if !(1..=300).contains(&self.run_store.max_poll_wait_seconds) {
-            return Err(ConfigError::invalid(
-                "run_store.max_poll_wait_seconds",
-                "must be between 1 and 300",
-            ));
-        }
+        in_range(
+            "run_store.deadline_sweep_interval_ms",
+            self.run_store.deadline_sweep_interval_ms,
+            10..=600_000,
+        )?;
+        in_range(
+            "run_store.max_poll_wait_seconds",
+            self.run_store.max_poll_wait_seconds,
+            1..=300,
+        )?;
         for (field, url) in [
             ("run_store.database_url", &self.run_store.database_url),
             (
@@ -870,32 +881,29 @@ impl Config {
             ));
         }
         const MESSAGE_BYTES: std::ops::RangeInclusive<u32> = 1024..=(64 * 1024 * 1024);
-        if !MESSAGE_BYTES.contains(&server.max_decoding_message_bytes) {
-            return Err(ConfigError::invalid(
-                "server.max_decoding_message_bytes",
-                "must be between 1024 and 67108864",
-            ));
-        }
+        in_range(
+            "server.max_decoding_message_bytes",
+            server.max_decoding_message_bytes,
+            MESSAGE_BYTES,
+        )?;
         for (service, bytes) in &server.max_decoding_message_bytes_by_service {
             if !MESSAGE_BYTES.contains(bytes) {
                 return Err(ConfigError::invalid(
                     "server.max_decoding_message_bytes_by_service",
-                    format!("{service}: must be between 1024 and 67108864"),
+                    format!("{service}: {}", between(&MESSAGE_BYTES)),
                 ));
             }
         }
-        if server.overload_pushback_ms == 0 || server.overload_pushback_ms > 60_000 {
-            return Err(ConfigError::invalid(
-                "server.overload_pushback_ms",
-                "must be between 1 and 60000",
-            ));
-        }
-        if server.overload_queue_ms > 10_000 {
-            return Err(ConfigError::invalid(
-                "server.overload_queue_ms",
-                "must be between 0 and 10000",
-            ));
-        }
+        in_range(
+            "server.overload_pushback_ms",
+            server.overload_pushback_ms,
+            1..=60_000,
+        )?;
+        in_range(
+            "server.overload_queue_ms",
+            server.overload_queue_ms,
+            0..=10_000,
+        )?;
         Ok(())
     }
 
@@ -953,12 +961,7 @@ impl Config {
                 24 * 365,
             ),
         ] {
-            if !(1..=max).contains(&value) {
-                return Err(ConfigError::invalid(
-                    field,
-                    format!("must be between 1 and {max}"),
-                ));
-            }
+            in_range(field, value, 1..=max)?;
         }
         let mut seen = std::collections::BTreeSet::new();
         for (i, p) in c.profiles.iter().enumerate() {
@@ -977,12 +980,7 @@ impl Config {
                     "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
                 ));
             }
-            if !(1..=100_000).contains(&p.capacity) {
-                return Err(ConfigError::invalid(
-                    format!("{field}.capacity"),
-                    "must be between 1 and 100000",
-                ));
-            }
+            in_range(format!("{field}.capacity"), p.capacity, 1..=100_000)?;
             if !seen.insert((p.name.as_str(), p.credential_id.as_str())) {
                 return Err(ConfigError::invalid(
                     field,
