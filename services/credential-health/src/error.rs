@@ -1,6 +1,7 @@
 //! Credential health's errors.
 
-use runplane_grpc::{ErrorReason, status_with_reason};
+use runplane_grpc::error::metadata;
+use runplane_grpc::{ErrorReason, ServiceError, into_status};
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error)]
@@ -63,98 +64,68 @@ impl CredentialHealthError {
     }
 }
 
-impl From<CredentialHealthError> for Status {
-    fn from(e: CredentialHealthError) -> Status {
+impl ServiceError for CredentialHealthError {
+    fn kind(&self) -> (Code, ErrorReason) {
         use CredentialHealthError as E;
-        let message = e.to_string();
-        match e {
-            E::Invalid { field, .. } => status_with_reason(
-                Code::InvalidArgument,
-                ErrorReason::InvalidField,
-                message,
-                [("field", field)],
-            ),
-            E::ProfileUnknown(profile) => status_with_reason(
-                Code::NotFound,
-                ErrorReason::ProfileUnknown,
-                message,
-                [("profile", profile)],
-            ),
-            E::CredentialUnknown(credential) => status_with_reason(
-                Code::NotFound,
-                ErrorReason::CredentialUnknown,
-                message,
-                [("credential_id", credential)],
-            ),
-            E::TurnReused(_) => status_with_reason(
-                Code::InvalidArgument,
-                ErrorReason::IdempotencyKeyReused,
-                message,
-                [("field", "turn_id")],
-            ),
+        match self {
+            E::Invalid { .. } => (Code::InvalidArgument, ErrorReason::InvalidField),
+            E::ProfileUnknown(_) => (Code::NotFound, ErrorReason::ProfileUnknown),
+            E::CredentialUnknown(_) => (Code::NotFound, ErrorReason::CredentialUnknown),
+            E::TurnReused(_) => (Code::InvalidArgument, ErrorReason::IdempotencyKeyReused),
+            E::Refused { reason, .. } => (Code::FailedPrecondition, *reason),
+            E::NotOwned { .. } => (Code::PermissionDenied, ErrorReason::CredentialNotOwned),
+            E::OrgDenied { .. } => (Code::PermissionDenied, ErrorReason::PermissionDenied),
+            E::Upstream(_) => (Code::Unavailable, ErrorReason::UpstreamUnavailable),
+            E::CursorInvalid(_) => (Code::InvalidArgument, ErrorReason::CursorInvalid),
+            E::Unauthenticated => (Code::Unauthenticated, ErrorReason::Unauthenticated),
+            E::Database(_) | E::Pattern { .. } | E::Storage(_) => {
+                (Code::Unavailable, ErrorReason::StoreUnavailable)
+            }
+        }
+    }
+
+    fn metadata(&self) -> Vec<(String, String)> {
+        use CredentialHealthError as E;
+        match self {
+            E::Invalid { field, .. } => metadata([("field", (*field).to_owned())]),
+            E::ProfileUnknown(profile) => metadata([("profile", profile.clone())]),
+            E::CredentialUnknown(credential) => metadata([("credential_id", credential.clone())]),
+            E::TurnReused(_) => metadata([("field", "turn_id".to_owned())]),
             E::Refused {
-                reason,
                 credential_id,
                 cooling_off_for_seconds,
                 quarantined_for_seconds,
                 ..
-            } => status_with_reason(
-                Code::FailedPrecondition,
-                reason,
-                message,
-                [
-                    ("credential_id", credential_id),
-                    (
-                        "cooling_off_for_seconds",
-                        cooling_off_for_seconds.to_string(),
-                    ),
-                    (
-                        "quarantined_for_seconds",
-                        quarantined_for_seconds.to_string(),
-                    ),
-                ],
-            ),
+            } => metadata([
+                ("credential_id", credential_id.clone()),
+                (
+                    "cooling_off_for_seconds",
+                    cooling_off_for_seconds.to_string(),
+                ),
+                (
+                    "quarantined_for_seconds",
+                    quarantined_for_seconds.to_string(),
+                ),
+            ]),
             E::NotOwned {
                 org, field, value, ..
-            } => status_with_reason(
-                Code::PermissionDenied,
-                ErrorReason::CredentialNotOwned,
-                message,
-                [("org_id".to_owned(), org), (field.to_owned(), value)],
-            ),
-            E::OrgDenied { org } => status_with_reason(
-                Code::PermissionDenied,
-                ErrorReason::PermissionDenied,
-                message,
-                [("org_id", org)],
-            ),
-            E::Upstream(_) => status_with_reason(
-                Code::Unavailable,
-                ErrorReason::UpstreamUnavailable,
-                message,
-                [("upstream", "run_store")],
-            ),
-            E::CursorInvalid(_) => status_with_reason(
-                Code::InvalidArgument,
-                ErrorReason::CursorInvalid,
-                message,
-                [("field", "after_cursor")],
-            ),
-            E::Unauthenticated => status_with_reason(
-                Code::Unauthenticated,
-                ErrorReason::Unauthenticated,
-                message,
-                std::iter::empty::<(String, String)>(),
-            ),
-            E::Database(_) | E::Pattern { .. } | E::Storage(_) => {
-                tracing::error!(error = %message, "credential health storage failed");
-                status_with_reason(
-                    Code::Unavailable,
-                    ErrorReason::StoreUnavailable,
-                    "credential health storage is unavailable; retry",
-                    std::iter::empty::<(String, String)>(),
-                )
-            }
+            } => metadata([("org_id", org.clone()), (*field, value.clone())]),
+            E::OrgDenied { org } => metadata([("org_id", org.clone())]),
+            E::Upstream(_) => metadata([("upstream", "run_store".to_owned())]),
+            E::CursorInvalid(_) => metadata([("field", "after_cursor".to_owned())]),
+            _ => Vec::new(),
         }
+    }
+
+    fn public_message(&self) -> Option<&'static str> {
+        use CredentialHealthError as E;
+        matches!(self, E::Database(_) | E::Pattern { .. } | E::Storage(_))
+            .then_some("credential health storage is unavailable; retry")
+    }
+}
+
+impl From<CredentialHealthError> for Status {
+    fn from(e: CredentialHealthError) -> Status {
+        into_status(&e)
     }
 }

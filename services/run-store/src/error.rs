@@ -3,7 +3,8 @@
 //! Messages are for people and never carry a key, token or failure tail; clients branch on
 //! the `ErrorInfo` reason. Storage causes are logged here and not sent.
 
-use runplane_grpc::{ErrorReason, status_with_reason};
+use runplane_grpc::error::metadata;
+use runplane_grpc::{ErrorReason, ServiceError, into_status};
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error)]
@@ -79,141 +80,84 @@ impl RunStoreError {
     }
 }
 
-type Meta = Vec<(String, String)>;
-
-fn meta<const N: usize>(pairs: [(&str, String); N]) -> Meta {
-    pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
-}
-
-impl From<RunStoreError> for Status {
-    fn from(error: RunStoreError) -> Self {
+impl ServiceError for RunStoreError {
+    fn kind(&self) -> (Code, ErrorReason) {
         use RunStoreError as E;
-        let message = error.to_string();
-        let (code, reason, metadata): (Code, ErrorReason, Meta) = match error {
+        match self {
             E::Database(_) | E::Storage(_) | E::SigningKey(_) => {
-                tracing::error!(error = %message, "run store storage error");
-                return status_with_reason(
-                    Code::Unavailable,
-                    ErrorReason::StoreUnavailable,
-                    "run store storage is unavailable; nothing was committed",
-                    Meta::new(),
-                );
+                (Code::Unavailable, ErrorReason::StoreUnavailable)
             }
-            E::InvalidField { field, .. } => (
-                Code::InvalidArgument,
-                ErrorReason::InvalidField,
-                meta([("field", field)]),
-            ),
-            E::BatchTooLarge { limit, actual, .. } => (
-                Code::InvalidArgument,
-                ErrorReason::BatchTooLarge,
-                meta([("limit", limit.to_string()), ("actual", actual.to_string())]),
-            ),
-            E::EventMalformed { index, .. } => (
-                Code::InvalidArgument,
-                ErrorReason::EventMalformed,
-                meta([("index", index.to_string())]),
-            ),
-            E::CursorInvalid => (
-                Code::InvalidArgument,
-                ErrorReason::CursorInvalid,
-                meta([("field", "page_token".to_owned())]),
-            ),
-            E::KeyReused { field } => (
-                Code::InvalidArgument,
-                ErrorReason::IdempotencyKeyReused,
-                meta([("field", field.to_owned())]),
-            ),
-            E::AckInvalid { index, .. } => (
-                Code::InvalidArgument,
-                ErrorReason::AckIdInvalid,
-                meta([("index", index.to_string())]),
-            ),
-            E::AckDropForbidden { index, .. } => (
-                Code::InvalidArgument,
-                ErrorReason::AckDropForbidden,
-                meta([("index", index.to_string())]),
-            ),
-            E::Upstream(_) => (
-                Code::Unavailable,
-                ErrorReason::UpstreamUnavailable,
-                meta([("upstream", "credential_health".to_owned())]),
-            ),
-            E::Unauthenticated => (
-                Code::Unauthenticated,
-                ErrorReason::Unauthenticated,
-                Meta::new(),
-            ),
-            E::RunKeyInvalid => (
-                Code::Unauthenticated,
-                ErrorReason::RunKeyInvalid,
-                Meta::new(),
-            ),
-            E::RunKeyRevoked => (
-                Code::Unauthenticated,
-                ErrorReason::RunKeyRevoked,
-                Meta::new(),
-            ),
-            E::RunKeyWrongRun => (
-                Code::PermissionDenied,
-                ErrorReason::RunKeyWrongRun,
-                Meta::new(),
-            ),
-            E::OrgDenied { .. } => (
-                Code::PermissionDenied,
-                ErrorReason::PermissionDenied,
-                Meta::new(),
-            ),
-            E::RunNotFound { run_id } => (
-                Code::NotFound,
-                ErrorReason::RunNotFound,
-                meta([("run_id", run_id)]),
-            ),
+            E::InvalidField { .. } => (Code::InvalidArgument, ErrorReason::InvalidField),
+            E::BatchTooLarge { .. } => (Code::InvalidArgument, ErrorReason::BatchTooLarge),
+            E::EventMalformed { .. } => (Code::InvalidArgument, ErrorReason::EventMalformed),
+            E::CursorInvalid => (Code::InvalidArgument, ErrorReason::CursorInvalid),
+            E::KeyReused { .. } => (Code::InvalidArgument, ErrorReason::IdempotencyKeyReused),
+            E::AckInvalid { .. } => (Code::InvalidArgument, ErrorReason::AckIdInvalid),
+            E::AckDropForbidden { .. } => (Code::InvalidArgument, ErrorReason::AckDropForbidden),
+            E::Upstream(_) => (Code::Unavailable, ErrorReason::UpstreamUnavailable),
+            E::Unauthenticated => (Code::Unauthenticated, ErrorReason::Unauthenticated),
+            E::RunKeyInvalid => (Code::Unauthenticated, ErrorReason::RunKeyInvalid),
+            E::RunKeyRevoked => (Code::Unauthenticated, ErrorReason::RunKeyRevoked),
+            E::RunKeyWrongRun => (Code::PermissionDenied, ErrorReason::RunKeyWrongRun),
+            E::OrgDenied { .. } => (Code::PermissionDenied, ErrorReason::PermissionDenied),
+            E::RunNotFound { .. } => (Code::NotFound, ErrorReason::RunNotFound),
+            E::RunTerminal { .. } => (Code::FailedPrecondition, ErrorReason::RunTerminal),
+            E::HelloNonceMismatch => (Code::FailedPrecondition, ErrorReason::HelloNonceMismatch),
+            E::GenerationStale { .. } => (Code::FailedPrecondition, ErrorReason::GenerationStale),
+            E::RunKeyClaimed => (Code::FailedPrecondition, ErrorReason::RunKeyClaimed),
+            E::ReceiptNotSealed { .. } => (Code::FailedPrecondition, ErrorReason::ReceiptNotSealed),
+            E::ReceiptKeyUnknown { .. } => (Code::NotFound, ErrorReason::ReceiptKeyUnknown),
+            E::VerdictConflict(_) => (Code::FailedPrecondition, ErrorReason::VerdictConflict),
+        }
+    }
+
+    fn metadata(&self) -> Vec<(String, String)> {
+        use RunStoreError as E;
+        match self {
+            E::InvalidField { field, .. } => metadata([("field", field.clone())]),
+            E::BatchTooLarge { limit, actual, .. } => {
+                metadata([("limit", limit.to_string()), ("actual", actual.to_string())])
+            }
+            E::EventMalformed { index, .. }
+            | E::AckInvalid { index, .. }
+            | E::AckDropForbidden { index, .. } => metadata([("index", index.to_string())]),
+            E::CursorInvalid => metadata([("field", "page_token".to_owned())]),
+            E::KeyReused { field } => metadata([("field", (*field).to_owned())]),
+            E::Upstream(_) => metadata([("upstream", "credential_health".to_owned())]),
+            E::RunNotFound { run_id } | E::ReceiptNotSealed { run_id } => {
+                metadata([("run_id", run_id.clone())])
+            }
             E::RunTerminal {
                 run_id,
                 outcome,
                 reason,
                 exit_code,
             } => {
-                let mut m = meta([
-                    ("run_id", run_id),
-                    ("recorded_verdict_outcome", outcome),
-                    ("recorded_verdict_reason", reason),
+                let mut m = metadata([
+                    ("run_id", run_id.clone()),
+                    ("recorded_verdict_outcome", outcome.clone()),
+                    ("recorded_verdict_reason", reason.clone()),
                 ]);
                 if let Some(code) = exit_code {
                     m.push(("recorded_exit_code".into(), code.to_string()));
                 }
-                (Code::FailedPrecondition, ErrorReason::RunTerminal, m)
+                m
             }
-            E::HelloNonceMismatch => (
-                Code::FailedPrecondition,
-                ErrorReason::HelloNonceMismatch,
-                Meta::new(),
-            ),
-            E::GenerationStale { .. } => (
-                Code::FailedPrecondition,
-                ErrorReason::GenerationStale,
-                Meta::new(),
-            ),
-            E::RunKeyClaimed => (
-                Code::FailedPrecondition,
-                ErrorReason::RunKeyClaimed,
-                Meta::new(),
-            ),
-            E::ReceiptNotSealed { run_id } => (
-                Code::FailedPrecondition,
-                ErrorReason::ReceiptNotSealed,
-                meta([("run_id", run_id)]),
-            ),
-            E::ReceiptKeyUnknown { .. } => {
-                (Code::NotFound, ErrorReason::ReceiptKeyUnknown, Meta::new())
-            }
-            E::VerdictConflict(_) => (
-                Code::FailedPrecondition,
-                ErrorReason::VerdictConflict,
-                Meta::new(),
-            ),
-        };
-        status_with_reason(code, reason, message, metadata)
+            _ => Vec::new(),
+        }
+    }
+
+    fn public_message(&self) -> Option<&'static str> {
+        matches!(
+            self,
+            RunStoreError::Database(_) | RunStoreError::Storage(_) | RunStoreError::SigningKey(_)
+        )
+        .then_some("run store storage is unavailable; nothing was committed")
+    }
+}
+
+impl From<RunStoreError> for Status {
+    fn from(error: RunStoreError) -> Self {
+        into_status(&error)
     }
 }

@@ -1,6 +1,7 @@
 //! The reconciler's errors and their one mapping to `tonic::Status`.
 
-use runplane_grpc::{ErrorReason, status_with_reason};
+use runplane_grpc::error::metadata;
+use runplane_grpc::{ErrorReason, ServiceError, into_status};
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +43,15 @@ pub enum ReconcilerError {
     /// The run store's answer, passed on as it came (its reason included).
     #[error("run store: {}", .0.message())]
     Upstream(Status),
+    /// The stream recovery coordinator's answer to `method`: a definite refusal (a bad
+    /// TTL, say) passes on as it came; anything else is the coordinator not answering.
+    #[error("the stream recovery coordinator did not answer {method}: {:?}", .status.code())]
+    Coordinator {
+        method: &'static str,
+        status: Status,
+    },
+    #[error("the route token is not valid for this sandbox on this node; resolve the route again")]
+    RouteTokenInvalid,
 }
 
 impl From<Status> for ReconcilerError {
@@ -50,94 +60,94 @@ impl From<Status> for ReconcilerError {
     }
 }
 
-impl From<ReconcilerError> for Status {
-    fn from(error: ReconcilerError) -> Self {
+impl ServiceError for ReconcilerError {
+    fn kind(&self) -> (Code, ErrorReason) {
         use ReconcilerError as E;
-        let message = error.to_string();
-        let (code, reason, metadata): (Code, ErrorReason, Vec<(String, String)>) = match error {
-            E::Upstream(status) => return status,
-            E::Database(_) | E::Storage(_) => {
-                tracing::error!(error = %message, "reconciler storage error");
-                return status_with_reason(
-                    Code::Unavailable,
-                    ErrorReason::StoreUnavailable,
-                    "reconciler storage is unavailable; nothing was committed",
-                    Vec::<(String, String)>::new(),
-                );
-            }
-            E::InvalidField { field, .. } => (
-                Code::InvalidArgument,
-                ErrorReason::InvalidField,
-                vec![("field".into(), field.into())],
-            ),
+        match self {
+            // Passed through (see `passthrough`); never read.
+            E::Upstream(status) => (status.code(), ErrorReason::UpstreamUnavailable),
+            E::Database(_) | E::Storage(_) => (Code::Unavailable, ErrorReason::StoreUnavailable),
+            E::InvalidField { .. } => (Code::InvalidArgument, ErrorReason::InvalidField),
             E::Unauthenticated | E::NodeCredentialRevoked => {
-                (Code::Unauthenticated, ErrorReason::Unauthenticated, vec![])
+                (Code::Unauthenticated, ErrorReason::Unauthenticated)
             }
-            E::NodeCredentialWrongNode { node_id } => (
-                Code::PermissionDenied,
-                ErrorReason::NodeCredentialWrongNode,
-                vec![("node_id".into(), node_id)],
-            ),
-            E::SandboxNotFound { id } => (
-                Code::NotFound,
-                ErrorReason::SandboxNotFound,
-                vec![("sandbox_id".into(), id)],
-            ),
-            E::SandboxEnded { id, .. } => (
-                Code::FailedPrecondition,
-                ErrorReason::SandboxEnded,
-                vec![("sandbox_id".into(), id)],
-            ),
+            E::NodeCredentialWrongNode { .. } => {
+                (Code::PermissionDenied, ErrorReason::NodeCredentialWrongNode)
+            }
+            E::SandboxNotFound { .. } => (Code::NotFound, ErrorReason::SandboxNotFound),
+            E::SandboxEnded { .. } => (Code::FailedPrecondition, ErrorReason::SandboxEnded),
+            E::NotPlaced { .. } => (Code::FailedPrecondition, ErrorReason::NotPlaced),
+            E::NodeNotRegistered { .. } | E::NodeUnknown { .. } => {
+                (Code::FailedPrecondition, ErrorReason::NodeNotRegistered)
+            }
+            E::NodeEpochStale { .. } => (Code::FailedPrecondition, ErrorReason::NodeEpochStale),
+            E::NodeNotOwner { .. } => (Code::PermissionDenied, ErrorReason::NodeNotOwner),
+            E::SandboxExists { .. } => (Code::AlreadyExists, ErrorReason::SandboxExists),
+            E::WakeSettled { .. } => (Code::FailedPrecondition, ErrorReason::WakeSettled),
+            E::Coordinator { .. } => (Code::Unavailable, ErrorReason::UpstreamUnavailable),
+            E::RouteTokenInvalid => (Code::Unauthenticated, ErrorReason::RouteTokenInvalid),
+        }
+    }
+
+    fn metadata(&self) -> Vec<(String, String)> {
+        use ReconcilerError as E;
+        match self {
+            E::InvalidField { field, .. } => metadata([("field", (*field).to_owned())]),
+            E::NodeCredentialWrongNode { node_id }
+            | E::NodeUnknown { node_id }
+            | E::NodeEpochStale { node_id, .. } => metadata([("node_id", node_id.clone())]),
+            E::SandboxNotFound { id } | E::SandboxEnded { id, .. } => {
+                metadata([("sandbox_id", id.clone())])
+            }
             E::NotPlaced {
                 id,
                 wake_id,
                 retry_after_ms,
-            } => (
-                Code::FailedPrecondition,
-                ErrorReason::NotPlaced,
-                vec![
-                    ("sandbox_id".into(), id),
-                    ("wake_id".into(), wake_id),
-                    ("retry_after_ms".into(), retry_after_ms.to_string()),
-                ],
-            ),
-            E::NodeNotRegistered { id, node_id } => (
-                Code::FailedPrecondition,
-                ErrorReason::NodeNotRegistered,
-                vec![("sandbox_id".into(), id), ("node_id".into(), node_id)],
-            ),
-            E::NodeUnknown { node_id } => (
-                Code::FailedPrecondition,
-                ErrorReason::NodeNotRegistered,
-                vec![("node_id".into(), node_id)],
-            ),
-            E::NodeEpochStale { node_id, .. } => (
-                Code::FailedPrecondition,
-                ErrorReason::NodeEpochStale,
-                vec![("node_id".into(), node_id)],
-            ),
+            } => metadata([
+                ("sandbox_id", id.clone()),
+                ("wake_id", wake_id.clone()),
+                ("retry_after_ms", retry_after_ms.to_string()),
+            ]),
+            E::NodeNotRegistered { id, node_id } => {
+                metadata([("sandbox_id", id.clone()), ("node_id", node_id.clone())])
+            }
             E::NodeNotOwner {
                 node_id,
                 sandbox_id,
-            } => (
-                Code::PermissionDenied,
-                ErrorReason::NodeNotOwner,
-                vec![
-                    ("node_id".into(), node_id),
-                    ("sandbox_id".into(), sandbox_id),
-                ],
-            ),
-            E::SandboxExists { sandbox_id, .. } => (
-                Code::AlreadyExists,
-                ErrorReason::SandboxExists,
-                vec![("sandbox_id".into(), sandbox_id)],
-            ),
-            E::WakeSettled { wake_id } => (
-                Code::FailedPrecondition,
-                ErrorReason::WakeSettled,
-                vec![("wake_id".into(), wake_id)],
-            ),
-        };
-        status_with_reason(code, reason, message, metadata)
+            } => metadata([
+                ("node_id", node_id.clone()),
+                ("sandbox_id", sandbox_id.clone()),
+            ]),
+            E::SandboxExists { sandbox_id, .. } => metadata([("sandbox_id", sandbox_id.clone())]),
+            E::WakeSettled { wake_id } => metadata([("wake_id", wake_id.clone())]),
+            _ => Vec::new(),
+        }
+    }
+
+    fn public_message(&self) -> Option<&'static str> {
+        matches!(
+            self,
+            ReconcilerError::Database(_) | ReconcilerError::Storage(_)
+        )
+        .then_some("reconciler storage is unavailable; nothing was committed")
+    }
+
+    fn passthrough(&self) -> Option<Status> {
+        match self {
+            ReconcilerError::Upstream(status) => Some(status.clone()),
+            ReconcilerError::Coordinator { status, .. }
+                if runplane_grpc::error_info(status).is_some()
+                    && status.code() != Code::Unavailable =>
+            {
+                Some(status.clone())
+            }
+            _ => None,
+        }
+    }
+}
+
+impl From<ReconcilerError> for Status {
+    fn from(error: ReconcilerError) -> Self {
+        into_status(&error)
     }
 }

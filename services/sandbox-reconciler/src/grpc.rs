@@ -620,19 +620,12 @@ impl NodeService for NodeApi {
 
 /// The coordinator's refusal as the node should see it: its own answer when it gave a
 /// reason (a bad TTL, say), UNAVAILABLE otherwise.
-fn coordinator_failed(method: &str, status: &Status) -> Status {
-    if runplane_grpc::error_info(status).is_some() && status.code() != tonic::Code::Unavailable {
-        return status.clone();
+fn coordinator_failed(method: &'static str, status: &Status) -> Status {
+    ReconcilerError::Coordinator {
+        method,
+        status: status.clone(),
     }
-    runplane_grpc::status_with_reason(
-        tonic::Code::Unavailable,
-        runplane_grpc::ErrorReason::UpstreamUnavailable,
-        format!(
-            "the stream recovery coordinator did not answer {method}: {:?}",
-            status.code()
-        ),
-        std::iter::empty::<(String, String)>(),
-    )
+    .into()
 }
 
 /// Longest `reason` of DestroySandbox and RequestWake, as their protos document.

@@ -16,7 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use runplane_proto::node::v1 as pb;
 use runplane_proto::node::v1::session_service_server::{SessionService, SessionServiceServer};
 use tokio::time::Instant;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
 use crate::domain::route_token;
 
@@ -112,12 +112,7 @@ impl Sessions {
 }
 
 fn refused() -> Status {
-    runplane_grpc::status_with_reason(
-        Code::Unauthenticated,
-        runplane_grpc::ErrorReason::RouteTokenInvalid,
-        "the route token is not valid for this sandbox on this node; resolve the route again",
-        std::iter::empty::<(String, String)>(),
-    )
+    crate::error::ReconcilerError::RouteTokenInvalid.into()
 }
 
 #[tonic::async_trait]

@@ -9,7 +9,7 @@ use futures::Stream;
 use rand::RngCore;
 use runplane_clock::SharedClock;
 use runplane_grpc::client::Bearer;
-use runplane_grpc::{ErrorReason, error_info, status_with_reason};
+use runplane_grpc::{ErrorReason, error_info};
 use runplane_proto::recovery::v1 as pb;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryService;
 use runplane_proto::runstore::v1 as rs;
@@ -17,6 +17,7 @@ use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Code, Request, Response, Status};
 
+use crate::error::RecoveryError;
 use crate::policy::{BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER};
 use crate::store::{ClaimArgs, ClaimOutcome, RecoveryStore, StoreError};
 
@@ -46,94 +47,20 @@ pub struct StreamRecoveryApi {
     pub shared: Arc<Shared>,
 }
 
-fn reason(
-    code: Code,
-    reason: ErrorReason,
-    message: impl Into<String>,
-    meta: Vec<(&str, String)>,
-) -> Status {
-    status_with_reason(
-        code,
-        reason,
-        message,
-        meta.into_iter().map(|(k, v)| (k.to_owned(), v)),
-    )
-}
-
 fn store_error(e: StoreError) -> Status {
-    let message = e.to_string();
-    match e {
-        StoreError::Fenced => reason(
-            Code::FailedPrecondition,
-            ErrorReason::LeaseFenced,
-            message,
-            vec![],
-        ),
-        StoreError::Held { controller } => reason(
-            Code::FailedPrecondition,
-            ErrorReason::LeaseHeld,
-            message,
-            vec![("controller_id", controller)],
-        ),
-        StoreError::TakeoverRequired => reason(
-            Code::FailedPrecondition,
-            ErrorReason::LeaseTakeoverRequired,
-            message,
-            vec![],
-        ),
-        StoreError::Gap { next } => reason(
-            Code::FailedPrecondition,
-            ErrorReason::FrameSequenceGap,
-            message,
-            vec![("next_sequence", next.to_string())],
-        ),
-        // A stream's byte budget never refills, so retrying cannot help: FAILED_PRECONDITION
-        // (a transport does not retry it). An org's hour does refill: RESOURCE_EXHAUSTED.
-        StoreError::BudgetExceeded { scope } => reason(
-            if scope == "stream" {
-                Code::FailedPrecondition
-            } else {
-                Code::ResourceExhausted
-            },
-            ErrorReason::BudgetExceeded,
-            message,
-            vec![("budget_scope", scope.into())],
-        ),
-        StoreError::Backend(cause) => {
-            tracing::error!(%cause, "recovery store unavailable");
-            reason(
-                Code::Unavailable,
-                ErrorReason::StoreUnavailable,
-                "the recovery store is unavailable; nothing was changed",
-                vec![],
-            )
-        }
-    }
+    RecoveryError::Store(e).into()
 }
 
 fn invalid(field: &str, why: &str) -> Status {
-    reason(
-        Code::InvalidArgument,
-        ErrorReason::InvalidField,
-        format!("{field}: {why}"),
-        vec![("field", field.to_owned())],
-    )
+    RecoveryError::Invalid {
+        field: field.to_owned(),
+        why: why.to_owned(),
+    }
+    .into()
 }
 
 fn upstream(status: &Status) -> Status {
-    // A definite refusal from the run store stands as it came; only silence is "unavailable".
-    if status.code() != Code::Unavailable && error_info(status).is_some() {
-        return status.clone();
-    }
-    reason(
-        Code::Unavailable,
-        ErrorReason::UpstreamUnavailable,
-        format!(
-            "the run store did not answer ({:?}); nothing was changed",
-            status.code()
-        ),
-        vec![],
-    )
+    RecoveryError::Upstream(status.clone()).into()
 }
 
 fn timestamp(ms: i64) -> prost_types::Timestamp {
@@ -315,23 +242,14 @@ impl Shared {
         match outcome {
             ClaimOutcome::NoControllerYet => Ok((pb::RecoveryDecision::NoControllerYet, None)),
             ClaimOutcome::LeaseHeld => Ok((pb::RecoveryDecision::LeaseHeld, None)),
-            ClaimOutcome::Wait { not_before_ms } => Err(reason(
-                Code::FailedPrecondition,
-                ErrorReason::RecoveryNotBefore,
-                "a recent takeover's backoff runs; retry after not_before",
-                vec![
-                    ("not_before", not_before_ms.to_string()),
-                    ("retry_after_ms", (not_before_ms - now).max(0).to_string()),
-                ],
-            )),
+            ClaimOutcome::Wait { not_before_ms } => Err(RecoveryError::NotBefore {
+                not_before_ms,
+                retry_after_ms: (not_before_ms - now).max(0),
+            }
+            .into()),
             ClaimOutcome::Exhausted { .. } => {
                 self.end_exhausted(run_id).await?;
-                Err(reason(
-                    Code::FailedPrecondition,
-                    ErrorReason::RecoveryExhausted,
-                    format!("the run's stream recovery budget ({MAX_ATTEMPTS} takeovers) is spent"),
-                    vec![("max_attempts", MAX_ATTEMPTS.to_string())],
-                ))
+                Err(RecoveryError::Exhausted.into())
             }
             ClaimOutcome::Claimed {
                 attempt,
@@ -514,12 +432,7 @@ pub async fn sweep_forever(shared: Arc<Shared>, every: Duration, batch: usize) {
 }
 
 fn unauthenticated() -> Status {
-    reason(
-        Code::Unauthenticated,
-        ErrorReason::Unauthenticated,
-        "missing or unknown bearer token",
-        vec![],
-    )
+    RecoveryError::Unauthenticated.into()
 }
 
 /// A run id is a lowercase UUID, as the run store mints them; anything else is refused
@@ -625,15 +538,11 @@ impl StreamRecoveryService for StreamRecoveryApi {
         }
         let total: usize = req.frames.iter().map(|f| f.data.len()).sum();
         if total > 1 << 20 {
-            return Err(reason(
-                Code::InvalidArgument,
-                ErrorReason::BatchTooLarge,
-                "a batch holds at most 1 MiB of frames",
-                vec![
-                    ("limit", (1u32 << 20).to_string()),
-                    ("actual", total.to_string()),
-                ],
-            ));
+            return Err(RecoveryError::BatchTooLarge {
+                limit: 1 << 20,
+                actual: total as u64,
+            }
+            .into());
         }
         for (i, f) in req.frames.iter().enumerate() {
             if f.data.is_empty() || f.data.len() > 64 << 10 {

@@ -1,12 +1,13 @@
 //! The stream recovery coordinator: stream leases, per-run restart budgets and replay
 //! buffers, in Redis (or in process for `runplane dev`).
 //!
-//! DESIGN.md "Stream recovery coordinator" is the contract and seed 001 the behaviour:
+//! docs/architecture.md "Stream recovery coordinator" is the contract:
 //! only a run's first controller acquires its lease directly; every later one comes
 //! through a recovery claim that spends the run's restart budget (immediate first, then
 //! growing waits, five at most within five minutes), is handed to the runner as a
 //! `resume_stream` steering message, and after five ends the run with exactly one abort.
 
+pub mod error;
 pub mod grpc;
 pub mod policy;
 pub mod store;

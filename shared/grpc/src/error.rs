@@ -33,6 +33,52 @@ where
     )
 }
 
+/// A service's error as the wire sees it. Each service's error enum implements this once,
+/// and [`into_status`] is the one mapping from it to a `Status`, so every service answers
+/// the same way: the code, a stable reason clients branch on, the `ErrorInfo` metadata,
+/// and a message for people that never carries an internal cause.
+pub trait ServiceError: std::fmt::Display {
+    /// The gRPC code and the stable reason.
+    fn kind(&self) -> (Code, ErrorReason);
+
+    /// The `ErrorInfo` metadata (the field, the id, the limit: what a client needs).
+    fn metadata(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    /// For an internal cause (storage, configuration): what the client is told instead.
+    /// [`into_status`] logs the error itself and never sends it. `None` sends the error's
+    /// own message.
+    fn public_message(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// A status passed on as it came (an upstream service's answer, its reason included).
+    fn passthrough(&self) -> Option<Status> {
+        None
+    }
+}
+
+/// The `Status` of `error`: see [`ServiceError`].
+pub fn into_status(error: &impl ServiceError) -> Status {
+    if let Some(status) = error.passthrough() {
+        return status;
+    }
+    let (code, reason) = error.kind();
+    match error.public_message() {
+        Some(public) => {
+            tracing::error!(%error, ?code, reason = reason.as_str_name(), "internal error (not sent to the client)");
+            status_with_reason(code, reason, public, error.metadata())
+        }
+        None => status_with_reason(code, reason, error.to_string(), error.metadata()),
+    }
+}
+
+/// `[(key, value)]` as ErrorInfo metadata.
+pub fn metadata<const N: usize>(pairs: [(&str, String); N]) -> Vec<(String, String)> {
+    pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+}
+
 /// The `ErrorInfo` a runplane server attached to `status`, if any.
 pub fn error_info(status: &Status) -> Option<tonic_types::ErrorInfo> {
     status.get_details_error_info()

@@ -30,7 +30,7 @@ pub mod tls;
 pub mod trace_context;
 pub mod wake;
 
-pub use error::{ErrorReason, error_info, status_with_reason};
+pub use error::{ErrorReason, ServiceError, error_info, into_status, status_with_reason};
 pub use server::{ServerLimits, ServiceSet, Stopped, serve, serve_with_tls};
 
 /// A `std::time::Duration` as the protobuf `Duration` the contract carries.
