@@ -1,7 +1,7 @@
 //! Convergence over real processes: a node agent idle-suspends a sandbox (SIGSTOP,
 //! published unplaced), the run is then ended through the run store, and within a round
 //! or two the reconciler shows the sandbox DELETED and the node agent has stopped every
-//! process of it, the stopped ones included (DESIGN.md "A run's life and its end").
+//! process of it, the stopped ones included (docs/architecture.md "A run's life and its end").
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! A client given one DNS name with several addresses (issue 16), as a headless
+//! A client given one DNS name with several addresses, as a headless
 //! Kubernetes Service gives one: three run-store replicas, each its own `runplane serve`
 //! on one Postgres, listening on 127.0.0.2, .3 and .4 at one port, and a name,
 //! `replicas.test`, that resolves to all three. The name lives in a private `/etc/hosts`

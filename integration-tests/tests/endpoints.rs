@@ -1,4 +1,4 @@
-//! Clients given several endpoints (issue 16): three replicas of a service, each its own
+//! Clients given several endpoints: three replicas of a service, each its own
 //! `runplane serve` process on one Postgres; one is SIGKILLed (connects refused) and one
 //! SIGSTOPped (the kernel still accepts, nothing answers, and the client already holds
 //! a connection to it). Every call still succeeds through the third: first a client

@@ -1,4 +1,4 @@
-//! Idle means parked, not silent (DESIGN.md "Sandbox reconciler"), over a real node
+//! Idle means parked, not silent (docs/architecture.md "Sandbox reconciler"), over a real node
 //! agent, its process driver and real agents in bubblewrap, with a 3 s idle timeout:
 //! an agent that is quiet but working (`sleep 10`) is never suspended and finishes; an
 //! agent blocked reading its stdin is suspended, woken by a reattach on its own node, not

@@ -1,8 +1,8 @@
 //! Real node agents, each on a state directory of its own as on a host of its own: a
 //! sandbox is launched on one, suspended for idleness and published unplaced; a reattach
 //! answers NOT_PLACED and queues a wake; the node holding the sandbox restores it (no
-//! other can), the next reattach routes there and the run finishes (seed 003 end to
-//! end). A launch the reconciler refuses is not asked for again on every poll.
+//! other can), the next reattach routes there and the run finishes (a reattach to an idle-suspended
+//! sandbox, end to end). A launch the reconciler refuses is not asked for again on every poll.
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Credential health: typed backend errors, outage incidents and cool-off, exhaustion
 //! quarantine, admission, the fleet view and lead notices.
 //!
-//! DESIGN.md "Credential health" is the contract; `runplane.credentials.v1` the surface.
+//! docs/architecture.md "Credential health" is the contract; `runplane.credentials.v1` the surface.
 //!
 //! - [`profiles`] reads a failure tail once, into a typed outcome;
 //! - [`policy`] is the per-credential outage state machine (threshold, window, cool-off,

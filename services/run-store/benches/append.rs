@@ -5,7 +5,7 @@
 //! real gRPC to a run store on a real socket. The baseline inserts the same rows with a
 //! plain sea-orm `insert_many` from the same number of tasks: no gRPC, no auth, no
 //! dedupe, no row lock, no hash chain. The ratio is run store / baseline throughput;
-//! the goal (issue 17) is a ratio of at least [`GOAL_RATIO`] in every row.
+//! the goal is a ratio of at least [`GOAL_RATIO`] in every row.
 //!
 //! Run: `cargo bench -p runplane-run-store --bench append` (needs the local Postgres).
 

@@ -1,6 +1,6 @@
 //! The run store: runs, run keys, events with signed receipts, steering and results.
 //!
-//! DESIGN.md "Run store" is the contract. The gRPC surface is
+//! docs/architecture.md "Run store" is the contract. The gRPC surface is
 //! `runplane.runstore.v1.RunnerService` (the runner, authenticated by its run key) and
 //! `runplane.runstore.v1.RunService` (operators and services, by token).
 

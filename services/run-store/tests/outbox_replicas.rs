@@ -1,6 +1,7 @@
 //! Two run-store replicas on one Postgres database running their outbox delivery and
-//! their deadline sweep at the same time (DESIGN.md: a cross-service effect is delivered
-//! once per claim; every background loop is correct with two replicas running it).
+//! their deadline sweep at the same time (docs/architecture.md "Failure model": a cross-service
+//! effect is delivered once per claim; every background loop is correct with two replicas
+//! running it).
 //!
 //! The outbox's callee is a real gRPC credential-health server that counts the
 //! ReportTurnFailure calls per turn and can hold a call open, so "one replica is

@@ -97,8 +97,9 @@ pub enum Command {
     /// Run a node agent of the direct substrate ([node] config): register with the
     /// reconciler at [sandbox_reconciler].endpoint, run, suspend and restore sandboxes,
     /// their agents under bubblewrap ([sandbox_reconciler] isolation). It authenticates
-    /// with its own credential (RUNPLANE_NODE_TOKEN or --token-file), else the operator
-    /// token. `runplane node token create|revoke|list` manage node credentials.
+    /// with its own credential (RUNPLANE_NODE_TOKEN or --token-file; required: the
+    /// operator token does not act as a node). `runplane node token create|revoke|list`
+    /// manage node credentials.
     Node(crate::node::NodeArgs),
     /// Run inside a sandbox: say Hello, start the run's agent command, stream its output,
     /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and

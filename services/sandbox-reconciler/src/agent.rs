@@ -4,8 +4,8 @@
 //! its assignments and acts on them with the process driver: it launches sandboxes
 //! placed on it (claiming their run key), restores the ones a wake assigned to it and
 //! reports the restore, suspends a sandbox parked longer than its idle timeout and
-//! publishes it unplaced (its route identity still names this node: seed 003's exact
-//! situation), publishes exits, and stops every deleted sandbox it is handed a DESTROY
+//! publishes it unplaced (its route identity still names this node, which a reattach must
+//! not follow), publishes exits, and stops every deleted sandbox it is handed a DESTROY
 //! for, suspended ones included, acknowledging each stop with a DELETED publication.
 //! Idle means parked, not silent: its agent waits for input and no session reached it for
 //! the whole timeout ([`Local::idle_past_timeout`]). Sessions reach a sandbox at the

@@ -1,5 +1,4 @@
 //! The tonic side of the reconciler: authenticate, validate, call the store, map errors.
-//! Methods not built yet keep the generated body, which answers `UNIMPLEMENTED`.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,12 +1,15 @@
 //! The sandbox reconciler: sandboxes, nodes, loss grace, placement, routes and wakes.
 //!
-//! DESIGN.md "Sandbox reconciler" is the contract. Built so far: the model and its
-//! migrations; the loss-grace tick (every write a compare-and-set on what the tick read)
-//! over a driver trait with a scriptable fake; FailRun through a transactional outbox;
-//! the one placement rule with `ResolveRoute`, `RequestWake` and `GetSandbox`; the
-//! process driver, node agents and dispatch; and convergence: every round destroys the
-//! sandboxes of terminal runs (asked of the run store), and nothing revives a destroyed
-//! sandbox. The Kubernetes driver is still to come.
+//! docs/architecture.md "Sandbox reconciler" is the contract. The crate holds the model
+//! and its migrations ([`store`]); the decisions apart from persistence ([`domain`]:
+//! loss grace, placement, route tokens, wakes); the round ([`reconcile`]: dispatch within
+//! node capacity, the sweep of ended runs, wakes of parked runs with messages, the
+//! loss-grace tick whose every write is a compare-and-set on what it read, and FailRun
+//! through a transactional outbox); the drivers ([`drivers`]: the process driver under
+//! bubblewrap, node agents through the routed driver, and a scriptable fake); the node
+//! agent ([`agent`]) and its session endpoint ([`session`]); and the gRPC surface
+//! ([`grpc`]). Sandboxes run as processes on this host or on node agents; a Kubernetes
+//! driver does not exist.
 
 pub mod agent;
 pub mod domain;

@@ -1311,7 +1311,7 @@ mod node_protocol {
 }
 
 /// Whatever ends a run, its sandboxes go (suspended ones included) and nothing revives
-/// them (DESIGN.md "A run's life and its end").
+/// them (docs/architecture.md "A run's life and its end").
 mod convergence {
     use super::node_protocol::{nodes, register};
     use super::*;

@@ -1,11 +1,11 @@
-//! The numbers of stream recovery (seed 001), in one place.
+//! The numbers of stream recovery, in one place.
 //!
 //! - The first takeover of a run is immediate: a deploy or crash should cost nothing.
 //! - Later takeovers wait `not_before`: 1 s doubling to a 60 s cap, plus up to as much
 //!   again of jitter so that tabs and pods polling the same run do not claim in step;
 //!   five takeovers spend about 30 s of backoff in total. With 5 attempts the longest
 //!   wait actually taken is 8–16 s (before the fifth takeover; the claim after it ends
-//!   the run without waiting): the seed's 60 s cap is kept as the formula's bound, but
+//!   the run without waiting): a 60 s cap is kept as the formula's bound, but
 //!   it binds only from the seventh attempt, so under `MAX_ATTEMPTS` it is never reached.
 //!   [`backoff_ms`] is the one formula: the memory store calls it and the Redis claim
 //!   script is handed its values (see `store/redis.rs`).

@@ -1,7 +1,7 @@
 //! Where a sandbox is placed. One rule, used by every read of placement: the direct
 //! route identity counts only while `active_node_id` is set. A node that suspends a
 //! sandbox for idleness publishes it unplaced (clears `active_node_id`) and leaves its
-//! route identity naming the node (seed 003); reading that identity anyway would route a
+//! route identity naming the node; reading that identity anyway would route a
 //! reattach to a node where the sandbox no longer runs.
 
 use crate::store::entities::{route_identity, sandbox};

@@ -635,7 +635,7 @@ impl RunnerPolls {
 /// of stdin from those; `wchan` says "a pipe read" without saying which pipe. Anything
 /// unreadable or unknown counts as working, so the rule errs towards never freezing an
 /// agent mid-work: an agent that waits for input some other way (an event loop polling
-/// its stdin) is simply never suspended. The agent runs in bubblewrap's pid namespace, but
+/// its stdin) is suspended only when it says so with its [`PARK_MARK`]. The agent runs in bubblewrap's pid namespace, but
 /// its processes stay in the sandbox's session, so they are found from the host by
 /// session, with host pids: the agent's tree is every process of the session outside the
 /// leader's process group (the sandbox's shell and its runner), less bubblewrap's own
