@@ -405,3 +405,24 @@ async fn runplane_dev_refuses_to_start_where_agents_cannot_be_contained_unless_i
         dev.stdout_lines
     );
 }
+
+/// With local sandboxes off, `runplane dev` runs no agent itself: its banner says where
+/// agents run instead of a containment it does not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runplane_dev_without_local_sandboxes_says_agents_run_on_node_agents() {
+    let data = tempfile::tempdir().unwrap();
+    let addr = runplane_testkit::free_local_addr().to_string();
+    let dev = runplane_integration_tests::start_dev_on(
+        data.path(),
+        &addr,
+        &[("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false")],
+    )
+    .await;
+    assert!(
+        dev.stdout_lines.iter().any(|l| l
+            .trim_start()
+            .starts_with("isolation:      no local sandboxes")),
+        "{:?}",
+        dev.stdout_lines
+    );
+}

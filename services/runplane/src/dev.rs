@@ -66,7 +66,13 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     config.validate()?;
 
     let containment = local_containment(&config).await?;
-    let isolation = containment.describe();
+    let isolation = if config.sandbox_reconciler.local_sandboxes {
+        containment.describe()
+    } else {
+        "no local sandboxes (sandbox_reconciler.local_sandboxes = false): runs go to node \
+         agents, each containing its own"
+            .to_owned()
+    };
     let services = open(&config, Selection::all(), Some(containment)).await?;
     print_banner(&config, &data_dir, services.names(), &isolation)?;
     run_until(listener, services, &config, shutdown).await
