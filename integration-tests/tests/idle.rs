@@ -413,12 +413,21 @@ async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
         })
         .await;
     let _reap_working = cluster.reap(&working.id);
-    let parked = cluster
+    // Reaped from its start, so a failing test leaves none of it running.
+    let started = cluster
+        .sandbox_when(&marked.id, "the marked agent's sandbox", |s| {
+            matches!(
+                s.status(),
+                rpb::SandboxStatus::Started | rpb::SandboxStatus::Suspended
+            )
+        })
+        .await;
+    let _reap_parked = cluster.reap(&started.id);
+    cluster
         .sandbox_when(&marked.id, "the marked agent's idle suspend", |s| {
             s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
         })
         .await;
-    let _reap_parked = cluster.reap(&parked.id);
 
     // Past another idle timeout and a node round, the agent polling without a mark is
     // still running: it is working as far as anyone can tell.
