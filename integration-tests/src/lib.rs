@@ -88,6 +88,16 @@ impl Process {
             .expect("wait for runplane")
     }
 
+    /// Sends `signal` (`-STOP`, `-CONT`, …) with kill(1), as an operator would.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.id().expect("the process is running");
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid} failed");
+    }
+
     /// SIGKILL: no shutdown, no draining, as a crashed or evicted process.
     pub async fn kill(&mut self) {
         let _ = self.child.start_kill();

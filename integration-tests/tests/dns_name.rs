@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use runplane_integration_tests::{Process, start_serve};
+use runplane_integration_tests::start_serve;
 use runplane_proto::runstore::v1 as pb;
 use runplane_testkit::TestDatabase;
 
@@ -19,15 +19,6 @@ const NAME: &str = "replicas.test";
 /// A hang guard per command, not a measurement: a CLI trapped on the frozen replica
 /// would wait for its whole retry window.
 const HANG_GUARD: Duration = Duration::from_secs(60);
-
-fn signal(process: &Process, signal: &str) {
-    let pid = process.child.id().expect("the replica is running");
-    let status = std::process::Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .expect("run kill");
-    assert!(status.success(), "kill {signal} {pid} failed");
-}
 
 /// `runplane get RUN --endpoint http://replicas.test:PORT`, with `hosts` bound over
 /// `/etc/hosts` for this process only; its stdout.
@@ -112,12 +103,12 @@ async fn a_name_with_several_addresses_is_every_replica_and_the_cli_moves_off_fa
         assert!(shown.contains(&run.id), "{shown}");
     }
     replicas[0].kill().await;
-    signal(&replicas[1], "-STOP");
+    replicas[1].signal("-STOP");
     // Each command starts at a random address of the three: most of these start at a
     // dead or a frozen one, and every one still answers, from the third.
     for _ in 0..6 {
         let shown = get_through_the_name(&hosts, port, &run.id).await;
         assert!(shown.contains(&run.id), "{shown}");
     }
-    signal(&replicas[1], "-CONT");
+    replicas[1].signal("-CONT");
 }

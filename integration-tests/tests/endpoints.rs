@@ -19,15 +19,6 @@ const RECEIPT_KEY: &str = "04040404040404040404040404040404040404040404040404040
 /// A hang guard, not a measurement: a client trapped by the frozen replica never ends.
 const HANG_GUARD: Duration = Duration::from_secs(60);
 
-fn signal(process: &Process, signal: &str) {
-    let pid = process.child.id().expect("the replica is running");
-    let status = std::process::Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .expect("run kill");
-    assert!(status.success(), "kill {signal} {pid} failed");
-}
-
 /// Three replicas of `service`, started one after the other (replicas migrating one
 /// database at once collide).
 async fn replicas(service: &str, env: &[(&str, &str)]) -> [Process; 3] {
@@ -107,9 +98,9 @@ async fn a_service_client_given_three_replicas_rides_out_one_killed_and_one_froz
     get_runs(&mut client, &run_id, 3).await;
 
     replicas[0].kill().await;
-    signal(&replicas[1], "-STOP");
+    replicas[1].signal("-STOP");
     get_runs(&mut client, &run_id, 6).await;
-    signal(&replicas[1], "-CONT");
+    replicas[1].signal("-CONT");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -176,9 +167,9 @@ exhausted_pattern = "quota exceeded"
         create(n).await;
     }
     health[0].kill().await;
-    signal(&health[1], "-STOP");
+    health[1].signal("-STOP");
     for n in 3..9 {
         create(n).await;
     }
-    signal(&health[1], "-CONT");
+    health[1].signal("-CONT");
 }

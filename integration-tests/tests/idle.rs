@@ -193,6 +193,16 @@ impl Cluster {
     }
 }
 
+/// Started and placed on its node.
+fn running_on_its_node(s: &rpb::Sandbox) -> bool {
+    s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
+}
+
+/// Idle-suspended and published unplaced.
+fn parked(s: &rpb::Sandbox) -> bool {
+    s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_agent_that_is_working_is_never_suspended_and_finishes() {
     // Each node listens on its advertised endpoint: a free port, not a shared one.
@@ -203,9 +213,7 @@ async fn a_silent_agent_that_is_working_is_never_suspended_and_finishes() {
         .create_run("idle-working-request-001", "sleep 10; echo done")
         .await;
     let sandbox = cluster
-        .sandbox_when(&run.id, "the sandbox on the node", |s| {
-            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
-        })
+        .sandbox_when(&run.id, "the sandbox on the node", running_on_its_node)
         .await;
     let _reap = cluster.reap(&sandbox.id);
 
@@ -226,9 +234,7 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
 
     // Parked: suspended and published unplaced.
     let sandbox = cluster
-        .sandbox_when(&run.id, "the idle suspend", |s| {
-            s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
-        })
+        .sandbox_when(&run.id, "the idle suspend", parked)
         .await;
     let _reap = cluster.reap(&sandbox.id);
     assert_eq!(cluster.suspends(), 1);
@@ -247,9 +253,7 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
         "NOT_PLACED"
     );
     cluster
-        .sandbox_when(&run.id, "the wake to restore it", |s| {
-            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
-        })
+        .sandbox_when(&run.id, "the wake to restore it", running_on_its_node)
         .await;
     let route = api.resolve_route(resolve()).await.unwrap().into_inner();
     assert_eq!(route.node_id, "node-i");
@@ -290,15 +294,11 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     let resumed = cluster.create_run("parked-resume-request-1", script).await;
     let cancelled = cluster.create_run("parked-cancel-request-1", script).await;
     let mut reaps = Vec::new();
-    let mut parked = Vec::new();
     for run in [&steered, &interrupted, &resumed, &cancelled] {
         let sandbox = cluster
-            .sandbox_when(&run.id, "the idle suspend", |s| {
-                s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
-            })
+            .sandbox_when(&run.id, "the idle suspend", parked)
             .await;
         reaps.push(cluster.reap(&sandbox.id));
-        parked.push(sandbox);
     }
     let mut runs = cluster.runs.clone();
 
@@ -408,9 +408,11 @@ async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
         .create_run("park-none-request-000001", POLLING_AGENT)
         .await;
     let working = cluster
-        .sandbox_when(&unmarked.id, "the unmarked agent's sandbox", |s| {
-            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
-        })
+        .sandbox_when(
+            &unmarked.id,
+            "the unmarked agent's sandbox",
+            running_on_its_node,
+        )
         .await;
     let _reap_working = cluster.reap(&working.id);
     // Reaped from its start, so a failing test leaves none of it running.
@@ -424,9 +426,7 @@ async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
         .await;
     let _reap_parked = cluster.reap(&started.id);
     cluster
-        .sandbox_when(&marked.id, "the marked agent's idle suspend", |s| {
-            s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
-        })
+        .sandbox_when(&marked.id, "the marked agent's idle suspend", parked)
         .await;
 
     // Past another idle timeout and a node round, the agent polling without a mark is
@@ -434,9 +434,11 @@ async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
     tokio::time::sleep(IDLE_TIMEOUT + Duration::from_secs(2)).await;
     assert_eq!(cluster.suspends(), 1, "only the marked agent was frozen");
     cluster
-        .sandbox_when(&unmarked.id, "the unmarked agent still running", |s| {
-            s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
-        })
+        .sandbox_when(
+            &unmarked.id,
+            "the unmarked agent still running",
+            running_on_its_node,
+        )
         .await;
 
     // A steer wakes the parked one, its runner removes the mark before the line, and

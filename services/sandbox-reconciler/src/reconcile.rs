@@ -393,74 +393,57 @@ fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
 }
 
 /// Which of `run_ids` (at most 500) are live and have a steering or control message not
-/// yet acknowledged, as the run store says (checked here too: id asked for, not
-/// terminal).
+/// yet acknowledged, as the run store says.
 async fn runs_with_messages(
     run_store: &RunStoreClient,
     run_ids: Vec<String>,
 ) -> Result<std::collections::HashSet<String>, ReconcilerError> {
-    let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
-    let mut waiting = std::collections::HashSet::new();
-    let mut page_token = String::new();
-    loop {
-        let page = run_store
-            .clone()
-            .list_runs(pb::ListRunsRequest {
-                run_ids: run_ids.clone(),
-                states: [pb::RunState::Starting, pb::RunState::Running]
-                    .iter()
-                    .map(|s| *s as i32)
-                    .collect(),
-                with_pending_messages: true,
-                page_size: RUN_IDS_PER_QUESTION as u32,
-                page_token,
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
-        waiting.extend(
-            page.runs
-                .into_iter()
-                .filter(|r| !r.state().is_terminal() && asked.contains(&r.id))
-                .map(|r| r.id),
-        );
-        if page.next_page_token.is_empty() {
-            return Ok(waiting);
-        }
-        page_token = page.next_page_token;
-    }
+    let live = [pb::RunState::Starting, pb::RunState::Running];
+    runs_among(run_store, run_ids, &live, true).await
 }
 
-/// Which of `run_ids` (at most 500) the run store says are terminal. The answer is
-/// checked here too (id asked for, state terminal), so a run store that ignored a filter
-/// could make this delete nothing it should not.
+/// Which of `run_ids` (at most 500) the run store says are terminal.
 async fn ended_runs(
     run_store: &RunStoreClient,
     run_ids: Vec<String>,
 ) -> Result<std::collections::HashSet<String>, ReconcilerError> {
+    runs_among(run_store, run_ids, &TERMINAL_RUN_STATES, false).await
+}
+
+/// Which of `run_ids` (at most 500) are in one of `states` (and, with `pending`, have a
+/// message not yet acknowledged), every page of the answer read. The answer is checked
+/// here too (id asked for, state one of those asked for), so a run store that ignored a
+/// filter could make the caller act on no run it should not.
+async fn runs_among(
+    run_store: &RunStoreClient,
+    run_ids: Vec<String>,
+    states: &[pb::RunState],
+    pending: bool,
+) -> Result<std::collections::HashSet<String>, ReconcilerError> {
     let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
-    let mut ended = std::collections::HashSet::new();
+    let mut found = std::collections::HashSet::new();
     let mut page_token = String::new();
     loop {
         let page = run_store
             .clone()
             .list_runs(pb::ListRunsRequest {
                 run_ids: run_ids.clone(),
-                states: TERMINAL_RUN_STATES.iter().map(|s| *s as i32).collect(),
+                states: states.iter().map(|s| *s as i32).collect(),
+                with_pending_messages: pending,
                 page_size: RUN_IDS_PER_QUESTION as u32,
                 page_token,
                 ..Default::default()
             })
             .await?
             .into_inner();
-        ended.extend(
+        found.extend(
             page.runs
                 .into_iter()
-                .filter(|r| r.state().is_terminal() && asked.contains(&r.id))
+                .filter(|r| states.contains(&r.state()) && asked.contains(&r.id))
                 .map(|r| r.id),
         );
         if page.next_page_token.is_empty() {
-            return Ok(ended);
+            return Ok(found);
         }
         page_token = page.next_page_token;
     }

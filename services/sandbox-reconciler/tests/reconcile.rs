@@ -261,22 +261,7 @@ impl World {
     /// A running run (a runner said Hello with generation 1's key) and its sandbox row.
     async fn running_sandbox(&self, name: &str) -> (sandbox::Model, String) {
         let mut op = self.run_store().await;
-        let run = op
-            .create_run(authed(
-                pb::CreateRunRequest {
-                    client_request_id: format!("{name}-request-00000001"),
-                    org_id: "acme".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-                    command: "agent".into(),
-                    ..Default::default()
-                },
-                TOKEN,
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .run
-            .unwrap();
+        let run = self.queued_run(name).await;
         let sandbox_id = uuid::Uuid::new_v4().to_string();
         let key = op
             .issue_run_key(authed(

@@ -1164,12 +1164,18 @@ async fn the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(backend: Bac
     .await;
 
     // The quiet run was left alone, and its next takeover starts a fresh budget.
-    assert_eq!(w.run_state(&quiet).await.state(), rs::RunState::Running);
-    assert!(w.messages(&quiet, rs::SteeringKind::Abort).await.is_empty());
+    left_alone_and_claimed_afresh(&w, &quiet).await;
+}
+
+/// `run_id` is still running with no abort sent, and its next takeover is claimed as the
+/// first of a fresh budget.
+async fn left_alone_and_claimed_afresh(w: &World, run_id: &str) {
+    assert_eq!(w.run_state(run_id).await.state(), rs::RunState::Running);
+    assert!(w.messages(run_id, rs::SteeringKind::Abort).await.is_empty());
     let fresh = w
         .operator()
         .await
-        .plan_recovery(plan(&quiet))
+        .plan_recovery(plan(run_id))
         .await
         .unwrap()
         .into_inner();
@@ -1211,21 +1217,7 @@ async fn a_sweep_held_up_by_the_run_store_judges_the_budget_when_it_answers(back
 
     let action = swept.results.iter().find(|r| r.run_id == run_id).unwrap();
     assert_eq!(action.action(), pb::OrphanAction::Skipped);
-    assert_eq!(w.run_state(&run_id).await.state(), rs::RunState::Running);
-    assert!(
-        w.messages(&run_id, rs::SteeringKind::Abort)
-            .await
-            .is_empty()
-    );
-    let fresh = w
-        .operator()
-        .await
-        .plan_recovery(plan(&run_id))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(fresh.decision(), pb::RecoveryDecision::Claimed);
-    assert_eq!(fresh.budget.unwrap().attempts, 1);
+    left_alone_and_claimed_afresh(&w, &run_id).await;
 }
 
 async fn a_parked_run_sleeps_through_any_number_of_leases(backend: Backend) {
