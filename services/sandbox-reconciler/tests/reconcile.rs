@@ -2260,6 +2260,25 @@ mod two_replicas {
     use super::*;
     use sea_orm::EntityTrait;
 
+    /// Two reconcilers with always-alive probes, one on the world's store and one on a
+    /// replica's, and a run-store client for both.
+    async fn replicas(w: &World) -> (Reconciler, Reconciler, RunStoreClient) {
+        let driver = || Arc::new(FakeDriver::always(Probe::Alive));
+        let a = Reconciler::new(w.store.clone(), driver(), ReconcileSettings::default());
+        let b = Reconciler::new(
+            w.replica_store().await,
+            driver(),
+            ReconcileSettings::default(),
+        );
+        (a, b, w.outbox_client().await)
+    }
+
+    /// While `held`, each ListRuns waits until two are in flight: both replicas hold the
+    /// same answer before either acts on it.
+    fn hold_list_runs(w: &World, held: bool) {
+        *w.list_runs_barrier.lock().unwrap() = held.then(|| Arc::new(tokio::sync::Barrier::new(2)));
+    }
+
     async fn dispatch_once(w: &World, store: &Store) {
         let client = w.outbox_client().await;
         let endpoints = RunnerEndpoints {
@@ -2294,9 +2313,9 @@ mod two_replicas {
             runs.push(w.queued_run(&format!("two-dispatch-{i:02}")).await.id);
         }
         let other = w.replica_store().await;
-        *w.list_runs_barrier.lock().unwrap() = Some(Arc::new(tokio::sync::Barrier::new(2)));
+        hold_list_runs(&w, true);
         tokio::join!(dispatch_once(&w, &w.store), dispatch_once(&w, &other));
-        *w.list_runs_barrier.lock().unwrap() = None;
+        hold_list_runs(&w, false);
 
         let rows = sandbox::Entity::find()
             .all(w.store.database())
@@ -2378,20 +2397,13 @@ mod two_replicas {
             .unwrap();
             rows.push(row);
         }
-        let driver = || Arc::new(FakeDriver::always(Probe::Alive));
-        let a = Reconciler::new(w.store.clone(), driver(), ReconcileSettings::default());
-        let b = Reconciler::new(
-            w.replica_store().await,
-            driver(),
-            ReconcileSettings::default(),
-        );
-        let client = w.outbox_client().await;
-        *w.list_runs_barrier.lock().unwrap() = Some(Arc::new(tokio::sync::Barrier::new(2)));
+        let (a, b, client) = replicas(&w).await;
+        hold_list_runs(&w, true);
         let (da, db) = tokio::join!(
             a.delete_sandboxes_of_ended_runs(&client),
             b.delete_sandboxes_of_ended_runs(&client)
         );
-        *w.list_runs_barrier.lock().unwrap() = None;
+        hold_list_runs(&w, false);
         assert_eq!(da.unwrap() + db.unwrap(), 5, "each deleted by one replica");
         for row in &rows {
             assert_eq!(w.store.sandbox(&row.id).await.unwrap().status, "deleted");
@@ -2421,20 +2433,13 @@ mod two_replicas {
             .unwrap();
             parked.push(w.suspended_on("node-a", &row.run_id).await);
         }
-        let driver = || Arc::new(FakeDriver::always(Probe::Alive));
-        let a = Reconciler::new(w.store.clone(), driver(), ReconcileSettings::default());
-        let b = Reconciler::new(
-            w.replica_store().await,
-            driver(),
-            ReconcileSettings::default(),
-        );
-        let client = w.outbox_client().await;
-        *w.list_runs_barrier.lock().unwrap() = Some(Arc::new(tokio::sync::Barrier::new(2)));
+        let (a, b, client) = replicas(&w).await;
+        hold_list_runs(&w, true);
         let (qa, qb) = tokio::join!(
             a.wake_sandboxes_with_messages(&client),
             b.wake_sandboxes_with_messages(&client)
         );
-        *w.list_runs_barrier.lock().unwrap() = None;
+        hold_list_runs(&w, false);
         assert_eq!(
             qa.unwrap() + qb.unwrap(),
             4,
