@@ -778,24 +778,7 @@ mod node_protocol {
         // Several reconciler replicas: none may run a sandbox in its own process tree,
         // where the others could not probe or signal it.
         let w = World::new().await;
-        let run = w
-            .run_store()
-            .await
-            .create_run(authed(
-                pb::CreateRunRequest {
-                    client_request_id: "waits-for-a-node-0001".into(),
-                    org_id: "acme".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
-                    command: "agent".into(),
-                    ..Default::default()
-                },
-                TOKEN,
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .run
-            .unwrap();
+        let run = w.queued_run("waits-for-a-node").await;
         let client = w.outbox_client().await;
         let endpoints = RunnerEndpoints {
             run_store: w.run_store_endpoint.clone(),
