@@ -232,6 +232,27 @@ impl World {
             .unwrap()
     }
 
+    /// One dispatch by the reconciler on `store` (this world's, or a replica's), with
+    /// sandboxes placed on node agents only.
+    async fn dispatch_once(&self, store: &Store) {
+        let endpoints = RunnerEndpoints {
+            run_store: self.run_store_endpoint.clone(),
+            stream_recovery: self.run_store_endpoint.clone(),
+        };
+        dispatch(
+            store,
+            &FakeDriver::always(Probe::Alive),
+            &self.outbox_client().await,
+            None,
+            &endpoints,
+            Duration::ZERO,
+            false,
+            &Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+
     async fn run_store(&self) -> RunServiceClient<tonic::transport::Channel> {
         RunServiceClient::connect(self.run_store_endpoint.clone())
             .await
@@ -779,24 +800,7 @@ mod node_protocol {
         // where the others could not probe or signal it.
         let w = World::new().await;
         let run = w.queued_run("waits-for-a-node").await;
-        let client = w.outbox_client().await;
-        let endpoints = RunnerEndpoints {
-            run_store: w.run_store_endpoint.clone(),
-            stream_recovery: w.run_store_endpoint.clone(),
-        };
-        let driver = FakeDriver::always(Probe::Alive);
-        dispatch(
-            &w.store,
-            &driver,
-            &client,
-            None,
-            &endpoints,
-            Duration::ZERO,
-            false,
-            &Default::default(),
-        )
-        .await
-        .unwrap();
+        w.dispatch_once(&w.store).await;
         assert!(
             w.store.live_sandbox_of(&run.id).await.unwrap().is_none(),
             "no sandbox without a node agent"
@@ -804,18 +808,7 @@ mod node_protocol {
         assert_eq!(w.run_state(&run.id).await.state(), pb::RunState::Queued);
 
         register(&w, "node-a", "a").await;
-        dispatch(
-            &w.store,
-            &driver,
-            &client,
-            None,
-            &endpoints,
-            Duration::ZERO,
-            false,
-            &Default::default(),
-        )
-        .await
-        .unwrap();
+        w.dispatch_once(&w.store).await;
         let row = w
             .store
             .live_sandbox_of(&run.id)
@@ -2262,26 +2255,6 @@ mod two_replicas {
         *w.list_runs_barrier.lock().unwrap() = held.then(|| Arc::new(tokio::sync::Barrier::new(2)));
     }
 
-    async fn dispatch_once(w: &World, store: &Store) {
-        let client = w.outbox_client().await;
-        let endpoints = RunnerEndpoints {
-            run_store: w.run_store_endpoint.clone(),
-            stream_recovery: w.run_store_endpoint.clone(),
-        };
-        dispatch(
-            store,
-            &FakeDriver::always(Probe::Alive),
-            &client,
-            None,
-            &endpoints,
-            Duration::ZERO,
-            false,
-            &Default::default(),
-        )
-        .await
-        .unwrap();
-    }
-
     /// Both replicas read the nodes' room, then both are held at the same point (their
     /// ListRuns of STARTING runs) until each has claimed, so both place against the same
     /// stale room: the node's lock and count at the insert keep every node within its
@@ -2297,7 +2270,7 @@ mod two_replicas {
         }
         let other = w.replica_store().await;
         hold_list_runs(&w, true);
-        tokio::join!(dispatch_once(&w, &w.store), dispatch_once(&w, &other));
+        tokio::join!(w.dispatch_once(&w.store), w.dispatch_once(&other));
         hold_list_runs(&w, false);
 
         let rows = sandbox::Entity::find()
@@ -2340,7 +2313,7 @@ mod two_replicas {
             .unwrap();
             w.store.mark_deleted(&row.id, 1).await.unwrap();
         }
-        tokio::join!(dispatch_once(&w, &w.store), dispatch_once(&w, &other));
+        tokio::join!(w.dispatch_once(&w.store), w.dispatch_once(&other));
         let rows = sandbox::Entity::find()
             .all(w.store.database())
             .await
