@@ -120,6 +120,19 @@ impl Cluster {
         ReapSession(pid)
     }
 
+    /// Steers the line `go` to `run_id`, keyed `key`.
+    async fn steer_go(&self, run_id: &str, key: &str) {
+        self.runs
+            .clone()
+            .steer(authed(pb::SteerRequest {
+                run_id: run_id.to_owned(),
+                text: "go".into(),
+                idempotency_key: key.into(),
+            }))
+            .await
+            .unwrap();
+    }
+
     async fn ended(&self, run_id: &str) -> pb::Run {
         eventually(Duration::from_secs(30), "the run to end", || {
             let mut runs = self.runs.clone();
@@ -269,16 +282,7 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
         "suspended again before its runner polled"
     );
 
-    cluster
-        .runs
-        .clone()
-        .steer(authed(pb::SteerRequest {
-            run_id: run.id.clone(),
-            text: "go".into(),
-            idempotency_key: "idle-parked-steer-00001".into(),
-        }))
-        .await
-        .unwrap();
+    cluster.steer_go(&run.id, "idle-parked-steer-00001").await;
     let ended = cluster.ended(&run.id).await;
     assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
     assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
@@ -303,13 +307,9 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     let mut runs = cluster.runs.clone();
 
     // A steer alone: the run is woken on its node, takes its line and finishes.
-    runs.steer(authed(pb::SteerRequest {
-        run_id: steered.id.clone(),
-        text: "go".into(),
-        idempotency_key: "parked-steer-key-000001".into(),
-    }))
-    .await
-    .unwrap();
+    cluster
+        .steer_go(&steered.id, "parked-steer-key-000001")
+        .await;
     let ended = cluster.ended(&steered.id).await;
     assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
     assert_eq!(cluster.stdout(&steered.id).await, ["got-go"]);
@@ -447,16 +447,7 @@ async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
         (&marked, "park-mark-steer-000001"),
         (&unmarked, "park-none-steer-000001"),
     ] {
-        cluster
-            .runs
-            .clone()
-            .steer(authed(pb::SteerRequest {
-                run_id: run.id.clone(),
-                text: "go".into(),
-                idempotency_key: key.into(),
-            }))
-            .await
-            .unwrap();
+        cluster.steer_go(&run.id, key).await;
     }
     for run in [&marked, &unmarked] {
         let ended = cluster.ended(&run.id).await;
