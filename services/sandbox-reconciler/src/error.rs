@@ -1,6 +1,6 @@
 //! The reconciler's errors and their one mapping to `tonic::Status`.
 
-use runplane_grpc::error::metadata;
+use runplane_grpc::error::{is_definite_refusal, metadata};
 use runplane_grpc::{ErrorReason, ServiceError, into_status};
 use tonic::{Code, Status};
 
@@ -135,10 +135,7 @@ impl ServiceError for ReconcilerError {
     fn passthrough(&self) -> Option<Status> {
         match self {
             ReconcilerError::Upstream(status) => Some(status.clone()),
-            ReconcilerError::Coordinator { status, .. }
-                if runplane_grpc::error_info(status).is_some()
-                    && status.code() != Code::Unavailable =>
-            {
+            ReconcilerError::Coordinator { status, .. } if is_definite_refusal(status) => {
                 Some(status.clone())
             }
             _ => None,

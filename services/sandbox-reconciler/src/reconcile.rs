@@ -577,12 +577,13 @@ pub async fn dispatch(
         nodes
             .iter()
             .map(|n| {
+                let capacity = i64::from(n.capacity);
                 let used = placed.get(&n.id).copied().unwrap_or(0);
-                (n.id.clone(), (i64::from(n.capacity) - used).max(0))
+                (n.id.clone(), capacity, (capacity - used).max(0))
             })
-            .collect()
+            .collect::<Vec<_>>()
     };
-    let free: i64 = room.iter().map(|(_, free)| free).sum();
+    let free: i64 = room.iter().map(|(_, _, free)| free).sum();
     // Slots are claimed only where a sandbox can be placed; otherwise runs wait queued.
     let placeable = if nodes.is_empty() {
         local_sandboxes
@@ -630,30 +631,26 @@ pub async fn dispatch(
             // waits STARTING for the next round; only a run claimed before a crash, or
             // by a replica that placed on the same nodes at once, gets here.
             loop {
-                let Some(most) = room
+                let Some((node, capacity, free)) = room
                     .iter_mut()
-                    .filter(|(_, free)| *free > 0)
-                    .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
+                    .filter(|(_, _, free)| *free > 0)
+                    .max_by(|a, b| a.2.cmp(&b.2).then_with(|| b.0.cmp(&a.0)))
                 else {
                     tracing::debug!(run_id = %run.id, "every ready node is full; the run waits");
                     break;
                 };
-                let capacity = nodes
-                    .iter()
-                    .find(|n| n.id == most.0)
-                    .map_or(0, |n| i64::from(n.capacity));
                 match store
-                    .place_within_capacity(new(most.0.clone()), capacity)
+                    .place_within_capacity(new(node.clone()), *capacity)
                     .await?
                 {
                     Placed::New(_) => {
-                        most.1 -= 1;
+                        *free -= 1;
                         break;
                     }
                     // A run placed earlier (its launch not claimed yet) is counted where
                     // it is.
                     Placed::Existing(_) => break,
-                    Placed::Full => most.1 = 0,
+                    Placed::Full => *free = 0,
                 }
             }
         }

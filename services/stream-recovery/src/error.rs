@@ -1,7 +1,7 @@
 //! The coordinator's errors and their one mapping to `tonic::Status`.
 
-use runplane_grpc::error::metadata;
-use runplane_grpc::{ErrorReason, ServiceError, error_info, into_status};
+use runplane_grpc::error::{is_definite_refusal, metadata};
+use runplane_grpc::{ErrorReason, ServiceError, into_status};
 use tonic::{Code, Status};
 
 use crate::policy::MAX_ATTEMPTS;
@@ -96,11 +96,7 @@ impl ServiceError for RecoveryError {
         match self {
             // A definite refusal from the run store stands as it came; only silence is
             // "unavailable".
-            RecoveryError::Upstream(status)
-                if status.code() != Code::Unavailable && error_info(status).is_some() =>
-            {
-                Some(status.clone())
-            }
+            RecoveryError::Upstream(status) if is_definite_refusal(status) => Some(status.clone()),
             _ => None,
         }
     }

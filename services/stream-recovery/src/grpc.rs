@@ -130,10 +130,8 @@ impl Shared {
             .await;
         match check {
             Ok(answer) => Ok(answer.into_inner().org_id),
-            // The run store's refusal (invalid, revoked, other run, terminal) stands as is.
-            Err(status) if error_info(&status).is_some() && status.code() != Code::Unavailable => {
-                Err(status)
-            }
+            // The run store's refusal (invalid, revoked, other run, terminal) stands as is
+            // (see `RecoveryError::Upstream`).
             Err(status) => Err(upstream(&status)),
         }
     }

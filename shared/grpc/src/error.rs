@@ -74,6 +74,13 @@ pub fn into_status(error: &impl ServiceError) -> Status {
     }
 }
 
+/// Whether `status` from another runplane service is a definite refusal (it carries an
+/// `ErrorInfo` reason and is not UNAVAILABLE), which a caller passes on as it came; any
+/// other failure means the service did not answer.
+pub fn is_definite_refusal(status: &Status) -> bool {
+    status.code() != Code::Unavailable && error_info(status).is_some()
+}
+
 /// `[(key, value)]` as ErrorInfo metadata.
 pub fn metadata<const N: usize>(pairs: [(&str, String); N]) -> Vec<(String, String)> {
     pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()

@@ -43,6 +43,26 @@ pub const LIVE: [&str; 4] = ["creating", "started", "suspended", "restoring"];
 /// node's capacity is weighed against (a suspended one is parked there, not running).
 pub const PLACED: [&str; 3] = ["creating", "started", "restoring"];
 
+/// Writes `row` as its sandbox's route identity (replacing the one it had), on `db` or in
+/// a caller's transaction.
+async fn upsert_route_identity(
+    db: &impl sea_orm::ConnectionTrait,
+    row: route_identity::Model,
+) -> Result<()> {
+    route_identity::Entity::insert(row.into_active_model())
+        .on_conflict(
+            sea_orm::sea_query::OnConflict::column(route_identity::Column::SandboxId)
+                .update_columns([
+                    route_identity::Column::CurrentNodeId,
+                    route_identity::Column::ExecutionGeneration,
+                ])
+                .to_owned(),
+        )
+        .exec_without_returning(db)
+        .await?;
+    Ok(())
+}
+
 /// What [`Store::place_within_capacity`] did.
 #[derive(Debug)]
 pub enum Placed {
@@ -217,15 +237,14 @@ impl Store {
             }
             Err(e) => return Err(e.into()),
         }
-        route_identity::Entity::insert(
+        upsert_route_identity(
+            &txn,
             route_identity::Model {
                 sandbox_id: row.id.clone(),
                 current_node_id: node_id,
                 execution_generation: row.execution_generation,
-            }
-            .into_active_model(),
+            },
         )
-        .exec_without_returning(&txn)
         .await?;
         txn.commit().await?;
         Ok(Placed::New(row))
@@ -328,18 +347,7 @@ impl Store {
 
     /// Writes a route identity (what a node's start or restore writes with placement).
     pub async fn set_route_identity(&self, row: route_identity::Model) -> Result<()> {
-        route_identity::Entity::insert(row.into_active_model())
-            .on_conflict(
-                sea_orm::sea_query::OnConflict::column(route_identity::Column::SandboxId)
-                    .update_columns([
-                        route_identity::Column::CurrentNodeId,
-                        route_identity::Column::ExecutionGeneration,
-                    ])
-                    .to_owned(),
-            )
-            .exec_without_returning(&self.db)
-            .await?;
-        Ok(())
+        upsert_route_identity(&self.db, row).await
     }
 
     /// Sets status and placement, compare-and-set on the generation (what a node's
