@@ -8,7 +8,7 @@
 //!   quarantine), pure, with its numbers and the reasons for them;
 //! - [`store`] keeps that state in the database under compare-and-set, with incidents,
 //!   notices and the outbox of MarkBackendError calls owed to the run store;
-//! - [`grpc`] is the service; [`spawn_loop`](CredentialHealth::spawn_loop) delivers the
+//! - [`grpc`] is the service; [`start_rounds`](CredentialHealth::start_rounds) delivers the
 //!   outbox and prunes old notices.
 
 pub mod error;
@@ -39,7 +39,25 @@ const OUTBOX_EVERY: Duration = Duration::from_millis(500);
 pub struct CredentialHealth {
     shared: Arc<grpc::Shared>,
     notice_retention_ms: i64,
+    /// Background work; [`CredentialHealth::register`] hands it to the server's shutdown.
+    tasks: runplane_grpc::Tasks,
 }
+
+/// Re-reads every watched lead's notices now and then, in case a wake-up was lost; it
+/// stops when watches close at shutdown.
+const RECHECK_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "credential-health.recheck",
+    on_cancel: runplane_grpc::OnCancel::Abort,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
+
+/// Outbox delivery and notice pruning: rounds, each safe to redo and safe beside another
+/// replica's, so a round in hand finishes at shutdown and a panic restarts it.
+const ROUNDS_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "credential-health.rounds",
+    on_cancel: runplane_grpc::OnCancel::Finish,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
 
 impl CredentialHealth {
     /// Compiles the profiles' patterns (an invalid one stops here, naming the profile),
@@ -80,15 +98,19 @@ impl CredentialHealth {
         });
         let store = store::Store::new(db, clock, policy::PolicyConfig::from_config(config));
         // The watchers' safety net: one query per re-check for every watched lead.
-        tokio::spawn({
+        let tasks = runplane_grpc::Tasks::new();
+        tasks.spawn(RECHECK_TASK, {
             let (notices, store) = (notices.clone(), store.clone());
-            async move {
-                notices
-                    .recheck(grpc::NOTICE_RECHECK, 1000, |keys| {
-                        let store = store.clone();
-                        async move { store.notice_seqs(keys).await }
-                    })
-                    .await;
+            move |_| {
+                let (notices, store) = (notices.clone(), store.clone());
+                async move {
+                    notices
+                        .recheck(grpc::NOTICE_RECHECK, 1000, |keys| {
+                            let store = store.clone();
+                            async move { store.notice_seqs(keys).await }
+                        })
+                        .await;
+                }
             }
         });
         Ok(Self {
@@ -104,6 +126,7 @@ impl CredentialHealth {
             }),
             notice_retention_ms: i64::from(config.credential_health.notice_retention_hours)
                 * 3_600_000,
+            tasks,
         })
     }
 
@@ -128,48 +151,52 @@ impl CredentialHealth {
         services
             .authenticate(self.shared.tokens.clone())
             .add(self.service())
+            .background(&self.tasks)
             .on_shutdown(move || {
                 closing.closing.send_replace(true);
                 closing.notices.close();
             });
     }
 
-    /// Delivers the outbox (MarkBackendError to the run store) and prunes notices past
-    /// retention, in the background until `shutdown`.
-    pub fn spawn_loop(
-        &self,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> tokio::task::JoinHandle<()> {
+    /// Starts outbox delivery (MarkBackendError to the run store) and the pruning of
+    /// notices past retention in the background; they stop at the server's shutdown
+    /// ([`CredentialHealth::register`]).
+    pub fn start_rounds(&self) {
         let this = self.clone();
-        tokio::spawn(async move {
-            tokio::pin!(shutdown);
-            let mut wake = this.shared.outbox.subscribe();
-            let mut last_prune = 0i64;
-            loop {
-                if let Err(e) = this.deliver_outbox(100).await {
-                    tracing::warn!(error = %e, "outbox delivery failed; next round retries");
-                }
-                let now = this.shared.store.now_ms();
-                if now - last_prune >= 60_000 {
-                    last_prune = now;
-                    match this
-                        .shared
-                        .store
-                        .prune_notices(now - this.notice_retention_ms)
-                        .await
-                    {
-                        Ok(0) => {}
-                        Ok(n) => tracing::info!(pruned = n, "notices past retention pruned"),
-                        Err(e) => tracing::warn!(error = %e, "notice pruning failed"),
-                    }
-                }
-                tokio::select! {
-                    () = &mut shutdown => return,
-                    _ = wake.changed() => {}
-                    () = tokio::time::sleep(OUTBOX_EVERY) => {}
+        self.tasks
+            .spawn(ROUNDS_TASK, move |cancelled| this.clone().rounds(cancelled));
+    }
+
+    async fn rounds(self, cancelled: runplane_grpc::Cancelled) {
+        let this = self;
+        let shutdown = cancelled.cancelled();
+        tokio::pin!(shutdown);
+        let mut wake = this.shared.outbox.subscribe();
+        let mut last_prune = 0i64;
+        loop {
+            if let Err(e) = this.deliver_outbox(100).await {
+                tracing::warn!(error = %e, "outbox delivery failed; next round retries");
+            }
+            let now = this.shared.store.now_ms();
+            if now - last_prune >= 60_000 {
+                last_prune = now;
+                match this
+                    .shared
+                    .store
+                    .prune_notices(now - this.notice_retention_ms)
+                    .await
+                {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(pruned = n, "notices past retention pruned"),
+                    Err(e) => tracing::warn!(error = %e, "notice pruning failed"),
                 }
             }
-        })
+            tokio::select! {
+                () = &mut shutdown => return,
+                _ = wake.changed() => {}
+                () = tokio::time::sleep(OUTBOX_EVERY) => {}
+            }
+        }
     }
 
     /// Delivers due outbox rows once; returns how many the run store accepted. Each row is

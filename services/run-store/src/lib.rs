@@ -32,7 +32,25 @@ pub use error::RunStoreError;
 #[derive(Debug, Clone)]
 pub struct RunStore {
     shared: Arc<grpc::Shared>,
+    /// Background work; [`RunStore::register`] hands it to the server's shutdown.
+    tasks: runplane_grpc::Tasks,
 }
+
+/// Re-reads every watched run now and then, in case a change's notification was lost;
+/// it stops when watches close at shutdown.
+const RECHECK_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "run-store.recheck",
+    on_cancel: runplane_grpc::OnCancel::Abort,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
+
+/// The deadline sweep and outbox delivery: rounds, each safe to redo and safe beside
+/// another replica's, so a round in hand finishes at shutdown and a panic restarts it.
+const ROUNDS_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "run-store.rounds",
+    on_cancel: runplane_grpc::OnCancel::Finish,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
 
 impl RunStore {
     /// Opens and migrates the run store's database (`[run_store].database_url`).
@@ -64,18 +82,23 @@ impl RunStore {
         };
         let store = store::Store::new(db, clock).with_failure_reports(config.run_store.admission);
         // The watchers' safety net: one query per re-check for every watched run.
-        tokio::spawn({
+        let tasks = runplane_grpc::Tasks::new();
+        tasks.spawn(RECHECK_TASK, {
             let (changes, store) = (changes.clone(), store.clone());
-            async move {
-                changes
-                    .recheck(|runs| {
-                        let store = store.clone();
-                        async move { store.versions(runs).await }
-                    })
-                    .await;
+            move |_| {
+                let (changes, store) = (changes.clone(), store.clone());
+                async move {
+                    changes
+                        .recheck(|runs| {
+                            let store = store.clone();
+                            async move { store.versions(runs).await }
+                        })
+                        .await;
+                }
             }
         });
         Ok(Self {
+            tasks,
             shared: Arc::new(grpc::Shared {
                 store,
                 settings,
@@ -86,36 +109,38 @@ impl RunStore {
         })
     }
 
-    /// The run store's background work until `shutdown`: the deadline sweep every
+    /// Starts the run store's rounds in the background: the deadline sweep every
     /// `[run_store] deadline_sweep_interval_ms`, and (with admission) the outbox of
-    /// failed turns owed to credential health. A round that fails is retried by the next.
-    pub fn spawn_loop(
-        &self,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> tokio::task::JoinHandle<()> {
-        let store = self.clone();
-        tokio::spawn(async move {
-            tokio::pin!(shutdown);
-            let mut sweep = tokio::time::interval(store.shared.settings.deadline_sweep_interval);
-            let mut deliver = tokio::time::interval(outbox::EVERY);
-            sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            deliver.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    () = &mut shutdown => return,
-                    _ = sweep.tick() => {
-                        if let Err(e) = store.sweep_deadlines().await {
-                            tracing::warn!(error = %e, "deadline sweep failed; next round retries");
-                        }
+    /// failed turns owed to credential health. A round that fails is retried by the next;
+    /// they stop at the server's shutdown ([`RunStore::register`]).
+    pub fn start_rounds(&self) {
+        let this = self.clone();
+        self.tasks
+            .spawn(ROUNDS_TASK, move |cancelled| this.clone().rounds(cancelled));
+    }
+
+    async fn rounds(self, cancelled: runplane_grpc::Cancelled) {
+        let shutdown = cancelled.cancelled();
+        tokio::pin!(shutdown);
+        let mut sweep = tokio::time::interval(self.shared.settings.deadline_sweep_interval);
+        let mut deliver = tokio::time::interval(outbox::EVERY);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        deliver.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return,
+                _ = sweep.tick() => {
+                    if let Err(e) = self.sweep_deadlines().await {
+                        tracing::warn!(error = %e, "deadline sweep failed; next round retries");
                     }
-                    _ = deliver.tick(), if store.shared.credential_health.is_some() => {
-                        if let Err(e) = store.deliver_outbox().await {
-                            tracing::warn!(error = %e, "outbox delivery failed; next round retries");
-                        }
+                }
+                _ = deliver.tick(), if self.shared.credential_health.is_some() => {
+                    if let Err(e) = self.deliver_outbox().await {
+                        tracing::warn!(error = %e, "outbox delivery failed; next round retries");
                     }
                 }
             }
-        })
+        }
     }
 
     /// Ends the runs past their deadline as `deadline_exceeded`: one bounded query for
@@ -177,6 +202,7 @@ impl RunStore {
             .authenticate(self.shared.tokens.clone())
             .add(runner)
             .add(run)
+            .background(&self.tasks)
             .on_shutdown(move || store.begin_shutdown());
     }
 

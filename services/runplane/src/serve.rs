@@ -122,7 +122,7 @@ pub async fn open(
             .context("starting the run store")?;
         run_store.register(&mut services);
         // Runs past their deadline end; failed turns go to credential health.
-        run_store.spawn_loop(std::future::pending());
+        run_store.start_rounds();
     }
     if selection.sandbox_reconciler {
         let reconciler = SandboxReconciler::open(config, runplane_clock::SystemClock::shared())
@@ -136,7 +136,7 @@ pub async fn open(
             Some(containment) => containment,
             None => local_containment(config).await?,
         };
-        reconciler.spawn_loop(binary, containment, std::future::pending());
+        reconciler.start_rounds(binary, containment);
     }
     if selection.stream_recovery {
         let coordinator = if config.stream_recovery.redis_url == EMBEDDED_STORE {
@@ -154,7 +154,7 @@ pub async fn open(
             .context("starting credential health")?;
         health.register(&mut services);
         // Backend-error outcomes go to the run store; old notices are pruned.
-        health.spawn_loop(std::future::pending());
+        health.start_rounds();
     }
     Ok(services)
 }

@@ -43,7 +43,19 @@ pub struct SandboxReconciler {
     state_dir: std::path::PathBuf,
     /// Credential health, whose fleet view caps dispatch; it runs where admission is on.
     fleet: Option<slots::FleetClient>,
+    /// Background work; [`SandboxReconciler::register`] hands it to the server's shutdown.
+    tasks: runplane_grpc::Tasks,
 }
+
+/// The reconcile round. It finishes the round in hand at shutdown. A panic stops the
+/// process: the round owns this host's sandbox processes through the process driver, and
+/// a fresh process adopting them from the state directory is the recovery the restart
+/// tests prove, where a loop restarted in place would not be.
+const ROUNDS_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "sandbox-reconciler.rounds",
+    on_cancel: runplane_grpc::OnCancel::Finish,
+    on_panic: runplane_grpc::OnPanic::Stop,
+};
 
 impl SandboxReconciler {
     /// Opens and migrates the reconciler's database (`[sandbox_reconciler].database_url`).
@@ -129,36 +141,41 @@ impl SandboxReconciler {
             run_store_endpoint: config.run_store.endpoint.clone(),
             tick_interval: Duration::from_millis(config.sandbox_reconciler.tick_interval_ms.into()),
             state_dir: config.sandbox_reconciler.state_dir.clone().into(),
+            tasks: runplane_grpc::Tasks::new(),
         })
     }
 
     /// Starts dispatch, wake assignment, the reconcile tick and outbox delivery in the
-    /// background until `shutdown`. Sandboxes go to registered node agents; with none
-    /// ready, the reconciler runs them on its own machine with the process driver.
-    /// Local agents are contained as `containment` says ([`drivers::process::Containment::probe`]).
-    pub fn spawn_loop(
+    /// background; they stop at the server's shutdown ([`SandboxReconciler::register`]).
+    /// Sandboxes go to registered node agents; with none ready, the reconciler runs them
+    /// on its own machine with the process driver. Local agents are contained as
+    /// `containment` says ([`drivers::process::Containment::probe`]).
+    pub fn start_rounds(
         &self,
         runplane_binary: std::path::PathBuf,
         containment: drivers::process::Containment,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> tokio::task::JoinHandle<()> {
+    ) {
         let store = self.shared.store.clone();
         let local =
             drivers::ProcessDriver::new(&self.state_dir, runplane_binary).contained(containment);
         let driver = Arc::new(drivers::RoutedDriver::new(local, store.clone()));
-        let reconciler = reconcile::Reconciler::new(store, driver, self.settings.clone())
-            .with_fleet(self.fleet.clone());
-        tokio::spawn(reconcile::run_loop(
-            reconciler,
-            self.shared.run_store.clone(),
-            reconcile::RunnerEndpoints {
-                run_store: self.run_store_endpoint.clone(),
-                stream_recovery: self.shared.recovery_endpoint.clone(),
-            },
-            self.tick_interval,
-            self.shared.signals.clone(),
-            shutdown,
-        ))
+        let this = self.clone();
+        self.tasks.spawn(ROUNDS_TASK, move |cancelled| {
+            let reconciler =
+                reconcile::Reconciler::new(store.clone(), driver.clone(), this.settings.clone())
+                    .with_fleet(this.fleet.clone());
+            reconcile::run_loop(
+                reconciler,
+                this.shared.run_store.clone(),
+                reconcile::RunnerEndpoints {
+                    run_store: this.run_store_endpoint.clone(),
+                    stream_recovery: this.shared.recovery_endpoint.clone(),
+                },
+                this.tick_interval,
+                this.shared.signals.clone(),
+                cancelled.cancelled(),
+            )
+        });
     }
 
     pub fn store(&self) -> &store::Store {
@@ -177,6 +194,7 @@ impl SandboxReconciler {
             }))
             .add(NodeCredentialServiceServer::new(grpc::NodeCredentialApi {
                 shared: self.shared.clone(),
-            }));
+            }))
+            .background(&self.tasks);
     }
 }

@@ -21,6 +21,7 @@ use crate::drivers::{Driver, Launch};
 use crate::error::ReconcilerError;
 use crate::store::Store;
 use crate::store::entities::{outbox, sandbox};
+use runplane_grpc::tasks::AbortOnDrop;
 use runplane_telemetry::metrics;
 use tracing::Instrument;
 
@@ -772,15 +773,6 @@ pub async fn run_loop(
             .await;
         // The round may have placed, woken or destroyed sandboxes: node agents look now.
         signals.assignments_changed();
-    }
-}
-
-/// Aborts the task when dropped (the loop returned).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

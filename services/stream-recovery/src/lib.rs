@@ -27,6 +27,14 @@ pub enum RecoveryError {
     Endpoint(String),
 }
 
+/// The orphan sweep. A sweep cut short loses nothing (the next start begins a new pass),
+/// so it is aborted at shutdown; a panicked batch is retried from a fresh pass.
+const SWEEP_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "stream-recovery.sweep",
+    on_cancel: runplane_grpc::OnCancel::Abort,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
+
 /// The coordinator, ready to be registered on a server.
 #[derive(Debug, Clone)]
 pub struct StreamRecovery {
@@ -104,19 +112,18 @@ impl StreamRecovery {
     }
 
     /// Adds the coordinator's gRPC service to `services` and starts its orphan sweep,
-    /// which stops when the server begins shutting down (a sweep cut short loses nothing:
-    /// the next start begins a new pass). Call inside a tokio runtime.
+    /// which stops when the server begins shutting down. Call inside a tokio runtime.
     pub fn register(&self, services: &mut ServiceSet) {
-        let sweeper = tokio::spawn(grpc::sweep_forever(
-            self.shared.clone(),
-            self.sweep_every,
-            policy::SWEEP_BATCH,
-        ));
+        let tasks = runplane_grpc::Tasks::new();
+        let (shared, every) = (self.shared.clone(), self.sweep_every);
+        tasks.spawn(SWEEP_TASK, move |_| {
+            grpc::sweep_forever(shared.clone(), every, policy::SWEEP_BATCH)
+        });
         services
             .authenticate(self.shared.tokens.clone())
             .add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
                 shared: self.shared.clone(),
             }))
-            .on_shutdown(move || sweeper.abort());
+            .background(&tasks);
     }
 }

@@ -13,6 +13,8 @@
 //!   addresses) and the channel that spreads calls over them and moves off failures.
 //! - [`heartbeat`]: how often watch streams send heartbeats, and how long a client waits.
 //! - [`wake`]: keyed wake-ups, so a long poll or a watch wakes for its own key only.
+//! - [`tasks`]: background work, declared: named, with what cancellation and a panic
+//!   mean, awaited within the shutdown grace.
 //! - [`tls`]: rustls TLS and mutual TLS of servers and `https://` channels, from `[tls]`.
 //! - [`error`]: `tonic::Status` with `google.rpc.ErrorInfo` carrying a stable reason.
 //! - [`shutdown_signal`]: SIGTERM or SIGINT.
@@ -26,12 +28,14 @@ pub mod guard;
 pub mod heartbeat;
 pub mod server;
 pub mod shed;
+pub mod tasks;
 pub mod tls;
 pub mod trace_context;
 pub mod wake;
 
 pub use error::{ErrorReason, ServiceError, error_info, into_status, status_with_reason};
 pub use server::{ServerLimits, ServiceSet, Stopped, serve, serve_with_tls};
+pub use tasks::{Cancelled, OnCancel, OnPanic, Task, Tasks};
 
 /// A `std::time::Duration` as the protobuf `Duration` the contract carries.
 pub fn proto_duration(d: std::time::Duration) -> prost_types::Duration {

@@ -26,6 +26,8 @@ pub enum ServeError {
     Transport(String),
     #[error("TLS settings are unusable: {0}")]
     Tls(String),
+    #[error("background task {0} panicked; the process stops so a fresh one takes over")]
+    Task(&'static str),
 }
 
 /// What one server allows a connection and a call, from `[server]`.
@@ -108,6 +110,7 @@ pub struct ServiceSet {
     on_shutdown: Vec<Box<dyn FnOnce() + Send>>,
     limits: ServerLimits,
     tokens: crate::auth::Tokens,
+    background: Vec<crate::tasks::Tasks>,
 }
 
 impl ServiceSet {
@@ -135,6 +138,14 @@ impl ServiceSet {
     /// service ends its long polls and streams there so clients move on at once.
     pub fn on_shutdown(&mut self, hook: impl FnOnce() + Send + 'static) -> &mut Self {
         self.on_shutdown.push(Box::new(hook));
+        self
+    }
+
+    /// A service's background tasks: [`serve`] cancels them when shutdown begins and
+    /// awaits them within the grace, and stops serving when one that stops the process
+    /// panics ([`crate::tasks::OnPanic::Stop`]).
+    pub fn background(&mut self, tasks: &crate::tasks::Tasks) -> &mut Self {
+        self.background.push(tasks.clone());
         self
     }
 
@@ -171,8 +182,9 @@ pub enum Stopped {
 /// [`crate::tls::install`] installed (plaintext when none was).
 ///
 /// On shutdown every health status turns NOT_SERVING first (so load balancers stop
-/// sending), then in-flight calls get `grace` to finish; whatever is still running after
-/// that is dropped.
+/// sending), then in-flight calls and background tasks get `grace` to finish; whatever is
+/// still running after that is dropped. A background task that stops the process when it
+/// panics begins the same shutdown, and `serve` then returns [`ServeError::Task`].
 pub async fn serve(
     listener: TcpListener,
     services: ServiceSet,
@@ -198,6 +210,7 @@ pub async fn serve_with_tls(
         on_shutdown,
         limits,
         tokens,
+        background,
     } = services;
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -275,10 +288,19 @@ pub async fn serve_with_tls(
         });
     let mut server = tokio::spawn(server);
 
-    tokio::select! {
+    type Failing<'a> = std::pin::Pin<Box<dyn Future<Output = &'static str> + Send + 'a>>;
+    let mut failing: Vec<Failing<'_>> = background
+        .iter()
+        .map(|tasks| Box::pin(tasks.failed()) as Failing<'_>)
+        .collect();
+    failing.push(Box::pin(std::future::pending()));
+    let failed = futures::future::select_all(failing);
+    let failed = tokio::select! {
         finished = &mut server => return flatten(finished),
-        () = shutdown => {}
-    }
+        () = shutdown => None,
+        (name, _, _) = failed => Some(name),
+    };
+    let deadline = tokio::time::Instant::now() + grace;
 
     health
         .set_service_status("", ServingStatus::NotServing)
@@ -292,16 +314,30 @@ pub async fn serve_with_tls(
         hook();
     }
     let _ = stop_tx.send(());
-    match tokio::time::timeout(grace, &mut server).await {
-        Ok(finished) => flatten(finished),
-        Err(_) => {
-            tracing::warn!(
-                grace_seconds = grace.as_secs(),
-                "in-flight calls outlived the shutdown grace; dropping them"
-            );
-            server.abort();
+    let (stopped, outlived) = tokio::join!(
+        async {
+            match tokio::time::timeout_at(deadline, &mut server).await {
+                Ok(finished) => flatten(finished),
+                Err(_) => {
+                    tracing::warn!(
+                        grace_seconds = grace.as_secs(),
+                        "in-flight calls outlived the shutdown grace; dropping them"
+                    );
+                    server.abort();
+                    Ok(Stopped::GraceExpired)
+                }
+            }
+        },
+        futures::future::join_all(background.iter().map(|tasks| tasks.shutdown(deadline))),
+    );
+    if let Some(name) = failed {
+        return Err(ServeError::Task(name));
+    }
+    match stopped? {
+        Stopped::Drained if outlived.iter().any(|names| !names.is_empty()) => {
             Ok(Stopped::GraceExpired)
         }
+        stopped => Ok(stopped),
     }
 }
 

@@ -202,6 +202,75 @@ async fn health_turns_not_serving_on_shutdown_before_the_server_stops() {
         .expect("serve returns after the grace");
 }
 
+/// A background task whose panic stops the process turns health NOT_SERVING and makes
+/// `serve` return an error naming it, so the process exits and its supervisor starts a
+/// fresh one; a task that finishes its round at shutdown is awaited first.
+#[tokio::test]
+async fn a_background_task_that_stops_the_process_ends_serving_with_its_name() {
+    use runplane_grpc::{OnCancel, OnPanic, Task, Tasks};
+    let tasks = Tasks::new();
+    let (finished_tx, finished_rx) = std::sync::mpsc::channel::<()>();
+    tasks.spawn(
+        Task {
+            name: "test.rounds",
+            on_cancel: OnCancel::Finish,
+            on_panic: OnPanic::Restart,
+        },
+        move |cancelled| {
+            let finished = finished_tx.clone();
+            async move {
+                cancelled.cancelled().await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let _ = finished.send(());
+            }
+        },
+    );
+    let (panic_now, panic_when) = tokio::sync::watch::channel(false);
+    tasks.spawn(
+        Task {
+            name: "test.essential",
+            on_cancel: OnCancel::Abort,
+            on_panic: OnPanic::Stop,
+        },
+        move |_| {
+            let mut when = panic_when.clone();
+            async move {
+                let _ = when.wait_for(|now| *now).await;
+                panic!("the essential loop broke");
+            }
+        },
+    );
+    let mut services = ServiceSet::new();
+    services.background(&tasks);
+    let server = start(services, Duration::from_secs(5)).await;
+    let mut health = HealthClient::new(runplane_grpc::client::connect(&server.addr).await.unwrap());
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first: HealthCheckResponse = watch.next().await.unwrap().unwrap();
+    assert_eq!(first.status(), ServingStatus::Serving);
+
+    panic_now.send_replace(true);
+    let next: HealthCheckResponse = watch.next().await.unwrap().unwrap();
+    assert_eq!(next.status(), ServingStatus::NotServing);
+    drop(watch);
+    let stopped = server.done.await.unwrap();
+    assert!(
+        matches!(
+            stopped,
+            Err(runplane_grpc::server::ServeError::Task("test.essential"))
+        ),
+        "{stopped:?}"
+    );
+    finished_rx
+        .try_recv()
+        .expect("the finishing task's round was not awaited");
+}
+
 #[tokio::test]
 async fn unknown_service_names_are_not_found_by_health() {
     let server = start(ServiceSet::new(), Duration::from_secs(5)).await;

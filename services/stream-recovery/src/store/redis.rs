@@ -21,6 +21,7 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 use runplane_config::RedisTarget;
+use runplane_grpc::tasks::AbortOnDrop;
 use runplane_grpc::wake::Wakeups;
 
 use super::{
@@ -357,15 +358,7 @@ pub struct RedisStore {
     wakeups: Wakeups,
     /// The subscriber relaying every replica's changes to `wakeups`; stops with the
     /// last clone of the store.
-    _listener: Arc<AbortOnDrop>,
-}
-
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+    _listener: Arc<AbortOnDrop<()>>,
 }
 
 /// Relays the runs published on `channel` (by every replica's scripts and changes) to
