@@ -205,7 +205,7 @@ impl CredentialHealth {
         use runplane_db::outbox::{Delivery, deliver_due};
         use tracing::Instrument;
         let store = &self.shared.store;
-        let delivered = deliver_due(store.db(), || store.now_ms() * 1000, limit, |row| {
+        let delivered = deliver_due(store.db(), || store.now_us(), limit, |row| {
             let mut client = self.shared.run_store.clone();
             async move {
                 let Ok(request) = rs::MarkBackendErrorRequest::decode(row.payload.as_slice())

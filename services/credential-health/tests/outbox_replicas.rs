@@ -132,7 +132,7 @@ impl Replicas {
     /// Writes `n` owed MarkBackendError calls, as a classified report does; returns their
     /// keys.
     async fn owe(&self, n: usize) -> Vec<String> {
-        let now_us = self.a.store().now_ms() * 1000;
+        let now_us = self.a.store().now_us();
         let mut keys = Vec::new();
         for i in 0..n {
             let key = format!("run-health-{i:04}:result");

@@ -6,7 +6,9 @@ use runplane_proto::runstore::v1 as pb;
 use crate::domain::state;
 use crate::domain::validate::json_to_struct;
 use crate::store::entities::{event, run, steering_message};
-use crate::store::{timestamp, verdict_of};
+use runplane_clock::to_timestamp as timestamp;
+
+use crate::store::verdict_of;
 
 pub fn run(model: &run::Model) -> pb::Run {
     let terminal = state::is_terminal(&model.state);

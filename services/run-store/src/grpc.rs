@@ -234,7 +234,7 @@ impl RunnerService for RunnerApi {
         Ok(Response::new(pb::HelloResponse {
             chain_head: run.chain_head.clone(),
             run: Some(convert::run(&run)),
-            claimed_at: Some(crate::store::timestamp(claimed_at)),
+            claimed_at: Some(runplane_clock::to_timestamp(claimed_at)),
             limits: Some(s.limits()),
         }))
     }
@@ -688,7 +688,7 @@ impl RunService for RunApi {
             active_by_profile: counts.by_profile,
             active_by_profile_credential: counts.by_profile_credential,
             queued_by_credential: counts.queued_by_credential,
-            counted_at: Some(crate::store::timestamp(s.store.now_us())),
+            counted_at: Some(runplane_clock::to_timestamp(s.store.now_us())),
         }))
     }
 
@@ -1236,7 +1236,7 @@ async fn watch(
             // Nothing sent for an interval: say the stream is alive, and where it is.
             let heartbeat = pb::Heartbeat {
                 last_sequence: cursor,
-                server_time: Some(crate::store::timestamp(s.store.now_us())),
+                server_time: Some(runplane_clock::to_timestamp(s.store.now_us())),
             };
             if !send(Update::Heartbeat(heartbeat)).await {
                 return Ok(());

@@ -51,6 +51,7 @@ impl Agent {
         args: &[String],
         events: mpsc::Sender<pb::EventInput>,
         frames: Option<crate::frames::Frames>,
+        clock: runplane_clock::SharedClock,
     ) -> std::io::Result<Self> {
         // Under the sandbox driver's wrapper (bubblewrap) when it gave one: the agent, and
         // only the agent, is contained; this runner stays outside with the run key.
@@ -94,6 +95,7 @@ impl Agent {
                 events.clone(),
                 tail.clone(),
                 frames.clone(),
+                clock.clone(),
             )));
         }
         if let Some(err) = child.stderr.take() {
@@ -103,6 +105,7 @@ impl Agent {
                 events.clone(),
                 tail.clone(),
                 frames.clone(),
+                clock.clone(),
             )));
         }
         tracing::info!(pid = pgid.map(|p| p.as_raw()), "agent started");
@@ -254,6 +257,7 @@ async fn read_lines(
     events: mpsc::Sender<pb::EventInput>,
     tail: Arc<Mutex<VecDeque<String>>>,
     frames: Option<crate::frames::Frames>,
+    clock: runplane_clock::SharedClock,
 ) {
     let mut reader = BufReader::new(pipe);
     let mut buf = Vec::new();
@@ -290,7 +294,7 @@ async fn read_lines(
         let event = pb::EventInput {
             kind: kind as i32,
             text,
-            observed_at: Some(now()),
+            observed_at: Some(crate::events::observed_at(clock.as_ref())),
             ..Default::default()
         };
         // The drain's pump takes every event at once into its bounded pending buffer,
@@ -298,16 +302,5 @@ async fn read_lines(
         // means the run is over; keep reading so the agent is never blocked on a full
         // pipe.
         let _ = events.send(event).await;
-    }
-}
-
-/// Wall-clock time for `observed_at` (informational only; never used for ordering).
-pub fn now() -> prost_types::Timestamp {
-    let since = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    prost_types::Timestamp {
-        seconds: since.as_secs() as i64,
-        nanos: since.subsec_nanos() as i32,
     }
 }

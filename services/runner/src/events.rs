@@ -21,6 +21,7 @@
 //! the run store counts them: the events' encoded sizes). One event larger than a whole
 //! batch is cut to fit, with a marker saying how much was cut, never dropped silently.
 
+use runplane_clock::{Clock, SharedClock};
 use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -83,8 +84,14 @@ pub struct DrainReport {
     pub dropped: u64,
 }
 
+/// When the runner saw something, by `clock`: an event's `observed_at` (informational,
+/// never used for ordering).
+pub fn observed_at(clock: &dyn Clock) -> prost_types::Timestamp {
+    runplane_clock::to_timestamp(clock.now_us())
+}
+
 /// An `events_lost` event for `count` events.
-pub fn lost_event(count: u64) -> pb::EventInput {
+pub fn lost_event(count: u64, clock: &dyn Clock) -> pb::EventInput {
     pb::EventInput {
         kind: pb::EventKind::EventsLost as i32,
         name: "events_lost".into(),
@@ -98,7 +105,7 @@ pub fn lost_event(count: u64) -> pb::EventInput {
             )]
             .into(),
         }),
-        observed_at: Some(crate::child::now()),
+        observed_at: Some(observed_at(clock)),
         ..Default::default()
     }
 }
@@ -123,6 +130,7 @@ struct Pending {
     state: Mutex<State>,
     wake: Notify,
     limit: usize,
+    clock: SharedClock,
 }
 
 /// One batch off the buffer.
@@ -135,11 +143,12 @@ struct Batch {
 }
 
 impl Pending {
-    fn new(limit: usize) -> Self {
+    fn new(limit: usize, clock: SharedClock) -> Self {
         Self {
             state: Mutex::default(),
             wake: Notify::new(),
             limit,
+            clock,
         }
     }
 
@@ -242,7 +251,7 @@ impl Pending {
         while batch.events.len() < max_events {
             let size = match s.items.front() {
                 Some(Item::Event(_, n)) => *n,
-                Some(Item::Dropped(c)) => lost_event(*c).encoded_len(),
+                Some(Item::Dropped(c)) => lost_event(*c, self.clock.as_ref()).encoded_len(),
                 None => break,
             };
             if !batch.events.is_empty() && bytes + size > max_bytes {
@@ -258,7 +267,7 @@ impl Pending {
                 Some(Item::Dropped(c)) => {
                     s.bytes -= MARKER_BYTES;
                     batch.dropped += c;
-                    batch.events.push(lost_event(c));
+                    batch.events.push(lost_event(c, self.clock.as_ref()));
                 }
                 None => break,
             }
@@ -276,13 +285,14 @@ pub async fn drain(
     limits: pb::RunnerLimits,
     mut queue: mpsc::Receiver<pb::EventInput>,
     ending: crate::ending::Ending,
+    clock: SharedClock,
 ) -> DrainReport {
     let max_events = limits.max_batch_events.clamp(1, 500) as usize;
     let max_bytes = match limits.max_batch_bytes {
         0 => DEFAULT_BATCH_BYTES,
         n => n as usize,
     };
-    let pending = Pending::new(PENDING_BYTES.max(2 * max_bytes));
+    let pending = Pending::new(PENDING_BYTES.max(2 * max_bytes), clock);
     // The pump: never waits on anything but the queue.
     let pump = async {
         while let Some(event) = queue.recv().await {

@@ -51,17 +51,14 @@ pub struct Frames {
     /// Where the one "live stream ended" event goes; weak, so it never keeps the event
     /// drain open.
     events: Arc<Mutex<Option<mpsc::WeakSender<EventInput>>>>,
-}
-
-impl Default for Frames {
-    fn default() -> Self {
-        Self::new()
-    }
+    clock: runplane_clock::SharedClock,
 }
 
 impl Frames {
-    pub fn new() -> Self {
+    /// Frames whose reports are stamped by `clock`.
+    pub fn new(clock: runplane_clock::SharedClock) -> Self {
         Self {
+            clock,
             state: Arc::new(Mutex::new(State {
                 next_to_send: 1,
                 next_sequence: 1,
@@ -176,7 +173,7 @@ impl Frames {
                 ]
                 .into(),
             }),
-            observed_at: Some(crate::child::now()),
+            observed_at: Some(crate::events::observed_at(self.clock.as_ref())),
             ..Default::default()
         };
         if events.try_send(event).is_err() {

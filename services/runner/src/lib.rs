@@ -105,7 +105,12 @@ pub struct Outcome {
 pub const STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// Runs the agent for `env`'s run to the end.
-pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerError> {
+/// `clock` stamps what the runner observes (`observed_at`), never orders anything.
+pub async fn run(
+    env: RunnerEnv,
+    retry: RetryConfig,
+    clock: runplane_clock::SharedClock,
+) -> Result<Outcome, RunnerError> {
     let layer = RetryLayer::new(retry.clone());
     let channel = runplane_transport::connect_lazy(&env.endpoint, &layer)?;
     let client: Client =
@@ -135,7 +140,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
             runplane_transport::connect_lazy(&env.recovery_endpoint, &recovery_layer)?,
             Bearer::new(env.run_key.expose()),
         );
-    let live = frames::Frames::new();
+    let live = frames::Frames::new(clock.clone());
     // The spawned loops stay in the run's span, so their calls join the run's trace.
     let streaming = tokio::spawn(
         frames::stream(recovery, env.run_id.clone(), nonce.clone(), live.clone()).in_current_span(),
@@ -149,6 +154,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
         &run.args,
         events_tx.clone(),
         Some(live.clone()),
+        clock.clone(),
     )
     .map_err(|e| RunnerError::Spawn {
         command: run.command.clone(),
@@ -162,6 +168,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
             limits,
             events_rx,
             ending.clone(),
+            clock.clone(),
         )
         .in_current_span(),
     );
@@ -173,6 +180,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
             events_tx.clone(),
             live.clone(),
             ending.clone(),
+            clock.clone(),
         )
         .in_current_span(),
     );
@@ -222,7 +230,7 @@ pub async fn run(env: RunnerEnv, retry: RetryConfig) -> Result<Outcome, RunnerEr
     // The events are the agent's output and what steering did; the exit is in the verdict.
     let mut final_events = Vec::new();
     if drained.lost > 0 {
-        final_events.push(events::lost_event(drained.lost));
+        final_events.push(events::lost_event(drained.lost, clock.as_ref()));
     }
     let failure_tail = if verdict.outcome() == pb::VerdictOutcome::Succeeded {
         String::new()

@@ -40,12 +40,13 @@ pub async fn poll(
     events: mpsc::Sender<pb::EventInput>,
     frames: crate::frames::Frames,
     ending: Ending,
+    clock: runplane_clock::SharedClock,
 ) {
     let mut acks: Vec<pb::SteeringAck> = Vec::new();
     let mut applied: HashSet<String> = HashSet::new();
     let mut attempts: HashMap<String, u32> = HashMap::new();
     let mut backoff = BACKOFF_START;
-    let mut degraded: Option<(std::time::SystemTime, u32)> = None;
+    let mut degraded: Option<(i64, u32)> = None;
     let mark = PollMark::from_env();
     let mut answered: u64 = 0;
     // The loop is up: whatever is queued for the agent is served by the first poll.
@@ -71,7 +72,7 @@ pub async fn poll(
             Err(status) => {
                 // The transport spent its budget. Keep the acknowledgements (resending an
                 // id changes nothing) and keep polling: only a terminal run ends this loop.
-                let (_, failed) = degraded.get_or_insert((std::time::SystemTime::now(), 0));
+                let (_, failed) = degraded.get_or_insert((clock.now_us(), 0));
                 *failed += 1;
                 tracing::warn!(code = ?status.code(), "steering poll failed; will poll again");
                 tokio::time::sleep(jittered(backoff)).await;
@@ -81,7 +82,9 @@ pub async fn poll(
         };
         acks.clear();
         if let Some((from, failed_polls)) = degraded.take() {
-            let _ = events.send(degraded_event(from, failed_polls)).await;
+            let _ = events
+                .send(degraded_event(from, failed_polls, clock.as_ref()))
+                .await;
         }
         if answer.run_state().is_terminal() {
             // The run ended away from us: stop the agent. An abort served with this
@@ -129,7 +132,7 @@ pub async fn poll(
                     applied.insert(message.id.clone());
                     acks.push(ack(&message.id, pb::AckOutcome::Applied, *tries, ""));
                     new_acks += 1;
-                    let _ = events.send(applied_event(message)).await;
+                    let _ = events.send(applied_event(message, clock.as_ref())).await;
                 }
                 Applied::Failed(error)
                     if message.kind() == pb::SteeringKind::Steer
@@ -283,22 +286,26 @@ fn jittered(step: Duration) -> Duration {
     Duration::from_millis(rand::random_range(ms / 2..=ms))
 }
 
-fn applied_event(message: &pb::SteeringMessage) -> pb::EventInput {
+fn applied_event(
+    message: &pb::SteeringMessage,
+    clock: &dyn runplane_clock::Clock,
+) -> pb::EventInput {
     pb::EventInput {
         kind: pb::EventKind::SteerApplied as i32,
         name: crate::verdict::kind_name(message.kind()).to_owned(),
         text: message.id.clone(),
-        observed_at: Some(crate::child::now()),
+        observed_at: Some(crate::events::observed_at(clock)),
         ..Default::default()
     }
 }
 
-fn degraded_event(from: std::time::SystemTime, failed_polls: u32) -> pb::EventInput {
-    let secs = |t: std::time::SystemTime| {
-        t.duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs_f64()
-    };
+/// `from_us`: when the polls began failing, in microseconds.
+fn degraded_event(
+    from_us: i64,
+    failed_polls: u32,
+    clock: &dyn runplane_clock::Clock,
+) -> pb::EventInput {
+    let secs = |us: i64| us as f64 / 1e6;
     let field = |v: f64| prost_types::Value {
         kind: Some(prost_types::value::Kind::NumberValue(v)),
     };
@@ -308,16 +315,13 @@ fn degraded_event(from: std::time::SystemTime, failed_polls: u32) -> pb::EventIn
         text: format!("steering polls failed {failed_polls} times during an outage"),
         data: Some(prost_types::Struct {
             fields: [
-                ("from_unix".to_owned(), field(secs(from))),
-                (
-                    "to_unix".to_owned(),
-                    field(secs(std::time::SystemTime::now())),
-                ),
+                ("from_unix".to_owned(), field(secs(from_us))),
+                ("to_unix".to_owned(), field(secs(clock.now_us()))),
                 ("failed_polls".to_owned(), field(failed_polls.into())),
             ]
             .into(),
         }),
-        observed_at: Some(crate::child::now()),
+        observed_at: Some(crate::events::observed_at(clock)),
         ..Default::default()
     }
 }

@@ -56,6 +56,7 @@ async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in
         },
         rx,
         runplane_runner::ending::Ending::new(),
+        runplane_clock::SystemClock::shared(),
     ));
 
     // Far more than the pending buffer holds: the drain takes it all without waiting
@@ -175,6 +176,7 @@ async fn batches_respect_a_small_server_limit_and_an_oversized_event_is_cut_with
         limits,
         rx,
         runplane_runner::ending::Ending::new(),
+        runplane_clock::SystemClock::shared(),
     ));
     let texts: Vec<String> = (0..40)
         .map(|i| {

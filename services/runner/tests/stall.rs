@@ -160,6 +160,7 @@ async fn a_long_run_store_outage_never_stalls_the_agent_and_every_kept_line_arri
             ordinary_budget: Duration::from_secs(12),
             ..RetryConfig::default()
         },
+        runplane_clock::SystemClock::shared(),
     ));
 
     let store = RunStore::open(&config, runplane_clock::SystemClock::shared())

@@ -142,6 +142,7 @@ async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::R
             recovery_endpoint: config.stream_recovery.endpoint.clone(),
             token,
             state_dir: config.node.state_dir.clone().into(),
+            clock: runplane_clock::SystemClock::shared(),
             runplane_binary: std::env::current_exe()
                 .context("locating the runplane binary for sandboxes")?,
             containment,

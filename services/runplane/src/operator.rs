@@ -15,7 +15,7 @@ use runplane_clock::{Clock, SystemClock};
 use runplane_proto::runstore::v1 as pb;
 
 use crate::connect::{RunStoreConnect, idempotency_key, rpc};
-use crate::output::{self, or_dash, state_name, timestamp};
+use crate::output::{self, or_dash, rfc3339, state_name};
 use crate::watch::{Until, print_events};
 
 /// ListRuns' largest page.
@@ -259,13 +259,9 @@ pub fn write_run(run: &pb::Run, now: DateTime<Utc>, out: &mut impl Write) -> std
         let Some(t) = t else { return "-".into() };
         match output::time(t) {
             Some(at) if at <= now => {
-                format!(
-                    "{} ({} ago)",
-                    timestamp(t),
-                    crate::duration::short(now - at)
-                )
+                format!("{} ({} ago)", rfc3339(t), crate::duration::short(now - at))
             }
-            Some(at) => format!("{} (in {})", timestamp(t), crate::duration::short(at - now)),
+            Some(at) => format!("{} (in {})", rfc3339(t), crate::duration::short(at - now)),
             None => "-".into(),
         }
     };

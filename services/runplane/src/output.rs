@@ -79,7 +79,7 @@ pub fn time(t: &prost_types::Timestamp) -> Option<chrono::DateTime<chrono::Utc>>
 }
 
 /// `2026-12-01T10:00:00Z`.
-pub fn timestamp(t: &prost_types::Timestamp) -> String {
+pub fn rfc3339(t: &prost_types::Timestamp) -> String {
     time(t).map_or_else(
         || "-".into(),
         |t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string(),

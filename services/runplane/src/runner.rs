@@ -20,9 +20,13 @@ pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
     if let Ok(traceparent) = std::env::var("TRACEPARENT") {
         runplane_grpc::trace_context::continue_trace(&span, &traceparent);
     }
-    let outcome = runplane_runner::run(env, RetryConfig::default())
-        .instrument(span)
-        .await?;
+    let outcome = runplane_runner::run(
+        env,
+        RetryConfig::default(),
+        runplane_clock::SystemClock::shared(),
+    )
+    .instrument(span)
+    .await?;
     tracing::info!(
         outcome = ?outcome.verdict.outcome(),
         reason = %outcome.verdict.reason,

@@ -54,6 +54,8 @@ pub struct AgentConfig {
     pub runplane_binary: PathBuf,
     /// How its agents are contained ([`Containment::probe`], at start).
     pub containment: Containment,
+    /// Route tokens expire, and observations are numbered and stamped, on this clock.
+    pub clock: runplane_clock::SharedClock,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -143,7 +145,7 @@ pub async fn run(
         .contained(config.containment.clone());
     // Sessions reach this node's sandboxes here, with the route tokens ResolveRoute signs
     // for this node; it refuses to start where it cannot listen.
-    let sessions = Sessions::new(&config.node_id);
+    let sessions = Sessions::new(&config.node_id, config.clock.clone());
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .map_err(|e| AgentError::Listen(config.listen.clone(), e.to_string()))?;
@@ -461,11 +463,22 @@ fn recorded_handle(config: &AgentConfig, sandbox_id: &str) -> String {
         .unwrap_or_default()
 }
 
-fn observation_seq() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_micros() as u64
+/// The next observation number of this process: strictly increasing even when the wall
+/// clock steps back (an observation numbered below the last one stored is ignored), and
+/// starting from the clock's microseconds, so a restarted agent numbers ahead of its
+/// previous boot.
+fn observation_seq(clock: &dyn runplane_clock::Clock) -> u64 {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = u64::try_from(clock.now_us()).unwrap_or_default();
+    let next = |last: u64| now.max(last.saturating_add(1));
+    let last = LAST
+        .fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |last| Some(next(last)),
+        )
+        .unwrap_or_else(|last| last);
+    next(last)
 }
 
 async fn publish(
@@ -484,11 +497,11 @@ async fn publish(
             epoch,
             sandbox_id: row.id.clone(),
             execution_generation: row.execution_generation as u64,
-            observation_seq: observation_seq(),
+            observation_seq: observation_seq(config.clock.as_ref()),
             status: status as i32,
             placed,
             exit_code,
-            observed_at: None,
+            observed_at: Some(runplane_clock::to_timestamp(config.clock.now_us())),
         })
         .await;
     if let Err(s) = result {
@@ -825,5 +838,30 @@ async fn unpark(client: &Client, config: &AgentConfig, epoch: u64, row: &sandbox
     });
     if let Err(s) = unparked {
         tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "stream not unparked");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use runplane_clock::ManualClock;
+
+    use super::observation_seq;
+
+    /// Observations stay strictly increasing when the wall clock steps back (an NTP step):
+    /// numbered from the wall clock alone, every observation after the step would be older
+    /// than the stored one and ignored until the clock caught up.
+    #[test]
+    fn observation_numbers_keep_increasing_when_the_wall_clock_steps_back() {
+        let start = chrono::DateTime::from_timestamp(1_900_000_000, 0).unwrap();
+        let clock = ManualClock::new(start);
+        let first = observation_seq(&clock);
+        assert!(first >= 1_900_000_000_000_000, "{first}");
+        clock.set_wall(start - chrono::Duration::minutes(10));
+        let second = observation_seq(&clock);
+        assert!(second > first, "{second} after {first}");
+        clock.advance(Duration::from_secs(1));
+        assert!(observation_seq(&clock) > second);
     }
 }

@@ -215,8 +215,8 @@ fn node_of(n: &node::Model) -> pb::Node {
         labels: Default::default(),
         epoch: n.epoch as u64,
         state: pb::NodeState::Ready as i32,
-        registered_at: Some(timestamp(n.registered_at_us)),
-        last_heartbeat_at: Some(timestamp(n.last_heartbeat_us)),
+        registered_at: Some(runplane_clock::to_timestamp(n.registered_at_us)),
+        last_heartbeat_at: Some(runplane_clock::to_timestamp(n.last_heartbeat_us)),
     }
 }
 
@@ -668,13 +668,6 @@ fn sandbox_id(id: &str) -> Result<(), ReconcilerError> {
     Ok(())
 }
 
-fn timestamp(us: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: us.div_euclid(1_000_000),
-        nanos: (us.rem_euclid(1_000_000) * 1000) as i32,
-    }
-}
-
 fn status_of(name: &str) -> pb::SandboxStatus {
     match name {
         "creating" => pb::SandboxStatus::Creating,
@@ -715,8 +708,8 @@ fn wake_of(w: &wake::Model) -> pb::Wake {
         node_id: w.node_id.clone().unwrap_or_default(),
         attempts: w.attempts as u32,
         last_error: w.last_error.clone(),
-        requested_at: Some(timestamp(w.requested_at_us)),
-        settled_at: w.settled_at_us.map(timestamp),
+        requested_at: Some(runplane_clock::to_timestamp(w.requested_at_us)),
+        settled_at: w.settled_at_us.map(runplane_clock::to_timestamp),
     }
 }
 
@@ -739,15 +732,15 @@ pub fn sandbox_of(p: &Placement, pending_wake: Option<&wake::Model>) -> pb::Sand
             execution_generation: r.execution_generation as u64,
         }),
         execution_generation: s.execution_generation as u64,
-        loss_observed_at: s.loss_observed_at_us.map(timestamp),
+        loss_observed_at: s.loss_observed_at_us.map(runplane_clock::to_timestamp),
         idle_timeout: Some(prost_types::Duration {
             seconds: s.idle_timeout_ms / 1000,
             nanos: ((s.idle_timeout_ms % 1000) * 1_000_000) as i32,
         }),
         exit_code: s.exit_code,
         pending_wake: pending_wake.map(wake_of),
-        created_at: Some(timestamp(s.created_at_us)),
-        updated_at: Some(timestamp(s.updated_at_us)),
+        created_at: Some(runplane_clock::to_timestamp(s.created_at_us)),
+        updated_at: Some(runplane_clock::to_timestamp(s.updated_at_us)),
     }
 }
 
@@ -1023,7 +1016,7 @@ impl SandboxService for SandboxApi {
             node_id: node.id,
             endpoint: node.endpoint,
             route_token: token,
-            expires_at: Some(timestamp(expires_us)),
+            expires_at: Some(runplane_clock::to_timestamp(expires_us)),
             execution_generation: generation,
         }))
     }
@@ -1065,8 +1058,8 @@ fn node_credential_of(c: &crate::store::entities::node_credential::Model) -> pb:
     pb::NodeCredential {
         id: c.id.clone(),
         node_id: c.node_id.clone(),
-        created_at: Some(timestamp(c.created_at_us)),
-        revoked_at: c.revoked_at_us.map(timestamp),
+        created_at: Some(runplane_clock::to_timestamp(c.created_at_us)),
+        revoked_at: c.revoked_at_us.map(runplane_clock::to_timestamp),
     }
 }
 

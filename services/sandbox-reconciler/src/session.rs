@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use runplane_proto::node::v1 as pb;
 use runplane_proto::node::v1::session_service_server::{SessionService, SessionServiceServer};
@@ -28,6 +27,8 @@ pub struct Sessions {
     key: Arc<Mutex<Vec<u8>>>,
     running: Arc<Mutex<HashMap<String, u64>>>,
     attached: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Route tokens expire on this clock.
+    clock: runplane_clock::SharedClock,
 }
 
 impl std::fmt::Debug for Sessions {
@@ -40,8 +41,9 @@ impl std::fmt::Debug for Sessions {
 
 impl Sessions {
     /// Sessions of node `node_id`, which verify nothing until [`Sessions::set_key`].
-    pub fn new(node_id: &str) -> Self {
+    pub fn new(node_id: &str, clock: runplane_clock::SharedClock) -> Self {
         Self {
+            clock,
             node_id: node_id.to_owned(),
             key: Arc::default(),
             running: Arc::default(),
@@ -133,9 +135,7 @@ impl SessionService for Sessions {
             }
             .into());
         }
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64);
+        let now = self.clock.now().timestamp();
         let Some(claims) = self.attach(token.expose(), sandbox_id, now) else {
             tracing::info!("route token refused");
             return Err(refused());
@@ -170,7 +170,7 @@ mod tests {
     #[test]
     fn a_token_holds_only_for_this_node_this_sandbox_and_its_generation_now() {
         let key = b"route-signing-key";
-        let sessions = Sessions::new("a");
+        let sessions = Sessions::new("a", runplane_clock::SystemClock::shared());
         sessions.set_running([("s1".to_owned(), 2), ("s2".to_owned(), 1)]);
         let good = sign(&node_key(key, "a"), &claims("s1", "a", 2));
         assert!(sessions.attach(&good, "s1", 999).is_none(), "no key yet");

@@ -63,11 +63,9 @@ fn upstream(status: &Status) -> Status {
     RecoveryError::Upstream(status.clone()).into()
 }
 
+/// A stored millisecond time as a protobuf `Timestamp`.
 fn timestamp(ms: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: ms.div_euclid(1000),
-        nanos: (ms.rem_euclid(1000) * 1_000_000) as i32,
-    }
+    runplane_clock::to_timestamp(runplane_clock::ms_to_us(ms))
 }
 
 fn new_token() -> String {
@@ -104,7 +102,7 @@ fn budget_of(b: &crate::store::BudgetState) -> pb::RecoveryBudget {
 
 impl Shared {
     fn now_ms(&self) -> i64 {
-        self.clock.now().timestamp_millis()
+        self.clock.now_ms()
     }
 
     /// The operator or a service, as the server's authentication layer found.

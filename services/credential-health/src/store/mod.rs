@@ -88,7 +88,12 @@ impl Store {
 
     /// Wall-clock milliseconds from the injected clock (see `policy` for why wall time).
     pub fn now_ms(&self) -> i64 {
-        self.clock.now().timestamp_millis()
+        self.clock.now_ms()
+    }
+
+    /// Wall-clock microseconds, for the outbox table every service shares.
+    pub fn now_us(&self) -> i64 {
+        self.clock.now_us()
     }
 
     /// Records a classified turn failure: the policy update, an incident or quarantine
@@ -746,9 +751,7 @@ pub fn incident_view(i: &incident::Model, now_ms: i64) -> pb::Incident {
     }
 }
 
+/// A stored millisecond time as a protobuf `Timestamp`.
 pub fn timestamp(ms: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: ms.div_euclid(1000),
-        nanos: (ms.rem_euclid(1000) * 1_000_000) as i32,
-    }
+    runplane_clock::to_timestamp(runplane_clock::ms_to_us(ms))
 }

@@ -233,17 +233,13 @@ pub fn batch(
                     limits.max_event_text_bytes
                 )));
             }
+            // Saturating: a client's far-off time must not overflow (and panic).
             let observed_at_us = match &e.observed_at {
                 None => None,
-                Some(t) if (0..1_000_000_000).contains(&t.nanos) => {
-                    // Saturating: a client's far-off time must not overflow (and panic).
-                    Some(
-                        t.seconds
-                            .saturating_mul(1_000_000)
-                            .saturating_add(i64::from(t.nanos / 1000)),
-                    )
-                }
-                Some(_) => return Err(malformed("observed_at has invalid nanos".into())),
+                Some(t) => match runplane_clock::from_timestamp(t) {
+                    Some(us) => Some(us),
+                    None => return Err(malformed("observed_at has invalid nanos".into())),
+                },
             };
             Ok(CheckedEvent {
                 kind: e.kind,

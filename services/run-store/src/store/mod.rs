@@ -196,10 +196,6 @@ pub struct Finished {
     pub made_terminal: bool,
 }
 
-fn now_us(clock: &SharedClock) -> i64 {
-    clock.now().timestamp_micros()
-}
-
 fn is_unique_violation(e: &DbErr) -> bool {
     matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))
 }
@@ -245,7 +241,7 @@ impl Store {
             credential_id: run.credential_id.clone(),
             profile: run.profile.clone(),
             failure_tail: tail_end(failure_tail, MAX_REPORTED_TAIL_BYTES).to_owned(),
-            failed_at: Some(timestamp(now)),
+            failed_at: Some(runplane_clock::to_timestamp(now)),
         };
         let mut row = runplane_db::outbox::row(
             OUTBOX_REPORT_TURN_FAILURE,
@@ -263,7 +259,7 @@ impl Store {
     }
 
     pub fn now_us(&self) -> i64 {
-        now_us(&self.clock)
+        self.clock.now_us()
     }
 
     /// A transaction that may write. On SQLite it takes the write lock at `BEGIN`, so two
@@ -907,7 +903,7 @@ impl Store {
     fn append_groups(&self, pool: &sea_orm::sqlx::PgPool) -> &append::AppendGroups {
         self.groups.get_or_init(|| {
             let clock = self.clock.clone();
-            append::AppendGroups::start(pool.clone(), move || now_us(&clock))
+            append::AppendGroups::start(pool.clone(), move || clock.now_us())
         })
     }
 
@@ -1640,7 +1636,7 @@ impl Store {
                 })
                 .collect(),
             chain_head: run.chain_head.clone(),
-            sealed_at: Some(timestamp(now)),
+            sealed_at: Some(runplane_clock::to_timestamp(now)),
             key_id: String::new(),
         };
         let sealed = signer.seal(body);
@@ -1758,13 +1754,6 @@ pub fn kind_name(kind: i32) -> &'static str {
         Ok(pb::SteeringKind::ResumeStream) => "resume_stream",
         Ok(pb::SteeringKind::Abort) => "abort",
         _ => "message",
-    }
-}
-
-pub fn timestamp(us: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: us.div_euclid(1_000_000),
-        nanos: (us.rem_euclid(1_000_000) * 1000) as i32,
     }
 }
 

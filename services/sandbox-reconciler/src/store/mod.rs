@@ -165,7 +165,7 @@ impl Store {
     }
 
     pub fn now_us(&self) -> i64 {
-        self.clock.now().timestamp_micros()
+        self.clock.now_us()
     }
 
     /// Heartbeats at or after this instant make a node ready; older ones, silent.

@@ -174,7 +174,7 @@ impl MemoryStore {
     }
 
     fn now(&self) -> i64 {
-        self.clock.now().timestamp_millis()
+        self.clock.now_ms()
     }
 
     /// Runs `f` on the run's unexpired state and the store's time; a run with no state
