@@ -31,10 +31,10 @@ use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::domain::loss::Probe;
+use crate::domain::sandbox::SandboxSpec;
 use crate::drivers::process::Containment;
 use crate::drivers::{Driver, Launch, ProcessDriver};
 use crate::session::Sessions;
-use crate::store::entities::sandbox;
 
 /// What a node agent needs.
 #[derive(Debug, Clone)]
@@ -81,7 +81,7 @@ const UNPARK_TTL: Duration = Duration::from_secs(30);
 
 /// A sandbox this node runs.
 struct Local {
-    row: sandbox::Model,
+    row: SandboxSpec,
     /// Since when it has been idle: its launch or restore, the last session attach at
     /// this node's session endpoint, or the last round that found its agent working,
     /// whichever is latest.
@@ -95,7 +95,7 @@ struct Local {
 impl Local {
     /// A sandbox running here from now on, whose runner had `polls_at_start` answered
     /// (read before it was resumed, for a restore).
-    fn active(row: sandbox::Model, polls_at_start: Option<u64>) -> Self {
+    fn active(row: SandboxSpec, polls_at_start: Option<u64>) -> Self {
         Self {
             polls_at_start,
             row,
@@ -412,7 +412,7 @@ impl Stops {
         config: &AgentConfig,
         epoch: u64,
         driver: &ProcessDriver,
-        row: sandbox::Model,
+        row: SandboxSpec,
         acknowledge: bool,
     ) {
         self.in_flight.insert(row.id.clone());
@@ -485,7 +485,7 @@ async fn publish(
     client: &Client,
     config: &AgentConfig,
     epoch: u64,
-    row: &sandbox::Model,
+    row: &SandboxSpec,
     status: pb::SandboxStatus,
     placed: bool,
     exit_code: Option<i32>,
@@ -509,29 +509,19 @@ async fn publish(
     }
 }
 
-fn row_of(a: &pb::Assignment, handle: String) -> sandbox::Model {
-    sandbox::Model {
+/// The spec of the sandbox `a` assigns, found again by `handle` (empty: not started).
+fn row_of(a: &pb::Assignment, handle: String) -> SandboxSpec {
+    SandboxSpec {
         id: a.sandbox_id.clone(),
         run_id: a.run_id.clone(),
-        org_id: String::new(),
-        client_request_id: String::new(),
-        substrate: "direct".into(),
-        status: "started".into(),
         active_node_id: None,
         execution_generation: a.execution_generation as i64,
-        loss_observed_at_us: None,
         idle_timeout_ms: a
             .idle_timeout
             .as_ref()
             .map(|d| d.seconds * 1000 + i64::from(d.nanos / 1_000_000))
             .unwrap_or_default(),
-        exit_code: None,
         driver_handle: handle,
-        observation_seq: 0,
-        observed_status: String::new(),
-        created_at_us: 0,
-        updated_at_us: 0,
-        traceparent: String::new(),
         network: if a.no_network {
             "none".into()
         } else {
@@ -547,7 +537,7 @@ async fn take_on(
     config: &AgentConfig,
     epoch: u64,
     locals: &mut HashMap<String, Local>,
-    row: sandbox::Model,
+    row: SandboxSpec,
     polls_at_start: Option<u64>,
 ) {
     publish(
@@ -563,7 +553,7 @@ async fn take_on(
     locals.insert(row.id.clone(), Local::active(row, polls_at_start));
 }
 
-fn answered_polls(driver: &ProcessDriver, row: &sandbox::Model) -> Option<u64> {
+fn answered_polls(driver: &ProcessDriver, row: &SandboxSpec) -> Option<u64> {
     driver.runner_polls(row).map(|p| p.answered)
 }
 
@@ -783,7 +773,7 @@ const PARK_TIMEOUT: Duration = Duration::from_secs(5);
 /// node holds the sandbox and asks the coordinator with the service token); false when
 /// it did not answer that it did (a run whose lease was never granted has nothing to
 /// park, which is fine).
-async fn park(client: &Client, config: &AgentConfig, epoch: u64, row: &sandbox::Model) -> bool {
+async fn park(client: &Client, config: &AgentConfig, epoch: u64, row: &SandboxSpec) -> bool {
     // Bounded: an unreachable reconciler or coordinator must not hold up the agent's loop
     // (its heartbeats, launches and destroys) for a whole outage budget.
     let parked = tokio::time::timeout(
@@ -817,7 +807,7 @@ async fn park(client: &Client, config: &AgentConfig, epoch: u64, row: &sandbox::
 
 /// Hands a restored sandbox's stream back to its runner. Should this fail, the lease stays
 /// parked (never taken over) until the runner's next renewal or append takes it back.
-async fn unpark(client: &Client, config: &AgentConfig, epoch: u64, row: &sandbox::Model) {
+async fn unpark(client: &Client, config: &AgentConfig, epoch: u64, row: &SandboxSpec) {
     let unparked = tokio::time::timeout(
         PARK_TIMEOUT,
         client

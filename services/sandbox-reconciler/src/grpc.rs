@@ -794,7 +794,10 @@ impl SandboxService for SandboxApi {
                 .ready_nodes(s.store.silent_since())
                 .await?
                 .first()
-                .map_or_else(|| crate::reconcile::LOCAL_NODE.to_owned(), |n| n.id.clone())
+                .map_or_else(
+                    || crate::domain::placement::LOCAL_NODE.to_owned(),
+                    |n| n.id.clone(),
+                )
         } else {
             req.node_id.clone()
         };
@@ -852,7 +855,7 @@ impl SandboxService for SandboxApi {
             tracing::info!(reason = %req.reason, "sandbox destroyed");
         }
         let row = s.store.sandbox(&row.id).await?;
-        if row.active_node_id.as_deref() == Some(crate::reconcile::LOCAL_NODE)
+        if row.active_node_id.as_deref() == Some(crate::domain::placement::LOCAL_NODE)
             && row.observed_status != crate::store::DELETED
         {
             crate::reconcile::stop_local(&s.store, &s.local_driver(), &row).await?;

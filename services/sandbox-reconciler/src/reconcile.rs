@@ -17,6 +17,8 @@ use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::domain::loss::{Decision, Probe, decide};
+use crate::domain::placement::LOCAL_NODE;
+use crate::domain::sandbox::SandboxSpec;
 use crate::drivers::{Driver, Launch};
 use crate::error::ReconcilerError;
 use crate::store::Store;
@@ -134,7 +136,7 @@ impl Reconciler {
             probed: 1,
             ..TickReport::default()
         };
-        let probe = self.driver.status(&row).await;
+        let probe = self.driver.status(&SandboxSpec::from(&row)).await;
         let now = self.store.now_us();
         let won = match decide(
             row.loss_observed_at_us,
@@ -457,7 +459,7 @@ pub async fn stop_local(
     driver: &dyn Driver,
     row: &sandbox::Model,
 ) -> Result<bool, ReconcilerError> {
-    match driver.destroy(row).await {
+    match driver.destroy(&SandboxSpec::from(row)).await {
         Ok(()) => {
             store
                 .acknowledge_destroyed(&row.id, row.execution_generation)
@@ -542,10 +544,6 @@ pub struct RunnerEndpoints {
     pub run_store: String,
     pub stream_recovery: String,
 }
-
-/// Where the reconciler runs sandboxes itself (single-machine mode and `runplane dev`):
-/// every sandbox is direct, placed on this node.
-pub const LOCAL_NODE: &str = "local";
 
 /// Gives queued runs a sandbox and starts sandboxes that were decided but not started.
 ///
@@ -711,7 +709,11 @@ pub async fn dispatch(
                 .in_scope(runplane_grpc::trace_context::current_traceparent)
                 .unwrap_or_default(),
         };
-        match driver.create(&row, launch).instrument(span).await {
+        match driver
+            .create(&SandboxSpec::from(&row), launch)
+            .instrument(span)
+            .await
+        {
             Ok(handle) => {
                 if store
                     .mark_started(&row.id, row.execution_generation, &handle)
@@ -726,7 +728,7 @@ pub async fn dispatch(
                         driver_handle: handle,
                         ..row.clone()
                     };
-                    if let Err(e) = driver.destroy(&started_row).await {
+                    if let Err(e) = driver.destroy(&SandboxSpec::from(&started_row)).await {
                         tracing::warn!(sandbox_id = %row.id, error = %e, "a sandbox deleted while it started was not stopped");
                     }
                 }

@@ -11,7 +11,9 @@
 //! [`ManualClock`], which moves only when told to, is behind the `test-util` feature.
 
 use std::fmt::Debug;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+#[cfg(any(test, feature = "test-util"))]
+use std::sync::Mutex;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};

@@ -3,4 +3,5 @@
 pub mod loss;
 pub mod placement;
 pub mod route_token;
+pub mod sandbox;
 pub mod wake;

@@ -4,7 +4,17 @@
 //! route identity naming the node; reading that identity anyway would route a
 //! reattach to a node where the sandbox no longer runs.
 
+use std::time::Duration;
+
 use crate::store::entities::{route_identity, sandbox};
+
+/// Where the reconciler runs sandboxes itself (single-machine mode and `runplane dev`):
+/// every sandbox is direct, placed on this node.
+pub const LOCAL_NODE: &str = "local";
+
+/// A node silent for longer than this is presumed gone, and so are its sandboxes (the
+/// loss grace still applies).
+pub const NODE_SILENCE: Duration = Duration::from_secs(10);
 
 /// Statuses after which a sandbox never runs again.
 pub const ENDED: [&str; 3] = ["exited", "lost", "deleted"];

@@ -6,9 +6,9 @@ use futures::future::BoxFuture;
 
 use super::{Driver, DriverError, Launch};
 use crate::domain::loss::Probe;
-use crate::store::entities::sandbox;
+use crate::domain::sandbox::SandboxSpec;
 
-type Script = dyn Fn(sandbox::Model) -> BoxFuture<'static, Probe> + Send + Sync;
+type Script = dyn Fn(SandboxSpec) -> BoxFuture<'static, Probe> + Send + Sync;
 
 /// A test decides what each probe answers and what happens while it is in flight.
 /// Creating, suspending, resuming (on any node: it holds nothing) and destroying always
@@ -21,7 +21,7 @@ pub struct FakeDriver {
 
 impl FakeDriver {
     pub fn new(
-        script: impl Fn(sandbox::Model) -> BoxFuture<'static, Probe> + Send + Sync + 'static,
+        script: impl Fn(SandboxSpec) -> BoxFuture<'static, Probe> + Send + Sync + 'static,
     ) -> Self {
         Self {
             script: Arc::new(script),
@@ -46,26 +46,26 @@ impl FakeDriver {
 impl Driver for FakeDriver {
     fn create(
         &self,
-        sandbox: &sandbox::Model,
+        sandbox: &SandboxSpec,
         _: Launch,
     ) -> BoxFuture<'static, Result<String, DriverError>> {
         let handle = format!("fake:{}", sandbox.id);
         Box::pin(async move { Ok(handle) })
     }
 
-    fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe> {
+    fn status(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Probe> {
         (self.script)(sandbox.clone())
     }
 
-    fn suspend(&self, _: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn suspend(&self, _: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         Box::pin(async { Ok(()) })
     }
 
-    fn resume(&self, _: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn resume(&self, _: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         Box::pin(async { Ok(()) })
     }
 
-    fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn destroy(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         self.destroyed
             .lock()
             .expect("not poisoned")

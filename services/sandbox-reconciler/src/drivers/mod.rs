@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use runplane_config::Secret;
 
 use crate::domain::loss::Probe;
-use crate::store::entities::sandbox;
+use crate::domain::sandbox::SandboxSpec;
 
 pub use fake::FakeDriver;
 pub use process::ProcessDriver;
@@ -43,17 +43,17 @@ pub trait Driver: Send + Sync + 'static {
     /// the handle that finds it again.
     fn create(
         &self,
-        sandbox: &sandbox::Model,
+        sandbox: &SandboxSpec,
         launch: Launch,
     ) -> BoxFuture<'static, Result<String, DriverError>>;
     /// Probes one sandbox. May take a while; the tick holds no transaction or lock across it.
-    fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe>;
-    fn suspend(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
+    fn status(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Probe>;
+    fn suspend(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>>;
     /// Restores a suspended sandbox. Where it can be restored is the driver's to say:
     /// `process` only on the host that suspended it (a wake goes to that node, and a
     /// sandbox whose node is gone past the loss grace is declared lost, never restored
     /// elsewhere); `routed` is `process` for local sandboxes and the node agents' own
     /// `process` for the rest; `fake` restores anything, anywhere.
-    fn resume(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
-    fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>>;
+    fn resume(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>>;
+    fn destroy(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>>;
 }

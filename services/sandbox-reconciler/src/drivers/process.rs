@@ -36,7 +36,7 @@ use runplane_config::{Isolation, SandboxNetwork, SandboxReconcilerConfig};
 
 use super::{Driver, DriverError, Launch};
 use crate::domain::loss::Probe;
-use crate::store::entities::sandbox;
+use crate::domain::sandbox::SandboxSpec;
 
 #[derive(Debug, Clone)]
 pub struct ProcessDriver {
@@ -504,7 +504,7 @@ impl ProcessDriver {
     /// Whether `sandbox`'s agent is parked: waiting for input (blocked reading its stdin,
     /// or saying so with its [`PARK_MARK`]), with its runner holding no steering it has
     /// yet to write. See [`agent_waits_for_input`] and [`RunnerPolls`].
-    pub fn parked(&self, sandbox: &sandbox::Model) -> bool {
+    pub fn parked(&self, sandbox: &SandboxSpec) -> bool {
         let Some(leader) = Self::live_pid(&sandbox.driver_handle, &sandbox.id) else {
             return false;
         };
@@ -514,13 +514,13 @@ impl ProcessDriver {
 
     /// Whether the agent left its [`PARK_MARK`]: a plain file (a link the agent made
     /// there is not followed, and counts as no mark).
-    fn park_marked(&self, sandbox: &sandbox::Model) -> bool {
+    fn park_marked(&self, sandbox: &SandboxSpec) -> bool {
         std::fs::symlink_metadata(self.dir(&sandbox.id).join("workspace").join(PARK_MARK))
             .is_ok_and(|m| m.file_type().is_file())
     }
 
     /// What `sandbox`'s runner last said of its steering polls, None before its first.
-    pub fn runner_polls(&self, sandbox: &sandbox::Model) -> Option<RunnerPolls> {
+    pub fn runner_polls(&self, sandbox: &SandboxSpec) -> Option<RunnerPolls> {
         RunnerPolls::parse(
             &std::fs::read_to_string(self.dir(&sandbox.id).join(STEERING_MARK)).ok()?,
         )
@@ -553,7 +553,7 @@ impl ProcessDriver {
     /// Signals every process of the sandbox: its shell's process group and, when the shell
     /// leads a session of its own (setsid), every process group of that session, since the
     /// runner starts the agent in a group of its own.
-    fn signal(sandbox: &sandbox::Model, signal: Signal) -> Result<(), DriverError> {
+    fn signal(sandbox: &SandboxSpec, signal: Signal) -> Result<(), DriverError> {
         match Self::live_pid(&sandbox.driver_handle, &sandbox.id) {
             Some(pid) => Self::signal_session(pid, signal),
             None => Ok(()),
@@ -797,7 +797,7 @@ async fn stop_orphans(sid: i32, dir: &Path) -> Result<(), DriverError> {
 impl Driver for ProcessDriver {
     fn create(
         &self,
-        sandbox: &sandbox::Model,
+        sandbox: &SandboxSpec,
         launch: Launch,
     ) -> BoxFuture<'static, Result<String, DriverError>> {
         let dir = self.dir(&sandbox.id);
@@ -876,7 +876,7 @@ impl Driver for ProcessDriver {
         })
     }
 
-    fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe> {
+    fn status(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Probe> {
         let dir = self.dir(&sandbox.id);
         let handle = sandbox.driver_handle.clone();
         let id = sandbox.id.clone();
@@ -892,12 +892,12 @@ impl Driver for ProcessDriver {
         })
     }
 
-    fn suspend(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn suspend(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         let result = Self::signal(sandbox, Signal::SIGSTOP);
         Box::pin(async move { result })
     }
 
-    fn resume(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn resume(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         let result = Self::signal(sandbox, Signal::SIGCONT);
         Box::pin(async move { result })
     }
@@ -905,7 +905,7 @@ impl Driver for ProcessDriver {
     /// SIGTERM then SIGCONT to the whole sandbox (a suspended one is stopped, and a
     /// stopped process only acts on SIGTERM once continued), then SIGKILL to whatever of
     /// its session is left after [`DESTROY_GRACE`]. Done when nothing of it is left.
-    fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn destroy(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         let leader = Self::live_pid(&sandbox.driver_handle, &sandbox.id);
         let recorded: Option<i32> = sandbox
             .driver_handle

@@ -3,21 +3,15 @@
 //!
 //! Restores: the node agents run the process driver, so a sandbox suspended on a node
 //! is restored by that node or not at all (see [`crate::domain::wake`]); a holder silent
-//! past [`NODE_SILENCE`] probes the sandbox lost, and the loss grace then ends it.
-
-use std::time::Duration;
+//! past [`NODE_SILENCE`](crate::domain::placement::NODE_SILENCE) probes the sandbox lost, and the loss grace then ends it.
 
 use futures::future::BoxFuture;
 
 use super::{Driver, DriverError, Launch, ProcessDriver};
 use crate::domain::loss::Probe;
-use crate::reconcile::LOCAL_NODE;
+use crate::domain::placement::LOCAL_NODE;
+use crate::domain::sandbox::SandboxSpec;
 use crate::store::Store;
-use crate::store::entities::sandbox;
-
-/// A node silent for longer than this is presumed gone, and so are its sandboxes (the
-/// loss grace still applies).
-pub const NODE_SILENCE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct RoutedDriver {
@@ -30,7 +24,7 @@ impl RoutedDriver {
         Self { local, store }
     }
 
-    fn is_local(sandbox: &sandbox::Model) -> bool {
+    fn is_local(sandbox: &SandboxSpec) -> bool {
         sandbox.active_node_id.as_deref() == Some(LOCAL_NODE)
     }
 }
@@ -38,7 +32,7 @@ impl RoutedDriver {
 impl Driver for RoutedDriver {
     fn create(
         &self,
-        sandbox: &sandbox::Model,
+        sandbox: &SandboxSpec,
         launch: Launch,
     ) -> BoxFuture<'static, Result<String, DriverError>> {
         if Self::is_local(sandbox) {
@@ -51,13 +45,18 @@ impl Driver for RoutedDriver {
         })
     }
 
-    fn status(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Probe> {
+    fn status(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Probe> {
         if Self::is_local(sandbox) {
             return self.local.status(sandbox);
         }
         let store = self.store.clone();
-        let row = sandbox.clone();
+        let id = sandbox.id.clone();
         Box::pin(async move {
+            // What its node last published, read now.
+            let Ok(row) = store.sandbox(&id).await else {
+                // The database is what failed; that says nothing about the sandbox.
+                return Probe::Alive;
+            };
             // Placed: its node. Suspended for idleness and unplaced: the node holding it
             // (its route identity), which is the only one that can restore it, so a
             // holder gone for good ends it through the loss grace like a placed one.
@@ -84,15 +83,15 @@ impl Driver for RoutedDriver {
         })
     }
 
-    fn suspend(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn suspend(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         self.local.suspend(sandbox)
     }
 
-    fn resume(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn resume(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         self.local.resume(sandbox)
     }
 
-    fn destroy(&self, sandbox: &sandbox::Model) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn destroy(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         self.local.destroy(sandbox)
     }
 }

@@ -170,7 +170,7 @@ impl Store {
 
     /// Heartbeats at or after this instant make a node ready; older ones, silent.
     pub fn silent_since(&self) -> i64 {
-        self.now_us() - crate::drivers::routed::NODE_SILENCE.as_micros() as i64
+        self.now_us() - crate::domain::placement::NODE_SILENCE.as_micros() as i64
     }
 
     /// A new sandbox of `new.run_id` in `creating` on `new.node_id`, keyed by `client_request_id`
@@ -183,7 +183,7 @@ impl Store {
         if let Some(node) = row
             .active_node_id
             .as_ref()
-            .filter(|n| n.as_str() != crate::reconcile::LOCAL_NODE)
+            .filter(|n| n.as_str() != crate::domain::placement::LOCAL_NODE)
         {
             self.set_route_identity(route_identity::Model {
                 sandbox_id: row.id.clone(),
@@ -684,7 +684,7 @@ impl Store {
 
     /// Deleted sandboxes whose process `node_id` still owes a stop: placed there when
     /// they were deleted, or suspended unplaced with a route identity naming it. A stop is
-    /// owed until the node (or, for [`LOCAL_NODE`](crate::reconcile::LOCAL_NODE), the
+    /// owed until the node (or, for [`LOCAL_NODE`](crate::domain::placement::LOCAL_NODE), the
     /// reconciler) acknowledges it with [`Store::acknowledge_destroyed`].
     pub async fn destroys_owed(&self, node_id: &str, limit: u64) -> Result<Vec<sandbox::Model>> {
         use sea_orm::sea_query::Query;
