@@ -1,19 +1,23 @@
-//! `deploy/`, checked without Docker or a cluster: the compose file, the Kubernetes base
-//! (the four services and the node agents' DaemonSet) and production overlay, the
-//! collector, Prometheus and Grafana provisioning, and the Dockerfile.
-//!
-//! The checks tie the manifests to the code they deploy: the services are the ones
-//! `runplane serve` accepts (its `ServiceName` enum), the probed gRPC health names are
-//! services of the proto descriptor set, every container's environment loads as a valid
-//! runplane config (so a misspelt `RUNPLANE_<SECTION>__<FIELD>` fails here, not in a
-//! crash loop), and the dashboard queries only metrics the services export.
+//! `deploy/k8s/`, checked without a cluster: the base (the four services and the node
+//! agents' DaemonSet) and the production overlay. The probed gRPC health names are
+//! services of the proto descriptor set, and every container's environment loads as a
+//! valid runplane config (so a misspelt `RUNPLANE_<SECTION>__<FIELD>` fails here, not in
+//! a crash loop); the check of that config loading is here too, on the Secret's
+//! stand-ins.
+
+mod deploy_common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use prost_reflect::DescriptorPool;
-use runplane_config::Config;
 use serde_norway::Value;
+
+use deploy_common::{
+    PORT, assert_no_local_sandboxes_with_replicas, assert_valid_config, config_error, deploy,
+    kebab_case, load_config, read, repo, scalar, serve_names, str_of, strings, yaml,
+    yaml_documents,
+};
 
 /// The gRPC health name each `runplane serve` service reports (the server also reports
 /// "" for the whole process).
@@ -32,9 +36,6 @@ const HEALTH_SERVICES: [(&str, &str); 4] = [
         "runplane.credentials.v1.CredentialHealthService",
     ),
 ];
-
-/// The port every runplane container listens on.
-const PORT: u64 = 7070;
 
 /// The DaemonSet of node agents (`runplane node`), where sandboxes run on Kubernetes.
 const NODE_AGENTS: &str = "runplane-node";
@@ -55,55 +56,6 @@ const POD_NAME: &str = "runplane-0123456789-abcde";
 const NODE_NAME: &str = "ip-10-0-1-23.eu-west-1.compute.internal";
 const POD_IP: &str = "10.244.1.17";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Instrument {
-    Counter,
-    /// Recorded in seconds.
-    Histogram,
-}
-
-/// What the services export on meter "runplane": name, instrument and attributes.
-const METRICS: [(&str, Instrument, &[&str]); 14] = [
-    ("runplane.runs.created", Instrument::Counter, &[]),
-    ("runplane.runs.finished", Instrument::Counter, &["state"]),
-    ("runplane.events.appended", Instrument::Counter, &[]),
-    ("runplane.steering.acks", Instrument::Counter, &["outcome"]),
-    (
-        "runplane.transport.retries",
-        Instrument::Counter,
-        &["method", "classification"],
-    ),
-    (
-        "runplane.transport.outage_budget_spent",
-        Instrument::Histogram,
-        &["method"],
-    ),
-    (
-        "runplane.reconcile.tick.duration",
-        Instrument::Histogram,
-        &[],
-    ),
-    ("runplane.reconcile.loss_stamps", Instrument::Counter, &[]),
-    ("runplane.recovery.claims", Instrument::Counter, &["result"]),
-    ("runplane.recovery.exhaustions", Instrument::Counter, &[]),
-    (
-        "runplane.recovery.sweep.settled",
-        Instrument::Counter,
-        &["action"],
-    ),
-    ("runplane.credentials.incidents", Instrument::Counter, &[]),
-    ("runplane.credentials.quarantines", Instrument::Counter, &[]),
-    (
-        "runplane.admission.refusals",
-        Instrument::Counter,
-        &["reason"],
-    ),
-];
-
-/// Labels every series carries besides the metric's own attributes: the exporter's
-/// `job`/`instance` (service.name, service.instance.id) and the histogram bucket bound.
-const SERIES_LABELS: [&str; 3] = ["job", "instance", "le"];
-
 /// The keys of the Secret `runplane-secrets`, with stand-in values that pass validation.
 const SECRET_KEYS: [(&str, &str); 4] = [
     (
@@ -120,78 +72,6 @@ const SECRET_KEYS: [(&str, &str); 4] = [
     ),
     ("postgres-password", "test-password"),
 ];
-
-/// Stand-ins for the compose variables of deploy/.env that have no default.
-const COMPOSE_VARIABLES: [(&str, &str); 3] = [
-    (
-        "RUNPLANE_OPERATOR_TOKEN",
-        "test-operator-token-test-operator-token-0123",
-    ),
-    (
-        "RUNPLANE_SERVICE_TOKEN",
-        "test-service-token-test-service-token-012345",
-    ),
-    (
-        "RUNPLANE_RECEIPT_SIGNING_KEY",
-        "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0",
-    ),
-];
-
-// --- reading ------------------------------------------------------------------------
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("integration-tests lives in the workspace")
-        .to_path_buf()
-}
-
-fn deploy() -> PathBuf {
-    repo().join("deploy")
-}
-
-fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
-}
-
-/// The YAML documents of a file (split at `---` lines), with merge keys
-/// (`<<: *anchor`) applied as compose applies them.
-fn yaml_documents(path: &Path) -> Vec<Value> {
-    let text = read(path);
-    let mut documents = vec![String::new()];
-    for line in text.lines() {
-        if line.trim_end() == "---" {
-            documents.push(String::new());
-        } else {
-            let current = documents.last_mut().expect("one document at least");
-            current.push_str(line);
-            current.push('\n');
-        }
-    }
-    documents
-        .iter()
-        .map(|document| {
-            let mut value: Value = serde_norway::from_str(document)
-                .unwrap_or_else(|e| panic!("{} is not valid YAML: {e}", path.display()));
-            value
-                .apply_merge()
-                .unwrap_or_else(|e| panic!("{}: bad merge key: {e}", path.display()));
-            value
-        })
-        .filter(|value| !value.is_null())
-        .collect()
-}
-
-fn yaml(path: &Path) -> Value {
-    let mut documents = yaml_documents(path);
-    assert_eq!(
-        documents.len(),
-        1,
-        "{} should hold one YAML document",
-        path.display()
-    );
-    documents.remove(0)
-}
 
 /// Every `.yaml`/`.yml` file under `dir`, sorted.
 fn yaml_files(dir: &Path) -> Vec<PathBuf> {
@@ -212,58 +92,6 @@ fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     }
     found.sort();
     found
-}
-
-fn str_of<'a>(value: &'a Value, what: &str) -> &'a str {
-    value
-        .as_str()
-        .unwrap_or_else(|| panic!("{what} should be a string, is {value:?}"))
-}
-
-fn strings(value: &Value) -> Vec<String> {
-    value
-        .as_sequence()
-        .map(|items| {
-            items
-                .iter()
-                .map(|item| str_of(item, "a list item").to_owned())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// A YAML scalar as the string a container sees in its environment.
-fn scalar(value: &Value) -> String {
-    match value {
-        Value::String(s) => s.clone(),
-        Value::Number(n) => n.to_string(),
-        Value::Bool(b) => b.to_string(),
-        other => panic!("an environment value should be a scalar, is {other:?}"),
-    }
-}
-
-/// What `runplane serve` accepts: the variants of the binary's `ServiceName`, which clap
-/// spells in kebab case; `All` names no single service.
-fn serve_names() -> Vec<String> {
-    let cli = read(&repo().join("services/runplane/src/cli.rs"));
-    let body = cli
-        .split("pub enum ServiceName {")
-        .nth(1)
-        .and_then(|rest| rest.split('}').next())
-        .expect("services/runplane/src/cli.rs defines `pub enum ServiceName { ... }`");
-    let names: Vec<String> = body
-        .lines()
-        .map(str::trim)
-        .filter(|line| !line.is_empty() && !line.starts_with("//") && !line.starts_with('#'))
-        .map(|line| line.trim_end_matches(','))
-        .filter(|variant| *variant != "All")
-        .map(kebab_case)
-        .collect();
-    assert!(
-        names.iter().any(|n| n == "run-store"),
-        "ServiceName parsed as {names:?}"
-    );
-    names
 }
 
 /// The subcommands of `runplane`: the variants of the binary's `Command`, in kebab case.
@@ -290,17 +118,6 @@ fn subcommands() -> BTreeSet<String> {
     names
 }
 
-fn kebab_case(ident: &str) -> String {
-    let mut out = String::new();
-    for (i, c) in ident.chars().enumerate() {
-        if c.is_ascii_uppercase() && i > 0 {
-            out.push('-');
-        }
-        out.push(c.to_ascii_lowercase());
-    }
-    out
-}
-
 fn health_service_of(serve_name: &str) -> &'static str {
     HEALTH_SERVICES
         .iter()
@@ -310,549 +127,6 @@ fn health_service_of(serve_name: &str) -> &'static str {
             panic!("`runplane serve {serve_name}` has no gRPC health name in HEALTH_SERVICES")
         })
 }
-
-// --- runplane config ----------------------------------------------------------------
-
-/// The config `runplane serve` (or `runplane node`) starts with given `env` (a
-/// container's whole environment), or why there is none: loaded the way the binary
-/// loads it, from `RUNPLANE_*` variables alone, inside a figment Jail (so this process's
-/// own environment stays out).
-// Jail's closure must return figment's own (large) error type.
-#[allow(clippy::result_large_err)]
-fn load_config(env: &BTreeMap<String, String>) -> Result<Config, String> {
-    let mut loaded = None;
-    let outcome = figment::Jail::try_with(|jail| {
-        jail.clear_env();
-        for (name, value) in env {
-            jail.set_env(name, value);
-        }
-        // `runplane serve` needs both tokens; a node agent (RUNPLANE_NODE__ID) holds
-        // neither, its own credential comes from a file.
-        let node_agent = env.contains_key("RUNPLANE_NODE__ID");
-        loaded = Some(Config::load(None).and_then(|config| {
-            if !node_agent {
-                config.require_operator_token()?;
-                config.require_service_token()?;
-            }
-            Ok(config)
-        }));
-        Ok(())
-    });
-    outcome.map_err(|e| e.to_string())?;
-    loaded.expect("the jail ran").map_err(|e| e.to_string())
-}
-
-/// Why `env` is not a config runplane starts with, if it is not.
-fn config_error(env: &BTreeMap<String, String>) -> Option<String> {
-    load_config(env).err()
-}
-
-fn assert_valid_config(origin: &str, env: &BTreeMap<String, String>) {
-    let config_vars: Vec<&String> = env
-        .keys()
-        .filter(|k| k.starts_with("RUNPLANE_") && k.contains("__"))
-        .collect();
-    assert!(
-        !config_vars.is_empty(),
-        "{origin}: no RUNPLANE_ variables at all"
-    );
-    if let Some(error) = config_error(env) {
-        panic!(
-            "{origin}: its environment is not a valid runplane config: {error}\n{config_vars:?}"
-        );
-    }
-}
-
-#[test]
-fn the_config_check_catches_a_misspelt_field_and_a_bad_value() {
-    let mut env: BTreeMap<String, String> = [
-        ("RUNPLANE_SERVER__LISTEN", "0.0.0.0:7070"),
-        ("RUNPLANE_AUTH__OPERATOR_TOKEN", SECRET_KEYS[0].1),
-        ("RUNPLANE_AUTH__SERVICE_TOKEN", SECRET_KEYS[1].1),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect();
-    assert_eq!(config_error(&env), None);
-
-    env.insert(
-        "RUNPLANE_RUN_STORE__DATABSE_URL".into(),
-        "postgres://x".into(),
-    );
-    let error = config_error(&env).expect("an unknown field is refused");
-    assert!(error.contains("databse_url"), "{error}");
-    env.remove("RUNPLANE_RUN_STORE__DATABSE_URL");
-
-    env.insert(
-        "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY".into(),
-        "CHANGE-ME".into(),
-    );
-    let error = config_error(&env).expect("a placeholder key is refused");
-    assert!(error.contains("run_store.receipt_signing_key"), "{error}");
-}
-
-// --- compose ------------------------------------------------------------------------
-
-fn compose() -> Value {
-    yaml(&deploy().join("compose.yaml"))
-}
-
-fn compose_services(compose: &Value) -> &serde_norway::Mapping {
-    compose["services"]
-        .as_mapping()
-        .expect("compose.yaml has services")
-}
-
-/// `${NAME}`, `${NAME:-default}`, `${NAME-default}`, `${NAME:?error}` and `${NAME?error}`
-/// replaced as compose would: the default, or the variable from deploy/.env (a
-/// stand-in here). Returns the names without a default too.
-fn interpolate(text: &str, without_default: &mut BTreeSet<String>) -> String {
-    let mut out = String::new();
-    let mut rest = text;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let end = rest[start..]
-            .find('}')
-            .map(|i| start + i)
-            .unwrap_or_else(|| panic!("unclosed ${{ in {text:?}"));
-        let inner = &rest[start + 2..end];
-        let split = inner.find([':', '-', '?']).unwrap_or(inner.len());
-        let (name, modifier) = inner.split_at(split);
-        let default = modifier
-            .strip_prefix(":-")
-            .or_else(|| modifier.strip_prefix('-'));
-        match default {
-            Some(default) => out.push_str(default),
-            None => {
-                without_default.insert(name.to_owned());
-                let value = COMPOSE_VARIABLES
-                    .iter()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, v)| *v)
-                    .unwrap_or_else(|| {
-                        panic!("compose variable {name} has no default and no stand-in in COMPOSE_VARIABLES")
-                    });
-                out.push_str(value);
-            }
-        }
-        rest = &rest[end + 1..];
-    }
-    out.push_str(rest);
-    out
-}
-
-fn compose_environment(
-    service: &Value,
-    without_default: &mut BTreeSet<String>,
-) -> BTreeMap<String, String> {
-    let environment = &service["environment"];
-    let mut env = BTreeMap::new();
-    if let Some(mapping) = environment.as_mapping() {
-        for (name, value) in mapping {
-            let name = str_of(name, "an environment name").to_owned();
-            env.insert(name, interpolate(&scalar(value), without_default));
-        }
-    } else if let Some(list) = environment.as_sequence() {
-        for item in list {
-            let (name, value) = str_of(item, "an environment entry")
-                .split_once('=')
-                .expect("NAME=value");
-            env.insert(name.to_owned(), interpolate(value, without_default));
-        }
-    }
-    env
-}
-
-/// `scheme://[user[:password]@]host:port[/path]` -> (host, port, path).
-fn url_parts(url: &str) -> (String, u64, String) {
-    let rest = url
-        .split_once("://")
-        .unwrap_or_else(|| panic!("{url} is not a URL"))
-        .1;
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
-    let (host, port) = host_port
-        .rsplit_once(':')
-        .unwrap_or_else(|| panic!("{url} names no port"));
-    let port = port
-        .parse()
-        .unwrap_or_else(|_| panic!("{url}: bad port {port}"));
-    (host.to_owned(), port, path.to_owned())
-}
-
-#[test]
-fn compose_runs_every_service_runplane_serve_accepts_on_7070_with_all_endpoints() {
-    let compose = compose();
-    let services = compose_services(&compose);
-    let mut service_names = BTreeSet::new();
-    let mut without_default = BTreeSet::new();
-
-    for name in serve_names() {
-        let service = services
-            .get(name.as_str())
-            .unwrap_or_else(|| panic!("compose.yaml has no service {name}"));
-        assert_eq!(
-            strings(&service["command"]),
-            ["serve", name.as_str()],
-            "compose service {name} should run `serve {name}`"
-        );
-        let env = compose_environment(service, &mut without_default);
-        assert_eq!(
-            env.get("RUNPLANE_SERVER__LISTEN").map(String::as_str),
-            Some("0.0.0.0:7070"),
-            "{name} listens on 0.0.0.0:7070 inside its container"
-        );
-        // The services call each other: every container knows every endpoint, each the
-        // compose service of that name on 7070.
-        for other in serve_names() {
-            let var = format!(
-                "RUNPLANE_{}__ENDPOINT",
-                other.replace('-', "_").to_uppercase()
-            );
-            assert_eq!(
-                env.get(&var),
-                Some(&format!("http://{other}:{PORT}")),
-                "compose service {name} needs {var}"
-            );
-        }
-        let (collector, port, _) = url_parts(
-            env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                .unwrap_or_else(|| panic!("{name} exports no telemetry")),
-        );
-        assert!(
-            services.contains_key(collector.as_str()) && port == 4317,
-            "{name}: OTEL_EXPORTER_OTLP_ENDPOINT should be a compose service on 4317"
-        );
-        let service_name = env
-            .get("OTEL_SERVICE_NAME")
-            .unwrap_or_else(|| panic!("{name} has no OTEL_SERVICE_NAME"));
-        assert!(
-            service_names.insert(service_name.clone()),
-            "OTEL_SERVICE_NAME {service_name} is used twice"
-        );
-        for dependency in ["postgres", "redis"] {
-            assert_eq!(
-                service["depends_on"][dependency]["condition"].as_str(),
-                Some("service_healthy"),
-                "{name} should wait for a healthy {dependency}"
-            );
-            assert!(
-                !services[dependency]["healthcheck"]["test"].is_null(),
-                "{dependency} needs a healthcheck for service_healthy"
-            );
-        }
-        assert_valid_config(&format!("compose service {name}"), &env);
-    }
-
-    let env_example = read(&deploy().join(".env.example"));
-    for name in &without_default {
-        assert!(
-            env_example
-                .lines()
-                .any(|l| l.starts_with(&format!("{name}="))),
-            "compose needs ${{{name}}}: deploy/.env.example should show it"
-        );
-    }
-}
-
-#[test]
-fn compose_databases_redis_and_observability_are_wired() {
-    let compose = compose();
-    let services = compose_services(&compose);
-    let image = |name: &str| str_of(&services[name]["image"], "an image").to_owned();
-    assert!(image("postgres").starts_with("postgres:16"));
-    assert!(image("redis").starts_with("redis:7"));
-    assert!(image("otel-collector").starts_with("otel/opentelemetry-collector-contrib:"));
-    assert!(image("tempo").starts_with("grafana/tempo:"));
-    assert!(image("prometheus").starts_with("prom/prometheus:"));
-    assert!(image("grafana").starts_with("grafana/grafana:"));
-
-    // Every bind mount exists.
-    for (name, service) in services {
-        for volume in strings(&service["volumes"]) {
-            if let Some(source) = volume.split(':').next().filter(|s| s.starts_with('.')) {
-                assert!(
-                    deploy().join(source).exists(),
-                    "compose service {name:?} mounts {source}, which does not exist under deploy/"
-                );
-            }
-        }
-    }
-
-    // One server, one database per Postgres-backed service: the init script creates
-    // exactly the databases the URLs name, on the compose postgres service.
-    let init = read(&deploy().join("compose/postgres-init.sql"));
-    let created: BTreeSet<String> = init
-        .lines()
-        .filter_map(|line| line.trim().strip_prefix("CREATE DATABASE "))
-        .map(|rest| rest.trim_end_matches(';').trim().to_owned())
-        .collect();
-    let mut used = BTreeSet::new();
-    let mut unused = BTreeSet::new();
-    for name in serve_names() {
-        let env = compose_environment(&services[name.as_str()], &mut unused);
-        for (var, value) in &env {
-            if var.ends_with("__DATABASE_URL") {
-                let (host, port, database) = url_parts(value);
-                assert_eq!((host.as_str(), port), ("postgres", 5432), "{var}");
-                used.insert(database);
-            }
-            if var == "RUNPLANE_STREAM_RECOVERY__REDIS_URL" {
-                let (host, port, _) = url_parts(value);
-                assert_eq!((host.as_str(), port), ("redis", 6379), "{var}");
-            }
-        }
-    }
-    assert_eq!(created, used, "postgres-init.sql vs the database URLs");
-    assert!(
-        strings(&services["postgres"]["volumes"])
-            .iter()
-            .any(|v| v.contains("postgres-init.sql:/docker-entrypoint-initdb.d/")),
-        "the init script is mounted into /docker-entrypoint-initdb.d"
-    );
-
-    // Collector: OTLP/gRPC in; traces to Tempo, metrics to its prometheus exporter,
-    // which Prometheus scrapes.
-    let collector = yaml(&deploy().join("compose/otel-collector.yaml"));
-    let (_, port, _) = url_parts(&format!(
-        "grpc://{}",
-        str_of(
-            &collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"],
-            "the OTLP gRPC endpoint"
-        )
-    ));
-    assert_eq!(port, 4317);
-    let pipelines = &collector["service"]["pipelines"];
-    let trace_exporters = strings(&pipelines["traces"]["exporters"]);
-    assert!(
-        trace_exporters.iter().any(|exporter| {
-            exporter.starts_with("otlp")
-                && url_parts(&format!(
-                    "grpc://{}",
-                    str_of(
-                        &collector["exporters"][exporter.as_str()]["endpoint"],
-                        "endpoint"
-                    )
-                ))
-                .0 == "tempo"
-        }),
-        "traces go to Tempo: {trace_exporters:?}"
-    );
-    assert!(strings(&pipelines["metrics"]["exporters"]).contains(&"prometheus".to_owned()));
-    for pipeline in ["traces", "metrics"] {
-        for exporter in strings(&pipelines[pipeline]["exporters"]) {
-            assert!(
-                !collector["exporters"][exporter.as_str()].is_null(),
-                "pipeline {pipeline} uses undefined exporter {exporter}"
-            );
-        }
-    }
-    let (_, exporter_port, _) = url_parts(&format!(
-        "http://{}",
-        str_of(
-            &collector["exporters"]["prometheus"]["endpoint"],
-            "the prometheus exporter endpoint"
-        )
-    ));
-    let prometheus = yaml(&deploy().join("compose/prometheus.yaml"));
-    let targets: Vec<String> = prometheus["scrape_configs"]
-        .as_sequence()
-        .expect("scrape_configs")
-        .iter()
-        .flat_map(|job| {
-            job["static_configs"]
-                .as_sequence()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .flat_map(|config| strings(&config["targets"]))
-        .collect();
-    assert!(
-        targets.contains(&format!("otel-collector:{exporter_port}")),
-        "Prometheus scrapes the collector's exporter on {exporter_port}: {targets:?}"
-    );
-}
-
-// --- Grafana ------------------------------------------------------------------------
-
-fn prometheus_name(metric: &str, instrument: Instrument) -> Vec<String> {
-    let base = metric.replace('.', "_");
-    match instrument {
-        Instrument::Counter => vec![format!("{base}_total")],
-        // The exporter appends the unit (`_seconds`) unless told not to.
-        Instrument::Histogram => [format!("{base}_seconds"), base]
-            .iter()
-            .flat_map(|b| ["_bucket", "_sum", "_count"].map(|s| format!("{b}{s}")))
-            .collect(),
-    }
-}
-
-/// The `runplane_*` metric names in a PromQL expression; `(_seconds)?` in a name regex
-/// counts as the suffix.
-fn metric_names(expr: &str) -> Vec<String> {
-    let expr = expr.replace("(_seconds)?", "_seconds");
-    let mut names = Vec::new();
-    let mut rest = expr.as_str();
-    while let Some(start) = rest.find("runplane_") {
-        let name: String = rest[start..]
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
-            .collect();
-        rest = &rest[start + name.len()..];
-        names.push(name);
-    }
-    names
-}
-
-/// Labels an expression groups or formats by: `by (...)`, `without (...)`, `{{label}}`.
-fn grouping_labels(expr: &str, legend: &str) -> BTreeSet<String> {
-    let mut labels = BTreeSet::new();
-    for keyword in ["by (", "by(", "without (", "without("] {
-        for part in expr.split(keyword).skip(1) {
-            let inside = part.split(')').next().unwrap_or_default();
-            labels.extend(
-                inside
-                    .split(',')
-                    .map(|l| l.trim().to_owned())
-                    .filter(|l| !l.is_empty()),
-            );
-        }
-    }
-    for part in legend.split("{{").skip(1) {
-        labels.insert(
-            part.split("}}")
-                .next()
-                .unwrap_or_default()
-                .trim()
-                .to_owned(),
-        );
-    }
-    labels
-}
-
-fn collect_targets<'a>(value: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
-    match value {
-        serde_json::Value::Object(object) => {
-            if object.contains_key("expr") {
-                out.push(value);
-            }
-            object.values().for_each(|v| collect_targets(v, out));
-        }
-        serde_json::Value::Array(items) => items.iter().for_each(|v| collect_targets(v, out)),
-        _ => {}
-    }
-}
-
-fn collect_datasource_uids(value: &serde_json::Value, out: &mut BTreeSet<String>) {
-    match value {
-        serde_json::Value::Object(object) => {
-            if let Some(uid) = object
-                .get("datasource")
-                .and_then(|d| d.get("uid"))
-                .and_then(|u| u.as_str())
-            {
-                out.insert(uid.to_owned());
-            }
-            object
-                .values()
-                .for_each(|v| collect_datasource_uids(v, out));
-        }
-        serde_json::Value::Array(items) => {
-            items.iter().for_each(|v| collect_datasource_uids(v, out))
-        }
-        _ => {}
-    }
-}
-
-#[test]
-fn the_grafana_dashboard_queries_only_metrics_the_services_export() {
-    let path = deploy().join("compose/grafana/dashboards/runplane.json");
-    let dashboard: serde_json::Value = serde_json::from_str(&read(&path))
-        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
-    let mut targets = Vec::new();
-    collect_targets(&dashboard, &mut targets);
-    assert!(!targets.is_empty(), "the dashboard has no queries");
-
-    let mut queried = BTreeSet::new();
-    for target in targets {
-        let expr = target["expr"].as_str().expect("expr is a string");
-        let legend = target["legendFormat"].as_str().unwrap_or_default();
-        let names = metric_names(expr);
-        assert!(!names.is_empty(), "{expr:?} queries no runplane metric");
-        let mut attributes: BTreeSet<&str> = SERIES_LABELS.into_iter().collect();
-        for name in &names {
-            let (metric, _, metric_attributes) = METRICS
-                .iter()
-                .find(|(metric, instrument, _)| prometheus_name(metric, *instrument).contains(name))
-                .unwrap_or_else(|| {
-                    panic!("{expr:?} queries {name}, which no runplane service exports")
-                });
-            queried.insert(*metric);
-            attributes.extend(metric_attributes.iter());
-        }
-        for label in grouping_labels(expr, legend) {
-            assert!(
-                attributes.contains(label.as_str()),
-                "{expr:?} groups by {label}, an attribute {names:?} do not have"
-            );
-        }
-    }
-    let exported: BTreeSet<&str> = METRICS.iter().map(|(metric, _, _)| *metric).collect();
-    let missing: Vec<_> = exported.difference(&queried).collect();
-    assert!(missing.is_empty(), "no panel shows {missing:?}");
-
-    // The data sources the dashboard names are provisioned, and Tempo links to
-    // Prometheus.
-    let datasources =
-        yaml(&deploy().join("compose/grafana/provisioning/datasources/datasources.yaml"));
-    let datasources = datasources["datasources"]
-        .as_sequence()
-        .expect("datasources");
-    let uid_of = |kind: &str| {
-        datasources
-            .iter()
-            .find(|d| d["type"].as_str() == Some(kind))
-            .and_then(|d| d["uid"].as_str())
-            .unwrap_or_else(|| panic!("no {kind} data source with a uid"))
-            .to_owned()
-    };
-    let prometheus = uid_of("prometheus");
-    let tempo = datasources
-        .iter()
-        .find(|d| d["type"].as_str() == Some("tempo"))
-        .expect("a Tempo data source");
-    assert_eq!(
-        tempo["jsonData"]["serviceMap"]["datasourceUid"].as_str(),
-        Some(prometheus.as_str())
-    );
-    assert_eq!(
-        tempo["jsonData"]["tracesToMetrics"]["datasourceUid"].as_str(),
-        Some(prometheus.as_str())
-    );
-    let tempo_uid = uid_of("tempo");
-    let exemplar_links: Vec<&str> = datasources
-        .iter()
-        .find(|d| d["type"].as_str() == Some("prometheus"))
-        .and_then(|d| d["jsonData"]["exemplarTraceIdDestinations"].as_sequence())
-        .into_iter()
-        .flatten()
-        .filter_map(|link| link["datasourceUid"].as_str())
-        .collect();
-    assert_eq!(
-        exemplar_links,
-        [tempo_uid.as_str()],
-        "exemplars open traces in Tempo"
-    );
-    let mut used = BTreeSet::new();
-    collect_datasource_uids(&dashboard, &mut used);
-    assert_eq!(
-        used,
-        BTreeSet::from([prometheus]),
-        "the dashboard's data sources"
-    );
-}
-
-// --- Kubernetes ---------------------------------------------------------------------
 
 fn k8s() -> PathBuf {
     deploy().join("k8s")
@@ -1644,22 +918,6 @@ fn k8s_node_agents_run_runplane_node_on_every_node() {
     );
 }
 
-/// A reconciler that may run more than one replica (`max_replicas`) has local sandboxes
-/// off in `env`.
-fn assert_no_local_sandboxes_with_replicas(
-    origin: &str,
-    max_replicas: u64,
-    env: &BTreeMap<String, String>,
-) {
-    let config = load_config(env).unwrap_or_else(|e| panic!("{origin}: {e}"));
-    assert!(
-        max_replicas <= 1 || !config.sandbox_reconciler.local_sandboxes,
-        "{origin}: up to {max_replicas} reconciler replicas with local sandboxes on; set \
-         RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES=false (other replicas can neither probe \
-         nor signal one replica's local sandboxes)"
-    );
-}
-
 #[test]
 fn k8s_reconciler_runs_no_local_sandboxes_when_it_can_have_several_replicas() {
     let name = "sandbox-reconciler";
@@ -1706,65 +964,32 @@ fn k8s_reconciler_runs_no_local_sandboxes_when_it_can_have_several_replicas() {
     }
 }
 
-#[test]
-fn compose_runs_one_reconciler_with_local_sandboxes() {
-    let compose = compose();
-    let services = compose_services(&compose);
-    let reconciler = &services["sandbox-reconciler"];
-    let env = compose_environment(reconciler, &mut BTreeSet::new());
-    let config = load_config(&env).expect("a valid config");
-    let agents = services
-        .values()
-        .any(|s| strings(&s["command"]).first().map(String::as_str) == Some("node"));
-    assert!(
-        agents || config.sandbox_reconciler.local_sandboxes,
-        "compose runs no node agent: with local sandboxes off, runs would wait forever"
-    );
-    let replicas = reconciler["deploy"]["replicas"].as_u64().unwrap_or(1);
-    assert_no_local_sandboxes_with_replicas("compose", replicas, &env);
-}
-
-// --- image and docs -----------------------------------------------------------------
+// --- runplane config ----------------------------------------------------------------
 
 #[test]
-fn the_dockerfile_builds_the_binary_locked_and_runs_it_unprivileged_on_7070() {
-    let dockerfile = read(&deploy().join("Dockerfile"));
-    assert!(dockerfile.contains("cargo build --release -p runplane --locked"));
-    assert!(
-        dockerfile.contains("--mount=type=cache"),
-        "cargo cache mounts"
-    );
-    assert!(dockerfile.contains("ENTRYPOINT [\"runplane\"]"));
-    assert!(
-        dockerfile
-            .lines()
-            .any(|l| l.trim() == format!("EXPOSE {PORT}"))
-    );
-    let user = dockerfile
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("USER "))
-        .next_back()
-        .expect("the image sets a USER");
-    assert!(
-        !user.starts_with("root") && !user.starts_with("0"),
-        "USER {user}"
-    );
+fn the_config_check_catches_a_misspelt_field_and_a_bad_value() {
+    let mut env: BTreeMap<String, String> = [
+        ("RUNPLANE_SERVER__LISTEN", "0.0.0.0:7070"),
+        ("RUNPLANE_AUTH__OPERATOR_TOKEN", SECRET_KEYS[0].1),
+        ("RUNPLANE_AUTH__SERVICE_TOKEN", SECRET_KEYS[1].1),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    assert_eq!(config_error(&env), None);
 
-    let ignored: BTreeSet<&str> = [".git", "target", ".runplane"].into();
-    let dockerignore = read(&repo().join(".dockerignore"));
-    for entry in ignored {
-        assert!(
-            dockerignore
-                .lines()
-                .any(|l| l.trim().trim_end_matches('/') == entry),
-            ".dockerignore should exclude {entry}"
-        );
-    }
-}
+    env.insert(
+        "RUNPLANE_RUN_STORE__DATABSE_URL".into(),
+        "postgres://x".into(),
+    );
+    let error = config_error(&env).expect("an unknown field is refused");
+    assert!(error.contains("databse_url"), "{error}");
+    env.remove("RUNPLANE_RUN_STORE__DATABSE_URL");
 
-#[test]
-fn the_deploy_readme_points_at_the_example_config() {
-    let readme = read(&deploy().join("README.md"));
-    assert!(readme.contains("runplane.example.toml"));
-    assert!(deploy().join("runplane.example.toml").is_file());
+    env.insert(
+        "RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY".into(),
+        "CHANGE-ME".into(),
+    );
+    let error = config_error(&env).expect("a placeholder key is refused");
+    assert!(error.contains("run_store.receipt_signing_key"), "{error}");
 }
