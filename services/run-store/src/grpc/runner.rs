@@ -1,0 +1,202 @@
+//! RunnerService: what a sandbox's runner calls with its run key.
+
+use super::*;
+
+#[tonic::async_trait]
+impl RunnerService for RunnerApi {
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn hello(
+        &self,
+        request: Request<pb::HelloRequest>,
+    ) -> std::result::Result<Response<pb::HelloResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        let auth = s.runner(&request, &req.run_id, false).await?;
+        validate::client_key("nonce", &req.nonce)?;
+        let (run, claimed_at) = s
+            .store
+            .hello(&auth.key.key_id, &req.run_id, &req.nonce)
+            .await?;
+        s.changes.notify(&run.id);
+        tracing::info!(key_id = %auth.key.key_id, generation = auth.key.sandbox_generation, "runner said hello");
+        Ok(Response::new(pb::HelloResponse {
+            chain_head: run.chain_head.clone(),
+            run: Some(convert::run(&run)),
+            claimed_at: Some(runplane_clock::to_timestamp(claimed_at)),
+            limits: Some(s.limits()),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, events = request.get_ref().events.len()))]
+    async fn append_events(
+        &self,
+        request: Request<pb::AppendEventsRequest>,
+    ) -> std::result::Result<Response<pb::AppendEventsResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        let key = presented(&request)?;
+        validate::run_id(&req.run_id)?;
+        let checked = validate::client_key("batch_key", &req.batch_key)
+            .and_then(|()| validate::batch(&req.events, &s.settings.limits, false));
+        let events = match checked {
+            Ok(events) => events,
+            // The key is judged before the batch: a caller without a valid key learns
+            // nothing about what it sent.
+            Err(invalid) => {
+                s.runner(&request, &req.run_id, false).await?;
+                return Err(invalid.into());
+            }
+        };
+        // Authenticates and appends together: the store checks the key in the statement
+        // that appends.
+        let appended = s
+            .store
+            .append_for_runner(key, &req.run_id, &req.batch_key, &events)
+            .await?;
+        s.changes.notify(&req.run_id);
+        Ok(Response::new(pb::AppendEventsResponse {
+            first_sequence: appended.first_sequence,
+            last_sequence: appended.last_sequence,
+            chain_head: appended.chain_head,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, acks = request.get_ref().acks.len()))]
+    async fn poll_steering(
+        &self,
+        request: Request<pb::PollSteeringRequest>,
+    ) -> std::result::Result<Response<pb::PollSteeringResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        // A terminal run's key still polls: the runner learns the run ended (and gets an
+        // abort enqueued as it ended) from the answer instead of an error.
+        s.runner(&request, &req.run_id, true).await?;
+        let acks = check_acks(&req.acks, s.settings.limits.max_ack_ids as usize)?;
+        let limit = match req.max_messages {
+            0 => 16,
+            n @ 1..=64 => n,
+            _ => return Err(RunStoreError::invalid("max_messages", "must be 0 to 64").into()),
+        };
+        let wait = from_duration("wait", req.wait.as_ref())?
+            .unwrap_or_default()
+            .min(s.settings.limits.max_poll_wait);
+
+        s.store.acknowledge(&req.run_id, &acks).await?;
+        for ack in &acks {
+            let outcome = if ack.dropped { "dropped" } else { "applied" };
+            metrics::steering_acks().add(1, &[metrics::attr("outcome", outcome)]);
+        }
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = s.changes.subscribe(&req.run_id);
+        loop {
+            let mut pending = s.store.pending_messages(&req.run_id, limit.into()).await?;
+            let run = s.store.get_run(&req.run_id).await?;
+            let terminal = state::is_terminal(&run.state);
+            if terminal {
+                // Only an abort still means anything to a runner whose run ended.
+                pending.retain(|m| m.kind == pb::SteeringKind::Abort as i32);
+            }
+            if !pending.is_empty()
+                || terminal
+                || tokio::time::Instant::now() >= deadline
+                || s.changes.is_closing()
+            {
+                return Ok(Response::new(pb::PollSteeringResponse {
+                    messages: pending.iter().map(convert::message).collect(),
+                    run_state: state::to_proto(&run.state) as i32,
+                }));
+            }
+            changes.changed(deadline).await;
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
+    async fn submit_result(
+        &self,
+        request: Request<pb::SubmitResultRequest>,
+    ) -> std::result::Result<Response<pb::SubmitResultResponse>, Status> {
+        let s = &self.shared;
+        let req = request.get_ref();
+        s.runner(&request, &req.run_id, true).await?;
+        let verdict = validate::verdict(req.verdict.as_ref())?;
+        validate::bounded(
+            "failure_tail",
+            &req.failure_tail,
+            0,
+            s.settings.limits.max_failure_tail_bytes as usize,
+        )?;
+        let final_events = validate::batch(&req.final_events, &s.settings.limits, true)?;
+        let final_batch = if final_events.is_empty() {
+            None
+        } else {
+            validate::client_key("final_batch_key", &req.final_batch_key)?;
+            Some((req.final_batch_key.as_str(), final_events.as_slice()))
+        };
+        let finished = s
+            .store
+            .submit_result(
+                &req.run_id,
+                verdict,
+                &req.failure_tail,
+                final_batch,
+                &s.settings.signer,
+            )
+            .await?;
+        if finished.made_terminal {
+            s.changes.ended(&req.run_id, &finished.run.state);
+            tracing::info!(outcome = %state::outcome_name(verdict.outcome()), reason = %verdict.reason, "run finished");
+        }
+        let receipt = s.store.receipt(&req.run_id).await?;
+        Ok(Response::new(pb::SubmitResultResponse {
+            run: Some(convert::run(&finished.run)),
+            already_recorded: !finished.made_terminal,
+            receipt,
+        }))
+    }
+}
+
+/// PollSteering's checks of its acknowledgements; pure, so it is fuzzed.
+pub fn check_acks(acks: &[pb::SteeringAck], max: usize) -> Result<Vec<Ack>> {
+    if acks.len() > max {
+        return Err(RunStoreError::AckInvalid {
+            index: max,
+            reason: format!(
+                "at most {max} acknowledgements per poll, got {}",
+                acks.len()
+            ),
+        });
+    }
+    acks.iter()
+        .enumerate()
+        .map(|(index, a)| {
+            if !ids::is_message_id(&a.message_id) {
+                return Err(RunStoreError::AckInvalid {
+                    index,
+                    reason: "not a message id this server issues".into(),
+                });
+            }
+            let dropped = match pb::AckOutcome::try_from(a.outcome) {
+                Ok(pb::AckOutcome::Applied) => false,
+                Ok(pb::AckOutcome::DroppedUndeliverable) => true,
+                _ => {
+                    return Err(RunStoreError::AckInvalid {
+                        index,
+                        reason: "outcome must be applied or dropped_undeliverable".into(),
+                    });
+                }
+            };
+            if a.error.len() > 512 {
+                return Err(RunStoreError::AckInvalid {
+                    index,
+                    reason: "error is more than 512 bytes".into(),
+                });
+            }
+            Ok(Ack {
+                message_id: a.message_id.clone(),
+                dropped,
+                attempts: a.attempts.max(1),
+                error: a.error.clone(),
+            })
+        })
+        .collect()
+}

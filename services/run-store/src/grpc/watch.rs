@@ -1,0 +1,95 @@
+//! WatchRun's stream.
+
+use super::*;
+
+/// Streams a run's snapshot, its events after the asked sequence and a new snapshot at
+/// each state change, until the run is terminal and every event was sent.
+pub(super) async fn watch(
+    s: &Shared,
+    first: crate::store::entities::run::Model,
+    req: &pb::WatchRunRequest,
+    heartbeat: Duration,
+    tx: &tokio::sync::mpsc::Sender<std::result::Result<pb::WatchRunResponse, Status>>,
+) -> std::result::Result<(), Status> {
+    use pb::watch_run_response::Update;
+    let due = runplane_grpc::heartbeat::Due::new(heartbeat);
+    let due = &due;
+    let send = |update: Update| {
+        due.sent();
+        async move {
+            tx.send(Ok(pb::WatchRunResponse {
+                update: Some(update),
+            }))
+            .await
+            .is_ok()
+        }
+    };
+    let mut last_state = first.state.clone();
+    let mut last_updated = first.updated_at_us;
+    if !send(Update::Run(convert::run(&first))).await {
+        return Ok(());
+    }
+    let mut cursor = req.after_sequence;
+    let mut changes = s.changes.subscribe(&req.run_id);
+    loop {
+        if !req.states_only {
+            loop {
+                let events = s.store.events_after(&req.run_id, cursor, 500).await?;
+                let full = events.len() == 500;
+                for e in &events {
+                    cursor = e.sequence as u64;
+                    if !send(Update::Event(convert::event(e))).await {
+                        return Ok(());
+                    }
+                }
+                if !full {
+                    break;
+                }
+            }
+        }
+        let run = s.store.get_run(&req.run_id).await?;
+        if run.state != last_state
+            || (state::is_terminal(&run.state) && run.updated_at_us != last_updated)
+        {
+            last_state = run.state.clone();
+            last_updated = run.updated_at_us;
+            if !send(Update::Run(convert::run(&run))).await {
+                return Ok(());
+            }
+        }
+        if state::is_terminal(&run.state) && (req.states_only || cursor >= run.last_sequence as u64)
+        {
+            return Ok(());
+        }
+        if s.changes.is_closing() {
+            // Shutting down: end the stream; the watcher resumes from its last sequence.
+            return Err(Status::unavailable(
+                "the run store is shutting down; resume the watch from the last sequence",
+            ));
+        }
+        // What this stream has: the re-check wakes it if the stored run moved past that.
+        let sent_through = if req.states_only {
+            run.last_sequence
+        } else {
+            run.last_sequence.min(cursor as i64)
+        };
+        changes.seen(crate::changes::Version {
+            last_sequence: sent_through,
+            updated_at_us: run.updated_at_us,
+        });
+        // Read again only when the run changed; in between, heartbeats cost no query.
+        while !changes.changed(due.at()).await {
+            if s.changes.is_closing() {
+                break;
+            }
+            // Nothing sent for an interval: say the stream is alive, and where it is.
+            let heartbeat = pb::Heartbeat {
+                last_sequence: cursor,
+                server_time: Some(runplane_clock::to_timestamp(s.store.now_us())),
+            };
+            if !send(Update::Heartbeat(heartbeat)).await {
+                return Ok(());
+            }
+        }
+    }
+}

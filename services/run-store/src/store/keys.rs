@@ -1,0 +1,198 @@
+//! Run keys: issuing them, authenticating runners, and Hello.
+
+use super::*;
+
+impl Store {
+    /// Mints the key of one sandbox generation. Returns the key row and the secret,
+    /// which exists only in this answer.
+    pub async fn issue_run_key(
+        &self,
+        run_id: &str,
+        sandbox_id: &str,
+        generation: u64,
+        idempotency_key: &str,
+    ) -> Result<(run_key::Model, String)> {
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        if state::is_terminal(&run.state) {
+            return Err(terminal_error(&run));
+        }
+        let now = self.now_us();
+        let secret = ids::new_run_key();
+        let generation_i = generation as i64;
+
+        let existing = run_key::Entity::find()
+            .filter(run_key::Column::RunId.eq(run_id))
+            .filter(run_key::Column::IdempotencyKey.eq(idempotency_key))
+            .one(&txn)
+            .await?;
+        if let Some(existing) = existing {
+            if existing.sandbox_id != sandbox_id || existing.sandbox_generation != generation_i {
+                return Err(RunStoreError::KeyReused {
+                    field: "idempotency_key",
+                });
+            }
+            if existing.hello_nonce.is_some() {
+                return Err(RunStoreError::RunKeyClaimed);
+            }
+            if existing.revoked_at_us.is_some() {
+                // A newer generation superseded it; this replay is stale.
+                return Err(RunStoreError::GenerationStale {
+                    requested: generation,
+                    current: run.sandbox_generation as u64,
+                });
+            }
+            // The first secret was never used (no Hello) and cannot be shown again: it is
+            // replaced under the same key id, so no second live key exists.
+            let mut active = existing.clone().into_active_model();
+            active.key_hash = sea_orm::Set(ids::secret_hash(&secret));
+            let key = active.update(&txn).await?;
+            txn.commit().await?;
+            return Ok((key, secret));
+        }
+
+        if generation_i < run.sandbox_generation {
+            return Err(RunStoreError::GenerationStale {
+                requested: generation,
+                current: run.sandbox_generation as u64,
+            });
+        }
+        // One live key per run: whatever was issued before is superseded.
+        run_key::Entity::update_many()
+            .col_expr(
+                run_key::Column::RevokedReason,
+                Expr::value(REVOKED_SUPERSEDED),
+            )
+            .col_expr(run_key::Column::RevokedAtUs, Expr::value(now))
+            .filter(run_key::Column::RunId.eq(run_id))
+            .filter(run_key::Column::RevokedAtUs.is_null())
+            .exec(&txn)
+            .await?;
+        let key = run_key::Model {
+            key_id: ids::new_key_id(),
+            run_id: run_id.to_owned(),
+            org_id: run.org_id.clone(),
+            key_hash: ids::secret_hash(&secret),
+            sandbox_id: sandbox_id.to_owned(),
+            sandbox_generation: generation_i,
+            idempotency_key: idempotency_key.to_owned(),
+            created_at_us: now,
+            revoked_reason: None,
+            revoked_at_us: None,
+            hello_nonce: None,
+            hello_at_us: None,
+        };
+        run_key::Entity::insert(key.clone().into_active_model())
+            .exec_without_returning(&txn)
+            .await?;
+        let mut active = run.clone().into_active_model();
+        active.sandbox_generation = sea_orm::Set(generation_i);
+        active.sandbox_id = sea_orm::Set(sandbox_id.to_owned());
+        if run.state == state::QUEUED {
+            active.state = sea_orm::Set(state::STARTING.to_owned());
+        }
+        active.updated_at_us = sea_orm::Set(now);
+        active.update(&txn).await?;
+        txn.commit().await?;
+        Ok((key, secret))
+    }
+
+    /// Checks a runner's key against the run it names.
+    ///
+    /// An unknown key is `RunKeyInvalid`, a key of another run `RunKeyWrongRun`, a key
+    /// superseded by a newer generation `RunKeyRevoked`. A key revoked because its run
+    /// ended passes only when `allow_terminal` (SubmitResult answers replays with it);
+    /// otherwise the caller learns the run is terminal.
+    pub async fn authenticate_runner(
+        &self,
+        secret: &str,
+        run_id: &str,
+        allow_terminal: bool,
+    ) -> Result<RunnerAuth> {
+        self.authenticate_key_hash(&ids::secret_hash(secret), run_id, allow_terminal)
+            .await
+    }
+
+    /// As [`Store::authenticate_runner`], from the key's SHA-256 (hex).
+    pub async fn authenticate_key_hash(
+        &self,
+        key_hash: &str,
+        run_id: &str,
+        allow_terminal: bool,
+    ) -> Result<RunnerAuth> {
+        let key = run_key::Entity::find()
+            .filter(run_key::Column::KeyHash.eq(key_hash))
+            .one(&self.db)
+            .await?
+            .ok_or(RunStoreError::RunKeyInvalid)?;
+        if key.run_id != run_id {
+            return Err(RunStoreError::RunKeyWrongRun);
+        }
+        let run = self.get_run(run_id).await?;
+        match key.revoked_reason.as_deref() {
+            None => {}
+            Some(REVOKED_TERMINAL) if allow_terminal => {}
+            Some(REVOKED_TERMINAL) => return Err(terminal_error(&run)),
+            Some(_) => return Err(RunStoreError::RunKeyRevoked),
+        }
+        if !allow_terminal && state::is_terminal(&run.state) {
+            return Err(terminal_error(&run));
+        }
+        Ok(RunnerAuth { key, run })
+    }
+
+    /// Claims the key for the runner instance `nonce`. The same nonce gets the same
+    /// claim time back; another nonce on a claimed key is refused.
+    pub async fn hello(
+        &self,
+        key_id: &str,
+        run_id: &str,
+        nonce: &str,
+    ) -> Result<(run::Model, i64)> {
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        let key = run_key::Entity::find_by_id(key_id.to_owned())
+            .one(&txn)
+            .await?
+            .ok_or(RunStoreError::RunKeyInvalid)?;
+        if let (Some(claimed), Some(at)) = (&key.hello_nonce, key.hello_at_us) {
+            if claimed == nonce {
+                txn.commit().await?;
+                return Ok((run, at));
+            }
+            return Err(RunStoreError::HelloNonceMismatch);
+        }
+        if key.revoked_at_us.is_some() {
+            return Err(if key.revoked_reason.as_deref() == Some(REVOKED_TERMINAL) {
+                terminal_error(&run)
+            } else {
+                RunStoreError::RunKeyRevoked
+            });
+        }
+        if state::is_terminal(&run.state) {
+            return Err(terminal_error(&run));
+        }
+        let now = self.now_us();
+        let claimed = run_key::Entity::update_many()
+            .col_expr(run_key::Column::HelloNonce, Expr::value(nonce))
+            .col_expr(run_key::Column::HelloAtUs, Expr::value(now))
+            .filter(run_key::Column::KeyId.eq(key_id))
+            .filter(run_key::Column::HelloNonce.is_null())
+            .exec(&txn)
+            .await?;
+        if claimed.rows_affected != 1 {
+            return Err(RunStoreError::HelloNonceMismatch);
+        }
+        let mut active = run.clone().into_active_model();
+        if run.state != state::RUNNING {
+            active.state = sea_orm::Set(state::RUNNING.to_owned());
+        }
+        if run.started_at_us.is_none() {
+            active.started_at_us = sea_orm::Set(Some(now));
+        }
+        active.updated_at_us = sea_orm::Set(now);
+        let run = active.update(&txn).await?;
+        txn.commit().await?;
+        Ok((run, now))
+    }
+}

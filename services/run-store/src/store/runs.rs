@@ -1,0 +1,246 @@
+//! Creating, finding, listing and versioning runs.
+
+use super::*;
+
+impl Store {
+    /// Creates the run, or returns the one this org already created with the same
+    /// client request id (`false`). A reused id with another body is refused.
+    pub async fn create_run(&self, new: NewRun) -> Result<(run::Model, bool)> {
+        if let Some(existing) = self
+            .find_by_request(&new.org_id, &new.client_request_id)
+            .await?
+        {
+            return same_request(existing, &new.request_digest).map(|r| (r, false));
+        }
+        let now = self.now_us();
+        let id = ids::new_run_id();
+        let model = run::Model {
+            chain_head: chain::genesis(&id),
+            id,
+            org_id: new.org_id.clone(),
+            lead_id: new.lead_id,
+            client_request_id: new.client_request_id.clone(),
+            request_digest: new.request_digest.clone(),
+            state: state::QUEUED.to_owned(),
+            credential_id: new.credential_id,
+            profile: new.profile,
+            command: new.command,
+            args: serde_json::to_string(&new.args).expect("strings serialise"),
+            labels: serde_json::to_string(&new.labels).expect("strings serialise"),
+            sandbox_generation: 0,
+            last_sequence: 0,
+            steering_sequence: 0,
+            verdict_outcome: None,
+            verdict_reason: None,
+            verdict_exit_code: None,
+            verdict_signal: None,
+            verdict_message: None,
+            failure_tail: None,
+            backend_error: None,
+            traceparent: runplane_grpc::trace_context::current_traceparent().unwrap_or_default(),
+            sandbox_id: String::new(),
+            deadline_at_us: new.max_duration_us.map(|d| now.saturating_add(d)),
+            waiting_reason: String::new(),
+            created_at_us: now,
+            started_at_us: None,
+            ended_at_us: None,
+            updated_at_us: now,
+        };
+        match run::Entity::insert(model.clone().into_active_model())
+            .exec_without_returning(&self.db)
+            .await
+        {
+            Ok(_) => Ok((model, true)),
+            // A concurrent create with the same id won the unique index; answer with its run.
+            Err(e) if is_unique_violation(&e) => {
+                let existing = self
+                    .find_by_request(&new.org_id, &new.client_request_id)
+                    .await?
+                    .ok_or(RunStoreError::Storage(e))?;
+                same_request(existing, &new.request_digest).map(|r| (r, false))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The run this org already created with `request_id`, if any; a reused id with
+    /// another body is refused.
+    pub async fn existing_run(
+        &self,
+        org: &str,
+        request_id: &str,
+        request_digest: &str,
+    ) -> Result<Option<run::Model>> {
+        match self.find_by_request(org, request_id).await? {
+            Some(run) => same_request(run, request_digest).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    pub(super) async fn find_by_request(
+        &self,
+        org: &str,
+        request_id: &str,
+    ) -> Result<Option<run::Model>> {
+        Ok(run::Entity::find()
+            .filter(run::Column::OrgId.eq(org))
+            .filter(run::Column::ClientRequestId.eq(request_id))
+            .one(&self.db)
+            .await?)
+    }
+
+    pub async fn get_run(&self, run_id: &str) -> Result<run::Model> {
+        run::Entity::find_by_id(run_id.to_owned())
+            .one(&self.db)
+            .await?
+            .ok_or_else(|| RunStoreError::RunNotFound {
+                run_id: run_id.to_owned(),
+            })
+    }
+
+    /// The stored versions of `run_ids` (those that exist), for the watchers' re-check.
+    pub async fn versions(
+        &self,
+        run_ids: Vec<String>,
+    ) -> Result<Vec<(String, crate::changes::Version)>> {
+        let rows: Vec<(String, i64, i64)> = run::Entity::find()
+            .select_only()
+            .column(run::Column::Id)
+            .column(run::Column::LastSequence)
+            .column(run::Column::UpdatedAtUs)
+            .filter(run::Column::Id.is_in(run_ids))
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, last_sequence, updated_at_us)| {
+                let version = crate::changes::Version {
+                    last_sequence,
+                    updated_at_us,
+                };
+                (id, version)
+            })
+            .collect())
+    }
+
+    /// A page of runs, newest first.
+    pub async fn list_runs(&self, filter: &RunFilter) -> Result<Vec<run::Model>> {
+        let mut query = run::Entity::find();
+        if let Some(org) = &filter.org_id {
+            query = query.filter(run::Column::OrgId.eq(org.as_str()));
+        }
+        if let Some(lead) = &filter.lead_id {
+            query = query.filter(run::Column::LeadId.eq(lead.as_str()));
+        }
+        if let Some(credential) = &filter.credential_id {
+            query = query.filter(run::Column::CredentialId.eq(credential.as_str()));
+        }
+        if let Some(profile) = &filter.profile {
+            query = query.filter(run::Column::Profile.eq(profile.as_str()));
+        }
+        if !filter.states.is_empty() {
+            query = query.filter(run::Column::State.is_in(filter.states.iter().copied()));
+        }
+        if !filter.run_ids.is_empty() {
+            query = query.filter(run::Column::Id.is_in(filter.run_ids.iter().cloned()));
+        }
+        if filter.with_pending_messages {
+            // EXISTS on the run's own messages (the (run_id, sequence) index), not a scan
+            // of every message ever queued.
+            query = query.filter(Expr::exists(
+                sea_orm::sea_query::Query::select()
+                    .expr(Expr::val(1))
+                    .from(steering_message::Entity)
+                    .and_where(sea_orm::sea_query::ExprTrait::equals(
+                        Expr::col((steering_message::Entity, steering_message::Column::RunId)),
+                        (run::Entity, run::Column::Id),
+                    ))
+                    .and_where(steering_message::Column::AckedAtUs.is_null())
+                    .to_owned(),
+            ));
+        }
+        if let Some((created, id)) = &filter.after {
+            query = query.filter(
+                sea_orm::Condition::any()
+                    .add(run::Column::CreatedAtUs.lt(*created))
+                    .add(
+                        sea_orm::Condition::all()
+                            .add(run::Column::CreatedAtUs.eq(*created))
+                            .add(run::Column::Id.lt(id.as_str())),
+                    ),
+            );
+        }
+        Ok(query
+            .order_by(run::Column::CreatedAtUs, Order::Desc)
+            .order_by(run::Column::Id, Order::Desc)
+            .limit(filter.limit)
+            .all(&self.db)
+            .await?)
+    }
+
+    /// Runs in STARTING or RUNNING, counted per credential, per profile and per
+    /// (profile, credential) pair keyed `profile/credential`; only runs on one of
+    /// `credential_ids` or in one of `profiles` when either is given (empty: all).
+    pub async fn count_active(
+        &self,
+        credential_ids: &[String],
+        profiles: &[String],
+    ) -> Result<ActiveCounts> {
+        let mut query = run::Entity::find();
+        if !credential_ids.is_empty() || !profiles.is_empty() {
+            query = query.filter(
+                sea_orm::Condition::any()
+                    .add(run::Column::CredentialId.is_in(credential_ids.iter().cloned()))
+                    .add(run::Column::Profile.is_in(profiles.iter().cloned())),
+            );
+        }
+        let rows: Vec<(String, String, i64)> = query
+            .select_only()
+            .column(run::Column::CredentialId)
+            .column(run::Column::Profile)
+            .column_as(run::Column::Id.count(), "n")
+            .filter(run::Column::State.is_in([state::STARTING, state::RUNNING]))
+            .group_by(run::Column::CredentialId)
+            .group_by(run::Column::Profile)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        let mut counts = ActiveCounts::default();
+        let mut queued = run::Entity::find()
+            .select_only()
+            .column(run::Column::CredentialId)
+            .column_as(run::Column::Id.count(), "n")
+            .filter(run::Column::State.eq(state::QUEUED))
+            .filter(run::Column::CredentialId.ne(""));
+        if !credential_ids.is_empty() {
+            queued = queued.filter(run::Column::CredentialId.is_in(credential_ids.iter().cloned()));
+        }
+        let queued: Vec<(String, i64)> = queued
+            .group_by(run::Column::CredentialId)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        for (credential, n) in queued {
+            counts
+                .queued_by_credential
+                .insert(credential, u32::try_from(n).unwrap_or(u32::MAX));
+        }
+        for (credential, profile, n) in rows {
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            if !credential.is_empty() {
+                *counts.by_credential.entry(credential.clone()).or_insert(0) += n;
+            }
+            if !profile.is_empty() {
+                *counts.by_profile.entry(profile.clone()).or_insert(0) += n;
+                if !credential.is_empty() {
+                    *counts
+                        .by_profile_credential
+                        .entry(format!("{profile}/{credential}"))
+                        .or_insert(0) += n;
+                }
+            }
+        }
+        Ok(counts)
+    }
+}

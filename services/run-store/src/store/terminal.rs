@@ -1,0 +1,447 @@
+//! Verdicts and endings: results, failures, cancels, deadlines, backend errors and receipts.
+
+use super::*;
+
+impl Store {
+    /// Records a runner's verdict (after its final batch, if any). The same verdict
+    /// again is a replay; another one on a terminal run is refused with the recorded one.
+    pub async fn submit_result(
+        &self,
+        run_id: &str,
+        verdict: &pb::Verdict,
+        failure_tail: &str,
+        final_batch: Option<(&str, &[CheckedEvent])>,
+        signer: &ReceiptSigner,
+    ) -> Result<Finished> {
+        let txn = self.write_tx().await?;
+        let mut run = self.lock_run(&txn, run_id).await?;
+        if state::is_terminal(&run.state) {
+            if same_verdict(&run, verdict) {
+                txn.commit().await?;
+                return Ok(Finished {
+                    run,
+                    made_terminal: false,
+                });
+            }
+            return Err(terminal_error(&run));
+        }
+        if let Some((batch_key, events)) = final_batch {
+            let digest = crate::domain::validate::batch_digest(events);
+            if self
+                .find_batch(&txn, run_id, batch_key, &digest)
+                .await?
+                .is_none()
+            {
+                self.append_locked(&txn, &run, batch_key, &digest, events)
+                    .await?;
+                run = self.lock_run(&txn, run_id).await?;
+            }
+        }
+        let run = self
+            .finish_locked(&txn, run, verdict, Some(failure_tail), signer)
+            .await?;
+        if verdict.outcome() == pb::VerdictOutcome::Failed && !failure_tail.is_empty() {
+            self.owe_turn_failure(&txn, &run, format!("{}:result", run.id), failure_tail)
+                .await?;
+        }
+        txn.commit().await?;
+        Ok(Finished {
+            run,
+            made_terminal: true,
+        })
+    }
+
+    /// Fails a run for a service: one atomic claim that folds in the optional guard.
+    /// A replay with the same idempotency key gets the stored answer.
+    pub async fn fail_run(
+        &self,
+        run_id: &str,
+        request: &FailRequest<'_>,
+        signer: &ReceiptSigner,
+    ) -> Result<(pb::FailRunOutcome, run::Model)> {
+        let FailRequest {
+            reason,
+            message,
+            idempotency_key,
+            guard_generation,
+            guard_sandbox,
+            request_digest,
+        } = *request;
+        const METHOD: &str = "FailRun";
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        if let Some(answer) = self
+            .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
+            .await?
+        {
+            let outcome = pb::FailRunOutcome::try_from(stored_outcome(&answer))
+                .unwrap_or(pb::FailRunOutcome::Unspecified);
+            txn.commit().await?;
+            return Ok((outcome, run));
+        }
+        let (outcome, run) = if state::is_terminal(&run.state) {
+            (pb::FailRunOutcome::AlreadyTerminal, run)
+        } else if guard_generation.is_some_and(|g| i64::try_from(g) != Ok(run.sandbox_generation))
+            || guard_sandbox.is_some_and(|id| id != run.sandbox_id)
+        {
+            (pb::FailRunOutcome::GuardMismatch, run)
+        } else {
+            let verdict = pb::Verdict {
+                outcome: pb::VerdictOutcome::Failed as i32,
+                reason: reason.to_owned(),
+                message: message.to_owned(),
+                ..Default::default()
+            };
+            let run = self
+                .finish_locked(&txn, run, &verdict, None, signer)
+                .await?;
+            (pb::FailRunOutcome::MadeTerminal, run)
+        };
+        self.store_answer(
+            &txn,
+            run_id,
+            METHOD,
+            idempotency_key,
+            request_digest,
+            (outcome as i32).to_be_bytes().to_vec(),
+        )
+        .await?;
+        txn.commit().await?;
+        Ok((outcome, run))
+    }
+
+    /// Ends a QUEUED run as cancelled (an interrupt before any sandbox existed).
+    pub async fn cancel_queued(
+        &self,
+        run_id: &str,
+        reason: &str,
+        signer: &ReceiptSigner,
+    ) -> Result<Option<run::Model>> {
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        if run.state != state::QUEUED {
+            return Ok(None);
+        }
+        let verdict = pb::Verdict {
+            outcome: pb::VerdictOutcome::Cancelled as i32,
+            reason: "interrupted".into(),
+            message: reason.to_owned(),
+            ..Default::default()
+        };
+        let run = self
+            .finish_locked(&txn, run, &verdict, None, signer)
+            .await?;
+        txn.commit().await?;
+        Ok(Some(run))
+    }
+
+    /// Cancels a run for an operator through the guarded terminal path. A replay of the
+    /// cancel that won (same idempotency key) gets the run back with `made_terminal`
+    /// false; any other cancel of a terminal run is refused with its recorded verdict.
+    pub async fn cancel_run(
+        &self,
+        run_id: &str,
+        message: &str,
+        idempotency_key: &str,
+        request_digest: &str,
+        signer: &ReceiptSigner,
+    ) -> Result<Finished> {
+        const METHOD: &str = "CancelRun";
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        if self
+            .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
+            .await?
+            .is_some()
+        {
+            txn.commit().await?;
+            return Ok(Finished {
+                run,
+                made_terminal: false,
+            });
+        }
+        if state::is_terminal(&run.state) {
+            return Err(terminal_error(&run));
+        }
+        let verdict = pb::Verdict {
+            outcome: pb::VerdictOutcome::Cancelled as i32,
+            reason: REASON_CANCELLED.into(),
+            message: message.to_owned(),
+            ..Default::default()
+        };
+        let run = self
+            .finish_locked(&txn, run, &verdict, None, signer)
+            .await?;
+        self.store_answer(
+            &txn,
+            run_id,
+            METHOD,
+            idempotency_key,
+            request_digest,
+            Vec::new(),
+        )
+        .await?;
+        txn.commit().await?;
+        Ok(Finished {
+            run,
+            made_terminal: true,
+        })
+    }
+
+    /// Live runs whose deadline has passed, soonest first: one bounded read on the
+    /// deadline index.
+    pub async fn past_deadline(&self, limit: u64) -> Result<Vec<String>> {
+        Ok(run::Entity::find()
+            .select_only()
+            .column(run::Column::Id)
+            .filter(run::Column::DeadlineAtUs.lte(self.now_us()))
+            .filter(run::Column::State.is_in(state::LIVE))
+            .order_by(run::Column::DeadlineAtUs, Order::Asc)
+            .limit(limit)
+            .into_tuple()
+            .all(&self.db)
+            .await?)
+    }
+
+    /// Ends `run_id` as `deadline_exceeded` if it is still live and past its deadline
+    /// under the run's lock, so of several replicas sweeping at once exactly one ends it
+    /// and the others find it terminal. `None` when nothing changed.
+    pub async fn expire(&self, run_id: &str, signer: &ReceiptSigner) -> Result<Option<run::Model>> {
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        let now = self.now_us();
+        if state::is_terminal(&run.state) || run.deadline_at_us.is_none_or(|d| d > now) {
+            return Ok(None);
+        }
+        let limit_s = (run.deadline_at_us.unwrap_or(now) - run.created_at_us) / 1_000_000;
+        let verdict = pb::Verdict {
+            outcome: pb::VerdictOutcome::Failed as i32,
+            reason: REASON_DEADLINE_EXCEEDED.into(),
+            message: format!("the run outlived its {limit_s} s deadline"),
+            ..Default::default()
+        };
+        let run = self
+            .finish_locked(&txn, run, &verdict, None, signer)
+            .await?;
+        txn.commit().await?;
+        Ok(Some(run))
+    }
+
+    /// Records the durable backend-error outcome: from a live run it ends the run, from
+    /// a succeeded or failed one it changes only the state and the outcome.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn mark_backend_error(
+        &self,
+        run_id: &str,
+        idempotency_key: &str,
+        request_digest: &str,
+        outcome_json: &str,
+        reason: &str,
+        signer: &ReceiptSigner,
+    ) -> Result<(pb::MarkBackendErrorOutcome, run::Model)> {
+        const METHOD: &str = "MarkBackendError";
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        if let Some(answer) = self
+            .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
+            .await?
+        {
+            let outcome = pb::MarkBackendErrorOutcome::try_from(stored_outcome(&answer))
+                .unwrap_or(pb::MarkBackendErrorOutcome::Unspecified);
+            txn.commit().await?;
+            return Ok((outcome, run));
+        }
+        let now = self.now_us();
+        let (outcome, run) = match run.state.as_str() {
+            state::BACKEND_ERROR => (pb::MarkBackendErrorOutcome::AlreadyMarked, run),
+            state::QUEUED | state::CANCELLED => {
+                return Err(RunStoreError::VerdictConflict(format!(
+                    "a {} run cannot carry a backend error",
+                    run.state
+                )));
+            }
+            state::STARTING | state::RUNNING => {
+                let verdict = pb::Verdict {
+                    outcome: pb::VerdictOutcome::Failed as i32,
+                    reason: "backend_error".into(),
+                    message: reason.to_owned(),
+                    ..Default::default()
+                };
+                let run = self
+                    .finish_locked(&txn, run, &verdict, None, signer)
+                    .await?;
+                let mut active = run.into_active_model();
+                active.state = sea_orm::Set(state::BACKEND_ERROR.to_owned());
+                active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
+                active.updated_at_us = sea_orm::Set(now);
+                (
+                    pb::MarkBackendErrorOutcome::Marked,
+                    active.update(&txn).await?,
+                )
+            }
+            _ => {
+                // Done already (succeeded or failed): the receipt stays as sealed; the
+                // roster records what the run really died of.
+                let mut active = run.into_active_model();
+                active.state = sea_orm::Set(state::BACKEND_ERROR.to_owned());
+                active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
+                active.updated_at_us = sea_orm::Set(now);
+                (
+                    pb::MarkBackendErrorOutcome::Marked,
+                    active.update(&txn).await?,
+                )
+            }
+        };
+        self.store_answer(
+            &txn,
+            run_id,
+            METHOD,
+            idempotency_key,
+            request_digest,
+            (outcome as i32).to_be_bytes().to_vec(),
+        )
+        .await?;
+        txn.commit().await?;
+        Ok((outcome, run))
+    }
+
+    pub(super) async fn keyed_answer(
+        &self,
+        txn: &DatabaseTransaction,
+        run_id: &str,
+        method: &str,
+        idempotency_key: &str,
+        request_digest: &str,
+    ) -> Result<Option<Vec<u8>>> {
+        let Some(answer) = keyed_answer::Entity::find_by_id((
+            run_id.to_owned(),
+            method.to_owned(),
+            idempotency_key.to_owned(),
+        ))
+        .one(txn)
+        .await?
+        else {
+            return Ok(None);
+        };
+        if answer.request_digest != request_digest {
+            return Err(RunStoreError::KeyReused {
+                field: "idempotency_key",
+            });
+        }
+        Ok(Some(answer.answer))
+    }
+
+    pub(super) async fn store_answer(
+        &self,
+        txn: &DatabaseTransaction,
+        run_id: &str,
+        method: &str,
+        idempotency_key: &str,
+        request_digest: &str,
+        answer: Vec<u8>,
+    ) -> Result<()> {
+        keyed_answer::Entity::insert(
+            keyed_answer::Model {
+                run_id: run_id.to_owned(),
+                method: method.to_owned(),
+                idempotency_key: idempotency_key.to_owned(),
+                request_digest: request_digest.to_owned(),
+                answer,
+                created_at_us: self.now_us(),
+            }
+            .into_active_model(),
+        )
+        .exec_without_returning(txn)
+        .await?;
+        Ok(())
+    }
+
+    /// Makes a locked, live run terminal with `verdict`: revokes its keys and seals its
+    /// receipt, all in the caller's transaction.
+    pub(super) async fn finish_locked(
+        &self,
+        txn: &DatabaseTransaction,
+        run: run::Model,
+        verdict: &pb::Verdict,
+        failure_tail: Option<&str>,
+        signer: &ReceiptSigner,
+    ) -> Result<run::Model> {
+        let now = self.now_us();
+        let terminal = state::for_outcome(verdict.outcome())
+            .ok_or_else(|| RunStoreError::invalid("verdict.outcome", "is unspecified"))?;
+        let mut active = run.clone().into_active_model();
+        active.state = sea_orm::Set(terminal.to_owned());
+        active.verdict_outcome =
+            sea_orm::Set(Some(state::outcome_name(verdict.outcome()).to_owned()));
+        active.verdict_reason = sea_orm::Set(Some(verdict.reason.clone()));
+        active.verdict_exit_code = sea_orm::Set(verdict.exit_code);
+        active.verdict_signal = sea_orm::Set(verdict.signal);
+        active.verdict_message = sea_orm::Set(Some(verdict.message.clone()));
+        active.failure_tail =
+            sea_orm::Set(failure_tail.filter(|t| !t.is_empty()).map(str::to_owned));
+        active.ended_at_us = sea_orm::Set(Some(now));
+        active.updated_at_us = sea_orm::Set(now);
+        let run = active.update(txn).await?;
+
+        run_key::Entity::update_many()
+            .col_expr(
+                run_key::Column::RevokedReason,
+                Expr::value(REVOKED_TERMINAL),
+            )
+            .col_expr(run_key::Column::RevokedAtUs, Expr::value(now))
+            .filter(run_key::Column::RunId.eq(run.id.as_str()))
+            .filter(run_key::Column::RevokedAtUs.is_null())
+            .exec(txn)
+            .await?;
+
+        let checks = event::Entity::find()
+            .filter(event::Column::RunId.eq(run.id.as_str()))
+            .filter(event::Column::IsCheck.eq(true))
+            .order_by(event::Column::Sequence, Order::Asc)
+            .all(txn)
+            .await?;
+        let body = pb::ReceiptBody {
+            run_id: run.id.clone(),
+            org_id: run.org_id.clone(),
+            verdict: Some(verdict_of(&run)),
+            event_count: run.last_sequence as u64,
+            check_events: checks
+                .into_iter()
+                .map(|e| pb::CheckEventRef {
+                    sequence: e.sequence as u64,
+                    digest: e.digest,
+                    name: e.name,
+                })
+                .collect(),
+            chain_head: run.chain_head.clone(),
+            sealed_at: Some(runplane_clock::to_timestamp(now)),
+            key_id: String::new(),
+        };
+        let sealed = signer.seal(body);
+        receipt::Entity::insert(
+            receipt::Model {
+                run_id: run.id.clone(),
+                signed_payload: sealed.signed_payload,
+                signature: sealed.signature,
+                key_id: sealed.key_id,
+                sealed_at_us: now,
+            }
+            .into_active_model(),
+        )
+        .exec_without_returning(txn)
+        .await?;
+        Ok(run)
+    }
+
+    pub async fn receipt(&self, run_id: &str) -> Result<Option<pb::Receipt>> {
+        Ok(receipt::Entity::find_by_id(run_id.to_owned())
+            .one(&self.db)
+            .await?
+            .map(|r| pb::Receipt {
+                body: pb::ReceiptBody::decode(r.signed_payload.as_slice()).ok(),
+                signed_payload: r.signed_payload,
+                signature: r.signature,
+                key_id: r.key_id,
+            }))
+    }
+}
