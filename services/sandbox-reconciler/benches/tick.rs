@@ -70,7 +70,7 @@ async fn main() {
                 org_id: "bench".into(),
                 client_request_id: format!("bench-{n}-{i}"),
                 substrate: "direct".into(),
-                status: "started".into(),
+                status: sandbox::SandboxStatus::Started,
                 active_node_id: Some("node".into()),
                 execution_generation: 1,
                 loss_observed_at_us: None,

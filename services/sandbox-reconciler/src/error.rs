@@ -21,7 +21,10 @@ pub enum ReconcilerError {
     #[error("sandbox {id} not found")]
     SandboxNotFound { id: String },
     #[error("sandbox {id} has ended ({status})")]
-    SandboxEnded { id: String, status: String },
+    SandboxEnded {
+        id: String,
+        status: crate::domain::status::SandboxStatus,
+    },
     #[error("sandbox {id} is not placed on a node; a wake is queued, retry shortly")]
     NotPlaced {
         id: String,

@@ -12,6 +12,7 @@ use tonic::{Request, Response, Status};
 
 use crate::domain::placement;
 use crate::domain::route_token::{self, RouteClaims};
+use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;
 use crate::store::entities::{node, sandbox, wake};
 use crate::store::nodes::{Assigned, MAX_WAKE_ERROR_BYTES, Observation};
@@ -108,7 +109,7 @@ impl Shared {
         if placement::is_ended(&p.sandbox) {
             return Err(ReconcilerError::SandboxEnded {
                 id: p.sandbox.id.clone(),
-                status: p.sandbox.status.clone(),
+                status: p.sandbox.status,
             });
         }
         Ok(p)
@@ -238,13 +239,13 @@ pub fn check_publication(
     sandbox_id(&req.sandbox_id)?;
     let epoch = int64("epoch", req.epoch)?;
     let status = match req.status() {
-        pb::SandboxStatus::Started => "started",
-        pb::SandboxStatus::Suspended => "suspended",
-        pb::SandboxStatus::Restoring => "restoring",
-        pb::SandboxStatus::Exited => "exited",
-        pb::SandboxStatus::Lost => "lost",
+        pb::SandboxStatus::Started => SandboxStatus::Started,
+        pb::SandboxStatus::Suspended => SandboxStatus::Suspended,
+        pb::SandboxStatus::Restoring => SandboxStatus::Restoring,
+        pb::SandboxStatus::Exited => SandboxStatus::Exited,
+        pb::SandboxStatus::Lost => SandboxStatus::Lost,
         // The acknowledgement of a DESTROY assignment: the process is stopped.
-        pb::SandboxStatus::Deleted => crate::store::DELETED,
+        pb::SandboxStatus::Deleted => SandboxStatus::Deleted,
         _ => {
             return Err(ReconcilerError::InvalidField {
                 field: "status",
@@ -668,32 +669,6 @@ fn sandbox_id(id: &str) -> Result<(), ReconcilerError> {
     Ok(())
 }
 
-fn status_of(name: &str) -> pb::SandboxStatus {
-    match name {
-        "creating" => pb::SandboxStatus::Creating,
-        "started" => pb::SandboxStatus::Started,
-        "suspended" => pb::SandboxStatus::Suspended,
-        "restoring" => pb::SandboxStatus::Restoring,
-        "exited" => pb::SandboxStatus::Exited,
-        "lost" => pb::SandboxStatus::Lost,
-        "deleted" => pb::SandboxStatus::Deleted,
-        _ => pb::SandboxStatus::Unspecified,
-    }
-}
-
-fn status_name(status: pb::SandboxStatus) -> &'static str {
-    match status {
-        pb::SandboxStatus::Creating => "creating",
-        pb::SandboxStatus::Started => "started",
-        pb::SandboxStatus::Suspended => "suspended",
-        pb::SandboxStatus::Restoring => "restoring",
-        pb::SandboxStatus::Exited => "exited",
-        pb::SandboxStatus::Lost => "lost",
-        pb::SandboxStatus::Deleted => "deleted",
-        pb::SandboxStatus::Unspecified => "",
-    }
-}
-
 fn wake_of(w: &wake::Model) -> pb::Wake {
     pb::Wake {
         id: w.id.clone(),
@@ -725,7 +700,7 @@ pub fn sandbox_of(p: &Placement, pending_wake: Option<&wake::Model>) -> pb::Sand
             "direct" => pb::Substrate::Direct,
             _ => pb::Substrate::Unspecified,
         } as i32,
-        status: status_of(&s.status) as i32,
+        status: pb::SandboxStatus::from(s.status) as i32,
         active_node_id: s.active_node_id.clone().unwrap_or_default(),
         route_identity: p.route.as_ref().map(|r| pb::RouteIdentity {
             current_node_id: r.current_node_id.clone(),
@@ -856,7 +831,7 @@ impl SandboxService for SandboxApi {
         }
         let row = s.store.sandbox(&row.id).await?;
         if row.active_node_id.as_deref() == Some(crate::domain::placement::LOCAL_NODE)
-            && row.observed_status != crate::store::DELETED
+            && row.observed() != Some(crate::store::DELETED)
         {
             crate::reconcile::stop_local(&s.store, &s.local_driver(), &row).await?;
         }
@@ -913,11 +888,12 @@ impl SandboxService for SandboxApi {
         if !req.page_token.is_empty() {
             sandbox_id(&req.page_token)?;
         }
-        let wanted: Vec<&str> = req
+        // UNSPECIFIED is kept, and matches no sandbox.
+        let wanted: Vec<Option<SandboxStatus>> = req
             .statuses
             .iter()
             .filter_map(|st| pb::SandboxStatus::try_from(*st).ok())
-            .map(status_name)
+            .map(|st| SandboxStatus::try_from(st).ok())
             .collect();
         let rows = s
             .store
@@ -935,7 +911,7 @@ impl SandboxService for SandboxApi {
         };
         let mut sandboxes = Vec::new();
         for row in rows {
-            if !wanted.is_empty() && !wanted.contains(&row.status.as_str()) {
+            if !wanted.is_empty() && !wanted.contains(&Some(row.status)) {
                 continue;
             }
             let placement = s.store.placement(&row.id).await?;

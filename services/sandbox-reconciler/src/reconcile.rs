@@ -19,6 +19,7 @@ use tonic::service::interceptor::InterceptedService;
 use crate::domain::loss::{Decision, Probe, decide};
 use crate::domain::placement::LOCAL_NODE;
 use crate::domain::sandbox::SandboxSpec;
+use crate::domain::status::SandboxStatus;
 use crate::drivers::{Driver, Launch};
 use crate::error::ReconcilerError;
 use crate::store::Store;
@@ -177,11 +178,11 @@ impl Reconciler {
                 let stamp = row.loss_observed_at_us.expect("a stamp to confirm");
                 let (status, exit_code, what) = match probe {
                     Probe::Exited(code) => (
-                        "exited",
+                        SandboxStatus::Exited,
                         code,
                         code.map_or("exited".to_owned(), |c| format!("exited with status {c}")),
                     ),
-                    _ => ("lost", None, "lost".to_owned()),
+                    _ => (SandboxStatus::Lost, None, "lost".to_owned()),
                 };
                 let fail = fail_run_row(&row, &what, self.settings.loss_grace, now);
                 let won = self

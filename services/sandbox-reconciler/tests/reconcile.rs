@@ -335,7 +335,7 @@ impl World {
             org_id: "acme".into(),
             client_request_id: format!("create-{id}"),
             substrate: substrate.into(),
-            status: status.into(),
+            status: status.parse().expect("a sandbox status"),
             active_node_id: node.map(str::to_owned),
             execution_generation: 1,
             loss_observed_at_us: None,
@@ -1711,7 +1711,7 @@ mod convergence {
         let wake = w.store.queue_wake(&other.id, "reattach").await.unwrap();
         assert_eq!(w.store.assign_wakes(0).await.unwrap(), 1);
         let mut deleted = other.clone().into_active_model();
-        deleted.status = sea_orm::Set("deleted".into());
+        deleted.status = sea_orm::Set(sandbox::SandboxStatus::Deleted);
         deleted.update(w.store.database()).await.unwrap();
         let late = nodes(&w)
             .await

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use crate::domain::status::SandboxStatus;
 use crate::store::entities::{route_identity, sandbox};
 
 /// Where the reconciler runs sandboxes itself (single-machine mode and `runplane dev`):
@@ -17,7 +18,7 @@ pub const LOCAL_NODE: &str = "local";
 pub const NODE_SILENCE: Duration = Duration::from_secs(10);
 
 /// Statuses after which a sandbox never runs again.
-pub const ENDED: [&str; 3] = ["exited", "lost", "deleted"];
+pub const ENDED: [SandboxStatus; 3] = SandboxStatus::ENDED;
 
 /// The node serving `sandbox`, if it is placed.
 pub fn serving_node(
@@ -42,5 +43,5 @@ pub fn network_of(offline_profiles: &std::collections::BTreeSet<String>, profile
 }
 
 pub fn is_ended(sandbox: &sandbox::Model) -> bool {
-    ENDED.contains(&sandbox.status.as_str())
+    sandbox.status.is_ended()
 }

@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use crate::domain::status::SandboxStatus;
 use crate::store::entities::{route_identity, sandbox};
 
 /// Where a pending wake may go.
@@ -54,11 +55,11 @@ pub fn wake_target<'a>(
 /// Observed statuses with which an unplaced sandbox's holder said its process is gone
 /// (a restore found it exited or missing): nothing is left to restore, and the loss
 /// grace ends it.
-pub const GONE: [&str; 2] = ["exited", "lost"];
+pub const GONE: [SandboxStatus; 2] = [SandboxStatus::Exited, SandboxStatus::Lost];
 
 /// Whether `sandbox`'s holder reported it gone while it was suspended.
 pub fn gone_on_holder(sandbox: &sandbox::Model) -> bool {
-    sandbox.active_node_id.is_none() && GONE.contains(&sandbox.observed_status.as_str())
+    sandbox.active_node_id.is_none() && sandbox.observed().is_some_and(|seen| GONE.contains(&seen))
 }
 
 /// The longest a failed restore waits before the next attempt, and what a new wake

@@ -11,6 +11,7 @@ use super::{Driver, DriverError, Launch, ProcessDriver};
 use crate::domain::loss::Probe;
 use crate::domain::placement::LOCAL_NODE;
 use crate::domain::sandbox::SandboxSpec;
+use crate::domain::status::SandboxStatus;
 use crate::store::Store;
 
 #[derive(Debug, Clone)]
@@ -75,9 +76,9 @@ impl Driver for RoutedDriver {
                 // The database is what failed; that says nothing about the sandbox.
                 Err(_) => return Probe::Alive,
             }
-            match row.observed_status.as_str() {
-                "exited" => Probe::Exited(row.exit_code),
-                "lost" => Probe::Lost,
+            match row.observed() {
+                Some(SandboxStatus::Exited) => Probe::Exited(row.exit_code),
+                Some(SandboxStatus::Lost) => Probe::Lost,
                 _ => Probe::Alive,
             }
         })

@@ -3,6 +3,8 @@
 pub mod sandbox {
     use sea_orm::entity::prelude::*;
 
+    pub use crate::domain::status::SandboxStatus;
+
     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
     #[sea_orm(table_name = "sandboxes")]
     pub struct Model {
@@ -13,7 +15,7 @@ pub mod sandbox {
         pub client_request_id: String,
         /// `kubernetes` or `direct`.
         pub substrate: String,
-        pub status: String,
+        pub status: SandboxStatus,
         /// The node the sandbox is placed on; NULL when unplaced.
         pub active_node_id: Option<String>,
         /// Bumped before any new execution; later writes compare-and-set on it.
@@ -43,6 +45,13 @@ pub mod sandbox {
     pub enum Relation {}
 
     impl ActiveModelBehavior for ActiveModel {}
+
+    impl Model {
+        /// What a node or probe last reported; `None` before anything was.
+        pub fn observed(&self) -> Option<SandboxStatus> {
+            self.observed_status.parse().ok()
+        }
+    }
 }
 
 pub mod route_identity {

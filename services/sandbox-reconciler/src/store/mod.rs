@@ -30,6 +30,7 @@ use sea_orm::{
 
 pub use migration::Migrator;
 
+use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;
 use entities::{node, outbox, route_identity, sandbox, wake};
 
@@ -37,11 +38,11 @@ type Result<T> = std::result::Result<T, ReconcilerError>;
 
 /// Statuses a sandbox can still leave on its own; only these are probed, stamped or
 /// failed.
-pub const LIVE: [&str; 4] = ["creating", "started", "suspended", "restoring"];
+pub const LIVE: [SandboxStatus; 4] = SandboxStatus::LIVE;
 
 /// Statuses of a sandbox that runs, or is about to, on the node it is placed on: what a
 /// node's capacity is weighed against (a suspended one is parked there, not running).
-pub const PLACED: [&str; 3] = ["creating", "started", "restoring"];
+pub const PLACED: [SandboxStatus; 3] = SandboxStatus::PLACED;
 
 /// Writes `row` as its sandbox's route identity (replacing the one it had), on `db` or in
 /// a caller's transaction.
@@ -91,7 +92,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         run_id,
         org_id,
         substrate: "direct".into(),
-        status: "creating".into(),
+        status: SandboxStatus::Creating,
         active_node_id: Some(node_id),
         execution_generation: 1,
         loss_observed_at_us: None,
@@ -109,7 +110,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
 
 /// The final status: destroyed. Its `observed_status` becomes `deleted` too once the
 /// process is known to be stopped.
-pub const DELETED: &str = "deleted";
+pub const DELETED: SandboxStatus = SandboxStatus::Deleted;
 
 /// A wake's `last_error` when its sandbox ended before it was restored.
 pub const WAKE_SANDBOX_ENDED: &str = "the sandbox ended before it was restored";
@@ -538,7 +539,7 @@ impl Store {
         &self,
         row: &sandbox::Model,
         read_stamp: i64,
-        final_status: &str,
+        final_status: SandboxStatus,
         exit_code: Option<i32>,
         fail_run: outbox::Model,
     ) -> Result<bool> {
@@ -570,7 +571,7 @@ impl Store {
     /// Sandboxes decided but not started yet, oldest first.
     pub async fn creating(&self, limit: u64) -> Result<Vec<sandbox::Model>> {
         Ok(sandbox::Entity::find()
-            .filter(sandbox::Column::Status.eq("creating"))
+            .filter(sandbox::Column::Status.eq(SandboxStatus::Creating))
             .order_by(sandbox::Column::CreatedAtUs, Order::Asc)
             .limit(limit)
             .all(&self.db)
@@ -581,12 +582,12 @@ impl Store {
     /// generation.
     pub async fn mark_started(&self, id: &str, generation: i64, handle: &str) -> Result<bool> {
         let done = sandbox::Entity::update_many()
-            .col_expr(sandbox::Column::Status, Expr::value("started"))
+            .col_expr(sandbox::Column::Status, Expr::value(SandboxStatus::Started))
             .col_expr(sandbox::Column::DriverHandle, Expr::value(handle))
             .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
             .filter(sandbox::Column::Id.eq(id))
             .filter(sandbox::Column::ExecutionGeneration.eq(generation))
-            .filter(sandbox::Column::Status.eq("creating"))
+            .filter(sandbox::Column::Status.eq(SandboxStatus::Creating))
             .exec(&self.db)
             .await?;
         Ok(done.rows_affected == 1)
@@ -670,7 +671,7 @@ impl Store {
         limit: u64,
     ) -> Result<Vec<sandbox::Model>> {
         let mut query = sandbox::Entity::find()
-            .filter(sandbox::Column::Status.eq("suspended"))
+            .filter(sandbox::Column::Status.eq(SandboxStatus::Suspended))
             .filter(sandbox::Column::ActiveNodeId.is_null());
         if let Some(after) = after {
             query = query.filter(sandbox::Column::Id.gt(after));

@@ -8,6 +8,7 @@ use sea_orm::{
 
 use super::Store;
 use super::entities::{node, route_identity, sandbox, wake};
+use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;
 
 type Result<T> = std::result::Result<T, ReconcilerError>;
@@ -46,7 +47,7 @@ pub struct Observation<'a> {
     pub sandbox_id: &'a str,
     pub generation: i64,
     pub seq: i64,
-    pub status: &'a str,
+    pub status: SandboxStatus,
     /// False for an idle suspend: the node gives up the placement.
     pub placed: bool,
     pub exit_code: Option<i32>,
@@ -185,7 +186,7 @@ impl Store {
     pub async fn assignments(&self, node_id: &str) -> Result<Vec<Assigned>> {
         let mut out: Vec<Assigned> = sandbox::Entity::find()
             .filter(sandbox::Column::ActiveNodeId.eq(node_id))
-            .filter(sandbox::Column::Status.is_in(["creating", "started", "restoring"]))
+            .filter(sandbox::Column::Status.is_in(super::PLACED))
             .order_by_asc(sandbox::Column::Id)
             .all(&self.db)
             .await?
@@ -455,7 +456,7 @@ impl Store {
         } else {
             sandbox::Entity::update_many()
                 .col_expr(sandbox::Column::ActiveNodeId, Expr::value(node_id))
-                .col_expr(sandbox::Column::Status, Expr::value("started"))
+                .col_expr(sandbox::Column::Status, Expr::value(SandboxStatus::Started))
                 .col_expr(
                     sandbox::Column::LossObservedAtUs,
                     Expr::value(Option::<i64>::None),
