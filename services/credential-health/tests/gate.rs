@@ -19,7 +19,7 @@ use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
-use runplane_testkit::TestDatabase;
+use runplane_testkit::{Backend, TestDatabase};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
@@ -39,7 +39,7 @@ struct Gate {
     health: CredentialHealth,
     clock: ManualClock,
     _stop: tokio::sync::oneshot::Sender<()>,
-    _dbs: (TestDatabase, TestDatabase),
+    _dbs: (Backend, Backend),
 }
 
 fn profile(name: &str, credential: &str) -> ProfileConfig {
@@ -52,26 +52,48 @@ fn profile(name: &str, credential: &str) -> ProfileConfig {
 }
 
 impl Gate {
-    async fn start() -> Self {
-        Self::with_profiles(vec![profile("sonnet", "cred-a"), profile("opus", "cred-b")]).await
+    async fn start(health_db: Backend) -> Self {
+        Self::with_profiles(
+            health_db,
+            vec![profile("sonnet", "cred-a"), profile("opus", "cred-b")],
+        )
+        .await
     }
 
-    async fn with_profiles(profiles: Vec<ProfileConfig>) -> Self {
-        Self::with_config(profiles, |_| {}).await
+    /// Two profiles of one name on two credentials.
+    async fn two_pools(health_db: Backend) -> Self {
+        Self::with_profiles(
+            health_db,
+            vec![profile("sonnet", "cred-a"), profile("sonnet", "cred-b")],
+        )
+        .await
     }
 
-    async fn with_config(profiles: Vec<ProfileConfig>, tune: impl FnOnce(&mut Config)) -> Self {
-        let (run_db, health_db) = (TestDatabase::new().await, TestDatabase::new().await);
+    async fn with_profiles(health_db: Backend, profiles: Vec<ProfileConfig>) -> Self {
+        Self::with_config(health_db, profiles, |_| {}).await
+    }
+
+    /// Credential health over `health_db`, with a run store on a database of the same
+    /// kind.
+    async fn with_config(
+        health_db: Backend,
+        profiles: Vec<ProfileConfig>,
+        tune: impl FnOnce(&mut Config),
+    ) -> Self {
+        let run_db = match health_db {
+            Backend::Sqlite(_) => Backend::sqlite().await,
+            _ => Backend::postgres().await,
+        };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
         config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
-        config.run_store.database_url = run_db.url().to_owned();
+        config.run_store.database_url = run_db.url();
         config.run_store.endpoint = endpoint.clone();
         config.run_store.receipt_signing_key =
             Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-        config.credential_health.database_url = health_db.url().to_owned();
+        config.credential_health.database_url = health_db.url();
         config.credential_health.endpoint = endpoint.clone();
         config.credential_health.profiles = profiles;
         tune(&mut config);
@@ -101,6 +123,30 @@ impl Gate {
             _stop: stop,
             _dbs: (run_db, health_db),
         }
+    }
+
+    /// Two orgs with their own tokens: acme owns cred-a, globex owns cred-g, cred-s is shared.
+    async fn two_orgs(health_db: Backend) -> Self {
+        Gate::with_config(
+            health_db,
+            vec![
+                owned("sonnet", "cred-a", &["acme"]),
+                owned("sonnet", "cred-g", &["globex"]),
+                owned("opus", "cred-a", &["acme"]),
+                owned("shared", "cred-s", &[]),
+            ],
+            |config| {
+                config
+                    .auth
+                    .org_tokens
+                    .insert("acme".into(), Secret::new(ACME_TOKEN));
+                config
+                    .auth
+                    .org_tokens
+                    .insert("globex".into(), Secret::new(GLOBEX_TOKEN));
+            },
+        )
+        .await
     }
 
     /// A second credential-health replica on the same database, on its own socket.
@@ -349,7 +395,7 @@ impl Gate {
 /// created (NOTIFY), well before the 30 s re-check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_notice_reaches_a_watcher_on_another_replica_at_once() {
-    let gate = Gate::start().await;
+    let gate = Gate::start(Backend::postgres().await).await;
     let replica = gate.health_replica().await;
     let channel = tonic::transport::Endpoint::from_shared(replica)
         .unwrap()
@@ -439,9 +485,9 @@ fn notices_only(items: &[ch::watch_notices_response::Item]) -> Vec<ch::Notice> {
         .collect()
 }
 
-#[tokio::test]
-async fn two_runs_failing_on_one_credential_refuse_the_next_run_mark_both_and_tell_the_lead_once() {
-    let gate = Gate::start().await;
+async fn two_runs_failing_on_one_credential_refuse_the_next_run_mark_both_and_tell_the_lead_once(
+    gate: Gate,
+) {
     let a = gate.running("outage-a", "lead-1", "cred-a").await;
     let b = gate.running("outage-b", "lead-1", "cred-a").await;
     gate.fail(&a, OUTAGE).await.unwrap();
@@ -533,32 +579,7 @@ fn owned(name: &str, credential: &str, orgs: &[&str]) -> ProfileConfig {
     }
 }
 
-/// Two orgs with their own tokens: acme owns cred-a, globex owns cred-g, cred-s is shared.
-async fn two_orgs() -> Gate {
-    Gate::with_config(
-        vec![
-            owned("sonnet", "cred-a", &["acme"]),
-            owned("sonnet", "cred-g", &["globex"]),
-            owned("opus", "cred-a", &["acme"]),
-            owned("shared", "cred-s", &[]),
-        ],
-        |config| {
-            config
-                .auth
-                .org_tokens
-                .insert("acme".into(), Secret::new(ACME_TOKEN));
-            config
-                .auth
-                .org_tokens
-                .insert("globex".into(), Secret::new(GLOBEX_TOKEN));
-        },
-    )
-    .await
-}
-
-#[tokio::test]
-async fn an_org_token_cannot_use_another_orgs_credential() {
-    let gate = two_orgs().await;
+async fn an_org_token_cannot_use_another_orgs_credential(gate: Gate) {
     // Named directly, or through a profile whose every credential is acme's.
     for (i, target) in [credential_target("cred-a"), profile_target("opus")]
         .into_iter()
@@ -643,9 +664,7 @@ async fn an_org_token_cannot_use_another_orgs_credential() {
     );
 }
 
-#[tokio::test]
-async fn notices_of_two_orgs_with_the_same_lead_id_do_not_mix() {
-    let gate = two_orgs().await;
+async fn notices_of_two_orgs_with_the_same_lead_id_do_not_mix(gate: Gate) {
     // acme's lead-1 opens an incident on the shared credential; globex's lead-1 fails
     // on it during the cool-off and is a lead of its own, told once.
     let a = gate.running_in("acme", "mix-a", "lead-1", "cred-s").await;
@@ -702,9 +721,7 @@ async fn notices_of_two_orgs_with_the_same_lead_id_do_not_mix() {
     assert_eq!(fleet.code(), tonic::Code::PermissionDenied, "{fleet:?}");
 }
 
-#[tokio::test]
-async fn one_failure_changes_nothing_but_the_runs_own_outcome() {
-    let gate = Gate::start().await;
+async fn one_failure_changes_nothing_but_the_runs_own_outcome(gate: Gate) {
     let a = gate.running("single-a", "lead-1", "cred-a").await;
     gate.fail(&a, OUTAGE).await.unwrap();
     gate.settle().await;
@@ -719,9 +736,7 @@ async fn one_failure_changes_nothing_but_the_runs_own_outcome() {
     assert!(gate.notices("lead-1", "").await.is_empty());
 }
 
-#[tokio::test]
-async fn the_same_run_failing_repeatedly_is_not_an_incident() {
-    let gate = Gate::start().await;
+async fn the_same_run_failing_repeatedly_is_not_an_incident(gate: Gate) {
     let a = gate.running("repeat-a", "lead-1", "cred-a").await;
     // Three failed turns of one run reach credential health before its outcome is
     // recorded: one target, however often it fails.
@@ -742,9 +757,7 @@ async fn the_same_run_failing_repeatedly_is_not_an_incident() {
         .expect("one run failing repeatedly does not cool its credential off");
 }
 
-#[tokio::test]
-async fn after_the_cool_off_one_fresh_error_does_not_reopen_and_two_do() {
-    let gate = Gate::start().await;
+async fn after_the_cool_off_one_fresh_error_does_not_reopen_and_two_do(gate: Gate) {
     let a = gate.running("cool-a", "lead-1", "cred-a").await;
     let b = gate.running("cool-b", "lead-1", "cred-a").await;
     gate.fail(&a, OUTAGE).await.unwrap();
@@ -793,9 +806,7 @@ async fn after_the_cool_off_one_fresh_error_does_not_reopen_and_two_do() {
     assert_eq!(notices_only(&gate.notices("lead-1", "").await).len(), 2);
 }
 
-#[tokio::test]
-async fn errors_during_the_cool_off_neither_extend_it_nor_open_another_incident() {
-    let gate = Gate::start().await;
+async fn errors_during_the_cool_off_neither_extend_it_nor_open_another_incident(gate: Gate) {
     let runs = [
         gate.running("during-a", "lead-1", "cred-a").await,
         gate.running("during-b", "lead-1", "cred-a").await,
@@ -847,9 +858,7 @@ async fn errors_during_the_cool_off_neither_extend_it_nor_open_another_incident(
     assert_eq!(lead2[0].affected_run_ids, vec![runs[3].0.clone()]);
 }
 
-#[tokio::test]
-async fn exhaustion_and_cool_off_together_report_both_and_refuse_as_exhausted() {
-    let gate = Gate::start().await;
+async fn exhaustion_and_cool_off_together_report_both_and_refuse_as_exhausted(gate: Gate) {
     let a = gate.running("both-a", "lead-1", "cred-a").await;
     let b = gate.running("both-b", "lead-1", "cred-a").await;
     let c = gate.running("both-c", "lead-1", "cred-a").await;
@@ -898,13 +907,7 @@ async fn exhaustion_and_cool_off_together_report_both_and_refuse_as_exhausted() 
     assert_eq!(reason(&refused), ErrorReason::Exhausted.as_str_name());
 }
 
-#[tokio::test]
-async fn a_profile_is_placed_on_a_healthy_credential_and_refused_only_when_none_is() {
-    let gate = Gate::with_profiles(vec![
-        profile("sonnet", "cred-a"),
-        profile("sonnet", "cred-b"),
-    ])
-    .await;
+async fn a_profile_is_placed_on_a_healthy_credential_and_refused_only_when_none_is(gate: Gate) {
     let a = gate.running("pool-a", "lead-1", "cred-a").await;
     let b = gate.running("pool-b", "lead-1", "cred-a").await;
     gate.fail(&a, OUTAGE).await.unwrap();
@@ -945,9 +948,7 @@ async fn a_profile_is_placed_on_a_healthy_credential_and_refused_only_when_none_
     assert_eq!(reason(&unknown), ErrorReason::ProfileUnknown.as_str_name());
 }
 
-#[tokio::test]
-async fn a_run_that_finished_and_then_is_classified_ends_backend_error_either_way() {
-    let gate = Gate::start().await;
+async fn a_run_that_finished_and_then_is_classified_ends_backend_error_either_way(gate: Gate) {
     // Done first: the run's failed result is recorded, then classified.
     let done_first = gate.running("race-done", "lead-1", "cred-a").await;
     let run = gate.fail(&done_first, OUTAGE).await.unwrap();
@@ -1005,9 +1006,7 @@ async fn a_run_that_finished_and_then_is_classified_ends_backend_error_either_wa
     }
 }
 
-#[tokio::test]
-async fn notices_resume_from_a_cursor_and_follow_live() {
-    let gate = Gate::start().await;
+async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
     let mut watch = gate
         .credentials()
         .await
@@ -1082,9 +1081,7 @@ async fn notices_resume_from_a_cursor_and_follow_live() {
     assert_eq!(notices_only(&items).len(), 1);
 }
 
-#[tokio::test]
-async fn a_replayed_report_returns_the_first_answer_and_counts_once() {
-    let gate = Gate::start().await;
+async fn a_replayed_report_returns_the_first_answer_and_counts_once(gate: Gate) {
     let a = gate.running("replay-a", "lead-1", "cred-a").await;
     let report = ch::ReportTurnFailureRequest {
         turn_id: format!("{}:turn-7", a.0),
@@ -1127,9 +1124,7 @@ async fn a_replayed_report_returns_the_first_answer_and_counts_once() {
         .expect("one run, however often reported, is not an incident");
 }
 
-#[tokio::test]
-async fn bad_reports_are_refused_with_a_reason_and_write_nothing() {
-    let gate = Gate::start().await;
+async fn bad_reports_are_refused_with_a_reason_and_write_nothing(gate: Gate) {
     let mut client = gate.credentials().await;
     let good = ch::ReportTurnFailureRequest {
         turn_id: "run-x:turn-0000001".into(),
@@ -1214,7 +1209,7 @@ async fn replicas_sharing_the_database_open_exactly_one_incident() {
     // Two credential health replicas on one database (the second is opened beside the
     // gate's own), each reporting failures of distinct runs at the same moment: the
     // compare-and-set on the credential's row makes them agree on one incident.
-    let gate = Gate::start().await;
+    let gate = Gate::start(Backend::postgres().await).await;
     let mut config = Config::default();
     config.auth.operator_token = Secret::new(TOKEN);
     config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
@@ -1454,4 +1449,47 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
         .unwrap();
     assert_eq!(after.state(), pb::RunState::BackendError);
     assert_eq!(after.failure_reason, "API Error: No response from API");
+}
+
+// The suite, on Postgres and on SQLite (as `runplane dev` runs it). What needs
+// replicas sharing a database (the notice relay, two replicas racing) runs on Postgres.
+
+/// Two profiles on two credentials.
+mod started {
+    use super::*;
+
+    runplane_testkit::on_both_backends!(
+        Gate::start =>
+        two_runs_failing_on_one_credential_refuse_the_next_run_mark_both_and_tell_the_lead_once,
+        one_failure_changes_nothing_but_the_runs_own_outcome,
+        the_same_run_failing_repeatedly_is_not_an_incident,
+        after_the_cool_off_one_fresh_error_does_not_reopen_and_two_do,
+        errors_during_the_cool_off_neither_extend_it_nor_open_another_incident,
+        exhaustion_and_cool_off_together_report_both_and_refuse_as_exhausted,
+        a_run_that_finished_and_then_is_classified_ends_backend_error_either_way,
+        notices_resume_from_a_cursor_and_follow_live,
+        a_replayed_report_returns_the_first_answer_and_counts_once,
+        bad_reports_are_refused_with_a_reason_and_write_nothing,
+    );
+}
+
+/// Profiles owned by two orgs.
+mod with_two_orgs {
+    use super::*;
+
+    runplane_testkit::on_both_backends!(
+        Gate::two_orgs =>
+        an_org_token_cannot_use_another_orgs_credential,
+        notices_of_two_orgs_with_the_same_lead_id_do_not_mix,
+    );
+}
+
+/// Two profiles of one name on two credentials.
+mod with_two_pools {
+    use super::*;
+
+    runplane_testkit::on_both_backends!(
+        Gate::two_pools =>
+        a_profile_is_placed_on_a_healthy_credential_and_refused_only_when_none_is,
+    );
 }

@@ -15,7 +15,8 @@ use runplane_proto::runstore::v1 as pb;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use tonic::Code;
 
-on_both_backends!(
+runplane_testkit::on_both_backends!(
+    Harness::start =>
     a_key_superseded_after_appending_is_refused_at_once,
     a_replayed_batch_is_answered_not_stored_again,
     an_append_after_an_acknowledgements_event_extends_the_chain,

@@ -12,7 +12,8 @@ use runplane_proto::runstore::v1 as pb;
 use runplane_run_store::domain::receipt::verify;
 use tonic::Code;
 
-on_both_backends!(
+runplane_testkit::on_both_backends!(
+    Harness::start =>
     a_batch_whose_response_was_lost_is_stored_once_when_replayed,
     an_interrupt_whose_poll_response_was_lost_is_served_again,
     invalid_acknowledgements_are_refused_whole,

@@ -25,7 +25,7 @@ use runplane_sandbox_reconciler::reconcile::{
 };
 use runplane_sandbox_reconciler::store::Store;
 use runplane_sandbox_reconciler::store::entities::{node, route_identity, sandbox};
-use runplane_testkit::TestDatabase;
+use runplane_testkit::Backend;
 use tonic::Code;
 use tonic::body::Body;
 use tonic::server::NamedService;
@@ -99,10 +99,10 @@ struct World {
     fail_run_calls: Arc<AtomicUsize>,
     on_list_runs: Arc<std::sync::Mutex<Option<ListRunsHook>>>,
     list_runs_barrier: Arc<std::sync::Mutex<Option<Arc<tokio::sync::Barrier>>>>,
-    _dbs: (TestDatabase, TestDatabase),
+    _dbs: (Backend, Backend),
 }
 
-/// Node `id`'s own credential (its row is written by [`World::new`]): NodeService takes
+/// Node `id`'s own credential (its row is written by [`World::start`]): NodeService takes
 /// nothing else.
 fn node_token(id: &str) -> String {
     format!("rpnode_reconcile-test-credential-of-{id}")
@@ -128,18 +128,22 @@ async fn serve(services: ServiceSet) -> String {
 }
 
 impl World {
-    async fn new() -> Self {
-        let run_db = TestDatabase::new().await;
-        let reconciler_db = TestDatabase::new().await;
+    /// The reconciler over `reconciler_db`, with a run store on a database of the same
+    /// kind.
+    async fn start(reconciler_db: Backend) -> Self {
+        let run_db = match reconciler_db {
+            Backend::Sqlite(_) => Backend::sqlite().await,
+            _ => Backend::postgres().await,
+        };
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(TOKEN);
         config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
-        config.run_store.database_url = run_db.url().to_owned();
+        config.run_store.database_url = run_db.url();
         config.run_store.receipt_signing_key =
             Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
         // Not about admission: runs are created on the credential they name.
         config.run_store.admission = false;
-        config.sandbox_reconciler.database_url = reconciler_db.url().to_owned();
+        config.sandbox_reconciler.database_url = reconciler_db.url();
 
         let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
             .await
@@ -166,7 +170,7 @@ impl World {
             .await
             .unwrap();
         // The nodes of these tests, each with its own credential, as an operator makes them.
-        let db = sea_orm::Database::connect(reconciler_db.url())
+        let db = sea_orm::Database::connect(reconciler_db.url().as_str())
             .await
             .unwrap();
         for node in ["node-a", "node-b"] {
@@ -206,7 +210,7 @@ impl World {
     /// Another reconciler replica's store: the same database through a pool of its own.
     async fn replica_store(&self) -> Store {
         Store::new(
-            runplane_db::connect(self._dbs.1.url()).await.unwrap(),
+            runplane_db::connect(&self._dbs.1.url()).await.unwrap(),
             Arc::new(self.clock.clone()),
         )
     }
@@ -420,9 +424,17 @@ impl World {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace() {
-    let w = World::new().await;
+runplane_testkit::on_both_backends!(
+    workers 4,
+    World::start =>
+    one_loss_observation_only_stamps_and_the_run_fails_after_the_grace,
+    a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive,
+    a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read,
+    grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once,
+    a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names,
+);
+
+async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace(w: World) {
     let (row, key) = w.running_sandbox("grace").await;
     let lost = w.reconciler(FakeDriver::always(Probe::Exited(Some(137))));
 
@@ -478,9 +490,7 @@ async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive() {
-    let w = World::new().await;
+async fn a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive(w: World) {
     let (row, key) = w.running_sandbox("cleared-mid-probe").await;
     let stamped = w.stamp(&row).await;
     w.clock.advance(GRACE + Duration::from_secs(30));
@@ -517,9 +527,7 @@ async fn a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive() {
         .expect("the key still works");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read() {
-    let w = World::new().await;
+async fn a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read(w: World) {
     let (row, _) = w.running_sandbox("stale-clear").await;
     let stamped = w.stamp(&row).await;
 
@@ -552,9 +560,7 @@ async fn a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once() {
-    let w = World::new().await;
+async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once(w: World) {
     let (row, key) = w.running_sandbox("three-ticks").await;
     let stamped = w.stamp(&row).await;
     w.clock.advance(GRACE + Duration::from_secs(1));
@@ -594,9 +600,7 @@ async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once() {
     assert_eq!(err.code(), Code::FailedPrecondition);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names() {
-    let w = World::new().await;
+async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names(w: World) {
     let now = w.clock.now().timestamp_micros();
     w.store
         .upsert_node(node::Model {
@@ -744,6 +748,17 @@ mod node_protocol {
     use super::*;
     use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
 
+    runplane_testkit::on_both_backends!(
+        World::start =>
+        without_local_sandboxes_a_queued_run_waits_for_a_node_agent,
+        a_new_boot_fences_the_old_epoch,
+        a_node_publishes_only_for_rows_it_owns_and_never_an_older_observation,
+        a_restore_writes_placement_and_route_identity_and_settles_the_wake,
+        numbers_past_their_columns_and_oversized_strings_are_refused_before_any_write,
+        an_oversized_page_is_refused_by_both_lists,
+        create_is_keyed_and_destroy_ends_the_sandbox,
+    );
+
     pub(super) async fn nodes(w: &World) -> NodeServiceClient<tonic::transport::Channel> {
         NodeServiceClient::connect(w.reconciler_endpoint.clone())
             .await
@@ -794,11 +809,9 @@ mod node_protocol {
         )
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn without_local_sandboxes_a_queued_run_waits_for_a_node_agent() {
+    async fn without_local_sandboxes_a_queued_run_waits_for_a_node_agent(w: World) {
         // Several reconciler replicas: none may run a sandbox in its own process tree,
         // where the others could not probe or signal it.
-        let w = World::new().await;
         let run = w.queued_run("waits-for-a-node").await;
         w.dispatch_once(&w.store).await;
         assert!(
@@ -818,9 +831,7 @@ mod node_protocol {
         assert_eq!(row.active_node_id.as_deref(), Some("node-a"));
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_new_boot_fences_the_old_epoch() {
-        let w = World::new().await;
+    async fn a_new_boot_fences_the_old_epoch(w: World) {
         let first = register(&w, "node-a", "one").await;
         assert_eq!(
             register(&w, "node-a", "one").await,
@@ -847,9 +858,7 @@ mod node_protocol {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_node_publishes_only_for_rows_it_owns_and_never_an_older_observation() {
-        let w = World::new().await;
+    async fn a_node_publishes_only_for_rows_it_owns_and_never_an_older_observation(w: World) {
         let a = register(&w, "node-a", "a").await;
         let b = register(&w, "node-b", "b").await;
         let row = w
@@ -967,9 +976,7 @@ mod node_protocol {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_restore_writes_placement_and_route_identity_and_settles_the_wake() {
-        let w = World::new().await;
+    async fn a_restore_writes_placement_and_route_identity_and_settles_the_wake(w: World) {
         let b = register(&w, "node-b", "b").await;
         let row = w.suspended_on("node-b", "run-w").await;
         let wake = w.store.queue_wake(&row.id, "test").await.unwrap();
@@ -1042,11 +1049,11 @@ mod node_protocol {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn numbers_past_their_columns_and_oversized_strings_are_refused_before_any_write() {
+    async fn numbers_past_their_columns_and_oversized_strings_are_refused_before_any_write(
+        w: World,
+    ) {
         use runplane_sandbox_reconciler::store::entities::wake;
         use sea_orm::EntityTrait;
-        let w = World::new().await;
         let b = register(&w, "node-b", "b").await;
         let row = w.suspended_on("node-b", "run-bounds").await;
         let queued = w.store.queue_wake(&row.id, "test").await.unwrap();
@@ -1144,9 +1151,7 @@ mod node_protocol {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_oversized_page_is_refused_by_both_lists() {
-        let w = World::new().await;
+    async fn an_oversized_page_is_refused_by_both_lists(w: World) {
         let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
             .await
             .unwrap();
@@ -1188,9 +1193,7 @@ mod node_protocol {
         .unwrap();
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn create_is_keyed_and_destroy_ends_the_sandbox() {
-        let w = World::new().await;
+    async fn create_is_keyed_and_destroy_ends_the_sandbox(w: World) {
         let (existing, _) = w.running_sandbox("create-keyed").await;
         let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
             .await
@@ -1278,6 +1281,14 @@ mod convergence {
     use super::*;
     use runplane_sandbox_reconciler::store::entities::wake;
     use sea_orm::{ActiveModelTrait, EntityTrait, IntoActiveModel};
+
+    runplane_testkit::on_both_backends!(
+        World::start =>
+        every_sandbox_of_an_ended_run_is_deleted_in_one_round_and_stopped_by_its_owner,
+        a_late_wake_or_restore_of_a_destroyed_sandbox_is_refused_and_settles_the_wake,
+        a_wake_of_a_sandbox_whose_run_ended_is_refused_and_deletes_it,
+        a_restore_that_races_the_sweep_loses_and_its_node_stops_the_sandbox,
+    );
 
     impl World {
         /// Ends `run_id` the way a service does (FailRun with the service token).
@@ -1411,9 +1422,9 @@ mod convergence {
         )
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn every_sandbox_of_an_ended_run_is_deleted_in_one_round_and_stopped_by_its_owner() {
-        let w = World::new().await;
+    async fn every_sandbox_of_an_ended_run_is_deleted_in_one_round_and_stopped_by_its_owner(
+        w: World,
+    ) {
         let a = register(&w, "node-a", "a").await;
         let (started, _) = w.running_sandbox("ended").await;
         w.store
@@ -1569,9 +1580,9 @@ mod convergence {
         assert_eq!(driver.destroyed().len(), 2);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_late_wake_or_restore_of_a_destroyed_sandbox_is_refused_and_settles_the_wake() {
-        let w = World::new().await;
+    async fn a_late_wake_or_restore_of_a_destroyed_sandbox_is_refused_and_settles_the_wake(
+        w: World,
+    ) {
         let b = register(&w, "node-b", "b").await;
         let (row, _) = w.running_sandbox("late-wake").await;
         // node-b ran it and suspended it: node-b holds it, and its wakes go to node-b.
@@ -1730,9 +1741,7 @@ mod convergence {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_wake_of_a_sandbox_whose_run_ended_is_refused_and_deletes_it() {
-        let w = World::new().await;
+    async fn a_wake_of_a_sandbox_whose_run_ended_is_refused_and_deletes_it(w: World) {
         let (row, _) = w.running_sandbox("wake-ended-run").await;
         assert!(
             w.store
@@ -1764,9 +1773,7 @@ mod convergence {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_restore_that_races_the_sweep_loses_and_its_node_stops_the_sandbox() {
-        let w = World::new().await;
+    async fn a_restore_that_races_the_sweep_loses_and_its_node_stops_the_sandbox(w: World) {
         let b = register(&w, "node-b", "b").await;
         let (row, _) = w.running_sandbox("restore-race").await;
         // Suspended by node-b, which holds it.
@@ -1841,6 +1848,14 @@ mod many_hosts {
     use sea_orm::{
         ActiveModelTrait, ConnectionTrait, EntityTrait, IntoActiveModel, TransactionTrait,
     };
+
+    runplane_testkit::on_both_backends!(
+        workers 4,
+        World::start =>
+        a_wake_goes_to_the_node_holding_the_sandbox_and_waits_for_it,
+        a_node_lost_with_suspended_sandboxes_ends_their_runs_once_after_the_grace,
+        a_failing_restore_backs_off_and_settles_instead_of_looping,
+    );
 
     async fn heartbeat(w: &World, node: &str, epoch: u64, used: u32) {
         nodes(w)
@@ -1927,9 +1942,7 @@ mod many_hosts {
         )
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_wake_goes_to_the_node_holding_the_sandbox_and_waits_for_it() {
-        let w = World::new().await;
+    async fn a_wake_goes_to_the_node_holding_the_sandbox_and_waits_for_it(w: World) {
         let a = register(&w, "node-a", "a").await;
         let b = register(&w, "node-b", "b").await;
         // node-a is busier: the least-used rule would pick node-b.
@@ -1984,7 +1997,7 @@ mod many_hosts {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_publication_racing_a_restore_does_not_overwrite_it() {
-        let w = World::new().await;
+        let w = World::start(Backend::postgres().await).await;
         let a = register(&w, "node-a", "a").await;
         let b = register(&w, "node-b", "b").await;
         let row = w.suspended_on("node-a", "run-publication-race").await;
@@ -2077,9 +2090,7 @@ mod many_hosts {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn a_node_lost_with_suspended_sandboxes_ends_their_runs_once_after_the_grace() {
-        let w = World::new().await;
+    async fn a_node_lost_with_suspended_sandboxes_ends_their_runs_once_after_the_grace(w: World) {
         // No sandbox here is local: the process driver is never asked.
         let state = std::env::temp_dir().join(uuid::Uuid::new_v4().to_string());
         let a = register(&w, "node-a", "a").await;
@@ -2143,9 +2154,7 @@ mod many_hosts {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_failing_restore_backs_off_and_settles_instead_of_looping() {
-        let w = World::new().await;
+    async fn a_failing_restore_backs_off_and_settles_instead_of_looping(w: World) {
         let a = register(&w, "node-a", "a").await;
         let b = register(&w, "node-b", "b").await;
         let row = w.suspended_on("node-a", "run-failing-restore").await;
@@ -2261,7 +2270,7 @@ mod two_replicas {
     /// capacity (4), and no run gets two sandboxes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn dispatching_at_once_they_place_each_run_once_within_each_nodes_capacity() {
-        let w = World::new().await;
+        let w = World::start(Backend::postgres().await).await;
         register(&w, "node-a", "a").await;
         register(&w, "node-b", "b").await;
         let mut runs = Vec::new();
@@ -2336,7 +2345,7 @@ mod two_replicas {
     /// answer from the run store: each sandbox is deleted by exactly one of them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn sweeping_ended_runs_at_once_they_delete_each_sandbox_once() {
-        let w = World::new().await;
+        let w = World::start(Backend::postgres().await).await;
         let mut op = w.run_store().await;
         let mut rows = Vec::new();
         for i in 0..5 {
@@ -2371,7 +2380,7 @@ mod two_replicas {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn waking_parked_runs_at_once_they_queue_one_wake_each() {
         use runplane_sandbox_reconciler::store::entities::wake;
-        let w = World::new().await;
+        let w = World::start(Backend::postgres().await).await;
         let mut op = w.run_store().await;
         let mut parked = Vec::new();
         for i in 0..4 {
@@ -2414,7 +2423,7 @@ mod two_replicas {
     /// loss is confirmed by exactly one of them, one FailRun owed for each.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn ticking_at_once_they_confirm_each_loss_once() {
-        let w = World::new().await;
+        let w = World::start(Backend::postgres().await).await;
         let mut rows = Vec::new();
         for i in 0..6 {
             let (row, _) = w.running_sandbox(&format!("two-ticks-{i}")).await;

@@ -155,6 +155,64 @@ impl Default for TestSqlite {
     }
 }
 
+/// The database a suite's test runs on. A suite written with [`on_both_backends!`] runs
+/// each of its tests once on each: Postgres, as deployments run, and SQLite, as
+/// `runplane dev` does.
+#[derive(Debug)]
+pub enum Backend {
+    Postgres(TestDatabase),
+    Sqlite(TestSqlite),
+    /// Another replica's database, by URL (the first replica's fixture owns it).
+    Shared(String),
+}
+
+impl Backend {
+    pub async fn postgres() -> Self {
+        Backend::Postgres(TestDatabase::new().await)
+    }
+
+    pub async fn sqlite() -> Self {
+        Backend::Sqlite(TestSqlite::new())
+    }
+
+    pub fn url(&self) -> String {
+        match self {
+            Backend::Postgres(db) => db.url().to_owned(),
+            Backend::Sqlite(db) => db.url(),
+            Backend::Shared(url) => url.clone(),
+        }
+    }
+}
+
+/// One suite, both backends: `on_both_backends!(World::start => test_a, test_b)` makes
+/// `postgres::test_a`, `sqlite::test_a`, … each calling `test_a(World::start(backend)
+/// .await)` on a fresh database of its own, on a two-thread runtime (`workers 4, …`
+/// gives tests that race several tasks four).
+#[macro_export]
+macro_rules! on_both_backends {
+    ($fixture:ident :: $start:ident => $($name:ident),* $(,)?) => {
+        $crate::on_both_backends!(workers 2, $fixture::$start => $($name),*);
+    };
+    (workers $workers:literal, $fixture:ident :: $start:ident => $($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = $workers)]
+                async fn $name() {
+                    super::$name(super::$fixture::$start($crate::Backend::postgres().await).await).await
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = $workers)]
+                async fn $name() {
+                    super::$name(super::$fixture::$start($crate::Backend::sqlite().await).await).await
+                }
+            )*
+        }
+    };
+}
+
 /// The local 3-master cluster `scripts/redis-cluster` starts (and `scripts/test` runs).
 pub const DEFAULT_REDIS_CLUSTER_URL: &str =
     "redis+cluster://127.0.0.1:7379,127.0.0.1:7380,127.0.0.1:7381";

@@ -18,7 +18,6 @@ use runplane_proto::runstore::v1 as pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
-use runplane_testkit::{TestDatabase, TestSqlite};
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::interceptor::InterceptedService;
@@ -28,30 +27,7 @@ use tower_service::Service;
 pub const SERVICE_TOKEN: &str = "service-token-0123456789abcdef0123456789";
 pub const ACME_TOKEN: &str = "acme-operator-token-0123456789abcdef01234";
 
-pub enum Backend {
-    Postgres(TestDatabase),
-    Sqlite(TestSqlite),
-    /// Another replica's database, by URL (the first replica's fixture owns it).
-    Shared(String),
-}
-
-impl Backend {
-    pub async fn postgres() -> Self {
-        Backend::Postgres(TestDatabase::new().await)
-    }
-
-    pub async fn sqlite() -> Self {
-        Backend::Sqlite(TestSqlite::new())
-    }
-
-    fn url(&self) -> String {
-        match self {
-            Backend::Postgres(db) => db.url().to_owned(),
-            Backend::Sqlite(db) => db.url(),
-            Backend::Shared(url) => url.clone(),
-        }
-    }
-}
+pub use runplane_testkit::Backend;
 
 /// Paths whose next responses are cut after the handler ran, with how many to cut.
 type Cuts = Arc<Mutex<HashMap<String, usize>>>;
@@ -389,30 +365,6 @@ impl http_body::Body for FailingBody {
             "response cut after commit",
         ))))
     }
-}
-
-/// Each named scenario `async fn name(h: Harness)` as two tests, `postgres::name` and
-/// `sqlite::name`, each on a harness of its own.
-#[allow(unused_macros)]
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::start(super::Backend::postgres().await).await).await
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::start(super::Backend::sqlite().await).await).await
-                }
-            )*
-        }
-    };
 }
 
 /// `events` are the run's 1..n without gaps or duplicates, and each extends the hash
