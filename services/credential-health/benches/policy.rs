@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use runplane_config::{Config, ProfileConfig, Secret};
 use runplane_credential_health::CredentialHealth;
-use runplane_credential_health::policy::{CredentialState, ErrorEffect, PolicyConfig};
-use runplane_credential_health::profiles::Profiles;
+use runplane_credential_health::domain::policy::{CredentialState, ErrorEffect, PolicyConfig};
+use runplane_credential_health::domain::profiles::Profiles;
 use runplane_credential_health::store::entities::{credential, incident};
 use runplane_credential_health::store::{Report, Store};
 use runplane_grpc::ServiceSet;

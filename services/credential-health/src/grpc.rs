@@ -18,8 +18,8 @@ use tokio_stream::Stream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
+use crate::domain::profiles::Profiles;
 use crate::error::CredentialHealthError;
-use crate::profiles::Profiles;
 use crate::store::{Report, Store, incident_view, timestamp};
 
 /// The run store, called with the service token.
@@ -417,7 +417,7 @@ impl CredentialHealthService for CredentialHealthApi {
         let states = s.store.states(&ids).await?;
         let counts = s.count_active(ids.clone()).await?;
         let now = s.store.now_ms();
-        let default_state = crate::policy::CredentialState::default();
+        let default_state = crate::domain::policy::CredentialState::default();
         let credentials = ids
             .iter()
             .map(|c| {

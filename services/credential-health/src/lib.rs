@@ -3,18 +3,19 @@
 //!
 //! docs/architecture.md "Credential health" is the contract; `runplane.credentials.v1` the surface.
 //!
-//! - [`profiles`] reads a failure tail once, into a typed outcome;
-//! - [`policy`] is the per-credential outage state machine (threshold, window, cool-off,
-//!   quarantine), pure, with its numbers and the reasons for them;
+//! - [`config`] is what it takes from runplane's configuration;
+//! - [`domain::profiles`] reads a failure tail once, into a typed outcome;
+//! - [`domain::policy`] is the per-credential outage state machine (threshold, window,
+//!   cool-off, quarantine), pure, with its numbers and the reasons for them;
 //! - [`store`] keeps that state in the database under compare-and-set, with incidents,
 //!   notices and the outbox of MarkBackendError calls owed to the run store;
 //! - [`grpc`] is the service; [`start_rounds`](CredentialHealth::start_rounds) delivers the
 //!   outbox and prunes old notices.
 
+pub mod config;
+pub mod domain;
 pub mod error;
 pub mod grpc;
-pub mod policy;
-pub mod profiles;
 pub mod store;
 pub mod view;
 
@@ -66,7 +67,7 @@ impl CredentialHealth {
         config: &runplane_config::Config,
         clock: SharedClock,
     ) -> Result<Self, CredentialHealthError> {
-        let profiles = profiles::Profiles::compile(config)?;
+        let profiles = domain::profiles::Profiles::compile(config)?;
         if !config.auth.org_tokens.is_empty() {
             for p in profiles.all().iter().filter(|p| p.orgs.is_empty()) {
                 tracing::warn!(
@@ -96,7 +97,7 @@ impl CredentialHealth {
                 notices.clone(),
             )
         });
-        let store = store::Store::new(db, clock, policy::PolicyConfig::from_config(config));
+        let store = store::Store::new(db, clock, domain::policy::PolicyConfig::from_config(config));
         // The watchers' safety net: one query per re-check for every watched lead.
         let tasks = runplane_grpc::Tasks::new();
         tasks.spawn(RECHECK_TASK, {
@@ -124,8 +125,7 @@ impl CredentialHealth {
                 outbox: tokio::sync::watch::channel(0).0,
                 closing: tokio::sync::watch::channel(false).0,
             }),
-            notice_retention_ms: i64::from(config.credential_health.notice_retention_hours)
-                * 3_600_000,
+            notice_retention_ms: config::notice_retention_ms(config),
             tasks,
         })
     }

@@ -2,7 +2,7 @@
 
 use runplane_proto::credentials::v1 as pb;
 
-use crate::policy::CredentialState;
+use crate::domain::policy::CredentialState;
 use crate::store::entities::incident;
 use crate::store::incident_view;
 

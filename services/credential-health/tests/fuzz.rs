@@ -8,7 +8,7 @@
 use proptest::prelude::*;
 use proptest::test_runner::{Config as Cases, FileFailurePersistence};
 use runplane_config::Config;
-use runplane_credential_health::profiles::{MAX_REASON_BYTES, Profiles};
+use runplane_credential_health::domain::profiles::{MAX_REASON_BYTES, Profiles};
 use runplane_proto::credentials::v1::TurnOutcome;
 
 fn cases(default: u32) -> Cases {

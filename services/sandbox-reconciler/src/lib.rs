@@ -1,7 +1,7 @@
 //! The sandbox reconciler: sandboxes, nodes, loss grace, placement, routes and wakes.
 //!
-//! docs/architecture.md "Sandbox reconciler" is the contract. The crate holds the model
-//! and its migrations ([`store`]); the decisions apart from persistence ([`domain`]:
+//! docs/architecture.md "Sandbox reconciler" is the contract. The crate holds what it
+//! takes from the configuration ([`config`]); the model and its migrations ([`store`]); the decisions apart from persistence ([`domain`]:
 //! loss grace, placement, route tokens, wakes); the round ([`reconcile`]: dispatch within
 //! node capacity, the sweep of ended runs, wakes of parked runs with messages, the
 //! loss-grace tick whose every write is a compare-and-set on what it read, and FailRun
@@ -12,6 +12,7 @@
 //! driver does not exist.
 
 pub mod agent;
+pub mod config;
 pub mod domain;
 pub mod drivers;
 pub mod error;
@@ -68,10 +69,7 @@ impl SandboxReconciler {
         )
         .await?;
         let token = &config.auth.service_token;
-        let route_key = match config.sandbox_reconciler.route_token_key.expose() {
-            "" => domain::route_token::default_key(token.expose()),
-            key => key.as_bytes().to_vec(),
-        };
+        let route_key = config::route_key(config);
         let channel =
             runplane_grpc::client::connect_lazy(&config.run_store.endpoint).map_err(|e| {
                 ReconcilerError::InvalidField {
@@ -121,25 +119,12 @@ impl SandboxReconciler {
                 local_state_dir: config.sandbox_reconciler.state_dir.clone().into(),
                 tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
                 route_key,
-                route_ttl: Duration::from_secs(
-                    config.sandbox_reconciler.route_token_ttl_seconds.into(),
-                ),
+                route_ttl: config::route_ttl(config),
                 offline_profiles: config.credential_health.offline_profiles(),
             }),
-            settings: reconcile::ReconcileSettings {
-                loss_grace: Duration::from_secs(
-                    config.sandbox_reconciler.loss_grace_seconds.into(),
-                ),
-                idle_timeout: Duration::from_secs(
-                    config.sandbox_reconciler.idle_timeout_seconds.into(),
-                ),
-                dispatch: config.sandbox_reconciler.dispatch,
-                local_sandboxes: config.sandbox_reconciler.local_sandboxes,
-                offline_profiles: config.credential_health.offline_profiles(),
-                ..reconcile::ReconcileSettings::default()
-            },
+            settings: reconcile::ReconcileSettings::from_config(config),
             run_store_endpoint: config.run_store.endpoint.clone(),
-            tick_interval: Duration::from_millis(config.sandbox_reconciler.tick_interval_ms.into()),
+            tick_interval: config::tick_interval(config),
             state_dir: config.sandbox_reconciler.state_dir.clone().into(),
             tasks: runplane_grpc::Tasks::new(),
         })

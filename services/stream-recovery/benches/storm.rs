@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use runplane_stream_recovery::policy::BufferLimits;
+use runplane_stream_recovery::domain::policy::BufferLimits;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_stream_recovery::store::{ClaimArgs, ClaimOutcome, RecoveryStore};
 use runplane_testkit::TestRedis;

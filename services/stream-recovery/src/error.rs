@@ -4,13 +4,19 @@ use runplane_grpc::error::{is_definite_refusal, metadata};
 use runplane_grpc::{ErrorReason, ServiceError, into_status};
 use tonic::{Code, Status};
 
-use crate::policy::MAX_ATTEMPTS;
+use crate::domain::policy::MAX_ATTEMPTS;
 use crate::store::StoreError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecoveryError {
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// At start: the store `[stream_recovery]` names cannot be reached.
+    #[error("the recovery store at {url} is unreachable: {reason}")]
+    Unreachable { url: String, reason: String },
+    /// At start: `[run_store].endpoint` is not an endpoint.
+    #[error("invalid run store endpoint: {0}")]
+    Endpoint(String),
     #[error("{field}: {why}")]
     Invalid { field: String, why: String },
     #[error("a batch holds at most 1 MiB of frames")]
@@ -52,6 +58,9 @@ impl ServiceError for RecoveryError {
                 }
                 StoreError::Backend(_) => (Code::Unavailable, ErrorReason::StoreUnavailable),
             },
+            E::Unreachable { .. } | E::Endpoint(_) => {
+                (Code::Unavailable, ErrorReason::StoreUnavailable)
+            }
             E::Invalid { .. } => (Code::InvalidArgument, ErrorReason::InvalidField),
             E::BatchTooLarge { .. } => (Code::InvalidArgument, ErrorReason::BatchTooLarge),
             E::NotBefore { .. } => (Code::FailedPrecondition, ErrorReason::RecoveryNotBefore),
@@ -88,8 +97,13 @@ impl ServiceError for RecoveryError {
     }
 
     fn public_message(&self) -> Option<&'static str> {
-        matches!(self, RecoveryError::Store(StoreError::Backend(_)))
-            .then_some("the recovery store is unavailable; nothing was changed")
+        matches!(
+            self,
+            RecoveryError::Store(StoreError::Backend(_))
+                | RecoveryError::Unreachable { .. }
+                | RecoveryError::Endpoint(_)
+        )
+        .then_some("the recovery store is unavailable; nothing was changed")
     }
 
     fn passthrough(&self) -> Option<Status> {

@@ -17,8 +17,8 @@ use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Code, Request, Response, Status};
 
+use crate::domain::policy::{BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER};
 use crate::error::RecoveryError;
-use crate::policy::{BufferLimits, DEFAULT_LEASE_TTL, MAX_ATTEMPTS, RESET_AFTER};
 use crate::store::{ClaimArgs, ClaimOutcome, RecoveryStore, StoreError};
 
 /// The run store, called with the service token.

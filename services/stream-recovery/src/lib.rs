@@ -6,10 +6,15 @@
 //! through a recovery claim that spends the run's restart budget (immediate first, then
 //! growing waits, five at most within five minutes), is handed to the runner as a
 //! `resume_stream` steering message, and after five ends the run with exactly one abort.
+//!
+//! [`config`] is what it takes from the configuration, [`domain::policy`] its numbers and
+//! formulas, [`store`] the Redis and in-memory stores behind one trait, [`grpc`] the
+//! service and [`error`] its errors.
 
+pub mod config;
+pub mod domain;
 pub mod error;
 pub mod grpc;
-pub mod policy;
 pub mod store;
 
 use std::sync::Arc;
@@ -19,13 +24,7 @@ use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryServiceServer;
 
-#[derive(Debug, thiserror::Error)]
-pub enum RecoveryError {
-    #[error("the recovery store at {url} is unreachable: {reason}")]
-    Store { url: String, reason: String },
-    #[error("invalid run store endpoint: {0}")]
-    Endpoint(String),
-}
+pub use error::RecoveryError;
 
 /// The orphan sweep. A sweep cut short loses nothing (the next start begins a new pass),
 /// so it is aborted at shutdown; a panicked batch is retried from a fresh pass.
@@ -48,18 +47,11 @@ impl StreamRecovery {
         config: &runplane_config::Config,
         clock: SharedClock,
     ) -> Result<Self, RecoveryError> {
-        let unreachable = |reason: String| RecoveryError::Store {
-            url: runplane_config::redact_url(&config.stream_recovery.redis_url),
-            reason,
-        };
-        let target = config
-            .stream_recovery
-            .target()
-            .map_err(|reason| unreachable(reason.to_owned()))?;
+        let target = config::redis_target(config)?;
         let store =
             store::redis::RedisStore::connect_to(&target, &config.stream_recovery.key_prefix)
                 .await
-                .map_err(|e| unreachable(e.to_string()))?;
+                .map_err(|e| config::unreachable(config, e.to_string()))?;
         Self::with_store(Arc::new(store), config, clock)
     }
 
@@ -90,22 +82,22 @@ impl StreamRecovery {
                 store,
                 clock,
                 run_store,
-                limits: policy::BufferLimits::default(),
+                limits: domain::policy::BufferLimits::default(),
                 tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
             }),
-            sweep_every: policy::SWEEP_EVERY,
+            sweep_every: domain::policy::SWEEP_EVERY,
         })
     }
 
     /// With other replay-buffer bounds (tests use small ones). Call before `register`.
-    pub fn with_limits(mut self, limits: policy::BufferLimits) -> Self {
+    pub fn with_limits(mut self, limits: domain::policy::BufferLimits) -> Self {
         Arc::get_mut(&mut self.shared)
             .expect("limits are set before the coordinator is shared")
             .limits = limits;
         self
     }
 
-    /// How often the orphan sweep runs a batch (`policy::SWEEP_EVERY` unless set).
+    /// How often the orphan sweep runs a batch (`domain::policy::SWEEP_EVERY` unless set).
     pub fn with_sweep_every(mut self, every: Duration) -> Self {
         self.sweep_every = every;
         self
@@ -117,7 +109,7 @@ impl StreamRecovery {
         let tasks = runplane_grpc::Tasks::new();
         let (shared, every) = (self.shared.clone(), self.sweep_every);
         tasks.spawn(SWEEP_TASK, move |_| {
-            grpc::sweep_forever(shared.clone(), every, policy::SWEEP_BATCH)
+            grpc::sweep_forever(shared.clone(), every, domain::policy::SWEEP_BATCH)
         });
         services
             .authenticate(self.shared.tokens.clone())

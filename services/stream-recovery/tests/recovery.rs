@@ -17,7 +17,7 @@ use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
-use runplane_stream_recovery::policy::SWEEP_EVERY;
+use runplane_stream_recovery::domain::policy::SWEEP_EVERY;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_testkit::{TestDatabase, TestRedis};
 use tonic::Code;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use runplane_clock::ManualClock;
-use runplane_stream_recovery::policy::{
+use runplane_stream_recovery::domain::policy::{
     BufferLimits, LEASE_GC_FACTOR, MAX_ATTEMPTS, ORG_HOUR_TTL, RESET_AFTER, STATE_TTL, backoff_ms,
 };
 use runplane_stream_recovery::store::memory::MemoryStore;

@@ -24,8 +24,8 @@ use sea_orm::{
 
 pub use migration::Migrator;
 
+use crate::domain::policy::{CredentialState, ErrorEffect, Evidence, PolicyConfig};
 use crate::error::CredentialHealthError;
-use crate::policy::{CredentialState, ErrorEffect, Evidence, PolicyConfig};
 use entities::{counter, credential, incident, notice, turn_failure};
 
 type Result<T> = std::result::Result<T, CredentialHealthError>;

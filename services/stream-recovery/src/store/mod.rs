@@ -13,7 +13,7 @@ pub mod redis;
 use async_trait::async_trait;
 use runplane_grpc::wake::Wakeups;
 
-use crate::policy::BufferLimits;
+use crate::domain::policy::BufferLimits;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum StoreError {

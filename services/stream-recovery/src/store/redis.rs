@@ -28,7 +28,7 @@ use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
     StoreError, StoredFrame,
 };
-use crate::policy::{
+use crate::domain::policy::{
     BufferLimits, DEFAULT_LEASE_TTL, LEASE_GC_FACTOR, MAX_ATTEMPTS, ORG_HOUR_TTL, RESET_AFTER,
     STATE_TTL, backoff_ms,
 };

@@ -50,18 +50,6 @@ impl Default for PolicyConfig {
     }
 }
 
-impl PolicyConfig {
-    pub fn from_config(config: &runplane_config::Config) -> Self {
-        let c = &config.credential_health;
-        Self {
-            threshold: c.outage_threshold as usize,
-            window_ms: i64::from(c.outage_window_seconds) * 1000,
-            cool_off_ms: i64::from(c.cool_off_seconds) * 1000,
-            quarantine_ms: i64::from(c.quarantine_seconds) * 1000,
-        }
-    }
-}
-
 /// One failure the policy is holding as evidence of an outage.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Evidence {
