@@ -68,15 +68,13 @@ impl Store {
             request_digest,
         } = *request;
         const METHOD: &str = "FailRun";
-        let txn = self.write_tx().await?;
-        let run = self.lock_run(&txn, run_id).await?;
-        if let Some(answer) = self
-            .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
-            .await?
-        {
-            let outcome = pb::FailRunOutcome::try_from(stored_outcome(&answer))
-                .unwrap_or(pb::FailRunOutcome::Unspecified);
+        let (txn, run, replayed) = self
+            .begin_keyed(run_id, METHOD, idempotency_key, request_digest)
+            .await?;
+        if let Some(outcome) = replayed {
             txn.commit().await?;
+            let outcome =
+                pb::FailRunOutcome::try_from(outcome).unwrap_or(pb::FailRunOutcome::Unspecified);
             return Ok((outcome, run));
         }
         let (outcome, run) = if state::is_terminal(&run.state) {
@@ -147,13 +145,10 @@ impl Store {
         signer: &ReceiptSigner,
     ) -> Result<Finished> {
         const METHOD: &str = "CancelRun";
-        let txn = self.write_tx().await?;
-        let run = self.lock_run(&txn, run_id).await?;
-        if self
-            .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
-            .await?
-            .is_some()
-        {
+        let (txn, run, replayed) = self
+            .begin_keyed(run_id, METHOD, idempotency_key, request_digest)
+            .await?;
+        if replayed.is_some() {
             txn.commit().await?;
             return Ok(Finished {
                 run,
@@ -240,15 +235,13 @@ impl Store {
         signer: &ReceiptSigner,
     ) -> Result<(pb::MarkBackendErrorOutcome, run::Model)> {
         const METHOD: &str = "MarkBackendError";
-        let txn = self.write_tx().await?;
-        let run = self.lock_run(&txn, run_id).await?;
-        if let Some(answer) = self
-            .keyed_answer(&txn, run_id, METHOD, idempotency_key, request_digest)
-            .await?
-        {
-            let outcome = pb::MarkBackendErrorOutcome::try_from(stored_outcome(&answer))
-                .unwrap_or(pb::MarkBackendErrorOutcome::Unspecified);
+        let (txn, run, replayed) = self
+            .begin_keyed(run_id, METHOD, idempotency_key, request_digest)
+            .await?;
+        if let Some(outcome) = replayed {
             txn.commit().await?;
+            let outcome = pb::MarkBackendErrorOutcome::try_from(outcome)
+                .unwrap_or(pb::MarkBackendErrorOutcome::Unspecified);
             return Ok((outcome, run));
         }
         let now = self.now_us();
@@ -305,7 +298,26 @@ impl Store {
         Ok((outcome, run))
     }
 
-    pub(super) async fn keyed_answer(
+    /// A keyed call's start: its write transaction, the run locked in it, and the outcome
+    /// stored for `idempotency_key` when this call replays one already answered (the same
+    /// key with another request is refused).
+    async fn begin_keyed(
+        &self,
+        run_id: &str,
+        method: &str,
+        idempotency_key: &str,
+        request_digest: &str,
+    ) -> Result<(DatabaseTransaction, run::Model, Option<i32>)> {
+        let txn = self.write_tx().await?;
+        let run = self.lock_run(&txn, run_id).await?;
+        let replayed = self
+            .keyed_answer(&txn, run_id, method, idempotency_key, request_digest)
+            .await?
+            .map(|answer| stored_outcome(&answer));
+        Ok((txn, run, replayed))
+    }
+
+    async fn keyed_answer(
         &self,
         txn: &DatabaseTransaction,
         run_id: &str,

@@ -476,7 +476,18 @@ impl Store {
         after: Option<&str>,
         limit: u64,
     ) -> Result<Vec<sandbox::Model>> {
-        let mut query = sandbox::Entity::find().filter(sandbox::Column::Status.is_in(LIVE));
+        self.sandboxes_page(sandbox::Column::Status.is_in(LIVE), after, limit)
+            .await
+    }
+
+    /// The sandboxes `filter` selects, by id after `after`, at most `limit`.
+    async fn sandboxes_page(
+        &self,
+        filter: impl sea_orm::sea_query::IntoCondition,
+        after: Option<&str>,
+        limit: u64,
+    ) -> Result<Vec<sandbox::Model>> {
+        let mut query = sandbox::Entity::find().filter(filter);
         if let Some(after) = after {
             query = query.filter(sandbox::Column::Id.gt(after));
         }
@@ -651,15 +662,8 @@ impl Store {
         after: Option<&str>,
         limit: u64,
     ) -> Result<Vec<sandbox::Model>> {
-        let mut query = sandbox::Entity::find().filter(sandbox::Column::Status.ne(DELETED));
-        if let Some(after) = after {
-            query = query.filter(sandbox::Column::Id.gt(after));
-        }
-        Ok(query
-            .order_by(sandbox::Column::Id, Order::Asc)
-            .limit(limit)
-            .all(&self.db)
-            .await?)
+        self.sandboxes_page(sandbox::Column::Status.ne(DELETED), after, limit)
+            .await
     }
 
     /// Sandboxes suspended and unplaced (parked for idleness), by id after `after`, at
@@ -670,17 +674,10 @@ impl Store {
         after: Option<&str>,
         limit: u64,
     ) -> Result<Vec<sandbox::Model>> {
-        let mut query = sandbox::Entity::find()
-            .filter(sandbox::Column::Status.eq(SandboxStatus::Suspended))
-            .filter(sandbox::Column::ActiveNodeId.is_null());
-        if let Some(after) = after {
-            query = query.filter(sandbox::Column::Id.gt(after));
-        }
-        Ok(query
-            .order_by(sandbox::Column::Id, Order::Asc)
-            .limit(limit)
-            .all(&self.db)
-            .await?)
+        let parked = sea_orm::Condition::all()
+            .add(sandbox::Column::Status.eq(SandboxStatus::Suspended))
+            .add(sandbox::Column::ActiveNodeId.is_null());
+        self.sandboxes_page(parked, after, limit).await
     }
 
     /// Deleted sandboxes whose process `node_id` still owes a stop: placed there when
