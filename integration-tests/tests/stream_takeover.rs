@@ -17,7 +17,7 @@ use runplane_proto::runstore::v1 as rs;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
-use runplane_stream_recovery::policy::BufferLimits;
+use runplane_stream_recovery::domain::policy::BufferLimits;
 use runplane_stream_recovery::store::RecoveryStore;
 use runplane_stream_recovery::store::redis::RedisStore;
 use runplane_testkit::{TestDatabase, TestRedis};

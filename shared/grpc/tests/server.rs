@@ -45,6 +45,21 @@ async fn start(services: ServiceSet, grace: Duration) -> Running {
     }
 }
 
+/// A Watch of the server's overall health, past its first answer (SERVING).
+async fn watch_serving(addr: &str) -> tonic::Streaming<HealthCheckResponse> {
+    let mut health = HealthClient::new(runplane_grpc::client::connect(addr).await.unwrap());
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first: HealthCheckResponse = watch.next().await.unwrap().unwrap();
+    assert_eq!(first.status(), ServingStatus::Serving);
+    watch
+}
+
 #[tokio::test]
 async fn a_request_with_traceparent_joins_the_callers_trace() {
     runplane_telemetry::install_propagator();
@@ -179,16 +194,7 @@ async fn client_channels_inject_the_current_trace_context() {
 #[tokio::test]
 async fn health_turns_not_serving_on_shutdown_before_the_server_stops() {
     let mut server = start(ServiceSet::new(), Duration::from_millis(200)).await;
-    let mut health = HealthClient::new(runplane_grpc::client::connect(&server.addr).await.unwrap());
-    let mut watch = health
-        .watch(HealthCheckRequest {
-            service: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first: HealthCheckResponse = watch.next().await.unwrap().unwrap();
-    assert_eq!(first.status(), ServingStatus::Serving);
+    let mut watch = watch_serving(&server.addr).await;
 
     server.stop.take().unwrap().send(()).unwrap();
     let next: HealthCheckResponse = watch.next().await.unwrap().unwrap();
@@ -243,16 +249,7 @@ async fn a_background_task_that_stops_the_process_ends_serving_with_its_name() {
     let mut services = ServiceSet::new();
     services.background(&tasks);
     let server = start(services, Duration::from_secs(5)).await;
-    let mut health = HealthClient::new(runplane_grpc::client::connect(&server.addr).await.unwrap());
-    let mut watch = health
-        .watch(HealthCheckRequest {
-            service: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first: HealthCheckResponse = watch.next().await.unwrap().unwrap();
-    assert_eq!(first.status(), ServingStatus::Serving);
+    let mut watch = watch_serving(&server.addr).await;
 
     panic_now.send_replace(true);
     let next: HealthCheckResponse = watch.next().await.unwrap().unwrap();
