@@ -386,8 +386,59 @@ impl Drop for TestRedis {
     }
 }
 
-/// A loopback address nobody listens on right now (the port may be taken later).
+/// A loopback address nobody listens on right now, for a process a test starts to bind.
+///
+/// A port the kernel hands out for `:0` comes from its ephemeral range, the range every
+/// outbound connection (to Postgres, Redis, a gRPC server) takes its local port from, so
+/// between this call and the child's bind such a connection could take it. These ports
+/// come from below that range, where no connection's local port ever lands; each test
+/// process walks a block of its own (chosen by pid), so concurrent tests do not pick the
+/// same one, and a port found in use is passed over.
 pub fn free_local_addr() -> SocketAddr {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FLOOR: u32 = 10_000;
+    const BLOCK: u32 = 16;
+    static HANDED_OUT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral_low.saturating_sub(FLOOR) / BLOCK * BLOCK;
+    if span >= BLOCK {
+        let start = std::process::id() % (span / BLOCK) * BLOCK;
+        for _ in 0..span {
+            let offset = (start + HANDED_OUT.fetch_add(1, Ordering::Relaxed)) % span;
+            let port = u16::try_from(FLOOR + offset).expect("below the ephemeral range");
+            if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+                return listener.local_addr().expect("local addr");
+            }
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local addr")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::free_local_addr;
+
+    /// Addresses for children to bind lie below the kernel's ephemeral range, where no
+    /// outbound connection takes its local port, and one process never gets one twice.
+    #[test]
+    fn free_addresses_are_below_the_ephemeral_range_and_not_repeated() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let ports: Vec<u16> = (0..64).map(|_| free_local_addr().port()).collect();
+        assert!(
+            ports.iter().all(|p| *p < low),
+            "{ports:?} (ephemeral from {low})"
+        );
+        let distinct: std::collections::BTreeSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+    }
 }
