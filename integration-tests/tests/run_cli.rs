@@ -12,6 +12,11 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 fn run_cli(addr: &str, data: &std::path::Path, script: &str) -> tokio::process::Child {
+    run_command(addr, data, &["sh", "-c", script])
+}
+
+/// `runplane run -- <argv…>` against the dev control plane at `addr`.
+fn run_command(addr: &str, data: &std::path::Path, argv: &[&str]) -> tokio::process::Child {
     Command::new(runplane_bin())
         .args([
             "run",
@@ -20,7 +25,8 @@ fn run_cli(addr: &str, data: &std::path::Path, script: &str) -> tokio::process::
             "--token-file",
         ])
         .arg(data.join("operator-token"))
-        .args(["--", "sh", "-c", script])
+        .arg("--")
+        .args(argv)
         .env_remove("RUNPLANE_CONFIG")
         .env_remove("RUNPLANE_TOKEN")
         .stdin(Stdio::null())
@@ -140,4 +146,28 @@ async fn a_failing_command_ends_with_its_exit_code() {
     assert_eq!(status.code(), Some(7), "{err}");
     assert!(err.contains("broken"), "{err}");
     assert!(err.contains("failed (exit_nonzero, exit code 7)"), "{err}");
+}
+
+/// An agent command that cannot be started at all ends its run at once, failed with the
+/// reason, instead of leaving a run Hello made RUNNING to the loss grace (90 s) because
+/// its runner is gone. Uncontained, the runner itself spawns the command, and the spawn
+/// fails (under bubblewrap the wrapper starts and a missing command exits 127).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_cannot_start_ends_its_run_at_once_with_the_reason() {
+    let data = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let _dev = start_dev_on(
+        data.path(),
+        &addr,
+        &[("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none")],
+    )
+    .await;
+    let cli = run_command(&addr, data.path(), &["/nonexistent/runplane-test-agent"]);
+    let out = tokio::time::timeout(Duration::from_secs(30), cli.wait_with_output())
+        .await
+        .expect("the run did not end within 30 s")
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("failed (agent_not_started)"), "{err}");
 }

@@ -131,6 +131,15 @@ impl Changes {
         self.notify(RECONCILER_WORK);
     }
 
+    /// A call that ends `run_id` found it already ended: a replay, whose first attempt may
+    /// have committed and then been dropped (a client deadline, a closed connection)
+    /// before it woke anyone. Wakes as [`Changes::ended`] does, without counting it again;
+    /// a wake with nothing new costs a watcher one read.
+    pub fn ended_again(&self, run_id: &str) {
+        self.notify(run_id);
+        self.notify(RECONCILER_WORK);
+    }
+
     /// Subscribes to `key` (a run id or [`RECONCILER_WORK`]). Subscribe before reading, so a
     /// change between the read and the wait is not lost.
     pub fn subscribe(&self, key: &str) -> Subscription {

@@ -46,6 +46,7 @@ runplane_testkit::on_both_backends!(
     claim_slots_fills_a_credential_to_its_capacity_oldest_first,
     concurrent_claims_never_overfill_a_credential,
     numbers_past_their_columns_are_invalid_argument_and_change_nothing,
+    a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not,
 );
 
 fn slots(credential: &str, capacity: u32, unavailable: &str) -> pb::CredentialSlots {
@@ -1410,6 +1411,54 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
         .cloned()
         .collect();
     assert_eq!(events, ["event:2:b", "event:3:c"]);
+}
+
+/// A SubmitResult whose first attempt committed and was dropped before it woke anyone
+/// (a client deadline mid-call: the commit completes, the handler does not) is replayed
+/// by the runner. The replay wakes the run's watchers, which would otherwise wait for the
+/// 30 s re-check.
+async fn a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not(h: Harness) {
+    use pb::watch_run_response::Update;
+    let (run_id, key) = h.running_run("replayed-wake").await;
+    let mut stream = h
+        .operator()
+        .await
+        .watch_run(pb::WatchRunRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+            states_only: true,
+            heartbeat_interval: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // The RUNNING snapshot: the watch has read and waits for a change.
+    match stream.next().await.unwrap().unwrap().update.unwrap() {
+        Update::Run(run) => assert_eq!(run.state(), pb::RunState::Running),
+        other => panic!("{other:?}"),
+    }
+    // The first attempt: committed, nobody woken.
+    let first = h
+        .store
+        .store()
+        .submit_result(&run_id, &succeeded(), "", None, &h.signer)
+        .await
+        .unwrap();
+    assert!(first.made_terminal);
+    let mut runner = h.runner(&key).await;
+    let replay = submit(&mut runner, &run_id, succeeded()).await.unwrap();
+    assert!(replay.already_recorded);
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            match stream.next().await.unwrap().unwrap().update.unwrap() {
+                Update::Run(run) => break run.state(),
+                _ => continue,
+            }
+        }
+    })
+    .await
+    .expect("the replay did not wake the watcher");
+    assert_eq!(ended, pb::RunState::Succeeded);
 }
 
 async fn a_long_poll_wakes_when_a_message_is_enqueued(h: Harness) {

@@ -149,17 +149,31 @@ pub async fn run(
     let ending = ending::Ending::new();
     let (events_tx, events_rx) = events::channel();
     live.report_to(&events_tx);
-    let mut agent = child::Agent::spawn(
+    let spawned = child::Agent::spawn(
         &run.command,
         &run.args,
         events_tx.clone(),
         Some(live.clone()),
         clock.clone(),
-    )
-    .map_err(|e| RunnerError::Spawn {
-        command: run.command.clone(),
-        reason: e.to_string(),
-    })?;
+    );
+    let mut agent = match spawned {
+        Ok(agent) => agent,
+        Err(e) => {
+            // Hello made the run RUNNING: it ends now, with the reason, instead of waiting
+            // out the loss grace for a runner that is gone.
+            streaming.abort();
+            let reason = redactor.redact(&e.to_string());
+            let verdict = verdict::not_started(&run.command, &reason);
+            let submitted = submit(&client, &env, &nonce, &verdict, String::new(), Vec::new());
+            if let Err(e) = verdict::recorded(submitted.await, &env.run_id, &verdict, &redactor) {
+                tracing::error!(error = %e, "the failed start could not be recorded");
+            }
+            return Err(RunnerError::Spawn {
+                command: run.command.clone(),
+                reason,
+            });
+        }
+    };
     let drain = tokio::spawn(
         events::drain(
             client.clone(),
@@ -237,7 +251,27 @@ pub async fn run(
     } else {
         redactor.redact(&agent.tail(limits.max_failure_tail_bytes.max(1024) as usize))
     };
-    let result = client
+    let result = submit(&client, &env, &nonce, &verdict, failure_tail, final_events).await;
+    let recorded =
+        verdict::recorded(result, &env.run_id, &verdict, &redactor).map_err(RunnerError::Result)?;
+    Ok(Outcome {
+        verdict,
+        recorded,
+        events_lost: drained.lost,
+        ended_elsewhere: false,
+    })
+}
+
+/// Submits the run's `verdict` with the last events, as the final batch of this Hello.
+async fn submit(
+    client: &Client,
+    env: &RunnerEnv,
+    nonce: &str,
+    verdict: &pb::Verdict,
+    failure_tail: String,
+    final_events: Vec<pb::EventInput>,
+) -> Result<tonic::Response<pb::SubmitResultResponse>, tonic::Status> {
+    client
         .clone()
         .submit_result(pb::SubmitResultRequest {
             run_id: env.run_id.clone(),
@@ -246,18 +280,7 @@ pub async fn run(
             final_batch_key: format!("{nonce}-final"),
             final_events,
         })
-        .await;
-    let recorded = match result {
-        Ok(_) => true,
-        Err(status) => verdict::handle_refusal(&status, &env.run_id, &verdict, &redactor)
-            .map_err(|e| RunnerError::Result(redactor.redact(&e)))?,
-    };
-    Ok(Outcome {
-        verdict,
-        recorded,
-        events_lost: drained.lost,
-        ended_elsewhere: false,
-    })
+        .await
 }
 
 /// The poll wait the runner asks for; the server caps it.

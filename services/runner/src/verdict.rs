@@ -34,6 +34,28 @@ pub fn of(status: ExitStatus, interrupted: Option<&str>) -> pb::Verdict {
     }
 }
 
+/// The verdict of a run whose agent could not be started at all (`error`, redacted):
+/// failed, `agent_not_started`. Without it, a run Hello made RUNNING would wait out the
+/// loss grace for a runner that is gone.
+pub fn not_started(command: &str, error: &str) -> pb::Verdict {
+    let mut message = format!("could not start `{command}`: {error}");
+    let mut cut = message.len().min(MAX_MESSAGE_BYTES);
+    while !message.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    message.truncate(cut);
+    pb::Verdict {
+        outcome: pb::VerdictOutcome::Failed as i32,
+        reason: "agent_not_started".into(),
+        exit_code: None,
+        signal: None,
+        message,
+    }
+}
+
+/// The longest verdict message the run store takes.
+const MAX_MESSAGE_BYTES: usize = 512;
+
 /// The verdict of an agent stopped by a service's `abort`: failed, with the abort's reason.
 pub fn aborted(status: ExitStatus, reason: &str) -> pb::Verdict {
     pb::Verdict {
@@ -50,6 +72,22 @@ pub fn describe(status: ExitStatus) -> String {
         (Some(code), _) => format!("exited with status {code}"),
         (None, Some(signal)) => format!("killed by signal {signal}"),
         _ => "ended".into(),
+    }
+}
+
+/// Whether SubmitResult's answer means the run store holds `verdict` (`false`: it holds
+/// another, see [`handle_refusal`]); an error, redacted, when it was not recorded.
+pub fn recorded<T>(
+    answer: Result<T, tonic::Status>,
+    run_id: &str,
+    verdict: &pb::Verdict,
+    redactor: &Redactor,
+) -> Result<bool, String> {
+    match answer {
+        Ok(_) => Ok(true),
+        Err(status) => {
+            handle_refusal(&status, run_id, verdict, redactor).map_err(|e| redactor.redact(&e))
+        }
     }
 }
 

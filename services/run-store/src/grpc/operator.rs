@@ -590,6 +590,8 @@ impl RunService for RunApi {
         if finished.made_terminal {
             s.changes.ended(&req.run_id, &finished.run.state);
             span.in_scope(|| tracing::info!(reason = %message, "run cancelled"));
+        } else {
+            s.changes.ended_again(&req.run_id);
         }
         Ok(Response::new(pb::CancelRunResponse {
             run: Some(convert::run(&finished.run)),
@@ -645,6 +647,8 @@ impl RunService for RunApi {
             .await?;
         if outcome == pb::FailRunOutcome::MadeTerminal {
             s.changes.ended(&req.run_id, &run.state);
+        } else if state::is_terminal(&run.state) {
+            s.changes.ended_again(&req.run_id);
         }
         tracing::info!(outcome = outcome.as_str_name(), "fail run");
         Ok(Response::new(pb::FailRunResponse {

@@ -145,6 +145,8 @@ impl RunnerService for RunnerApi {
         if finished.made_terminal {
             s.changes.ended(&req.run_id, &finished.run.state);
             tracing::info!(outcome = %state::outcome_name(verdict.outcome()), reason = %verdict.reason, "run finished");
+        } else {
+            s.changes.ended_again(&req.run_id);
         }
         let receipt = s.store.receipt(&req.run_id).await?;
         Ok(Response::new(pb::SubmitResultResponse {

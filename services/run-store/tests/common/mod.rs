@@ -40,6 +40,8 @@ pub struct Harness {
     served: Option<
         tokio::task::JoinHandle<Result<runplane_grpc::Stopped, runplane_grpc::server::ServeError>>,
     >,
+    /// What the store signs receipts with, for tests that write through the store itself.
+    pub signer: runplane_run_store::domain::receipt::ReceiptSigner,
     _backend: Backend,
 }
 
@@ -71,8 +73,8 @@ impl Harness {
             .org_tokens
             .insert("acme".into(), Secret::new(ACME_TOKEN));
         config.run_store.database_url = backend.url();
-        config.run_store.receipt_signing_key =
-            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+        let signer = runplane_run_store::domain::receipt::ReceiptSigner::generate();
+        config.run_store.receipt_signing_key = Secret::new(signer.seed_hex());
         // The run store's own behaviour; admission and failure reports go through
         // credential health in services/credential-health/tests.
         config.run_store.admission = false;
@@ -112,6 +114,7 @@ impl Harness {
             cuts,
             stop: Some(stop),
             served: Some(served),
+            signer,
             _backend: backend,
         }
     }
