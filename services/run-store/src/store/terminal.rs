@@ -95,8 +95,8 @@ impl Store {
                 .await?;
             (pb::FailRunOutcome::MadeTerminal, run)
         };
-        self.store_answer(
-            &txn,
+        self.commit_keyed(
+            txn,
             run_id,
             METHOD,
             idempotency_key,
@@ -104,7 +104,6 @@ impl Store {
             (outcome as i32).to_be_bytes().to_vec(),
         )
         .await?;
-        txn.commit().await?;
         Ok((outcome, run))
     }
 
@@ -167,8 +166,8 @@ impl Store {
         let run = self
             .finish_locked(&txn, run, &verdict, None, signer)
             .await?;
-        self.store_answer(
-            &txn,
+        self.commit_keyed(
+            txn,
             run_id,
             METHOD,
             idempotency_key,
@@ -176,7 +175,6 @@ impl Store {
             Vec::new(),
         )
         .await?;
-        txn.commit().await?;
         Ok(Finished {
             run,
             made_terminal: true,
@@ -285,8 +283,8 @@ impl Store {
                 )
             }
         };
-        self.store_answer(
-            &txn,
+        self.commit_keyed(
+            txn,
             run_id,
             METHOD,
             idempotency_key,
@@ -294,7 +292,6 @@ impl Store {
             (outcome as i32).to_be_bytes().to_vec(),
         )
         .await?;
-        txn.commit().await?;
         Ok((outcome, run))
     }
 
@@ -343,9 +340,10 @@ impl Store {
         Ok(Some(answer.answer))
     }
 
-    pub(super) async fn store_answer(
+    /// A keyed call's end: stores `answer` under its key, then commits.
+    async fn commit_keyed(
         &self,
-        txn: &DatabaseTransaction,
+        txn: DatabaseTransaction,
         run_id: &str,
         method: &str,
         idempotency_key: &str,
@@ -363,8 +361,9 @@ impl Store {
             }
             .into_active_model(),
         )
-        .exec_without_returning(txn)
+        .exec_without_returning(&txn)
         .await?;
+        txn.commit().await?;
         Ok(())
     }
 
