@@ -60,6 +60,8 @@ pub struct AgentConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    #[error("background task {0} panicked; the agent stops so a fresh one takes over")]
+    Task(&'static str),
     #[error(transparent)]
     Endpoint(#[from] runplane_grpc::client::ClientError),
     #[error("registering with the reconciler failed: {0}")]
@@ -149,26 +151,30 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .map_err(|e| AgentError::Listen(config.listen.clone(), e.to_string()))?;
-    // Stopped when the agent returns, for whatever reason; an endpoint that fails while
+    // Cancelled when the agent returns, for whatever reason; an endpoint that fails while
     // the agent runs is an error, one cut short by the agent's own exit is not.
-    let stopping = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (stop_sessions, sessions_stopped) = tokio::sync::oneshot::channel::<()>();
-    let _stop_sessions_on_return = StopOnDrop(Some(stop_sessions), stopping.clone());
-    tokio::spawn({
+    let tasks = runplane_grpc::Tasks::new();
+    let _stop_sessions_on_return = CancelOnDrop(tasks.clone());
+    let listener = std::sync::Mutex::new(Some(listener));
+    let service = sessions.service();
+    tasks.spawn(SESSIONS_TASK, move |cancelled| {
+        let listener = listener
+            .lock()
+            .expect("listener lock")
+            .take()
+            .expect("the session endpoint starts once: a panic stops the agent");
         let mut set = runplane_grpc::ServiceSet::new();
-        set.add(sessions.service());
+        set.add(service.clone());
         async move {
             let stopped = runplane_grpc::serve(
                 listener,
                 set,
-                async move {
-                    let _ = sessions_stopped.await;
-                },
+                cancelled.clone().cancelled(),
                 Duration::from_secs(1),
             )
             .await;
             if let Err(e) = stopped
-                && !stopping.load(std::sync::atomic::Ordering::SeqCst)
+                && !cancelled.is_cancelled()
             {
                 tracing::error!(error = %e, "the session endpoint stopped");
             }
@@ -212,6 +218,7 @@ pub async fn run(
         };
         let assigned = tokio::select! {
             () = &mut shutdown => return Ok(()),
+            name = tasks.failed() => return Err(AgentError::Task(name)),
             answer = poller.list_assigned_sandboxes(request) => answer,
         };
         match assigned {
@@ -303,17 +310,21 @@ pub async fn run(
 }
 
 /// Stops the session endpoint when the agent's `run` returns.
-struct StopOnDrop(
-    Option<tokio::sync::oneshot::Sender<()>>,
-    std::sync::Arc<std::sync::atomic::AtomicBool>,
-);
+/// The node's session endpoint: it finishes its calls within 1 s when the agent returns.
+/// A panic stops the agent, which its supervisor restarts: without the endpoint no
+/// session reaches this node's sandboxes.
+const SESSIONS_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "node-agent.sessions",
+    on_cancel: runplane_grpc::OnCancel::Finish,
+    on_panic: runplane_grpc::OnPanic::Stop,
+};
 
-impl Drop for StopOnDrop {
+/// Cancels the agent's tasks when it returns, however it returns.
+struct CancelOnDrop(runplane_grpc::Tasks);
+
+impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        self.1.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(stop) = self.0.take() {
-            let _ = stop.send(());
-        }
+        self.0.cancel();
     }
 }
 

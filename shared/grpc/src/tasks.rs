@@ -142,6 +142,12 @@ impl Tasks {
         }
     }
 
+    /// Cancels every task without waiting for them: finishing tasks end their round in
+    /// the background, aborting ones are dropped. For an owner that cannot wait (a drop).
+    pub fn cancel(&self) {
+        self.cancel.send_replace(true);
+    }
+
     /// Cancels every task and waits for them until `deadline`; tasks still running then
     /// are aborted. Returns the names of those aborted at the deadline.
     pub async fn shutdown(&self, deadline: tokio::time::Instant) -> Vec<&'static str> {
@@ -300,6 +306,30 @@ mod tests {
             .shutdown(Instant::now() + Duration::from_secs(1))
             .await;
         assert!(outlived.is_empty(), "{outlived:?}");
+    }
+
+    /// An owner that cannot wait cancels without waiting: a finishing task still ends its
+    /// round and returns on its own.
+    #[tokio::test(start_paused = true)]
+    async fn cancel_without_waiting_lets_a_finishing_task_return() {
+        let tasks = Tasks::new();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let done_tx = std::sync::Mutex::new(Some(done_tx));
+        tasks.spawn(task(OnCancel::Finish, OnPanic::Restart), move |cancelled| {
+            let done = done_tx.lock().unwrap().take();
+            async move {
+                cancelled.cancelled().await;
+                if let Some(done) = done {
+                    let _ = done.send(());
+                }
+            }
+        });
+        tokio::task::yield_now().await;
+        tasks.cancel();
+        tokio::time::timeout(Duration::from_secs(1), done_rx)
+            .await
+            .expect("the task did not see its cancellation")
+            .unwrap();
     }
 
     /// A task whose panic stops the process fails the group with its name, once.
