@@ -8,8 +8,6 @@ use crate::domain::validate::json_to_struct;
 use crate::store::entities::{event, run, steering_message};
 use runplane_clock::to_timestamp as timestamp;
 
-use crate::store::verdict_of;
-
 pub fn run(model: &run::Model) -> pb::Run {
     let terminal = state::is_terminal(&model.state);
     let backend_error: Option<pb::BackendError> = model
@@ -25,7 +23,7 @@ pub fn run(model: &run::Model) -> pb::Run {
             turn_id: v["turn_id"].as_str().unwrap_or_default().to_owned(),
             recorded_at: v["recorded_at_us"].as_i64().map(timestamp),
         });
-    let verdict = (terminal && model.verdict_outcome.is_some()).then(|| verdict_of(model));
+    let verdict = (terminal && model.verdict_outcome.is_some()).then(|| model.recorded_verdict());
     let failure_reason = match (&backend_error, &verdict) {
         (Some(b), _) => b.reason.clone(),
         (None, Some(v)) if v.outcome() != pb::VerdictOutcome::Succeeded => v.reason.clone(),

@@ -55,6 +55,21 @@ pub mod run {
     pub enum Relation {}
 
     impl ActiveModelBehavior for ActiveModel {}
+
+    impl Model {
+        /// The verdict recorded on this run (defaults where none is: check the state).
+        pub fn recorded_verdict(&self) -> runplane_proto::runstore::v1::Verdict {
+            runplane_proto::runstore::v1::Verdict {
+                outcome: crate::domain::state::outcome_from_name(
+                    self.verdict_outcome.as_deref().unwrap_or_default(),
+                ) as i32,
+                reason: self.verdict_reason.clone().unwrap_or_default(),
+                exit_code: self.verdict_exit_code,
+                signal: self.verdict_signal,
+                message: self.verdict_message.clone().unwrap_or_default(),
+            }
+        }
+    }
 }
 
 pub mod run_key {

@@ -378,15 +378,3 @@ pub fn kind_name(kind: i32) -> &'static str {
         _ => "message",
     }
 }
-
-/// The recorded verdict of a terminal run.
-pub fn verdict_of(run: &run::Model) -> pb::Verdict {
-    pb::Verdict {
-        outcome: state::outcome_from_name(run.verdict_outcome.as_deref().unwrap_or_default())
-            as i32,
-        reason: run.verdict_reason.clone().unwrap_or_default(),
-        exit_code: run.verdict_exit_code,
-        signal: run.verdict_signal,
-        message: run.verdict_message.clone().unwrap_or_default(),
-    }
-}

@@ -414,7 +414,7 @@ impl Store {
         let body = pb::ReceiptBody {
             run_id: run.id.clone(),
             org_id: run.org_id.clone(),
-            verdict: Some(verdict_of(&run)),
+            verdict: Some(run.recorded_verdict()),
             event_count: run.last_sequence as u64,
             check_events: checks
                 .into_iter()
