@@ -310,6 +310,11 @@ pub async fn serve_with_tls(
             .set_service_status(*name, ServingStatus::NotServing)
             .await;
     }
+    // Tasks learn of the shutdown before the hooks close what some of them wait on, so a
+    // task that returns then is not taken for one that ended on its own.
+    for tasks in &background {
+        tasks.cancel();
+    }
     for hook in on_shutdown {
         hook();
     }
