@@ -60,7 +60,7 @@ pub struct AgentConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    #[error("background task {0} panicked; the agent stops so a fresh one takes over")]
+    #[error("background task {0} failed; the agent stops so a fresh one takes over")]
     Task(&'static str),
     #[error(transparent)]
     Endpoint(#[from] runplane_grpc::client::ClientError),
@@ -217,7 +217,10 @@ pub async fn run(
             }),
         };
         let assigned = tokio::select! {
-            () = &mut shutdown => return Ok(()),
+            () = &mut shutdown => {
+                tasks.shutdown(tokio::time::Instant::now() + Duration::from_secs(1)).await;
+                return Ok(());
+            }
             name = tasks.failed() => return Err(AgentError::Task(name)),
             answer = poller.list_assigned_sandboxes(request) => answer,
         };
@@ -310,9 +313,10 @@ pub async fn run(
 }
 
 /// Stops the session endpoint when the agent's `run` returns.
-/// The node's session endpoint: it finishes its calls within 1 s when the agent returns.
-/// A panic stops the agent, which its supervisor restarts: without the endpoint no
-/// session reaches this node's sandboxes.
+/// The node's session endpoint. At the agent's shutdown it gets 1 s to finish its calls;
+/// when the agent returns otherwise it is cancelled. A panic, or its server stopping
+/// while the agent runs, stops the agent, which its supervisor restarts: without the
+/// endpoint no session reaches this node's sandboxes.
 const SESSIONS_TASK: runplane_grpc::Task = runplane_grpc::Task {
     name: "node-agent.sessions",
     on_cancel: runplane_grpc::OnCancel::Finish,
@@ -477,7 +481,8 @@ fn recorded_handle(config: &AgentConfig, sandbox_id: &str) -> String {
 /// The next observation number of this process: strictly increasing even when the wall
 /// clock steps back (an observation numbered below the last one stored is ignored), and
 /// starting from the clock's microseconds, so a restarted agent numbers ahead of its
-/// previous boot.
+/// previous boot unless the wall clock stepped back across the restart by more than the
+/// restart took.
 fn observation_seq(clock: &dyn runplane_clock::Clock) -> u64 {
     static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let now = u64::try_from(clock.now_us()).unwrap_or_default();

@@ -26,7 +26,7 @@ pub enum ServeError {
     Transport(String),
     #[error("TLS settings are unusable: {0}")]
     Tls(String),
-    #[error("background task {0} panicked; the process stops so a fresh one takes over")]
+    #[error("background task {0} failed; the process stops so a fresh one takes over")]
     Task(&'static str),
 }
 
@@ -174,7 +174,8 @@ impl ServiceSet {
 pub enum Stopped {
     /// Every in-flight call finished within the grace (or the server stopped on its own).
     Drained,
-    /// Calls were still running when the grace ran out; they were dropped.
+    /// Calls or background tasks were still running when the grace ran out; they were
+    /// dropped.
     GraceExpired,
 }
 
@@ -296,7 +297,13 @@ pub async fn serve_with_tls(
     failing.push(Box::pin(std::future::pending()));
     let failed = futures::future::select_all(failing);
     let failed = tokio::select! {
-        finished = &mut server => return flatten(finished),
+        finished = &mut server => {
+            // Stopped on its own (a transport failure): the tasks stop with it.
+            let deadline = tokio::time::Instant::now() + grace;
+            futures::future::join_all(background.iter().map(|tasks| tasks.shutdown(deadline)))
+                .await;
+            return flatten(finished);
+        }
         () = shutdown => None,
         (name, _, _) = failed => Some(name),
     };

@@ -1,6 +1,6 @@
 //! Background work, declared.
 //!
-//! Every task a service runs beside its handlers is started through [`Tasks::spawn`] with
+//! Every loop a service runs beside its handlers is started through [`Tasks::spawn`] with
 //! a [`Task`] that names it and says two things:
 //!
 //! - what cancellation means ([`OnCancel`]): the task is told and returns between rounds
@@ -9,7 +9,14 @@
 //! - what a panic means ([`OnPanic`]): it is logged and the task starts again after a
 //!   pause ([`OnPanic::Restart`]), or it is logged and the process stops
 //!   ([`OnPanic::Stop`]), because the service is not whole without it and a fresh process
-//!   is the recovery that is known to work.
+//!   is the recovery that is known to work. Such a task ending on its own stops the
+//!   process too.
+//!
+//! Helpers that live and die with one owner (a long poll beside a loop, a relay beside a
+//! store) are held by an [`AbortOnDrop`] instead. Not declared yet: the Postgres
+//! `LISTEN/NOTIFY` relays (`runplane_db::notify`) and the run store's append-group
+//! writer are spawned by their owners; a panic there costs wake-ups until the 30 s
+//! re-check, not data.
 //!
 //! Handles are kept. [`Tasks::shutdown`] cancels every task and awaits it within the grace
 //! it is given; a task that outlives the grace is aborted and named in the log.
@@ -114,20 +121,23 @@ impl Tasks {
 
     /// Starts `task`: `body` is called with the task's [`Cancelled`] and awaited, and
     /// called again after a panic when the task restarts. After [`Tasks::shutdown`] has
-    /// begun nothing new starts.
+    /// begun nothing new starts. A task that stops the process when it panics stops it
+    /// too when it ends on its own before it was cancelled: it was not meant to end.
     pub fn spawn<F, Fut>(&self, task: Task, body: F)
     where
         F: Fn(Cancelled) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
+        // Under the lock that `shutdown` takes the handles with: a task either starts
+        // before and is awaited, or sees the cancellation and does not start.
+        let mut running = self.running.lock().expect("tasks lock");
         if *self.cancel.borrow() {
             tracing::debug!(task = task.name, "not started: shutting down");
             return;
         }
         let cancelled = Cancelled(self.cancel.subscribe());
         let failed = self.failed.clone();
-        let supervisor = tokio::spawn(supervise(task, body, cancelled, failed));
-        let mut running = self.running.lock().expect("tasks lock");
+        let supervisor = tokio::spawn(supervise(task, Arc::new(body), cancelled, failed));
         running.retain(|(_, handle)| !handle.is_finished());
         running.push((task.name, supervisor));
     }
@@ -173,7 +183,7 @@ impl Tasks {
 
 async fn supervise<F, Fut>(
     task: Task,
-    body: F,
+    body: Arc<F>,
     cancelled: Cancelled,
     failed: Arc<watch::Sender<Option<&'static str>>>,
 ) where
@@ -182,7 +192,12 @@ async fn supervise<F, Fut>(
 {
     let mut pause = RESTART_PAUSE;
     loop {
-        let mut run = AbortOnDrop(tokio::spawn(body(cancelled.clone())));
+        // `body` is called inside the spawned task, so a panic while it builds its future
+        // is the task's panic, not the supervisor's.
+        let mut run = AbortOnDrop(tokio::spawn({
+            let (body, cancelled) = (body.clone(), cancelled.clone());
+            async move { body(cancelled).await }
+        }));
         let joined = match task.on_cancel {
             OnCancel::Finish => (&mut run.0).await,
             OnCancel::Abort => tokio::select! {
@@ -192,10 +207,17 @@ async fn supervise<F, Fut>(
             },
         };
         let panic = match joined {
+            Ok(()) if cancelled.is_cancelled() => return,
+            Ok(()) if task.on_panic == OnPanic::Stop => {
+                tracing::error!(
+                    task = task.name,
+                    "background task ended on its own; the process stops"
+                );
+                fail(&failed, task.name);
+                return;
+            }
             Ok(()) => {
-                if !cancelled.is_cancelled() {
-                    tracing::warn!(task = task.name, "background task ended on its own");
-                }
+                tracing::warn!(task = task.name, "background task ended on its own");
                 return;
             }
             Err(e) if e.is_panic() => panic_message(e.into_panic()),
@@ -205,13 +227,7 @@ async fn supervise<F, Fut>(
         match task.on_panic {
             OnPanic::Stop => {
                 tracing::error!(task = task.name, panic = %panic, "background task panicked; the process stops");
-                failed.send_if_modified(|first| {
-                    let is_first = first.is_none();
-                    if is_first {
-                        *first = Some(task.name);
-                    }
-                    is_first
-                });
+                fail(&failed, task.name);
                 return;
             }
             OnPanic::Restart => {
@@ -229,6 +245,17 @@ async fn supervise<F, Fut>(
             }
         }
     }
+}
+
+/// Records `name` as the group's failure, unless another task failed it first.
+fn fail(failed: &watch::Sender<Option<&'static str>>, name: &'static str) {
+    failed.send_if_modified(|first| {
+        let is_first = first.is_none();
+        if is_first {
+            *first = Some(name);
+        }
+        is_first
+    });
 }
 
 fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
@@ -330,6 +357,40 @@ mod tests {
             .await
             .expect("the task did not see its cancellation")
             .unwrap();
+    }
+
+    /// A task that stops the process when it panics also stops it when it returns before
+    /// it was cancelled (a server that stopped serving); a restarting one only warns.
+    #[tokio::test(start_paused = true)]
+    async fn a_stopping_task_that_ends_on_its_own_fails_the_group() {
+        let tasks = Tasks::new();
+        tasks.spawn(task(OnCancel::Finish, OnPanic::Restart), |_| async {});
+        tokio::task::yield_now().await;
+        let failed = tokio::time::timeout(Duration::from_secs(1), tasks.failed()).await;
+        assert!(
+            failed.is_err(),
+            "a restarting task that ended failed the group"
+        );
+        tasks.spawn(task(OnCancel::Finish, OnPanic::Stop), |_| async {});
+        assert_eq!(tasks.failed().await, "test.task");
+    }
+
+    /// A panic while the body builds its future is the task's panic: it restarts.
+    #[tokio::test(start_paused = true)]
+    async fn a_panic_before_the_first_await_is_the_tasks_own() {
+        let tasks = Tasks::new();
+        let starts = Arc::new(AtomicU32::new(0));
+        tasks.spawn(task(OnCancel::Finish, OnPanic::Restart), {
+            let starts = starts.clone();
+            move |cancelled| {
+                if starts.fetch_add(1, Ordering::SeqCst) == 0 {
+                    panic!("could not build the first round");
+                }
+                cancelled.cancelled()
+            }
+        });
+        tokio::time::sleep(RESTART_PAUSE * 2).await;
+        assert_eq!(starts.load(Ordering::SeqCst), 2, "not restarted");
     }
 
     /// A task whose panic stops the process fails the group with its name, once.

@@ -51,13 +51,17 @@ impl Driver for RoutedDriver {
             return self.local.status(sandbox);
         }
         let store = self.store.clone();
-        let id = sandbox.id.clone();
+        let (id, generation) = (sandbox.id.clone(), sandbox.execution_generation);
         Box::pin(async move {
             // What its node last published, read now.
             let Ok(row) = store.sandbox(&id).await else {
                 // The database is what failed; that says nothing about the sandbox.
                 return Probe::Alive;
             };
+            // A newer execution's report says nothing about the one probed.
+            if row.execution_generation != generation {
+                return Probe::Alive;
+            }
             // Placed: its node. Suspended for idleness and unplaced: the node holding it
             // (its route identity), which is the only one that can restore it, so a
             // holder gone for good ends it through the loss grace like a placed one.
