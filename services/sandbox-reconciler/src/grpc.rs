@@ -751,7 +751,13 @@ impl SandboxService for SandboxApi {
         let idle_timeout_ms = req
             .idle_timeout
             .as_ref()
-            .map(|d| d.seconds.max(0) * 1000 + i64::from(d.nanos.max(0) / 1_000_000))
+            // Saturating: a client's far-off duration must not overflow (and panic).
+            .map(|d| {
+                d.seconds
+                    .max(0)
+                    .saturating_mul(1000)
+                    .saturating_add(i64::from(d.nanos.max(0) / 1_000_000))
+            })
             .unwrap_or(15 * 60 * 1000);
         // The run's org comes from the run store, which also proves the run exists.
         let run = s

@@ -757,6 +757,7 @@ mod node_protocol {
         numbers_past_their_columns_and_oversized_strings_are_refused_before_any_write,
         an_oversized_page_is_refused_by_both_lists,
         create_is_keyed_and_destroy_ends_the_sandbox,
+        a_far_off_idle_timeout_does_not_overflow_create,
     );
 
     pub(super) async fn nodes(w: &World) -> NodeServiceClient<tonic::transport::Channel> {
@@ -1191,6 +1192,33 @@ mod node_protocol {
         ))
         .await
         .unwrap();
+    }
+
+    /// CreateSandbox converts `idle_timeout` to milliseconds before anything else; a
+    /// far-off number of seconds saturates instead of overflowing (a panic in a checked
+    /// build), and the call is answered as any other would be.
+    async fn a_far_off_idle_timeout_does_not_overflow_create(w: World) {
+        let (existing, _) = w.running_sandbox("far-off-idle").await;
+        let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
+            .await
+            .unwrap();
+        let err = api
+            .create_sandbox(authed(
+                rpb::CreateSandboxRequest {
+                    client_request_id: "far-off-idle-request".into(),
+                    run_id: existing.run_id.clone(),
+                    substrate: rpb::Substrate::Direct as i32,
+                    idle_timeout: Some(prost_types::Duration {
+                        seconds: i64::MAX,
+                        nanos: 999_999_999,
+                    }),
+                    node_id: String::new(),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
     }
 
     async fn create_is_keyed_and_destroy_ends_the_sandbox(w: World) {

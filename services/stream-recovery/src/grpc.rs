@@ -81,7 +81,11 @@ fn ttl_ms(ttl: Option<&prost_types::Duration>) -> Result<i64, Status> {
     let ms = match ttl {
         None => DEFAULT_LEASE_TTL.as_millis() as i64,
         Some(d) if d.seconds == 0 && d.nanos == 0 => DEFAULT_LEASE_TTL.as_millis() as i64,
-        Some(d) => d.seconds * 1000 + i64::from(d.nanos / 1_000_000),
+        // Saturating: a client's far-off duration must not overflow (and panic).
+        Some(d) => d
+            .seconds
+            .saturating_mul(1000)
+            .saturating_add(i64::from(d.nanos / 1_000_000)),
     };
     if !(5_000..=120_000).contains(&ms) {
         return Err(invalid("ttl", "must be 5 s to 120 s"));

@@ -537,6 +537,31 @@ async fn a_run_whose_appends_keep_failing_ends_after_five_hand_offs_with_three_t
     exhausts_after_five_takeovers_with_one_abort(3, Failure::HandsOff).await;
 }
 
+/// A lease TTL of a far-off number of seconds is refused like any TTL out of range; it
+/// must not overflow the conversion to milliseconds (a panic in a checked build, a
+/// wrapped value that passes the range check in a release one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_ttl_past_its_range_is_refused_not_overflowed() {
+    let w = World::new(false).await;
+    let (run_id, key) = w.running_run().await;
+    let mut runner = w.runner(&key).await;
+    for seconds in [i64::MAX, i64::MAX / 1000 + 1, -1] {
+        let refused = runner
+            .acquire_lease(pb::AcquireLeaseRequest {
+                run_id: run_id.clone(),
+                controller_id: "runner-ttl-check".into(),
+                ttl: Some(prost_types::Duration { seconds, nanos: 0 }),
+            })
+            .await
+            .expect_err("an out-of-range ttl was accepted");
+        assert_eq!(
+            refused.code(),
+            tonic::Code::InvalidArgument,
+            "{seconds}: {refused:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frame_sequences_past_their_bound_are_refused_not_overflowed() {
     let w = World::new(false).await;
