@@ -629,7 +629,11 @@ impl RunService for RunApi {
             ))
         };
         let digest = digest_hex(digest.expect("serialisable").as_bytes());
-        let (outcome, run) = s
+        let crate::store::Keyed {
+            outcome,
+            run,
+            replayed,
+        } = s
             .store
             .fail_run(
                 &req.run_id,
@@ -645,10 +649,10 @@ impl RunService for RunApi {
                 &s.settings.signer,
             )
             .await?;
-        if outcome == pb::FailRunOutcome::MadeTerminal {
-            s.changes.ended(&req.run_id, &run.state);
-        } else if state::is_terminal(&run.state) {
+        if replayed {
             s.changes.ended_again(&req.run_id);
+        } else if outcome == pb::FailRunOutcome::MadeTerminal {
+            s.changes.ended(&req.run_id, &run.state);
         }
         tracing::info!(outcome = outcome.as_str_name(), "fail run");
         Ok(Response::new(pb::FailRunResponse {
@@ -685,7 +689,11 @@ impl RunService for RunApi {
         let digest = digest_hex(request_json.to_string().as_bytes());
         let mut outcome_json = request_json;
         outcome_json["recorded_at_us"] = s.store.now_us().into();
-        let (outcome, run) = s
+        let crate::store::Keyed {
+            outcome,
+            run,
+            replayed,
+        } = s
             .store
             .mark_backend_error(
                 &req.run_id,
@@ -696,7 +704,9 @@ impl RunService for RunApi {
                 &s.settings.signer,
             )
             .await?;
-        if outcome == pb::MarkBackendErrorOutcome::Marked {
+        if replayed {
+            s.changes.ended_again(&req.run_id);
+        } else if outcome == pb::MarkBackendErrorOutcome::Marked {
             s.changes.ended(&req.run_id, &run.state);
         } else {
             s.changes.notify(&req.run_id);

@@ -194,6 +194,15 @@ pub struct FailRequest<'a> {
     pub request_digest: &'a str,
 }
 
+/// The answer of a keyed call that may end a run: its outcome, the run after it, and
+/// whether it was a replay answered from the stored first answer.
+#[derive(Debug)]
+pub struct Keyed<O> {
+    pub outcome: O,
+    pub run: run::Model,
+    pub replayed: bool,
+}
+
 /// The result of a call that may make a run terminal.
 #[derive(Debug, Clone)]
 pub struct Finished {

@@ -58,7 +58,7 @@ impl Store {
         run_id: &str,
         request: &FailRequest<'_>,
         signer: &ReceiptSigner,
-    ) -> Result<(pb::FailRunOutcome, run::Model)> {
+    ) -> Result<Keyed<pb::FailRunOutcome>> {
         let FailRequest {
             reason,
             message,
@@ -75,7 +75,11 @@ impl Store {
             txn.commit().await?;
             let outcome =
                 pb::FailRunOutcome::try_from(outcome).unwrap_or(pb::FailRunOutcome::Unspecified);
-            return Ok((outcome, run));
+            return Ok(Keyed {
+                outcome,
+                run,
+                replayed: true,
+            });
         }
         let (outcome, run) = if state::is_terminal(&run.state) {
             (pb::FailRunOutcome::AlreadyTerminal, run)
@@ -104,7 +108,11 @@ impl Store {
             (outcome as i32).to_be_bytes().to_vec(),
         )
         .await?;
-        Ok((outcome, run))
+        Ok(Keyed {
+            outcome,
+            run,
+            replayed: false,
+        })
     }
 
     /// Ends a QUEUED run as cancelled (an interrupt before any sandbox existed).
@@ -231,7 +239,7 @@ impl Store {
         outcome_json: &str,
         reason: &str,
         signer: &ReceiptSigner,
-    ) -> Result<(pb::MarkBackendErrorOutcome, run::Model)> {
+    ) -> Result<Keyed<pb::MarkBackendErrorOutcome>> {
         const METHOD: &str = "MarkBackendError";
         let (txn, run, replayed) = self
             .begin_keyed(run_id, METHOD, idempotency_key, request_digest)
@@ -240,7 +248,11 @@ impl Store {
             txn.commit().await?;
             let outcome = pb::MarkBackendErrorOutcome::try_from(outcome)
                 .unwrap_or(pb::MarkBackendErrorOutcome::Unspecified);
-            return Ok((outcome, run));
+            return Ok(Keyed {
+                outcome,
+                run,
+                replayed: true,
+            });
         }
         let now = self.now_us();
         let (outcome, run) = match run.state.as_str() {
@@ -292,7 +304,11 @@ impl Store {
             (outcome as i32).to_be_bytes().to_vec(),
         )
         .await?;
-        Ok((outcome, run))
+        Ok(Keyed {
+            outcome,
+            run,
+            replayed: false,
+        })
     }
 
     /// A keyed call's start: its write transaction, the run locked in it, and the outcome
