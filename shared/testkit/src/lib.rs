@@ -391,25 +391,44 @@ impl Drop for TestRedis {
 /// A port the kernel hands out for `:0` comes from its ephemeral range, the range every
 /// outbound connection (to Postgres, Redis, a gRPC server) takes its local port from, so
 /// between this call and the child's bind such a connection could take it. These ports
-/// come from below that range, where no connection's local port ever lands; each test
-/// process walks a block of its own (chosen by pid), so concurrent tests do not pick the
-/// same one, and a port found in use is passed over.
+/// come from below that range, where no connection's local port ever lands. Each one is
+/// reserved for the life of the calling process with a lock on a file named after it
+/// (`$TMPDIR/runplane-test-ports/<port>`), so concurrent test processes never pick the
+/// same one; a lock dies with its process. A port found in use is passed over.
 pub fn free_local_addr() -> SocketAddr {
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicU32, Ordering};
     const FLOOR: u32 = 10_000;
-    const BLOCK: u32 = 16;
-    static HANDED_OUT: AtomicU32 = AtomicU32::new(0);
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    type Reserved = nix::fcntl::Flock<std::fs::File>;
+    static RESERVED: Mutex<Vec<Reserved>> = Mutex::new(Vec::new());
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
         .unwrap_or(32_768);
-    let span = ephemeral_low.saturating_sub(FLOOR) / BLOCK * BLOCK;
-    if span >= BLOCK {
-        let start = std::process::id() % (span / BLOCK) * BLOCK;
+    let span = ephemeral_low.saturating_sub(FLOOR);
+    let locks = std::env::temp_dir().join("runplane-test-ports");
+    if span > 0 && std::fs::create_dir_all(&locks).is_ok() {
+        // Processes start their walk at different places, so they rarely meet at all.
+        let start = std::process::id().wrapping_mul(2_654_435_761) % span;
         for _ in 0..span {
-            let offset = (start + HANDED_OUT.fetch_add(1, Ordering::Relaxed)) % span;
+            let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
             let port = u16::try_from(FLOOR + offset).expect("below the ephemeral range");
+            let Ok(lock) = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(locks.join(port.to_string()))
+            else {
+                continue;
+            };
+            let Ok(lock) =
+                nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            else {
+                continue;
+            };
             if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+                RESERVED.lock().expect("reserved ports").push(lock);
                 return listener.local_addr().expect("local addr");
             }
         }
@@ -440,5 +459,20 @@ mod tests {
         );
         let distinct: std::collections::BTreeSet<_> = ports.iter().collect();
         assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+    }
+
+    /// A port handed out stays reserved: another process (here, another open of its lock
+    /// file, which flock treats the same) cannot take its lock.
+    #[test]
+    fn a_handed_out_port_is_locked_against_other_processes() {
+        let port = free_local_addr().port();
+        let file = std::fs::File::open(
+            std::env::temp_dir()
+                .join("runplane-test-ports")
+                .join(port.to_string()),
+        )
+        .unwrap();
+        let taken = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock);
+        assert!(taken.is_err(), "port {port} was not reserved");
     }
 }
