@@ -499,23 +499,14 @@ impl Store {
             txn.rollback().await?;
             return Err(settled());
         }
-        route_identity::Entity::insert(
+        super::upsert_route_identity(
+            &txn,
             route_identity::Model {
                 sandbox_id: row.id.clone(),
                 current_node_id: node_id.to_owned(),
                 execution_generation: row.execution_generation,
-            }
-            .into_active_model(),
+            },
         )
-        .on_conflict(
-            sea_orm::sea_query::OnConflict::column(route_identity::Column::SandboxId)
-                .update_columns([
-                    route_identity::Column::CurrentNodeId,
-                    route_identity::Column::ExecutionGeneration,
-                ])
-                .to_owned(),
-        )
-        .exec_without_returning(&txn)
         .await?;
         txn.commit().await?;
         self.sandbox(&row.id).await
