@@ -300,8 +300,7 @@ pub async fn serve_with_tls(
         finished = &mut server => {
             // Stopped on its own (a transport failure): the tasks stop with it.
             let deadline = tokio::time::Instant::now() + grace;
-            futures::future::join_all(background.iter().map(|tasks| tasks.shutdown(deadline)))
-                .await;
+            shut_down(&background, deadline).await;
             return flatten(finished);
         }
         () = shutdown => None,
@@ -340,7 +339,7 @@ pub async fn serve_with_tls(
                 }
             }
         },
-        futures::future::join_all(background.iter().map(|tasks| tasks.shutdown(deadline))),
+        shut_down(&background, deadline),
     );
     if let Some(name) = failed {
         return Err(ServeError::Task(name));
@@ -351,6 +350,15 @@ pub async fn serve_with_tls(
         }
         stopped => Ok(stopped),
     }
+}
+
+/// Cancels every group of background tasks and waits for them until `deadline`; the
+/// names of those aborted there, per group.
+async fn shut_down(
+    background: &[crate::tasks::Tasks],
+    deadline: tokio::time::Instant,
+) -> Vec<Vec<&'static str>> {
+    futures::future::join_all(background.iter().map(|tasks| tasks.shutdown(deadline))).await
 }
 
 /// Accepted connections with Nagle's algorithm off. h2 writes a response's frames in
