@@ -22,7 +22,8 @@ use runplane_proto::credentials::v1::credential_health_service_client::Credentia
 use runplane_proto::runstore::v1::run_service_server::RunServiceServer;
 use runplane_proto::runstore::v1::runner_service_server::RunnerServiceServer;
 
-pub use config::{Limits, RunStoreSettings};
+pub use config::RunStoreSettings;
+pub use domain::limits::Limits;
 
 /// Most runs one deadline sweep ends; the rest wait for the next round.
 const DEADLINE_SWEEP_BATCH: u64 = 100;

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence};
 use runplane_proto::runstore::v1 as pb;
-use runplane_run_store::config::Limits;
+use runplane_run_store::domain::limits::Limits;
 use runplane_run_store::domain::receipt::{ReceiptSigner, verify};
 use runplane_run_store::domain::validate;
 use runplane_run_store::grpc::{check_acks, check_create_run};

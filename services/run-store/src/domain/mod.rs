@@ -2,6 +2,7 @@
 
 pub mod chain;
 pub mod ids;
+pub mod limits;
 pub mod receipt;
 pub mod state;
 pub mod validate;

@@ -4,7 +4,7 @@
 use prost_types::value::Kind;
 use runplane_proto::runstore::v1::{EventInput, EventKind, Verdict, VerdictOutcome};
 
-use crate::config::Limits;
+use crate::domain::limits::Limits;
 use crate::error::RunStoreError;
 
 /// Client-chosen keys (request ids, batch keys, nonces): 16–128 printable ASCII bytes.
