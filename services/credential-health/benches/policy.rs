@@ -45,7 +45,7 @@ use runplane_credential_health::store::entities::{credential, incident};
 use runplane_credential_health::store::{Report, Store};
 use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
-use runplane_proto::credentials::v1 as ch;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::check_admission_request::Target;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_run_store::RunStore;
@@ -178,8 +178,8 @@ impl Tails {
     }
 }
 
-fn report_request(n: usize, tails: &Tails) -> ch::ReportTurnFailureRequest {
-    ch::ReportTurnFailureRequest {
+fn report_request(n: usize, tails: &Tails) -> credentials_pb::ReportTurnFailureRequest {
+    credentials_pb::ReportTurnFailureRequest {
         turn_id: format!("run-{n:08}:result"),
         run_id: format!("run-{n:08}"),
         org_id: "acme".into(),
@@ -374,7 +374,10 @@ enum Reported {
     Failed,
 }
 
-async fn report(client: &HealthClient, request: ch::ReportTurnFailureRequest) -> Reported {
+async fn report(
+    client: &HealthClient,
+    request: credentials_pb::ReportTurnFailureRequest,
+) -> Reported {
     let run_id = request.run_id.clone();
     match client.clone().report_turn_failure(request).await {
         Ok(answer) => reported(&answer.into_inner(), &run_id),
@@ -390,7 +393,7 @@ async fn report(client: &HealthClient, request: ch::ReportTurnFailureRequest) ->
 async fn report_direct(
     store: &Store,
     profiles: &Profiles,
-    r: ch::ReportTurnFailureRequest,
+    r: credentials_pb::ReportTurnFailureRequest,
 ) -> Reported {
     let profile = profiles
         .for_failure(&r.profile, &r.credential_id)
@@ -417,10 +420,10 @@ async fn report_direct(
     }
 }
 
-fn reported(answer: &ch::ReportTurnFailureResponse, run_id: &String) -> Reported {
+fn reported(answer: &credentials_pb::ReportTurnFailureResponse, run_id: &String) -> Reported {
     match answer.outcome() {
-        ch::TurnOutcome::BackendExhausted => Reported::Exhausted,
-        ch::TurnOutcome::BackendError => match &answer.incident {
+        credentials_pb::TurnOutcome::BackendExhausted => Reported::Exhausted,
+        credentials_pb::TurnOutcome::BackendError => match &answer.incident {
             Some(i) if i.opening_run_ids.contains(run_id) => Reported::Opened,
             Some(_) => Reported::Absorbed,
             None => Reported::Counted,
@@ -434,7 +437,7 @@ fn in_process(config: &Config, tails: &Tails, reports: usize) {
     let profiles = Profiles::compile(config).unwrap();
     let policy = PolicyConfig::from_config(config);
     let requests: Vec<_> = (0..reports).map(|n| report_request(n, tails)).collect();
-    let classify = |r: &ch::ReportTurnFailureRequest| {
+    let classify = |r: &credentials_pb::ReportTurnFailureRequest| {
         profiles
             .for_failure(&r.profile, &r.credential_id)
             .expect("known credential")
@@ -488,7 +491,7 @@ fn in_process(config: &Config, tails: &Tails, reports: usize) {
         let (outcome, _reason) = classify(r);
         let state = states.entry(r.credential_id.clone()).or_default();
         match outcome {
-            ch::TurnOutcome::BackendError => {
+            credentials_pb::TurnOutcome::BackendError => {
                 let effect =
                     state.backend_error(&policy, &r.run_id, &r.org_id, &r.lead_id, now(), || {
                         incident += 1;
@@ -496,7 +499,7 @@ fn in_process(config: &Config, tails: &Tails, reports: usize) {
                     });
                 opened += usize::from(matches!(effect, ErrorEffect::Opened { .. }));
             }
-            ch::TurnOutcome::BackendExhausted => {
+            credentials_pb::TurnOutcome::BackendExhausted => {
                 state.exhausted(&policy, now());
             }
             _ => {}
@@ -851,7 +854,7 @@ async fn bench_admission(bench: &Bench, select_db: &DatabaseConnection) {
                     Target::CredentialId(format!("cred-{k}"))
                 };
                 async move {
-                    let call = c.check_admission(ch::CheckAdmissionRequest {
+                    let call = c.check_admission(credentials_pb::CheckAdmissionRequest {
                         org_id: "acme".into(),
                         target: Some(target),
                     });
@@ -931,7 +934,7 @@ async fn main() {
         let mut c = c.clone();
         async move {
             let _ = c
-                .check_admission(ch::CheckAdmissionRequest {
+                .check_admission(credentials_pb::CheckAdmissionRequest {
                     org_id: "acme".into(),
                     target: Some(Target::CredentialId(format!("cred-{i}"))),
                 })

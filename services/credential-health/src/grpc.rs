@@ -7,9 +7,9 @@ use std::time::Duration;
 use runplane_db::notify::Relay;
 use runplane_grpc::client::{Bearer, TracedChannel};
 use runplane_grpc::wake::Wakeups;
-use runplane_proto::credentials::v1 as pb;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_server::CredentialHealthService;
-use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_telemetry::metrics;
 use sha2::{Digest, Sha256};
@@ -97,9 +97,9 @@ impl Shared {
     async fn count_active(
         &self,
         credentials: Vec<String>,
-    ) -> Result<rs::CountActiveRunsResponse, CredentialHealthError> {
+    ) -> Result<runstore_pb::CountActiveRunsResponse, CredentialHealthError> {
         let mut client = self.run_store.clone();
-        let call = client.count_active_runs(rs::CountActiveRunsRequest {
+        let call = client.count_active_runs(runstore_pb::CountActiveRunsRequest {
             credential_ids: credentials,
             profiles: Vec::new(),
         });
@@ -141,8 +141,9 @@ fn name(field: &'static str, value: &str, required: bool) -> Result<(), Credenti
     }
 }
 
-type NoticeStream =
-    Pin<Box<dyn Stream<Item = Result<pb::WatchNoticesResponse, Status>> + Send + 'static>>;
+type NoticeStream = Pin<
+    Box<dyn Stream<Item = Result<credentials_pb::WatchNoticesResponse, Status>> + Send + 'static>,
+>;
 
 #[tonic::async_trait]
 impl CredentialHealthService for CredentialHealthApi {
@@ -153,8 +154,8 @@ impl CredentialHealthService for CredentialHealthApi {
     ))]
     async fn report_turn_failure(
         &self,
-        request: Request<pb::ReportTurnFailureRequest>,
-    ) -> Result<Response<pb::ReportTurnFailureResponse>, Status> {
+        request: Request<credentials_pb::ReportTurnFailureRequest>,
+    ) -> Result<Response<credentials_pb::ReportTurnFailureResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.into_inner();
@@ -257,9 +258,9 @@ impl CredentialHealthService for CredentialHealthApi {
     #[tracing::instrument(skip_all, fields(org_id = %request.get_ref().org_id, credential_id))]
     async fn check_admission(
         &self,
-        request: Request<pb::CheckAdmissionRequest>,
-    ) -> Result<Response<pb::CheckAdmissionResponse>, Status> {
-        use pb::check_admission_request::Target;
+        request: Request<credentials_pb::CheckAdmissionRequest>,
+    ) -> Result<Response<credentials_pb::CheckAdmissionResponse>, Status> {
+        use credentials_pb::check_admission_request::Target;
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.into_inner();
@@ -374,7 +375,7 @@ impl CredentialHealthService for CredentialHealthApi {
             }
         }
         tracing::Span::current().record("credential_id", chosen.0.as_str());
-        Ok(Response::new(pb::CheckAdmissionResponse {
+        Ok(Response::new(credentials_pb::CheckAdmissionResponse {
             free: free(chosen),
             credential_id: chosen.0.clone(),
             profile,
@@ -384,8 +385,8 @@ impl CredentialHealthService for CredentialHealthApi {
 
     async fn get_fleet(
         &self,
-        request: Request<pb::GetFleetRequest>,
-    ) -> Result<Response<pb::GetFleetResponse>, Status> {
+        request: Request<credentials_pb::GetFleetRequest>,
+    ) -> Result<Response<credentials_pb::GetFleetResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.into_inner();
@@ -451,7 +452,7 @@ impl CredentialHealthService for CredentialHealthApi {
                     .get(&format!("{}/{}", p.name, p.credential_id))
                     .copied()
                     .unwrap_or(0);
-                pb::ProfileHealth {
+                credentials_pb::ProfileHealth {
                     profile: p.name.clone(),
                     credential_id: p.credential_id.clone(),
                     capacity: p.capacity,
@@ -466,7 +467,7 @@ impl CredentialHealthService for CredentialHealthApi {
                 }
             })
             .collect();
-        Ok(Response::new(pb::GetFleetResponse {
+        Ok(Response::new(credentials_pb::GetFleetResponse {
             credentials,
             profiles,
             observed_at: Some(timestamp(now)),
@@ -475,7 +476,7 @@ impl CredentialHealthService for CredentialHealthApi {
 
     async fn watch_notices(
         &self,
-        request: Request<pb::WatchNoticesRequest>,
+        request: Request<credentials_pb::WatchNoticesRequest>,
     ) -> Result<Response<NoticeStream>, Status> {
         let s = self.shared.clone();
         let caller = s.caller(&request)?;
@@ -525,21 +526,26 @@ impl CredentialHealthService for CredentialHealthApi {
                         continue;
                     }
                     if missed > 0 {
-                        let gap = pb::watch_notices_response::Item::Gap(pb::NoticesGap { missed });
+                        let gap = credentials_pb::watch_notices_response::Item::Gap(
+                            credentials_pb::NoticesGap { missed },
+                        );
                         due.sent();
                         if tx.send(Ok(item(gap))).await.is_err() {
                             return;
                         }
                         missed = 0;
                     }
-                    let notice = pb::watch_notices_response::Item::Notice(notice_view(&n));
+                    let notice =
+                        credentials_pb::watch_notices_response::Item::Notice(notice_view(&n));
                     due.sent();
                     if tx.send(Ok(item(notice))).await.is_err() {
                         return;
                     }
                 }
                 if missed > 0 {
-                    let gap = pb::watch_notices_response::Item::Gap(pb::NoticesGap { missed });
+                    let gap = credentials_pb::watch_notices_response::Item::Gap(
+                        credentials_pb::NoticesGap { missed },
+                    );
                     due.sent();
                     if tx.send(Ok(item(gap))).await.is_err() {
                         return;
@@ -564,14 +570,16 @@ impl CredentialHealthService for CredentialHealthApi {
                     }
                     // Nothing sent for an interval: say the stream is alive, and where it is.
                     due.sent();
-                    let heartbeat = pb::watch_notices_response::Item::Heartbeat(pb::Heartbeat {
-                        cursor: if cursor > 0 {
-                            cursor.to_string()
-                        } else {
-                            String::new()
+                    let heartbeat = credentials_pb::watch_notices_response::Item::Heartbeat(
+                        credentials_pb::Heartbeat {
+                            cursor: if cursor > 0 {
+                                cursor.to_string()
+                            } else {
+                                String::new()
+                            },
+                            server_time: Some(timestamp(s.store.now_ms())),
                         },
-                        server_time: Some(timestamp(s.store.now_ms())),
-                    });
+                    );
                     if tx.send(Ok(item(heartbeat))).await.is_err() {
                         return;
                     }
@@ -585,13 +593,13 @@ impl CredentialHealthService for CredentialHealthApi {
 
     async fn list_incidents(
         &self,
-        request: Request<pb::ListIncidentsRequest>,
-    ) -> Result<Response<pb::ListIncidentsResponse>, Status> {
+        request: Request<credentials_pb::ListIncidentsRequest>,
+    ) -> Result<Response<credentials_pb::ListIncidentsResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.into_inner();
         name("credential_id", &req.credential_id, false)?;
-        let state = pb::IncidentState::try_from(req.state)
+        let state = credentials_pb::IncidentState::try_from(req.state)
             .map_err(|_| CredentialHealthError::invalid("state", "unknown incident state"))?;
         let limit = runplane_grpc::page_size(req.page_size, 50)
             .map_err(|reason| CredentialHealthError::invalid("page_size", reason))?;
@@ -622,15 +630,17 @@ impl CredentialHealthService for CredentialHealthApi {
             String::new()
         };
         let now = s.store.now_ms();
-        Ok(Response::new(pb::ListIncidentsResponse {
+        Ok(Response::new(credentials_pb::ListIncidentsResponse {
             incidents: rows.iter().map(|i| incident_view(i, now)).collect(),
             next_page_token,
         }))
     }
 }
 
-fn item(item: pb::watch_notices_response::Item) -> pb::WatchNoticesResponse {
-    pb::WatchNoticesResponse { item: Some(item) }
+fn item(
+    item: credentials_pb::watch_notices_response::Item,
+) -> credentials_pb::WatchNoticesResponse {
+    credentials_pb::WatchNoticesResponse { item: Some(item) }
 }
 
 /// A cursor is the decimal seq of the lead's last notice received; one past the last seq
@@ -711,15 +721,15 @@ fn refusal(
     }
 }
 
-fn notice_view(n: &crate::store::entities::notice::Model) -> pb::Notice {
-    pb::Notice {
+fn notice_view(n: &crate::store::entities::notice::Model) -> credentials_pb::Notice {
+    credentials_pb::Notice {
         id: n.id.clone(),
         cursor: n.seq.to_string(),
         org_id: n.org_id.clone(),
         lead_id: n.lead_id.clone(),
         kind: match n.kind.as_str() {
-            "incident_opened" => pb::NoticeKind::IncidentOpened,
-            _ => pb::NoticeKind::CredentialQuarantined,
+            "incident_opened" => credentials_pb::NoticeKind::IncidentOpened,
+            _ => credentials_pb::NoticeKind::CredentialQuarantined,
         } as i32,
         credential_id: n.credential_id.clone(),
         incident_id: n.incident_id.clone(),

@@ -26,7 +26,7 @@ use prost::Message;
 use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
 use runplane_proto::credentials::v1::credential_health_service_server::CredentialHealthServiceServer;
-use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1 as runstore_pb;
 use sea_orm::DatabaseConnection;
 
 pub use error::CredentialHealthError;
@@ -84,7 +84,7 @@ impl CredentialHealth {
         let token = &config.auth.service_token;
         let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
             .map_err(|e| CredentialHealthError::invalid("run_store.endpoint", e.to_string()))?;
-        let run_store = rs::run_service_client::RunServiceClient::with_interceptor(
+        let run_store = runstore_pb::run_service_client::RunServiceClient::with_interceptor(
             channel,
             runplane_grpc::client::Bearer::new(token.expose()),
         );
@@ -208,7 +208,7 @@ impl CredentialHealth {
         let delivered = deliver_due(store.db(), || store.now_us(), limit, |row| {
             let mut client = self.shared.run_store.clone();
             async move {
-                let Ok(request) = rs::MarkBackendErrorRequest::decode(row.payload.as_slice())
+                let Ok(request) = runstore_pb::MarkBackendErrorRequest::decode(row.payload.as_slice())
                 else {
                     return Delivery::Refused("undecodable payload".into());
                 };

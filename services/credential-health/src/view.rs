@@ -1,6 +1,6 @@
 //! How policy state reads in the API: one place decides free, cool-off and quarantine.
 
-use runplane_proto::credentials::v1 as pb;
+use runplane_proto::credentials::v1 as credentials_pb;
 
 use crate::domain::policy::CredentialState;
 use crate::store::entities::incident;
@@ -16,11 +16,11 @@ pub fn credential(
     state: &CredentialState,
     open_incident: Option<&incident::Model>,
     now_ms: i64,
-) -> pb::CredentialHealth {
+) -> credentials_pb::CredentialHealth {
     let cooling = state.cooling_off_for_seconds(now_ms);
     let quarantined = state.quarantined_for_seconds(now_ms);
     let busy = busy.unwrap_or(0);
-    pb::CredentialHealth {
+    credentials_pb::CredentialHealth {
         credential_id: credential_id.to_owned(),
         profiles,
         capacity,

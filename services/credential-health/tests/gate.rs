@@ -13,9 +13,9 @@ use runplane_config::{Config, ProfileConfig, Secret};
 use runplane_credential_health::CredentialHealth;
 use runplane_grpc::client::Bearer;
 use runplane_grpc::{ErrorReason, ServiceSet, error_info};
-use runplane_proto::credentials::v1 as ch;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -195,8 +195,8 @@ impl Gate {
         &self,
         request_id: &str,
         lead: &str,
-        target: pb::create_run_request::Target,
-    ) -> Result<pb::Run, tonic::Status> {
+        target: runstore_pb::create_run_request::Target,
+    ) -> Result<runstore_pb::Run, tonic::Status> {
         self.create_as(TOKEN, "acme", request_id, lead, target)
             .await
     }
@@ -208,11 +208,11 @@ impl Gate {
         org: &str,
         request_id: &str,
         lead: &str,
-        target: pb::create_run_request::Target,
-    ) -> Result<pb::Run, tonic::Status> {
+        target: runstore_pb::create_run_request::Target,
+    ) -> Result<runstore_pb::Run, tonic::Status> {
         self.runs_as(token)
             .await
-            .create_run(pb::CreateRunRequest {
+            .create_run(runstore_pb::CreateRunRequest {
                 client_request_id: format!("{request_id:0>16}"),
                 org_id: org.into(),
                 lead_id: lead.into(),
@@ -248,7 +248,7 @@ impl Gate {
         let key = self
             .runs()
             .await
-            .issue_run_key(pb::IssueRunKeyRequest {
+            .issue_run_key(runstore_pb::IssueRunKeyRequest {
                 run_id: run_id.into(),
                 sandbox_id: "sbx-gate".into(),
                 sandbox_generation: 1,
@@ -260,7 +260,7 @@ impl Gate {
             .run_key;
         self.runner(&key)
             .await
-            .hello(pb::HelloRequest {
+            .hello(runstore_pb::HelloRequest {
                 run_id: run_id.into(),
                 nonce: "gate-runner-nonce-0001".into(),
                 runner_version: "test".into(),
@@ -275,19 +275,23 @@ impl Gate {
     }
 
     /// The runner ends the run as failed with `tail` as its failure tail.
-    async fn fail(&self, run: &(String, String), tail: &str) -> Result<pb::Run, tonic::Status> {
+    async fn fail(
+        &self,
+        run: &(String, String),
+        tail: &str,
+    ) -> Result<runstore_pb::Run, tonic::Status> {
         self.submit(run, failed(), tail).await
     }
 
     async fn submit(
         &self,
         (run_id, key): &(String, String),
-        verdict: pb::Verdict,
+        verdict: runstore_pb::Verdict,
         tail: &str,
-    ) -> Result<pb::Run, tonic::Status> {
+    ) -> Result<runstore_pb::Run, tonic::Status> {
         self.runner(key)
             .await
-            .submit_result(pb::SubmitResultRequest {
+            .submit_result(runstore_pb::SubmitResultRequest {
                 run_id: run_id.clone(),
                 verdict: Some(verdict),
                 failure_tail: tail.into(),
@@ -301,11 +305,11 @@ impl Gate {
     async fn turn_failed(&self, (run_id, key): &(String, String), batch: &str, tail: &str) {
         self.runner(key)
             .await
-            .append_events(pb::AppendEventsRequest {
+            .append_events(runstore_pb::AppendEventsRequest {
                 run_id: run_id.clone(),
                 batch_key: format!("{batch:0>16}"),
-                events: vec![pb::EventInput {
-                    kind: pb::EventKind::TurnFailed as i32,
+                events: vec![runstore_pb::EventInput {
+                    kind: runstore_pb::EventKind::TurnFailed as i32,
                     text: tail.into(),
                     ..Default::default()
                 }],
@@ -326,10 +330,10 @@ impl Gate {
         }
     }
 
-    async fn get(&self, run_id: &str) -> pb::Run {
+    async fn get(&self, run_id: &str) -> runstore_pb::Run {
         self.runs()
             .await
-            .get_run(pb::GetRunRequest {
+            .get_run(runstore_pb::GetRunRequest {
                 run_id: run_id.into(),
             })
             .await
@@ -339,16 +343,16 @@ impl Gate {
             .unwrap()
     }
 
-    async fn fleet(&self) -> ch::GetFleetResponse {
+    async fn fleet(&self) -> credentials_pb::GetFleetResponse {
         self.credentials()
             .await
-            .get_fleet(ch::GetFleetRequest::default())
+            .get_fleet(credentials_pb::GetFleetRequest::default())
             .await
             .unwrap()
             .into_inner()
     }
 
-    async fn credential(&self, id: &str) -> ch::CredentialHealth {
+    async fn credential(&self, id: &str) -> credentials_pb::CredentialHealth {
         self.fleet()
             .await
             .credentials
@@ -358,7 +362,11 @@ impl Gate {
     }
 
     /// Every notice `lead` of acme can read now (the watch is cut once it is idle).
-    async fn notices(&self, lead: &str, after: &str) -> Vec<ch::watch_notices_response::Item> {
+    async fn notices(
+        &self,
+        lead: &str,
+        after: &str,
+    ) -> Vec<credentials_pb::watch_notices_response::Item> {
         self.notices_as(TOKEN, "acme", lead, after).await.unwrap()
     }
 
@@ -369,11 +377,11 @@ impl Gate {
         org: &str,
         lead: &str,
         after: &str,
-    ) -> Result<Vec<ch::watch_notices_response::Item>, tonic::Status> {
+    ) -> Result<Vec<credentials_pb::watch_notices_response::Item>, tonic::Status> {
         let mut stream = self
             .credentials_as(token)
             .await
-            .watch_notices(ch::WatchNoticesRequest {
+            .watch_notices(credentials_pb::WatchNoticesRequest {
                 lead_id: lead.into(),
                 after_cursor: after.into(),
                 org_id: org.into(),
@@ -403,7 +411,7 @@ async fn a_notice_reaches_a_watcher_on_another_replica_at_once() {
         .await
         .unwrap();
     let mut watch = CredentialHealthServiceClient::with_interceptor(channel, Bearer::new(TOKEN))
-        .watch_notices(ch::WatchNoticesRequest {
+        .watch_notices(credentials_pb::WatchNoticesRequest {
             lead_id: "lead-1".into(),
             org_id: "acme".into(),
             heartbeat_interval: Some(prost_types::Duration {
@@ -428,7 +436,7 @@ async fn a_notice_reaches_a_watcher_on_another_replica_at_once() {
                 .await
                 .unwrap()
                 .expect("the watch stays open");
-            if let Some(ch::watch_notices_response::Item::Notice(n)) = item.item {
+            if let Some(credentials_pb::watch_notices_response::Item::Notice(n)) = item.item {
                 return n;
             }
         }
@@ -438,26 +446,26 @@ async fn a_notice_reaches_a_watcher_on_another_replica_at_once() {
     assert_eq!(notice.credential_id, "cred-a");
 }
 
-fn credential_target(c: &str) -> pb::create_run_request::Target {
-    pb::create_run_request::Target::CredentialId(c.into())
+fn credential_target(c: &str) -> runstore_pb::create_run_request::Target {
+    runstore_pb::create_run_request::Target::CredentialId(c.into())
 }
 
-fn profile_target(p: &str) -> pb::create_run_request::Target {
-    pb::create_run_request::Target::Profile(p.into())
+fn profile_target(p: &str) -> runstore_pb::create_run_request::Target {
+    runstore_pb::create_run_request::Target::Profile(p.into())
 }
 
-fn failed() -> pb::Verdict {
-    pb::Verdict {
-        outcome: pb::VerdictOutcome::Failed as i32,
+fn failed() -> runstore_pb::Verdict {
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Failed as i32,
         reason: "exit_nonzero".into(),
         exit_code: Some(1),
         ..Default::default()
     }
 }
 
-fn succeeded() -> pb::Verdict {
-    pb::Verdict {
-        outcome: pb::VerdictOutcome::Succeeded as i32,
+fn succeeded() -> runstore_pb::Verdict {
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Succeeded as i32,
         reason: "exit_zero".into(),
         exit_code: Some(0),
         ..Default::default()
@@ -474,13 +482,15 @@ fn metadata(status: &tonic::Status, key: &str) -> String {
         .unwrap_or_default()
 }
 
-fn notices_only(items: &[ch::watch_notices_response::Item]) -> Vec<ch::Notice> {
+fn notices_only(
+    items: &[credentials_pb::watch_notices_response::Item],
+) -> Vec<credentials_pb::Notice> {
     items
         .iter()
         .filter_map(|i| match i {
-            ch::watch_notices_response::Item::Notice(n) => Some(n.clone()),
-            ch::watch_notices_response::Item::Gap(_)
-            | ch::watch_notices_response::Item::Heartbeat(_) => None,
+            credentials_pb::watch_notices_response::Item::Notice(n) => Some(n.clone()),
+            credentials_pb::watch_notices_response::Item::Gap(_)
+            | credentials_pb::watch_notices_response::Item::Heartbeat(_) => None,
         })
         .collect()
 }
@@ -519,7 +529,7 @@ async fn two_runs_failing_on_one_credential_refuse_the_next_run_mark_both_and_te
     let roster = gate
         .runs()
         .await
-        .list_runs(pb::ListRunsRequest {
+        .list_runs(runstore_pb::ListRunsRequest {
             lead_id: "lead-1".into(),
             ..Default::default()
         })
@@ -529,10 +539,10 @@ async fn two_runs_failing_on_one_credential_refuse_the_next_run_mark_both_and_te
         .runs;
     assert_eq!(roster.len(), 2);
     for run in &roster {
-        assert_eq!(run.state(), pb::RunState::BackendError, "{run:?}");
+        assert_eq!(run.state(), runstore_pb::RunState::BackendError, "{run:?}");
         assert_eq!(run.failure_reason, "API Error: No response from API");
         let outcome = run.backend_error.as_ref().unwrap();
-        assert_eq!(outcome.kind(), pb::BackendErrorKind::Error);
+        assert_eq!(outcome.kind(), runstore_pb::BackendErrorKind::Error);
         assert_eq!(outcome.credential_id, "cred-a");
     }
     // A replay of a request admitted before the outage gets its run back, not a refusal.
@@ -561,7 +571,7 @@ async fn two_runs_failing_on_one_credential_refuse_the_next_run_mark_both_and_te
     let notices = notices_only(&gate.notices("lead-1", "").await);
     assert_eq!(notices.len(), 1, "{notices:?}");
     let notice = &notices[0];
-    assert_eq!(notice.kind(), ch::NoticeKind::IncidentOpened);
+    assert_eq!(notice.kind(), credentials_pb::NoticeKind::IncidentOpened);
     assert_eq!(notice.credential_id, "cred-a");
     assert_eq!(notice.incident_id, incident.id);
     let mut affected = notice.affected_run_ids.clone();
@@ -606,7 +616,7 @@ async fn an_org_token_cannot_use_another_orgs_credential(gate: Gate) {
     let listed = gate
         .runs_as(GLOBEX_TOKEN)
         .await
-        .list_runs(pb::ListRunsRequest::default())
+        .list_runs(runstore_pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -715,7 +725,7 @@ async fn notices_of_two_orgs_with_the_same_lead_id_do_not_mix(gate: Gate) {
     let fleet = gate
         .credentials_as(ACME_TOKEN)
         .await
-        .get_fleet(ch::GetFleetRequest::default())
+        .get_fleet(credentials_pb::GetFleetRequest::default())
         .await
         .unwrap_err();
     assert_eq!(fleet.code(), tonic::Code::PermissionDenied, "{fleet:?}");
@@ -726,7 +736,10 @@ async fn one_failure_changes_nothing_but_the_runs_own_outcome(gate: Gate) {
     gate.fail(&a, OUTAGE).await.unwrap();
     gate.settle().await;
 
-    assert_eq!(gate.get(&a.0).await.state(), pb::RunState::BackendError);
+    assert_eq!(
+        gate.get(&a.0).await.state(),
+        runstore_pb::RunState::BackendError
+    );
     gate.create("single-next", "lead-1", credential_target("cred-a"))
         .await
         .expect("one failure does not cool anything off");
@@ -747,7 +760,10 @@ async fn the_same_run_failing_repeatedly_is_not_an_incident(gate: Gate) {
     gate.turn_failed(&a, "turn-3", OUTAGE).await;
     gate.settle().await;
 
-    assert_eq!(gate.get(&a.0).await.state(), pb::RunState::BackendError);
+    assert_eq!(
+        gate.get(&a.0).await.state(),
+        runstore_pb::RunState::BackendError
+    );
     let health = gate.credential("cred-a").await;
     assert_eq!(health.cooling_off_for_seconds, 0, "{health:?}");
     assert!(health.open_incident.is_none());
@@ -773,7 +789,10 @@ async fn after_the_cool_off_one_fresh_error_does_not_reopen_and_two_do(gate: Gat
     let c = gate.running("cool-c", "lead-1", "cred-a").await;
     gate.fail(&c, OUTAGE).await.unwrap();
     gate.settle().await;
-    assert_eq!(gate.get(&c.0).await.state(), pb::RunState::BackendError);
+    assert_eq!(
+        gate.get(&c.0).await.state(),
+        runstore_pb::RunState::BackendError
+    );
     gate.create("cool-after-one", "lead-1", credential_target("cred-a"))
         .await
         .expect("the expired incident's evidence is gone: one fresh error is not an outage");
@@ -791,7 +810,7 @@ async fn after_the_cool_off_one_fresh_error_does_not_reopen_and_two_do(gate: Gat
     let incidents = gate
         .credentials()
         .await
-        .list_incidents(ch::ListIncidentsRequest {
+        .list_incidents(credentials_pb::ListIncidentsRequest {
             credential_id: "cred-a".into(),
             ..Default::default()
         })
@@ -800,8 +819,8 @@ async fn after_the_cool_off_one_fresh_error_does_not_reopen_and_two_do(gate: Gat
         .into_inner()
         .incidents;
     assert_eq!(incidents.len(), 2, "{incidents:?}");
-    assert_eq!(incidents[0].state(), ch::IncidentState::Open);
-    assert_eq!(incidents[1].state(), ch::IncidentState::Closed);
+    assert_eq!(incidents[0].state(), credentials_pb::IncidentState::Open);
+    assert_eq!(incidents[1].state(), credentials_pb::IncidentState::Closed);
     // The lead heard of each incident once.
     assert_eq!(notices_only(&gate.notices("lead-1", "").await).len(), 2);
 }
@@ -828,7 +847,7 @@ async fn errors_during_the_cool_off_neither_extend_it_nor_open_another_incident(
     let incidents = gate
         .credentials()
         .await
-        .list_incidents(ch::ListIncidentsRequest::default())
+        .list_incidents(credentials_pb::ListIncidentsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -839,7 +858,7 @@ async fn errors_during_the_cool_off_neither_extend_it_nor_open_another_incident(
     // the incident lists it among its opening runs).
     for (i, run) in runs.iter().enumerate() {
         let run = gate.get(&run.0).await;
-        assert_eq!(run.state(), pb::RunState::BackendError);
+        assert_eq!(run.state(), runstore_pb::RunState::BackendError);
         let named = run.backend_error.unwrap().incident_id;
         assert_eq!(
             named,
@@ -887,7 +906,7 @@ async fn exhaustion_and_cool_off_together_report_both_and_refuse_as_exhausted(ga
     let c = gate.get(&c.0).await;
     assert_eq!(
         c.backend_error.unwrap().kind(),
-        pb::BackendErrorKind::Exhausted
+        runstore_pb::BackendErrorKind::Exhausted
     );
 
     // After the cool-off, exhaustion alone still refuses; cool-off is not reported.
@@ -952,11 +971,14 @@ async fn a_run_that_finished_and_then_is_classified_ends_backend_error_either_wa
     // Done first: the run's failed result is recorded, then classified.
     let done_first = gate.running("race-done", "lead-1", "cred-a").await;
     let run = gate.fail(&done_first, OUTAGE).await.unwrap();
-    assert_eq!(run.state(), pb::RunState::Failed);
+    assert_eq!(run.state(), runstore_pb::RunState::Failed);
     gate.settle().await;
     let run = gate.get(&done_first.0).await;
-    assert_eq!(run.state(), pb::RunState::BackendError);
-    assert_eq!(run.verdict.unwrap().outcome(), pb::VerdictOutcome::Failed);
+    assert_eq!(run.state(), runstore_pb::RunState::BackendError);
+    assert_eq!(
+        run.verdict.unwrap().outcome(),
+        runstore_pb::VerdictOutcome::Failed
+    );
 
     // Classified first: a failed turn's outcome lands while the run is running; the
     // runner's later verdict (even a success) cannot turn it back into done.
@@ -965,7 +987,7 @@ async fn a_run_that_finished_and_then_is_classified_ends_backend_error_either_wa
     gate.settle().await;
     assert_eq!(
         gate.get(&marked_first.0).await.state(),
-        pb::RunState::BackendError
+        runstore_pb::RunState::BackendError
     );
     let late = gate
         .submit(&marked_first, succeeded(), "")
@@ -974,7 +996,7 @@ async fn a_run_that_finished_and_then_is_classified_ends_backend_error_either_wa
     assert_eq!(reason(&late), ErrorReason::RunTerminal.as_str_name());
     assert_eq!(
         gate.get(&marked_first.0).await.state(),
-        pb::RunState::BackendError
+        runstore_pb::RunState::BackendError
     );
 
     // Truly at once: the outcome's delivery and the runner's verdict race on the run's
@@ -999,7 +1021,7 @@ async fn a_run_that_finished_and_then_is_classified_ends_backend_error_either_wa
         let after = gate.get(&run.0).await;
         assert_eq!(
             after.state(),
-            pb::RunState::BackendError,
+            runstore_pb::RunState::BackendError,
             "round {i}: {after:?}"
         );
         assert_eq!(after.failure_reason, "API Error: No response from API");
@@ -1010,7 +1032,7 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
     let mut watch = gate
         .credentials()
         .await
-        .watch_notices(ch::WatchNoticesRequest {
+        .watch_notices(credentials_pb::WatchNoticesRequest {
             lead_id: "lead-9".into(),
             after_cursor: String::new(),
             org_id: "acme".into(),
@@ -1033,10 +1055,10 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
         .expect("the live watcher is woken")
         .unwrap()
         .unwrap();
-    let ch::watch_notices_response::Item::Notice(first) = live.item.unwrap() else {
+    let credentials_pb::watch_notices_response::Item::Notice(first) = live.item.unwrap() else {
         panic!("a notice")
     };
-    assert_eq!(first.kind(), ch::NoticeKind::IncidentOpened);
+    assert_eq!(first.kind(), credentials_pb::NoticeKind::IncidentOpened);
 
     gate.clock.advance(Duration::from_secs(1));
     let c = gate.running("watch-c", "lead-9", "cred-b").await;
@@ -1044,14 +1066,17 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
     gate.settle().await;
     let resumed = notices_only(&gate.notices("lead-9", &first.cursor).await);
     assert_eq!(resumed.len(), 1, "only what came after the cursor");
-    assert_eq!(resumed[0].kind(), ch::NoticeKind::CredentialQuarantined);
+    assert_eq!(
+        resumed[0].kind(),
+        credentials_pb::NoticeKind::CredentialQuarantined
+    );
     assert_eq!(resumed[0].credential_id, "cred-b");
     assert_eq!(resumed[0].quarantined_for_seconds, 1800);
 
     let bad = gate
         .credentials()
         .await
-        .watch_notices(ch::WatchNoticesRequest {
+        .watch_notices(credentials_pb::WatchNoticesRequest {
             lead_id: "lead-9".into(),
             after_cursor: "999999".into(),
             org_id: "acme".into(),
@@ -1074,7 +1099,9 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
     assert!(
         matches!(
             items[0],
-            ch::watch_notices_response::Item::Gap(ch::NoticesGap { missed: 1 })
+            credentials_pb::watch_notices_response::Item::Gap(credentials_pb::NoticesGap {
+                missed: 1
+            })
         ),
         "{items:?}"
     );
@@ -1083,7 +1110,7 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
 
 async fn a_replayed_report_returns_the_first_answer_and_counts_once(gate: Gate) {
     let a = gate.running("replay-a", "lead-1", "cred-a").await;
-    let report = ch::ReportTurnFailureRequest {
+    let report = credentials_pb::ReportTurnFailureRequest {
         turn_id: format!("{}:turn-7", a.0),
         run_id: a.0.clone(),
         org_id: "acme".into(),
@@ -1105,11 +1132,11 @@ async fn a_replayed_report_returns_the_first_answer_and_counts_once(gate: Gate) 
         .unwrap()
         .into_inner();
     assert_eq!(first, again);
-    assert_eq!(first.outcome(), ch::TurnOutcome::BackendError);
+    assert_eq!(first.outcome(), credentials_pb::TurnOutcome::BackendError);
     assert_eq!(first.reason, "API Error: No response from API");
     // The same key with another body is refused, and nothing is written.
     let reused = client
-        .report_turn_failure(ch::ReportTurnFailureRequest {
+        .report_turn_failure(credentials_pb::ReportTurnFailureRequest {
             failure_tail: "something else".into(),
             ..report.clone()
         })
@@ -1126,7 +1153,7 @@ async fn a_replayed_report_returns_the_first_answer_and_counts_once(gate: Gate) 
 
 async fn bad_reports_are_refused_with_a_reason_and_write_nothing(gate: Gate) {
     let mut client = gate.credentials().await;
-    let good = ch::ReportTurnFailureRequest {
+    let good = credentials_pb::ReportTurnFailureRequest {
         turn_id: "run-x:turn-0000001".into(),
         run_id: "run-x".into(),
         org_id: "acme".into(),
@@ -1135,9 +1162,13 @@ async fn bad_reports_are_refused_with_a_reason_and_write_nothing(gate: Gate) {
         failure_tail: OUTAGE.into(),
         ..Default::default()
     };
-    let cases: Vec<(ch::ReportTurnFailureRequest, tonic::Code, ErrorReason)> = vec![
+    let cases: Vec<(
+        credentials_pb::ReportTurnFailureRequest,
+        tonic::Code,
+        ErrorReason,
+    )> = vec![
         (
-            ch::ReportTurnFailureRequest {
+            credentials_pb::ReportTurnFailureRequest {
                 turn_id: "short".into(),
                 ..good.clone()
             },
@@ -1145,7 +1176,7 @@ async fn bad_reports_are_refused_with_a_reason_and_write_nothing(gate: Gate) {
             ErrorReason::InvalidField,
         ),
         (
-            ch::ReportTurnFailureRequest {
+            credentials_pb::ReportTurnFailureRequest {
                 credential_id: String::new(),
                 ..good.clone()
             },
@@ -1153,7 +1184,7 @@ async fn bad_reports_are_refused_with_a_reason_and_write_nothing(gate: Gate) {
             ErrorReason::InvalidField,
         ),
         (
-            ch::ReportTurnFailureRequest {
+            credentials_pb::ReportTurnFailureRequest {
                 failure_tail: "x".repeat(8193),
                 ..good.clone()
             },
@@ -1161,7 +1192,7 @@ async fn bad_reports_are_refused_with_a_reason_and_write_nothing(gate: Gate) {
             ErrorReason::InvalidField,
         ),
         (
-            ch::ReportTurnFailureRequest {
+            credentials_pb::ReportTurnFailureRequest {
                 credential_id: "cred-nobody-names".into(),
                 ..good.clone()
             },
@@ -1169,7 +1200,7 @@ async fn bad_reports_are_refused_with_a_reason_and_write_nothing(gate: Gate) {
             ErrorReason::CredentialUnknown,
         ),
         (
-            ch::ReportTurnFailureRequest {
+            credentials_pb::ReportTurnFailureRequest {
                 profile: "haiku".into(),
                 ..good.clone()
             },
@@ -1248,7 +1279,7 @@ async fn replicas_sharing_the_database_open_exactly_one_incident() {
                 let mut client =
                     CredentialHealthServiceClient::with_interceptor(channel, Bearer::new(TOKEN));
                 client
-                    .report_turn_failure(ch::ReportTurnFailureRequest {
+                    .report_turn_failure(credentials_pb::ReportTurnFailureRequest {
                         turn_id: format!("round-{round}-run-{i}:result"),
                         run_id: format!("round-{round}-run-{i}"),
                         org_id: "acme".into(),
@@ -1273,8 +1304,8 @@ async fn replicas_sharing_the_database_open_exactly_one_incident() {
         let open = gate
             .credentials()
             .await
-            .list_incidents(ch::ListIncidentsRequest {
-                state: ch::IncidentState::Open as i32,
+            .list_incidents(credentials_pb::ListIncidentsRequest {
+                state: credentials_pb::IncidentState::Open as i32,
                 ..Default::default()
             })
             .await
@@ -1360,7 +1391,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
         .await
         .unwrap();
     let mut runs = RunServiceClient::with_interceptor(channel.clone(), Bearer::new(TOKEN));
-    let create = |id: &str| pb::CreateRunRequest {
+    let create = |id: &str| runstore_pb::CreateRunRequest {
         client_request_id: format!("{id:0>16}"),
         org_id: "acme".into(),
         lead_id: "lead-1".into(),
@@ -1376,7 +1407,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
         .run
         .unwrap();
     let key = runs
-        .issue_run_key(pb::IssueRunKeyRequest {
+        .issue_run_key(runstore_pb::IssueRunKeyRequest {
             run_id: run.id.clone(),
             sandbox_id: "sbx-r".into(),
             sandbox_generation: 1,
@@ -1388,7 +1419,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
         .run_key;
     let mut runner = RunnerServiceClient::with_interceptor(channel.clone(), Bearer::new(key));
     runner
-        .hello(pb::HelloRequest {
+        .hello(runstore_pb::HelloRequest {
             run_id: run.id.clone(),
             nonce: "restart-runner-nonce-01".into(),
             runner_version: "test".into(),
@@ -1408,7 +1439,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
         ErrorReason::UpstreamUnavailable.as_str_name()
     );
     let listed = runs
-        .list_runs(pb::ListRunsRequest::default())
+        .list_runs(runstore_pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -1417,7 +1448,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
 
     // The run fails meanwhile; its report stays in the outbox, owed.
     runner
-        .submit_result(pb::SubmitResultRequest {
+        .submit_result(runstore_pb::SubmitResultRequest {
             run_id: run.id.clone(),
             verdict: Some(failed()),
             failure_tail: OUTAGE.into(),
@@ -1439,7 +1470,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
     assert_eq!(run_store.deliver_outbox().await.unwrap(), 1);
     assert_eq!(health.deliver_outbox(100).await.unwrap(), 1);
     let after = runs
-        .get_run(pb::GetRunRequest {
+        .get_run(runstore_pb::GetRunRequest {
             run_id: run.id.clone(),
         })
         .await
@@ -1447,7 +1478,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(after.state(), pb::RunState::BackendError);
+    assert_eq!(after.state(), runstore_pb::RunState::BackendError);
     assert_eq!(after.failure_reason, "API Error: No response from API");
 }
 

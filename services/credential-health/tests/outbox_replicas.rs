@@ -16,7 +16,7 @@ use runplane_credential_health::CredentialHealth;
 use runplane_credential_health::store::OUTBOX_MARK_BACKEND_ERROR;
 use runplane_db::outbox::CLAIM_TIMEOUT;
 use runplane_grpc::ServiceSet;
-use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_server::{RunService, RunServiceServer};
 use runplane_testkit::TestDatabase;
 use tokio::sync::{Notify, Semaphore};
@@ -72,8 +72,8 @@ impl Receiver {
 impl RunService for Receiver {
     async fn mark_backend_error(
         &self,
-        request: Request<rs::MarkBackendErrorRequest>,
-    ) -> Result<Response<rs::MarkBackendErrorResponse>, Status> {
+        request: Request<runstore_pb::MarkBackendErrorRequest>,
+    ) -> Result<Response<runstore_pb::MarkBackendErrorResponse>, Status> {
         let key = request.into_inner().idempotency_key;
         *self.calls.lock().unwrap().entry(key).or_default() += 1;
         let held = {
@@ -86,7 +86,9 @@ impl RunService for Receiver {
         if held {
             self.gate.acquire().await.unwrap().forget();
         }
-        Ok(Response::new(rs::MarkBackendErrorResponse::default()))
+        Ok(Response::new(
+            runstore_pb::MarkBackendErrorResponse::default(),
+        ))
     }
 }
 
@@ -136,7 +138,7 @@ impl Replicas {
         let mut keys = Vec::new();
         for i in 0..n {
             let key = format!("run-health-{i:04}:result");
-            let request = rs::MarkBackendErrorRequest {
+            let request = runstore_pb::MarkBackendErrorRequest {
                 run_id: format!("run-health-{i:04}"),
                 idempotency_key: key.clone(),
                 turn_id: key.clone(),

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use prost::Message;
 use runplane_clock::SharedClock;
-use runplane_proto::credentials::v1 as pb;
+use runplane_proto::credentials::v1 as credentials_pb;
 use sea_orm::sea_query::{Expr, ExprTrait as _, OnConflict};
 use sea_orm::{
     ColumnTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel,
@@ -44,7 +44,7 @@ pub struct Report {
     pub lead_id: String,
     pub credential_id: String,
     pub request_digest: String,
-    pub outcome: pb::TurnOutcome,
+    pub outcome: credentials_pb::TurnOutcome,
     pub reason: String,
     /// Capacity of the credential (sum over its profiles), for the answer's health.
     pub capacity: u32,
@@ -102,7 +102,7 @@ impl Store {
     pub async fn report(
         &self,
         report: &Report,
-    ) -> Result<(pb::ReportTurnFailureResponse, Changes)> {
+    ) -> Result<(credentials_pb::ReportTurnFailureResponse, Changes)> {
         for _ in 0..CAS_ATTEMPTS {
             match self.try_report(report).await {
                 Err(CredentialHealthError::Storage(e))
@@ -124,7 +124,7 @@ impl Store {
     async fn try_report(
         &self,
         report: &Report,
-    ) -> Result<Option<(pb::ReportTurnFailureResponse, Changes)>> {
+    ) -> Result<Option<(credentials_pb::ReportTurnFailureResponse, Changes)>> {
         let txn = runplane_db::write_tx(&self.db).await?;
         if let Some(done) = turn_failure::Entity::find_by_id(report.turn_id.clone())
             .one(&txn)
@@ -133,7 +133,7 @@ impl Store {
             if done.request_digest != report.request_digest {
                 return Err(CredentialHealthError::TurnReused(report.turn_id.clone()));
             }
-            let answer = pb::ReportTurnFailureResponse::decode(done.answer.as_slice())
+            let answer = credentials_pb::ReportTurnFailureResponse::decode(done.answer.as_slice())
                 .map_err(|e| DbErr::Custom(format!("stored answer: {e}")))?;
             return Ok(Some((answer, Changes::default())));
         }
@@ -145,7 +145,7 @@ impl Store {
         let mut incident_id = None;
         let mut notices: Vec<NewNotice> = Vec::new();
         match report.outcome {
-            pb::TurnOutcome::BackendError => {
+            credentials_pb::TurnOutcome::BackendError => {
                 let effect = state.backend_error(
                     &self.policy,
                     &report.run_id,
@@ -167,7 +167,7 @@ impl Store {
                     ErrorEffect::Absorbed { incident_id: id } => incident_id = Some(id),
                 }
             }
-            pb::TurnOutcome::BackendExhausted => {
+            credentials_pb::TurnOutcome::BackendExhausted => {
                 let fresh = state.exhausted(&self.policy, now);
                 changes.quarantined = fresh;
                 if fresh && !report.lead_id.is_empty() {
@@ -207,14 +207,14 @@ impl Store {
             .map(|n| notice_key(&n.org_id, &n.lead_id))
             .collect();
 
-        if report.outcome != pb::TurnOutcome::Other
-            && report.outcome != pb::TurnOutcome::Unspecified
+        if report.outcome != credentials_pb::TurnOutcome::Other
+            && report.outcome != credentials_pb::TurnOutcome::Unspecified
         {
             changes.outbox = self
                 .owe_mark_backend_error(&txn, report, incident_id.as_deref(), now)
                 .await?;
         }
-        let answer = pb::ReportTurnFailureResponse {
+        let answer = credentials_pb::ReportTurnFailureResponse {
             outcome: report.outcome as i32,
             reason: report.reason.clone(),
             incident: incident.as_ref().map(|i| incident_view(i, now)),
@@ -480,14 +480,14 @@ impl Store {
         incident_id: Option<&str>,
         now: i64,
     ) -> Result<bool> {
-        use runplane_proto::runstore::v1 as rs;
-        let request = rs::MarkBackendErrorRequest {
+        use runplane_proto::runstore::v1 as runstore_pb;
+        let request = runstore_pb::MarkBackendErrorRequest {
             run_id: report.run_id.clone(),
             idempotency_key: report.turn_id.clone(),
-            kind: if report.outcome == pb::TurnOutcome::BackendExhausted {
-                rs::BackendErrorKind::Exhausted
+            kind: if report.outcome == credentials_pb::TurnOutcome::BackendExhausted {
+                runstore_pb::BackendErrorKind::Exhausted
             } else {
-                rs::BackendErrorKind::Error
+                runstore_pb::BackendErrorKind::Error
             } as i32,
             reason: report.reason.clone(),
             credential_id: report.credential_id.clone(),
@@ -548,7 +548,7 @@ impl Store {
     pub async fn incidents(
         &self,
         credential_id: Option<&str>,
-        state: pb::IncidentState,
+        state: credentials_pb::IncidentState,
         after: Option<(i64, String)>,
         limit: u64,
     ) -> Result<Vec<incident::Model>> {
@@ -558,19 +558,19 @@ impl Store {
             query = query.filter(incident::Column::CredentialId.eq(c));
         }
         match state {
-            pb::IncidentState::Open => {
+            credentials_pb::IncidentState::Open => {
                 query = query
                     .filter(incident::Column::State.eq("open"))
                     .filter(incident::Column::CoolOffEndsAtMs.gt(now));
             }
-            pb::IncidentState::Closed => {
+            credentials_pb::IncidentState::Closed => {
                 query = query.filter(
                     sea_orm::Condition::any()
                         .add(incident::Column::State.eq("closed"))
                         .add(incident::Column::CoolOffEndsAtMs.lte(now)),
                 );
             }
-            pb::IncidentState::Unspecified => {}
+            credentials_pb::IncidentState::Unspecified => {}
         }
         if let Some((at, id)) = after {
             query = query.filter(
@@ -724,24 +724,24 @@ fn json(v: &[String]) -> String {
     serde_json::to_string(v).expect("serialisable")
 }
 
-pub fn outcome_name(o: pb::TurnOutcome) -> &'static str {
+pub fn outcome_name(o: credentials_pb::TurnOutcome) -> &'static str {
     match o {
-        pb::TurnOutcome::BackendError => "backend_error",
-        pb::TurnOutcome::BackendExhausted => "backend_exhausted",
+        credentials_pb::TurnOutcome::BackendError => "backend_error",
+        credentials_pb::TurnOutcome::BackendExhausted => "backend_exhausted",
         _ => "other",
     }
 }
 
 /// An incident as the API shows it; an open row whose cool-off passed reads closed.
-pub fn incident_view(i: &incident::Model, now_ms: i64) -> pb::Incident {
+pub fn incident_view(i: &incident::Model, now_ms: i64) -> credentials_pb::Incident {
     let open = i.state == "open" && i.cool_off_ends_at_ms > now_ms;
-    pb::Incident {
+    credentials_pb::Incident {
         id: i.id.clone(),
         credential_id: i.credential_id.clone(),
         state: if open {
-            pb::IncidentState::Open
+            credentials_pb::IncidentState::Open
         } else {
-            pb::IncidentState::Closed
+            credentials_pb::IncidentState::Closed
         } as i32,
         opening_run_ids: serde_json::from_str(&i.opening_run_ids).unwrap_or_default(),
         failures_during_cool_off: u32::try_from(i.failures_during_cool_off).unwrap_or(0),
