@@ -23,6 +23,7 @@ use std::time::Duration;
 use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
 use runplane_proto::recovery::v1::stream_recovery_service_server::StreamRecoveryServiceServer;
+use runplane_proto::runstore::v1 as runstore_pb;
 
 pub use error::RecoveryError;
 
@@ -37,7 +38,7 @@ const SWEEP_TASK: runplane_grpc::Task = runplane_grpc::Task {
 /// The coordinator, ready to be registered on a server.
 #[derive(Debug, Clone)]
 pub struct StreamRecovery {
-    shared: Arc<grpc::Shared>,
+    state: Arc<grpc::CoordinatorState>,
     sweep_every: Duration,
 }
 
@@ -72,13 +73,12 @@ impl StreamRecovery {
         let token = &config.auth.service_token;
         let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
             .map_err(|e| RecoveryError::Endpoint(e.to_string()))?;
-        let run_store =
-            runplane_proto::runstore::v1::run_service_client::RunServiceClient::with_interceptor(
-                channel,
-                runplane_grpc::client::Bearer::new(token.expose()),
-            );
+        let run_store = runstore_pb::run_service_client::RunServiceClient::with_interceptor(
+            channel,
+            runplane_grpc::client::Bearer::new(token.expose()),
+        );
         Ok(Self {
-            shared: Arc::new(grpc::Shared {
+            state: Arc::new(grpc::CoordinatorState {
                 store,
                 clock,
                 run_store,
@@ -91,7 +91,7 @@ impl StreamRecovery {
 
     /// With other replay-buffer bounds (tests use small ones). Call before `register`.
     pub fn with_limits(mut self, limits: domain::policy::BufferLimits) -> Self {
-        Arc::get_mut(&mut self.shared)
+        Arc::get_mut(&mut self.state)
             .expect("limits are set before the coordinator is shared")
             .limits = limits;
         self
@@ -107,14 +107,14 @@ impl StreamRecovery {
     /// which stops when the server begins shutting down. Call inside a tokio runtime.
     pub fn register(&self, services: &mut ServiceSet) {
         let tasks = runplane_grpc::Tasks::new();
-        let (shared, every) = (self.shared.clone(), self.sweep_every);
+        let (state, every) = (self.state.clone(), self.sweep_every);
         tasks.spawn(SWEEP_TASK, move |_| {
-            grpc::sweep_forever(shared.clone(), every, domain::policy::SWEEP_BATCH)
+            grpc::sweep_forever(state.clone(), every, domain::policy::SWEEP_BATCH)
         });
         services
-            .authenticate(self.shared.tokens.clone())
+            .authenticate(self.state.tokens.clone())
             .add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
-                shared: self.shared.clone(),
+                state: self.state.clone(),
             }))
             .background(&tasks);
     }
