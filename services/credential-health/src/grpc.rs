@@ -20,7 +20,8 @@ use tonic::{Request, Response, Status};
 
 use crate::domain::profiles::Profiles;
 use crate::error::CredentialHealthError;
-use crate::store::{Report, Store, incident_view, timestamp};
+use crate::store::{Report, Store, incident_view};
+use crate::view::{self, timestamp};
 
 /// The run store, called with the service token.
 pub type RunStoreClient = RunServiceClient<InterceptedService<TracedChannel, Bearer>>;
@@ -426,17 +427,17 @@ impl CredentialHealthService for CredentialHealthApi {
                 let (state, incident) = states
                     .get(c)
                     .map_or((&default_state, None), |(st, i)| (st, i.as_ref()));
-                let mut view = crate::view::credential(
+                let mut health = view::credential(
                     c,
                     on.iter().map(|p| p.name.clone()).collect(),
                     on.iter().map(|p| p.capacity).sum(),
                     Some(counts.active_by_credential.get(c).copied().unwrap_or(0)),
                     state,
-                    incident,
+                    incident.map(|i| incident_view(i, now)),
                     now,
                 );
-                view.queued = counts.queued_by_credential.get(c).copied().unwrap_or(0);
-                view
+                health.queued = counts.queued_by_credential.get(c).copied().unwrap_or(0);
+                health
             })
             .collect();
         let profiles = entries
@@ -457,7 +458,7 @@ impl CredentialHealthService for CredentialHealthApi {
                     credential_id: p.credential_id.clone(),
                     capacity: p.capacity,
                     busy,
-                    free: crate::view::free(p.capacity, busy, cooling, quarantined),
+                    free: view::free(p.capacity, busy, cooling, quarantined),
                     cooling_off_for_seconds: cooling,
                     quarantined_for_seconds: quarantined,
                     open_incident_id: incident

@@ -1,20 +1,22 @@
 //! How policy state reads in the API: one place decides free, cool-off and quarantine.
+//!
+//! A leaf: it reads domain state and writes protos, so the store (a report's answer) and
+//! the service (the fleet) both build their views here without depending on each other.
 
 use runplane_proto::credentials::v1 as credentials_pb;
 
 use crate::domain::policy::CredentialState;
-use crate::store::entities::incident;
-use crate::store::incident_view;
 
 /// Health of one credential. `busy` is `None` where the run store was not asked (a
-/// report's answer): free is then the capacity.
+/// report's answer): free is then the capacity. `open_incident` is shown only while the
+/// credential is cooling off.
 pub fn credential(
     credential_id: &str,
     profiles: Vec<String>,
     capacity: u32,
     busy: Option<u32>,
     state: &CredentialState,
-    open_incident: Option<&incident::Model>,
+    open_incident: Option<credentials_pb::Incident>,
     now_ms: i64,
 ) -> credentials_pb::CredentialHealth {
     let cooling = state.cooling_off_for_seconds(now_ms);
@@ -28,9 +30,7 @@ pub fn credential(
         free: free(capacity, busy, cooling, quarantined),
         cooling_off_for_seconds: cooling,
         quarantined_for_seconds: quarantined,
-        open_incident: open_incident
-            .filter(|_| cooling > 0)
-            .map(|i| incident_view(i, now_ms)),
+        open_incident: open_incident.filter(|_| cooling > 0),
         queued: 0,
     }
 }
@@ -42,4 +42,9 @@ pub fn free(capacity: u32, busy: u32, cooling: u32, quarantined: u32) -> u32 {
     } else {
         capacity.saturating_sub(busy)
     }
+}
+
+/// A stored millisecond time as a protobuf `Timestamp`.
+pub fn timestamp(ms: i64) -> prost_types::Timestamp {
+    runplane_clock::to_timestamp(runplane_clock::ms_to_us(ms))
 }

@@ -26,6 +26,7 @@ pub use migration::Migrator;
 
 use crate::domain::policy::{CredentialState, ErrorEffect, Evidence, PolicyConfig};
 use crate::error::CredentialHealthError;
+use crate::view::{self, timestamp};
 use entities::{counter, credential, incident, notice, turn_failure};
 
 type Result<T> = std::result::Result<T, CredentialHealthError>;
@@ -214,17 +215,18 @@ impl Store {
                 .owe_mark_backend_error(&txn, report, incident_id.as_deref(), now)
                 .await?;
         }
+        let incident = incident.as_ref().map(|i| incident_view(i, now));
         let answer = credentials_pb::ReportTurnFailureResponse {
             outcome: report.outcome as i32,
             reason: report.reason.clone(),
-            incident: incident.as_ref().map(|i| incident_view(i, now)),
-            credential: Some(crate::view::credential(
+            incident: incident.clone(),
+            credential: Some(view::credential(
                 &report.credential_id,
                 report.profiles.clone(),
                 report.capacity,
                 None,
                 &state,
-                incident.as_ref(),
+                incident,
                 now,
             )),
         };
@@ -749,9 +751,4 @@ pub fn incident_view(i: &incident::Model, now_ms: i64) -> credentials_pb::Incide
         opened_at: Some(timestamp(i.opened_at_ms)),
         cool_off_ends_at: Some(timestamp(i.cool_off_ends_at_ms)),
     }
-}
-
-/// A stored millisecond time as a protobuf `Timestamp`.
-pub fn timestamp(ms: i64) -> prost_types::Timestamp {
-    runplane_clock::to_timestamp(runplane_clock::ms_to_us(ms))
 }
