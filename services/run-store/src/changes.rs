@@ -25,6 +25,8 @@ use runplane_grpc::wake::Wakeups;
 use runplane_telemetry::metrics;
 use sea_orm::sqlx;
 
+use crate::domain::state::RunState;
+
 /// How often the replica re-reads the runs being watched, without a wake-up.
 pub const RECHECK: Duration = Duration::from_secs(30);
 
@@ -125,8 +127,8 @@ impl Changes {
 
     /// `run_id` became terminal in `state`: counted, its watchers woken, and the
     /// reconciler destroys its sandboxes (suspended ones included) and fills its slot.
-    pub fn ended(&self, run_id: &str, state: &str) {
-        metrics::runs_finished().add(1, &[metrics::attr("state", state.to_owned())]);
+    pub fn ended(&self, run_id: &str, state: RunState) {
+        metrics::runs_finished().add(1, &[metrics::attr("state", state.as_str())]);
         self.notify(run_id);
         self.notify(RECONCILER_WORK);
     }

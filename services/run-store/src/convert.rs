@@ -3,13 +3,13 @@
 use prost::Message;
 use runplane_proto::runstore::v1 as pb;
 
-use crate::domain::state;
+use crate::domain::state::RunState;
 use crate::domain::validate::json_to_struct;
 use crate::store::entities::{event, run, steering_message};
 use runplane_clock::to_timestamp as timestamp;
 
 pub fn run(model: &run::Model) -> pb::Run {
-    let terminal = state::is_terminal(&model.state);
+    let terminal = model.state.is_terminal();
     let backend_error: Option<pb::BackendError> = model
         .backend_error
         .as_deref()
@@ -33,7 +33,7 @@ pub fn run(model: &run::Model) -> pb::Run {
         id: model.id.clone(),
         org_id: model.org_id.clone(),
         lead_id: model.lead_id.clone(),
-        state: state::to_proto(&model.state) as i32,
+        state: pb::RunState::from(model.state) as i32,
         verdict,
         failure_reason,
         credential_id: model.credential_id.clone(),
@@ -51,7 +51,7 @@ pub fn run(model: &run::Model) -> pb::Run {
         traceparent: model.traceparent.clone(),
         deadline: model.deadline_at_us.map(timestamp),
         sandbox_id: model.sandbox_id.clone(),
-        waiting_reason: if model.state == state::QUEUED {
+        waiting_reason: if model.state == RunState::Queued {
             model.waiting_reason.clone()
         } else {
             String::new()

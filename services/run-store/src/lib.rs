@@ -152,7 +152,7 @@ impl RunStore {
         let mut ended = 0;
         for run_id in s.store.past_deadline(DEADLINE_SWEEP_BATCH).await? {
             if let Some(run) = s.store.expire(&run_id, &s.settings.signer).await? {
-                s.changes.ended(&run.id, &run.state);
+                s.changes.ended(&run.id, run.state);
                 tracing::info!(run_id = %run.id, "run ended: deadline exceeded");
                 ended += 1;
             }

@@ -31,7 +31,8 @@ use crate::changes::Changes;
 use crate::config::RunStoreSettings;
 use crate::convert;
 use crate::domain::ids::{digest_hex, hex};
-use crate::domain::{ids, state, validate};
+use crate::domain::state::{self, RunState};
+use crate::domain::{ids, validate};
 use crate::error::RunStoreError;
 use crate::store::{Ack, FailRequest, NewRun, RunFilter, RunnerAuth, Store};
 

@@ -201,7 +201,7 @@ impl RunService for RunApi {
         for st in &req.states {
             let st = pb::RunState::try_from(*st)
                 .ok()
-                .and_then(state::from_proto)
+                .and_then(|st| RunState::try_from(st).ok())
                 .ok_or_else(|| {
                     RunStoreError::invalid("states", "holds an unknown or unspecified state")
                 })?;
@@ -412,7 +412,7 @@ impl RunService for RunApi {
             .await?;
         Ok(Response::new(pb::CheckRunKeyResponse {
             org_id: auth.run.org_id.clone(),
-            run_state: state::to_proto(&auth.run.state) as i32,
+            run_state: pb::RunState::from(auth.run.state) as i32,
             sandbox_generation: auth.key.sandbox_generation as u64,
             key_id: auth.key.key_id,
         }))
@@ -467,13 +467,13 @@ impl RunService for RunApi {
         if grace > Duration::from_secs(300) {
             return Err(RunStoreError::invalid("grace", "must be at most 5 minutes").into());
         }
-        if run.state == state::QUEUED
+        if run.state == RunState::Queued
             && let Some(cancelled) = s
                 .store
                 .cancel_queued(&req.run_id, &req.reason, &s.settings.signer)
                 .await?
         {
-            s.changes.ended(&req.run_id, &cancelled.state);
+            s.changes.ended(&req.run_id, cancelled.state);
             return Ok(Response::new(pb::InterruptResponse {
                 message: None,
                 run: Some(convert::run(&cancelled)),
@@ -588,7 +588,7 @@ impl RunService for RunApi {
             .instrument(span.clone())
             .await?;
         if finished.made_terminal {
-            s.changes.ended(&req.run_id, &finished.run.state);
+            s.changes.ended(&req.run_id, finished.run.state);
             span.in_scope(|| tracing::info!(reason = %message, "run cancelled"));
         } else {
             s.changes.ended_again(&req.run_id);
@@ -652,7 +652,7 @@ impl RunService for RunApi {
         if replayed {
             s.changes.ended_again(&req.run_id);
         } else if outcome == pb::FailRunOutcome::MadeTerminal {
-            s.changes.ended(&req.run_id, &run.state);
+            s.changes.ended(&req.run_id, run.state);
         }
         tracing::info!(outcome = outcome.as_str_name(), "fail run");
         Ok(Response::new(pb::FailRunResponse {
@@ -707,7 +707,7 @@ impl RunService for RunApi {
         if replayed {
             s.changes.ended_again(&req.run_id);
         } else if outcome == pb::MarkBackendErrorOutcome::Marked {
-            s.changes.ended(&req.run_id, &run.state);
+            s.changes.ended(&req.run_id, run.state);
         } else {
             s.changes.notify(&req.run_id);
         }
@@ -764,7 +764,7 @@ pub(super) fn page_filter_digest(filter: &RunFilter) -> String {
             filter.lead_id,
             filter.credential_id,
             filter.profile,
-            filter.states,
+            filter.states.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
             filter.run_ids,
             filter.with_pending_messages
         )

@@ -91,7 +91,7 @@ impl RunnerService for RunnerApi {
         loop {
             let mut pending = s.store.pending_messages(&req.run_id, limit.into()).await?;
             let run = s.store.get_run(&req.run_id).await?;
-            let terminal = state::is_terminal(&run.state);
+            let terminal = run.state.is_terminal();
             if terminal {
                 // Only an abort still means anything to a runner whose run ended.
                 pending.retain(|m| m.kind == pb::SteeringKind::Abort as i32);
@@ -103,7 +103,7 @@ impl RunnerService for RunnerApi {
             {
                 return Ok(Response::new(pb::PollSteeringResponse {
                     messages: pending.iter().map(convert::message).collect(),
-                    run_state: state::to_proto(&run.state) as i32,
+                    run_state: pb::RunState::from(run.state) as i32,
                 }));
             }
             changes.changed(deadline).await;
@@ -143,7 +143,7 @@ impl RunnerService for RunnerApi {
             )
             .await?;
         if finished.made_terminal {
-            s.changes.ended(&req.run_id, &finished.run.state);
+            s.changes.ended(&req.run_id, finished.run.state);
             tracing::info!(outcome = %state::outcome_name(verdict.outcome()), reason = %verdict.reason, "run finished");
         } else {
             s.changes.ended_again(&req.run_id);

@@ -24,7 +24,7 @@ pub(super) async fn watch(
             .is_ok()
         }
     };
-    let mut last_state = first.state.clone();
+    let mut last_state = first.state;
     let mut last_updated = first.updated_at_us;
     if !send(Update::Run(convert::run(&first))).await {
         return Ok(());
@@ -48,17 +48,15 @@ pub(super) async fn watch(
             }
         }
         let run = s.store.get_run(&req.run_id).await?;
-        if run.state != last_state
-            || (state::is_terminal(&run.state) && run.updated_at_us != last_updated)
+        if run.state != last_state || (run.state.is_terminal() && run.updated_at_us != last_updated)
         {
-            last_state = run.state.clone();
+            last_state = run.state;
             last_updated = run.updated_at_us;
             if !send(Update::Run(convert::run(&run))).await {
                 return Ok(());
             }
         }
-        if state::is_terminal(&run.state) && (req.states_only || cursor >= run.last_sequence as u64)
-        {
+        if run.state.is_terminal() && (req.states_only || cursor >= run.last_sequence as u64) {
             return Ok(());
         }
         if s.changes.is_closing() {

@@ -29,7 +29,7 @@ use sea_orm::{DbErr, RuntimeErr};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::entities::event;
-use crate::domain::state;
+use crate::domain::state::RunState;
 
 /// Where a run's hash chain ends: the input of its next append.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -289,7 +289,7 @@ async fn append_group(pool: &PgPool, group: &[Pending], now_us: i64) -> Result<V
                 .collect::<Vec<_>>(),
         )
         .bind(now_us)
-        .bind(state::LIVE.to_vec())
+        .bind(RunState::LIVE.map(RunState::as_str).to_vec())
         .bind(rows().map(|(i, _)| i).collect::<Vec<_>>())
         .bind(rows().map(|(_, r)| r.sequence).collect::<Vec<_>>())
         .bind(rows().map(|(_, r)| r.kind).collect::<Vec<_>>())

@@ -6,6 +6,8 @@
 pub mod run {
     use sea_orm::entity::prelude::*;
 
+    pub use crate::domain::state::RunState;
+
     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
     #[sea_orm(table_name = "runs")]
     pub struct Model {
@@ -16,7 +18,7 @@ pub mod run {
         pub client_request_id: String,
         /// SHA-256 (hex) of the CreateRun body, to refuse a reused id with another body.
         pub request_digest: String,
-        pub state: String,
+        pub state: RunState,
         pub credential_id: String,
         pub profile: String,
         pub command: String,

@@ -109,7 +109,7 @@ impl Store {
             txn.commit().await?;
             return Ok(done);
         }
-        if state::is_terminal(&run.state) {
+        if run.state.is_terminal() {
             return Err(terminal_error(&run));
         }
         let appended = self

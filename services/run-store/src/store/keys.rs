@@ -14,7 +14,7 @@ impl Store {
     ) -> Result<(run_key::Model, String)> {
         let txn = self.write_tx().await?;
         let run = self.lock_run(&txn, run_id).await?;
-        if state::is_terminal(&run.state) {
+        if run.state.is_terminal() {
             return Err(terminal_error(&run));
         }
         let now = self.now_us();
@@ -88,8 +88,8 @@ impl Store {
         let mut active = run.clone().into_active_model();
         active.sandbox_generation = sea_orm::Set(generation_i);
         active.sandbox_id = sea_orm::Set(sandbox_id.to_owned());
-        if run.state == state::QUEUED {
-            active.state = sea_orm::Set(state::STARTING.to_owned());
+        if run.state == RunState::Queued {
+            active.state = sea_orm::Set(RunState::Starting);
         }
         active.updated_at_us = sea_orm::Set(now);
         active.update(&txn).await?;
@@ -135,7 +135,7 @@ impl Store {
             Some(REVOKED_TERMINAL) => return Err(terminal_error(&run)),
             Some(_) => return Err(RunStoreError::RunKeyRevoked),
         }
-        if !allow_terminal && state::is_terminal(&run.state) {
+        if !allow_terminal && run.state.is_terminal() {
             return Err(terminal_error(&run));
         }
         Ok(RunnerAuth { key, run })
@@ -169,7 +169,7 @@ impl Store {
                 RunStoreError::RunKeyRevoked
             });
         }
-        if state::is_terminal(&run.state) {
+        if run.state.is_terminal() {
             return Err(terminal_error(&run));
         }
         let now = self.now_us();
@@ -184,8 +184,8 @@ impl Store {
             return Err(RunStoreError::HelloNonceMismatch);
         }
         let mut active = run.clone().into_active_model();
-        if run.state != state::RUNNING {
-            active.state = sea_orm::Set(state::RUNNING.to_owned());
+        if run.state != RunState::Running {
+            active.state = sea_orm::Set(RunState::Running);
         }
         if run.started_at_us.is_none() {
             active.started_at_us = sea_orm::Set(Some(now));

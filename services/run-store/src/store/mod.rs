@@ -42,7 +42,7 @@ pub use migration::Migrator;
 use crate::domain::chain::{self, ChainedEvent};
 use crate::domain::ids;
 use crate::domain::receipt::ReceiptSigner;
-use crate::domain::state;
+use crate::domain::state::{self, RunState};
 use crate::domain::validate::CheckedEvent;
 use crate::error::RunStoreError;
 use entities::{event, event_batch, keyed_answer, receipt, run, run_key, steering_message};
@@ -147,7 +147,7 @@ pub struct RunFilter {
     pub lead_id: Option<String>,
     pub credential_id: Option<String>,
     pub profile: Option<String>,
-    pub states: Vec<&'static str>,
+    pub states: Vec<RunState>,
     /// Only these runs (empty: any).
     pub run_ids: Vec<String>,
     /// Only runs with a steering message not yet acknowledged.
@@ -372,7 +372,7 @@ pub fn terminal_error(run: &run::Model) -> RunStoreError {
         outcome: run
             .verdict_outcome
             .clone()
-            .unwrap_or_else(|| run.state.clone()),
+            .unwrap_or_else(|| run.state.as_str().to_owned()),
         reason: run.verdict_reason.clone().unwrap_or_default(),
         exit_code: run.verdict_exit_code,
     }

@@ -21,7 +21,7 @@ impl Store {
             lead_id: new.lead_id,
             client_request_id: new.client_request_id.clone(),
             request_digest: new.request_digest.clone(),
-            state: state::QUEUED.to_owned(),
+            state: RunState::Queued,
             credential_id: new.credential_id,
             profile: new.profile,
             command: new.command,
@@ -200,7 +200,7 @@ impl Store {
             .column(run::Column::CredentialId)
             .column(run::Column::Profile)
             .column_as(run::Column::Id.count(), "n")
-            .filter(run::Column::State.is_in([state::STARTING, state::RUNNING]))
+            .filter(run::Column::State.is_in(RunState::ACTIVE))
             .group_by(run::Column::CredentialId)
             .group_by(run::Column::Profile)
             .into_tuple()
@@ -211,7 +211,7 @@ impl Store {
             .select_only()
             .column(run::Column::CredentialId)
             .column_as(run::Column::Id.count(), "n")
-            .filter(run::Column::State.eq(state::QUEUED))
+            .filter(run::Column::State.eq(RunState::Queued))
             .filter(run::Column::CredentialId.ne(""));
         if !credential_ids.is_empty() {
             queued = queued.filter(run::Column::CredentialId.is_in(credential_ids.iter().cloned()));

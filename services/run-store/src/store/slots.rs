@@ -16,7 +16,7 @@ impl Store {
         let txn = self.write_tx().await?;
         // Oldest first; a bounded window of the queue per call.
         let queued = run::Entity::find()
-            .filter(run::Column::State.eq(state::QUEUED))
+            .filter(run::Column::State.eq(RunState::Queued))
             .order_by(run::Column::CreatedAtUs, Order::Asc)
             .order_by(run::Column::Id, Order::Asc)
             .limit(max_runs.saturating_mul(4).max(100))
@@ -41,7 +41,7 @@ impl Store {
                 .select_only()
                 .column(run::Column::CredentialId)
                 .column_as(run::Column::Id.count(), "n")
-                .filter(run::Column::State.is_in([state::STARTING, state::RUNNING]))
+                .filter(run::Column::State.is_in(RunState::ACTIVE))
                 .filter(run::Column::CredentialId.is_in(credentials.iter().map(|c| c.to_string())))
                 .group_by(run::Column::CredentialId)
                 .into_tuple()
@@ -84,16 +84,16 @@ impl Store {
             if why.is_empty() {
                 // Compare-and-set: a cancel that took the run first keeps it.
                 let done = run::Entity::update_many()
-                    .col_expr(run::Column::State, Expr::value(state::STARTING))
+                    .col_expr(run::Column::State, Expr::value(RunState::Starting))
                     .col_expr(run::Column::WaitingReason, Expr::value(""))
                     .col_expr(run::Column::UpdatedAtUs, Expr::value(now))
                     .filter(run::Column::Id.eq(run.id.as_str()))
-                    .filter(run::Column::State.eq(state::QUEUED))
+                    .filter(run::Column::State.eq(RunState::Queued))
                     .exec(&txn)
                     .await?;
                 if done.rows_affected == 1 {
                     let mut run = run;
-                    run.state = state::STARTING.to_owned();
+                    run.state = RunState::Starting;
                     run.waiting_reason.clear();
                     run.updated_at_us = now;
                     claimed.push(run);
@@ -102,7 +102,7 @@ impl Store {
                 run::Entity::update_many()
                     .col_expr(run::Column::WaitingReason, Expr::value(why))
                     .filter(run::Column::Id.eq(run.id.as_str()))
-                    .filter(run::Column::State.eq(state::QUEUED))
+                    .filter(run::Column::State.eq(RunState::Queued))
                     .exec(&txn)
                     .await?;
             }

@@ -29,7 +29,7 @@ impl Store {
             txn.commit().await?;
             return Ok(existing);
         }
-        if state::is_terminal(&run.state) && !accept_on_terminal {
+        if run.state.is_terminal() && !accept_on_terminal {
             return Err(terminal_error(&run));
         }
         let now = self.now_us();
@@ -115,7 +115,7 @@ impl Store {
                 undeliverable.push(ack);
             }
         }
-        if !undeliverable.is_empty() && !state::is_terminal(&run.state) {
+        if !undeliverable.is_empty() && !run.state.is_terminal() {
             let events: Vec<CheckedEvent> = undeliverable
                 .iter()
                 .map(|ack| CheckedEvent {

@@ -15,7 +15,7 @@ impl Store {
     ) -> Result<Finished> {
         let txn = self.write_tx().await?;
         let mut run = self.lock_run(&txn, run_id).await?;
-        if state::is_terminal(&run.state) {
+        if run.state.is_terminal() {
             if same_verdict(&run, verdict) {
                 txn.commit().await?;
                 return Ok(Finished {
@@ -81,7 +81,7 @@ impl Store {
                 replayed: true,
             });
         }
-        let (outcome, run) = if state::is_terminal(&run.state) {
+        let (outcome, run) = if run.state.is_terminal() {
             (pb::FailRunOutcome::AlreadyTerminal, run)
         } else if guard_generation.is_some_and(|g| i64::try_from(g) != Ok(run.sandbox_generation))
             || guard_sandbox.is_some_and(|id| id != run.sandbox_id)
@@ -124,7 +124,7 @@ impl Store {
     ) -> Result<Option<run::Model>> {
         let txn = self.write_tx().await?;
         let run = self.lock_run(&txn, run_id).await?;
-        if run.state != state::QUEUED {
+        if run.state != RunState::Queued {
             return Ok(None);
         }
         let verdict = pb::Verdict {
@@ -162,7 +162,7 @@ impl Store {
                 made_terminal: false,
             });
         }
-        if state::is_terminal(&run.state) {
+        if run.state.is_terminal() {
             return Err(terminal_error(&run));
         }
         let verdict = pb::Verdict {
@@ -196,7 +196,7 @@ impl Store {
             .select_only()
             .column(run::Column::Id)
             .filter(run::Column::DeadlineAtUs.lte(self.now_us()))
-            .filter(run::Column::State.is_in(state::LIVE))
+            .filter(run::Column::State.is_in(RunState::LIVE))
             .order_by(run::Column::DeadlineAtUs, Order::Asc)
             .limit(limit)
             .into_tuple()
@@ -211,7 +211,7 @@ impl Store {
         let txn = self.write_tx().await?;
         let run = self.lock_run(&txn, run_id).await?;
         let now = self.now_us();
-        if state::is_terminal(&run.state) || run.deadline_at_us.is_none_or(|d| d > now) {
+        if run.state.is_terminal() || run.deadline_at_us.is_none_or(|d| d > now) {
             return Ok(None);
         }
         let limit_s = (run.deadline_at_us.unwrap_or(now) - run.created_at_us) / 1_000_000;
@@ -255,15 +255,15 @@ impl Store {
             });
         }
         let now = self.now_us();
-        let (outcome, run) = match run.state.as_str() {
-            state::BACKEND_ERROR => (pb::MarkBackendErrorOutcome::AlreadyMarked, run),
-            state::QUEUED | state::CANCELLED => {
+        let (outcome, run) = match run.state {
+            RunState::BackendError => (pb::MarkBackendErrorOutcome::AlreadyMarked, run),
+            RunState::Queued | RunState::Cancelled => {
                 return Err(RunStoreError::VerdictConflict(format!(
                     "a {} run cannot carry a backend error",
                     run.state
                 )));
             }
-            state::STARTING | state::RUNNING => {
+            RunState::Starting | RunState::Running => {
                 let verdict = pb::Verdict {
                     outcome: pb::VerdictOutcome::Failed as i32,
                     reason: "backend_error".into(),
@@ -274,7 +274,7 @@ impl Store {
                     .finish_locked(&txn, run, &verdict, None, signer)
                     .await?;
                 let mut active = run.into_active_model();
-                active.state = sea_orm::Set(state::BACKEND_ERROR.to_owned());
+                active.state = sea_orm::Set(RunState::BackendError);
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
                 (
@@ -286,7 +286,7 @@ impl Store {
                 // Done already (succeeded or failed): the receipt stays as sealed; the
                 // roster records what the run really died of.
                 let mut active = run.into_active_model();
-                active.state = sea_orm::Set(state::BACKEND_ERROR.to_owned());
+                active.state = sea_orm::Set(RunState::BackendError);
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
                 (
@@ -394,10 +394,10 @@ impl Store {
         signer: &ReceiptSigner,
     ) -> Result<run::Model> {
         let now = self.now_us();
-        let terminal = state::for_outcome(verdict.outcome())
+        let terminal = RunState::for_outcome(verdict.outcome())
             .ok_or_else(|| RunStoreError::invalid("verdict.outcome", "is unspecified"))?;
         let mut active = run.clone().into_active_model();
-        active.state = sea_orm::Set(terminal.to_owned());
+        active.state = sea_orm::Set(terminal);
         active.verdict_outcome =
             sea_orm::Set(Some(state::outcome_name(verdict.outcome()).to_owned()));
         active.verdict_reason = sea_orm::Set(Some(verdict.reason.clone()));
