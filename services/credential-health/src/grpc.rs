@@ -39,7 +39,9 @@ pub const NOTICE_RECHECK: Duration = Duration::from_secs(30);
 /// The Postgres channel of new notices; a key is a lead's [`crate::store::notice_key`].
 pub const NOTICE_CHANNEL: &str = "runplane_lead_notices";
 
-pub struct Shared {
+/// What every CredentialHealthService handler works with; [`crate::CredentialHealth`]'s
+/// rounds and shutdown reach the same store, clients and watchers through it.
+pub struct HealthServiceState {
     pub store: Store,
     pub profiles: Profiles,
     pub run_store: RunStoreClient,
@@ -56,9 +58,9 @@ pub struct Shared {
     pub closing: watch::Sender<bool>,
 }
 
-impl std::fmt::Debug for Shared {
+impl std::fmt::Debug for HealthServiceState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").finish_non_exhaustive()
+        f.debug_struct("HealthServiceState").finish_non_exhaustive()
     }
 }
 
@@ -71,7 +73,7 @@ pub enum Caller {
     Org(String),
 }
 
-impl Shared {
+impl HealthServiceState {
     /// Calls only runplane's services and operators make: an org token is refused.
     fn authenticate<T>(&self, request: &Request<T>) -> Result<(), CredentialHealthError> {
         match self.caller(request)? {
@@ -121,7 +123,7 @@ impl Shared {
 /// `runplane.credentials.v1.CredentialHealthService`.
 #[derive(Debug, Clone)]
 pub struct CredentialHealthApi {
-    pub shared: Arc<Shared>,
+    pub state: Arc<HealthServiceState>,
 }
 
 fn name(field: &'static str, value: &str, required: bool) -> Result<(), CredentialHealthError> {
@@ -157,7 +159,7 @@ impl CredentialHealthService for CredentialHealthApi {
         &self,
         request: Request<credentials_pb::ReportTurnFailureRequest>,
     ) -> Result<Response<credentials_pb::ReportTurnFailureResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.authenticate(&request)?;
         let req = request.into_inner();
         let key_ok = (16..=128).contains(&req.turn_id.len())
@@ -262,7 +264,7 @@ impl CredentialHealthService for CredentialHealthApi {
         request: Request<credentials_pb::CheckAdmissionRequest>,
     ) -> Result<Response<credentials_pb::CheckAdmissionResponse>, Status> {
         use credentials_pb::check_admission_request::Target;
-        let s = &self.shared;
+        let s = &self.state;
         s.authenticate(&request)?;
         let req = request.into_inner();
         name("org_id", &req.org_id, false)?;
@@ -388,7 +390,7 @@ impl CredentialHealthService for CredentialHealthApi {
         &self,
         request: Request<credentials_pb::GetFleetRequest>,
     ) -> Result<Response<credentials_pb::GetFleetResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.authenticate(&request)?;
         let req = request.into_inner();
         name("profile", &req.profile, false)?;
@@ -479,7 +481,7 @@ impl CredentialHealthService for CredentialHealthApi {
         &self,
         request: Request<credentials_pb::WatchNoticesRequest>,
     ) -> Result<Response<NoticeStream>, Status> {
-        let s = self.shared.clone();
+        let s = self.state.clone();
         let caller = s.caller(&request)?;
         let req = request.into_inner();
         if req.lead_id.is_empty() || req.lead_id.len() > 128 {
@@ -596,7 +598,7 @@ impl CredentialHealthService for CredentialHealthApi {
         &self,
         request: Request<credentials_pb::ListIncidentsRequest>,
     ) -> Result<Response<credentials_pb::ListIncidentsResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.authenticate(&request)?;
         let req = request.into_inner();
         name("credential_id", &req.credential_id, false)?;

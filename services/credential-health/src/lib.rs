@@ -38,7 +38,7 @@ const OUTBOX_EVERY: Duration = Duration::from_millis(500);
 /// Started credential health, ready to be registered on a server.
 #[derive(Debug, Clone)]
 pub struct CredentialHealth {
-    shared: Arc<grpc::Shared>,
+    state: Arc<grpc::HealthServiceState>,
     notice_retention_ms: i64,
     /// Background work; [`CredentialHealth::register`] hands it to the server's shutdown.
     tasks: runplane_grpc::Tasks,
@@ -115,7 +115,7 @@ impl CredentialHealth {
             }
         });
         Ok(Self {
-            shared: Arc::new(grpc::Shared {
+            state: Arc::new(grpc::HealthServiceState {
                 store,
                 profiles,
                 run_store,
@@ -131,30 +131,30 @@ impl CredentialHealth {
     }
 
     pub fn database(&self) -> &DatabaseConnection {
-        self.shared.store.db()
+        self.state.store.db()
     }
 
     pub fn store(&self) -> &store::Store {
-        &self.shared.store
+        &self.state.store
     }
 
     /// The tonic service, for callers that wrap it.
     pub fn service(&self) -> CredentialHealthServiceServer<grpc::CredentialHealthApi> {
         CredentialHealthServiceServer::new(grpc::CredentialHealthApi {
-            shared: self.shared.clone(),
+            state: self.state.clone(),
         })
     }
 
     /// Adds the service to `services`; at shutdown, notice watches end.
     pub fn register(&self, services: &mut ServiceSet) {
-        let closing = self.shared.clone();
+        let state = self.state.clone();
         services
-            .authenticate(self.shared.tokens.clone())
+            .authenticate(self.state.tokens.clone())
             .add(self.service())
             .background(&self.tasks)
             .on_shutdown(move || {
-                closing.closing.send_replace(true);
-                closing.notices.close();
+                state.closing.send_replace(true);
+                state.notices.close();
             });
     }
 
@@ -171,17 +171,17 @@ impl CredentialHealth {
         let this = self;
         let shutdown = cancelled.cancelled();
         tokio::pin!(shutdown);
-        let mut wake = this.shared.outbox.subscribe();
+        let mut wake = this.state.outbox.subscribe();
         let mut last_prune = 0i64;
         loop {
             if let Err(e) = this.deliver_outbox(100).await {
                 tracing::warn!(error = %e, "outbox delivery failed; next round retries");
             }
-            let now = this.shared.store.now_ms();
+            let now = this.state.store.now_ms();
             if now - last_prune >= 60_000 {
                 last_prune = now;
                 match this
-                    .shared
+                    .state
                     .store
                     .prune_notices(now - this.notice_retention_ms)
                     .await
@@ -204,9 +204,9 @@ impl CredentialHealth {
     pub async fn deliver_outbox(&self, limit: u64) -> Result<u64, CredentialHealthError> {
         use runplane_db::outbox::{Delivery, deliver_due};
         use tracing::Instrument;
-        let store = &self.shared.store;
+        let store = &self.state.store;
         let delivered = deliver_due(store.db(), || store.now_us(), limit, |row| {
-            let mut client = self.shared.run_store.clone();
+            let mut client = self.state.run_store.clone();
             async move {
                 let Ok(request) = runstore_pb::MarkBackendErrorRequest::decode(row.payload.as_slice())
                 else {
