@@ -33,319 +33,40 @@ use crate::domain::policy::{
     STATE_TTL, backoff_ms,
 };
 
-/// `keep(key, ms)`: the key, if it exists, lives at least `ms` more (never shortened).
-const KEEP: &str = r#"
-local function keep(key, ms)
-  local t = redis.call('PTTL', key)
-  if t == -1 or (t >= 0 and t < ms) then redis.call('PEXPIRE', key, ms) end
-end
-"#;
+// Each script lives in its own file under `redis/lua/`, headed by its KEYS, ARGV and
+// reply.
+
+/// `keep(key, ms)`, prepended to the scripts that call it.
+const KEEP: &str = include_str!("redis/lua/keep.lua");
 
 /// A script whose body may call `keep`.
 fn with_keep(body: &str) -> Script {
     Script::new(&format!("{KEEP}{body}"))
 }
 
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    with_keep(
-        r#"
-local now = tonumber(ARGV[4])
-local ttl = tonumber(ARGV[3])
-local holder = redis.call('HGET', KEYS[1], 'controller')
-local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
-if holder and expires > now then
-  if holder == ARGV[1] then
-    redis.call('HSET', KEYS[1], 'expires', now + ttl)
-    redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[5]))
-    for k = 2, 4 do keep(KEYS[k], tonumber(ARGV[6])) end
-    return {'ok', redis.call('HGET', KEYS[1], 'token'), now + ttl, tonumber(redis.call('HGET', KEYS[2], 'next') or '1')}
-  end
-  return {'held', holder}
-end
-if redis.call('HGET', KEYS[2], 'granted') == '1' then
-  return {'takeover'}
-end
-redis.call('HSET', KEYS[1], 'controller', ARGV[1], 'token', ARGV[2], 'expires', now + ttl)
-redis.call('PEXPIRE', KEYS[1], ttl * tonumber(ARGV[5]))
-redis.call('HSETNX', KEYS[2], 'next', 1)
-redis.call('HSETNX', KEYS[2], 'first', 1)
-redis.call('HSETNX', KEYS[2], 'bytes', 0)
-redis.call('HSET', KEYS[2], 'granted', '1')
-for k = 2, 4 do keep(KEYS[k], tonumber(ARGV[6])) end
-return {'ok', ARGV[2], now + ttl, tonumber(redis.call('HGET', KEYS[2], 'next'))}
-"#,
-    )
-});
-
-static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    with_keep(
-        r#"
-local holder = redis.call('HGET', KEYS[1], 'token')
-if holder and holder ~= ARGV[1] then return {'fenced'} end
-local expires = tonumber(ARGV[3]) + tonumber(ARGV[2])
-if not holder then
-  -- The lease key was lost (Redis restarted, evicted, flushed): nobody else holds it, so
-  -- it is no fence; the run's own controller takes it back.
-  redis.call('HSET', KEYS[1], 'controller', 'resynced', 'token', ARGV[1])
-  redis.call('HSETNX', KEYS[2], 'next', 1)
-  redis.call('HSETNX', KEYS[2], 'first', 1)
-  redis.call('HSETNX', KEYS[2], 'bytes', 0)
-  redis.call('HSET', KEYS[2], 'granted', '1')
-end
-redis.call('HSET', KEYS[1], 'expires', expires)
-redis.call('HDEL', KEYS[1], 'parked')
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * tonumber(ARGV[4]))
-for k = 2, 4 do keep(KEYS[k], tonumber(ARGV[5])) end
-return {'ok', expires}
-"#,
-    )
-});
-
-/// Parks a lease with a token: no expiry, no key TTL, until UNPARK (or a renewal).
-static PARK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-if not redis.call('HGET', KEYS[1], 'token') then return 0 end
-redis.call('HSET', KEYS[1], 'parked', '1', 'expires', ARGV[1])
-redis.call('PERSIST', KEYS[1])
-return 1
-"#,
-    )
-});
-
-static UNPARK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-if redis.call('HGET', KEYS[1], 'parked') ~= '1' then return 0 end
-redis.call('HDEL', KEYS[1], 'parked')
-redis.call('HSET', KEYS[1], 'expires', tonumber(ARGV[2]) + tonumber(ARGV[1]))
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * tonumber(ARGV[3]))
-return 1
-"#,
-    )
-});
-
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"#,
-    )
-});
-
-static APPEND: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-local holder = redis.call('HGET', KEYS[1], 'token')
-if holder and holder ~= ARGV[1] then return {'fenced'} end
-local now = ARGV[2]
-local max_frames = tonumber(ARGV[3])
-local budget = tonumber(ARGV[4])
-local ttl = ARGV[5]
-local lease_ttl = tonumber(ARGV[6])
-local resync = ARGV[7] == '1'
-local A = 10
-local m = redis.call('HMGET', KEYS[2], 'next', 'first', 'bytes')
-local next = tonumber(m[1] or '1')
-local first = tonumber(m[2] or '1')
-local bytes = tonumber(m[3] or '0')
-local n = (#ARGV - A + 1) / 2
-local from = tonumber(ARGV[A])
-if from > next then
-  if not resync then return {'gap', next} end
-  -- The controller no longer holds the frames in between: the buffer restarts at its
-  -- first frame, and readers get a replay_gap for what was lost.
-  for s = first, next - 1 do
-    redis.call('HDEL', KEYS[3], s)
-    redis.call('HDEL', KEYS[4], s)
-  end
-  first, next = from, from
-end
-local add = 0
-for i = 0, n - 1 do
-  if tonumber(ARGV[A + 2 * i]) >= next then add = add + string.len(ARGV[A + 1 + 2 * i]) end
-end
-if bytes + add > budget then return {'budget'} end
-if not holder then
-  -- A lost lease key is no fence (see RENEW): the run's controller takes it back.
-  redis.call('HSET', KEYS[1], 'controller', 'resynced', 'token', ARGV[1], 'expires', tonumber(now) + lease_ttl)
-  redis.call('PEXPIRE', KEYS[1], lease_ttl * 4)
-  redis.call('HSET', KEYS[2], 'granted', '1')
-end
-local stored = 0
-local data, times = {}, {}
-for i = 0, n - 1 do
-  if tonumber(ARGV[A + 2 * i]) == next then
-    data[#data + 1] = next
-    data[#data + 1] = ARGV[A + 1 + 2 * i]
-    times[#times + 1] = next
-    times[#times + 1] = now
-    next = next + 1
-    stored = stored + 1
-  end
-end
-if stored > 0 then
-  redis.call('HSET', KEYS[3], unpack(data))
-  redis.call('HSET', KEYS[4], unpack(times))
-end
--- Trimmed in chunks: unpack() is bounded by Lua's stack (a lowered max_frames can trim
--- many at once).
-while next - first > max_frames do
-  local trimmed = {}
-  while next - first > max_frames and #trimmed < 1000 do
-    trimmed[#trimmed + 1] = first
-    first = first + 1
-  end
-  redis.call('HDEL', KEYS[3], unpack(trimmed))
-  redis.call('HDEL', KEYS[4], unpack(trimmed))
-end
-redis.call('HSET', KEYS[2], 'next', next, 'first', first, 'bytes', bytes + add)
-redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('PEXPIRE', KEYS[3], ttl)
-redis.call('PEXPIRE', KEYS[4], ttl)
--- Followers on every replica wake for new frames (ARGV[8] the channel, ARGV[9] the run).
-if stored > 0 then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
-return {'ok', next, stored, budget - bytes - add, add}
-"#,
-    )
-});
-
-/// Reserve against an org's hourly byte budget (its own key and slot: cluster-safe).
-static CHARGE_ORG: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-local used = tonumber(redis.call('GET', KEYS[1]) or '0')
-local bytes, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
-if used + bytes > limit then return -1 end
-used = redis.call('INCRBY', KEYS[1], bytes)
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return limit - used
-"#,
-    )
-});
-
-/// Gives bytes back to a counter that still exists: a refund after the hour's counter
-/// expired must not leave a negative key without a TTL behind.
-static REFUND_ORG: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], ARGV[1]) end
-return 0
-"#,
-    )
-});
-
-static READ: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-local next = tonumber(redis.call('HGET', KEYS[1], 'next') or '1')
-local first = tonumber(redis.call('HGET', KEYS[1], 'first') or '1')
-local from = math.max(tonumber(ARGV[1]), first)
-local last = math.min(next - 1, from + tonumber(ARGV[2]) - 1)
-local out = {first, next}
-for s = from, last do
-  table.insert(out, s)
-  table.insert(out, redis.call('HGET', KEYS[2], s) or '')
-  table.insert(out, tonumber(redis.call('HGET', KEYS[3], s) or '0'))
-end
-return out
-"#,
-    )
-});
-
-static BUDGET: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-local now = tonumber(ARGV[1])
-local holder = redis.call('HGET', KEYS[1], 'controller') or ''
-local expires = tonumber(redis.call('HGET', KEYS[1], 'expires') or '0')
-if expires <= now then holder = ''; expires = 0 end
-local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
-return {holder, expires, tonumber(b[1] or '0'), tonumber(b[2] or '-1'), tonumber(b[3] or '-1'),
-        b[4] or '0', tonumber(redis.call('HGET', KEYS[3], 'next') or '1'),
-        redis.call('HGET', KEYS[1], 'parked') or '0'}
-"#,
-    )
-});
-
-/// Plan and claim in one step: a lease once granted (only a lost controller is replaced),
-/// lease free, not exhausted, budget window, not_before, then the new token and
-/// `{attempts, claimed, not_before}` together. The wait after the n-th takeover is
-/// `ARGV[8 + n]`, computed by `policy::backoff_ms` (the one formula) for this claim's
-/// jitter draw.
-static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    with_keep(
-        r#"
-local now = tonumber(ARGV[1])
-local ttl = tonumber(ARGV[4])
-local state_ttl = tonumber(ARGV[5])
-local reset_after, max_attempts = tonumber(ARGV[6]), tonumber(ARGV[7])
-local gc = ttl * tonumber(ARGV[8])
-local l = redis.call('HMGET', KEYS[1], 'controller', 'token', 'expires', 'parked')
-if l[4] == '1' then return {'held'} end
-if l[1] and tonumber(l[3] or '0') > now then return {'held'} end
-local m = redis.call('HMGET', KEYS[3], 'granted', 'next')
-if m[1] ~= '1' then return {'no_controller'} end
-local b = redis.call('HMGET', KEYS[2], 'attempts', 'claimed', 'not_before', 'exhausted')
-if b[4] == '1' then return {'exhausted', 0} end
-local attempts = tonumber(b[1] or '0')
-local claimed = tonumber(b[2] or '0')
-if attempts > 0 and now - claimed > reset_after then attempts = 0 end
-if attempts >= max_attempts then
-  redis.call('HSET', KEYS[2], 'exhausted', '1')
-  redis.call('PEXPIRE', KEYS[2], state_ttl)
-  return {'exhausted', 1}
-end
-if attempts > 0 and now < tonumber(b[3] or '0') then return {'wait', tonumber(b[3])} end
-attempts = attempts + 1
-local not_before = now + tonumber(ARGV[8 + attempts])
-redis.call('HSET', KEYS[2], 'claim_token', ARGV[2], 'prev_attempts', b[1] or '',
-  'prev_claimed', b[2] or '', 'prev_not_before', b[3] or '', 'prev_controller', l[1] or '',
-  'prev_token', l[2] or '', 'prev_expires', l[3] or '',
-  'attempts', attempts, 'claimed', now, 'not_before', not_before)
-redis.call('PEXPIRE', KEYS[2], state_ttl)
-redis.call('HSET', KEYS[1], 'controller', ARGV[3], 'token', ARGV[2], 'expires', now + ttl)
-redis.call('PEXPIRE', KEYS[1], gc)
-for k = 3, 5 do keep(KEYS[k], state_ttl) end
-return {'claimed', attempts, tonumber(m[2] or '1'), not_before}
-"#,
-    )
-});
-
-/// Undoes the claim whose token is ARGV[1] if it is still the latest: the budget and the
-/// lease go back to what the claim script stashed. The lease is restored only if the
-/// claim's token still holds it.
-static UNCLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-if redis.call('HGET', KEYS[2], 'claim_token') ~= ARGV[1] then return 0 end
-local p = redis.call('HMGET', KEYS[2], 'prev_attempts', 'prev_claimed', 'prev_not_before',
-  'prev_controller', 'prev_token', 'prev_expires')
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  if p[4] and p[4] ~= '' then
-    redis.call('HSET', KEYS[1], 'controller', p[4], 'token', p[5], 'expires', p[6])
-  else
-    redis.call('DEL', KEYS[1])
-  end
-end
-local fields = {'attempts', 'claimed', 'not_before'}
-for i = 1, 3 do
-  if p[i] and p[i] ~= '' then
-    redis.call('HSET', KEYS[2], fields[i], p[i])
-  else
-    redis.call('HDEL', KEYS[2], fields[i])
-  end
-end
-redis.call('HDEL', KEYS[2], 'claim_token', 'prev_attempts', 'prev_claimed', 'prev_not_before',
-  'prev_controller', 'prev_token', 'prev_expires')
-return 1
-"#,
-    )
-});
+static ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| with_keep(include_str!("redis/lua/acquire_lease.lua")));
+static RENEW: LazyLock<Script> =
+    LazyLock::new(|| with_keep(include_str!("redis/lua/renew_lease.lua")));
+static PARK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/park_lease.lua")));
+static UNPARK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/unpark_lease.lua")));
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/release_lease.lua")));
+static APPEND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/append_frames.lua")));
+static CHARGE_ORG: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/charge_org.lua")));
+static REFUND_ORG: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/refund_org.lua")));
+static READ: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/read_frames.lua")));
+static BUDGET: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/read_budget.lua")));
+static CLAIM: LazyLock<Script> = LazyLock::new(|| with_keep(include_str!("redis/lua/claim.lua")));
+static UNCLAIM: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("redis/lua/unclaim.lua")));
 
 /// The Redis-backed store; cheap to clone (one multiplexed, reconnecting connection, or
 /// the cluster client's connections, one per master, routed by each script's first key).
