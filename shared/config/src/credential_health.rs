@@ -1,0 +1,187 @@
+//! `[credential_health]`: outage detection, cool-off and quarantine, and the profiles
+//! runs are admitted through.
+
+use std::collections::BTreeSet;
+
+use serde::Deserialize;
+
+use crate::checks::{in_range, is_name};
+use crate::error::ConfigError;
+use crate::sandbox_reconciler::SandboxNetwork;
+use crate::server::default_endpoint;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CredentialHealthConfig {
+    pub database_url: String,
+    pub endpoint: String,
+    /// Distinct runs whose backend errors on one credential open an outage incident.
+    /// At least 2: one failing run is one bad turn, not an outage.
+    pub outage_threshold: u32,
+    /// How far apart (inclusive) those failures may be, in seconds.
+    pub outage_window_seconds: u32,
+    /// How long an incident keeps its credential out of admission, in seconds.
+    pub cool_off_seconds: u32,
+    /// How long an exhausted credential is quarantined, in seconds.
+    pub quarantine_seconds: u32,
+    /// How long lead notices are kept for WatchNotices, in hours.
+    pub notice_retention_hours: u32,
+    /// Profiles runs are admitted through. A profile name may appear with several
+    /// credentials; admission then picks a healthy one.
+    pub profiles: Vec<ProfileConfig>,
+}
+
+impl Default for CredentialHealthConfig {
+    fn default() -> Self {
+        Self {
+            database_url: "postgres://postgres@127.0.0.1:5432/runplane_credential_health"
+                .to_owned(),
+            endpoint: default_endpoint(),
+            outage_threshold: 2,
+            outage_window_seconds: 60,
+            cool_off_seconds: 60,
+            quarantine_seconds: 1800,
+            notice_retention_hours: 168,
+            profiles: vec![ProfileConfig::default()],
+        }
+    }
+}
+
+/// A profile: a credential runs execute under, how many at once, and how its agents'
+/// failure output reads. The patterns are regular expressions (Rust `regex` syntax),
+/// compiled once when credential health starts; an invalid one stops the start.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileConfig {
+    pub name: String,
+    #[serde(alias = "credentialId")]
+    pub credential_id: String,
+    /// Runs this profile may carry on the credential at once.
+    pub capacity: u32,
+    /// A failure tail matching it is a transient backend error.
+    #[serde(alias = "errorPattern")]
+    pub error_pattern: String,
+    /// A failure tail matching it means the credential is spent; checked first.
+    #[serde(alias = "exhaustedPattern")]
+    pub exhausted_pattern: String,
+    /// The deadline of a run created through this profile without one of its own, in
+    /// seconds; 0 for none.
+    #[serde(default, alias = "maxRunSeconds")]
+    pub max_run_seconds: u32,
+    /// The orgs whose runs may use this profile's credential through it. Empty: every
+    /// org (a shared credential, as the embedded default is); list the orgs on every
+    /// profile of a deployment with org tokens, or one org's failures cool off another's
+    /// runs.
+    #[serde(default)]
+    pub orgs: Vec<String>,
+    /// The network of this profile's sandboxes: `none` takes it away (bubblewrap's
+    /// `--unshare-net`: only loopback), for runs that must not reach anything; unset, the
+    /// deployment's `sandbox_reconciler.network`. It can only take the network away: a
+    /// profile cannot give one to sandboxes of a deployment whose network is `none`.
+    #[serde(default)]
+    pub network: Option<SandboxNetwork>,
+}
+
+impl CredentialHealthConfig {
+    /// The profiles whose sandboxes have no network (`network = "none"`).
+    pub fn offline_profiles(&self) -> BTreeSet<String> {
+        self.profiles
+            .iter()
+            .filter(|p| p.network == Some(SandboxNetwork::None))
+            .map(|p| p.name.clone())
+            .collect()
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if !(2..=1000).contains(&self.outage_threshold) {
+            return Err(ConfigError::invalid(
+                "credential_health.outage_threshold",
+                "must be between 2 and 1000 (one failing run is not an outage)",
+            ));
+        }
+        for (field, value, max) in [
+            (
+                "credential_health.outage_window_seconds",
+                self.outage_window_seconds,
+                3600,
+            ),
+            (
+                "credential_health.cool_off_seconds",
+                self.cool_off_seconds,
+                3600,
+            ),
+            (
+                "credential_health.quarantine_seconds",
+                self.quarantine_seconds,
+                7 * 86_400,
+            ),
+            (
+                "credential_health.notice_retention_hours",
+                self.notice_retention_hours,
+                24 * 365,
+            ),
+        ] {
+            in_range(field, value, 1..=max)?;
+        }
+        let mut seen = BTreeSet::new();
+        for (i, p) in self.profiles.iter().enumerate() {
+            let field = format!("credential_health.profiles[{i}]");
+            for (what, value) in [("name", &p.name), ("credential_id", &p.credential_id)] {
+                if !is_name(value) {
+                    return Err(ConfigError::invalid(
+                        format!("{field}.{what}"),
+                        "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                    ));
+                }
+            }
+            if let Some(j) = p.orgs.iter().position(|org| !is_name(org)) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.orgs[{j}]"),
+                    "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                ));
+            }
+            in_range(format!("{field}.capacity"), p.capacity, 1..=100_000)?;
+            if !seen.insert((p.name.as_str(), p.credential_id.as_str())) {
+                return Err(ConfigError::invalid(
+                    field,
+                    format!(
+                        "profile `{}` names credential `{}` twice",
+                        p.name, p.credential_id
+                    ),
+                ));
+            }
+            // A profile's sandboxes have one network, whichever credential carries them.
+            if let Some(other) = self
+                .profiles
+                .iter()
+                .find(|o| o.name == p.name && o.network != p.network)
+            {
+                return Err(ConfigError::invalid(
+                    format!("{field}.network"),
+                    format!(
+                        "profile `{}` gives its sandboxes two networks (on credentials `{}` and `{}`); say it once, the same on every entry",
+                        p.name, other.credential_id, p.credential_id
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for ProfileConfig {
+    /// The embedded default: profile `default` on credential `local`, with the wording
+    /// common model backends use for a failed request and for a spent quota.
+    fn default() -> Self {
+        Self {
+            name: "default".to_owned(),
+            credential_id: "local".to_owned(),
+            capacity: 8,
+            error_pattern: r"(?i)API Error:|No response from API|overloaded_error|\b(502|503|504|529)\b.*(Bad Gateway|Unavailable|Timeout|Overloaded)".to_owned(),
+            exhausted_pattern: r"(?i)credit balance is too low|insufficient_quota|quota exceeded|usage limit reached".to_owned(),
+            max_run_seconds: 0,
+            orgs: Vec::new(),
+            network: None,
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! `[sandbox_reconciler]`: the reconciler's database, route tokens, tick and how its
+//! process driver contains agents.
+
+use serde::Deserialize;
+
+use crate::checks::in_range;
+use crate::error::ConfigError;
+use crate::secret::Secret;
+use crate::server::default_endpoint;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxReconcilerConfig {
+    pub database_url: String,
+    pub endpoint: String,
+    /// How long a sandbox must stay exited or lost before its run is failed.
+    pub loss_grace_seconds: u32,
+    /// Key that signs route tokens. Empty: one derived from `auth.service_token`. Node
+    /// agents never see it, only a key derived from it for their own node id.
+    pub route_token_key: Secret,
+    /// Lifetime of a route token.
+    pub route_token_ttl_seconds: u32,
+    /// Where the process driver keeps each local sandbox's pid, exit status and log.
+    pub state_dir: String,
+    /// How often dispatch, the reconcile tick and outbox delivery run, in milliseconds.
+    pub tick_interval_ms: u32,
+    /// Idle time after which a node agent suspends a sandbox (0: never).
+    pub idle_timeout_seconds: u32,
+    /// Give queued runs sandboxes. Off for a reconciler that only serves routes and
+    /// nodes, or to drive a run's runner protocol by hand.
+    pub dispatch: bool,
+    /// Run sandboxes as local processes of this reconciler when no node agent is ready
+    /// (single-machine mode). Turn it off when several reconciler replicas run: local
+    /// sandboxes live in one replica's process tree, which the others cannot probe or
+    /// signal; queued runs then wait for a node agent (`runplane node`).
+    pub local_sandboxes: bool,
+    /// How the process driver (here and on `runplane node`) contains an agent. `bwrap`,
+    /// the default, refuses to start where bubblewrap cannot create namespaces; `none`
+    /// must be chosen explicitly.
+    pub isolation: Isolation,
+    /// Whether a contained agent has the host's network (`host`, the default: agents call
+    /// model APIs) or none at all (`none`).
+    pub network: SandboxNetwork,
+    /// The uids sandboxes run as when the driver runs as root: each live sandbox gets its
+    /// own from `[sandbox_uid_base, sandbox_uid_base + sandbox_uid_count)`.
+    pub sandbox_uid_base: u32,
+    pub sandbox_uid_count: u32,
+}
+
+/// `sandbox_reconciler.isolation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// Each agent under bubblewrap: its own pid, mount, ipc and uts namespaces, the system
+    /// read-only, its workspace writable, an unprivileged uid, no new privileges.
+    #[default]
+    Bwrap,
+    /// The agent runs as the driver's user, in its namespaces, seeing what it sees.
+    None,
+}
+
+/// `sandbox_reconciler.network`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxNetwork {
+    #[default]
+    Host,
+    None,
+}
+
+impl Default for SandboxReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            database_url: "postgres://postgres@127.0.0.1:5432/runplane_sandbox_reconciler"
+                .to_owned(),
+            endpoint: default_endpoint(),
+            loss_grace_seconds: 90,
+            route_token_key: Secret::default(),
+            route_token_ttl_seconds: 60,
+            state_dir: ".runplane/sandboxes".to_owned(),
+            tick_interval_ms: 2000,
+            idle_timeout_seconds: 0,
+            dispatch: true,
+            local_sandboxes: true,
+            isolation: Isolation::Bwrap,
+            network: SandboxNetwork::Host,
+            sandbox_uid_base: 200_000,
+            sandbox_uid_count: 65_536,
+        }
+    }
+}
+
+impl SandboxReconcilerConfig {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        in_range(
+            "sandbox_reconciler.loss_grace_seconds",
+            self.loss_grace_seconds,
+            1..=3600,
+        )?;
+        if self.sandbox_uid_base < 1000
+            || self.sandbox_uid_count == 0
+            || self
+                .sandbox_uid_base
+                .checked_add(self.sandbox_uid_count)
+                .is_none()
+        {
+            return Err(ConfigError::invalid(
+                "sandbox_reconciler.sandbox_uid_base",
+                "sandbox_uid_base must be at least 1000 and sandbox_uid_count at least 1, \
+                 and the range must fit in a u32",
+            ));
+        }
+        in_range(
+            "sandbox_reconciler.tick_interval_ms",
+            self.tick_interval_ms,
+            100..=600_000,
+        )?;
+        in_range(
+            "sandbox_reconciler.route_token_ttl_seconds",
+            self.route_token_ttl_seconds,
+            1..=3600,
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,186 @@
+//! `[stream_recovery]`: where the stream recovery coordinator keeps its state.
+
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+use crate::server::default_endpoint;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StreamRecoveryConfig {
+    /// One Redis, `redis://[user:password@]host:port[/db]` (`rediss://` for TLS); or a
+    /// Redis Cluster, `redis+cluster://[user:password@]host:port,host:port,...` or a
+    /// comma-separated list of `redis://` seed nodes; or `memory://`, the in-process store.
+    pub redis_url: String,
+    /// Prefix of every Redis key the coordinator writes (no `{` or `}`: a run's keys are
+    /// hash-tagged `{run:<id>}` so each run's keys share one cluster slot).
+    pub key_prefix: String,
+    pub endpoint: String,
+}
+
+impl Default for StreamRecoveryConfig {
+    fn default() -> Self {
+        Self {
+            redis_url: "redis://127.0.0.1:6379".to_owned(),
+            key_prefix: "runplane:".to_owned(),
+            endpoint: default_endpoint(),
+        }
+    }
+}
+
+impl StreamRecoveryConfig {
+    /// `redis_url`, parsed (see [`RedisTarget::parse`]).
+    pub fn target(&self) -> Result<RedisTarget, &'static str> {
+        RedisTarget::parse(&self.redis_url)
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if let Err(reason) = self.target() {
+            return Err(ConfigError::invalid("stream_recovery.redis_url", reason));
+        }
+        // A brace in the prefix would become every key's hash tag: all runs in one slot.
+        if self.key_prefix.contains(['{', '}']) {
+            return Err(ConfigError::invalid(
+                "stream_recovery.key_prefix",
+                "must not contain { or } (they would make every key share one cluster slot)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `url` with any password replaced, safe to log or put in an error; a comma-separated
+/// list (cluster seeds) has each element's replaced.
+pub fn redact_url(url: &str) -> String {
+    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+}
+
+fn redact_one(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let userinfo = &url[scheme_end + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Where the stream recovery coordinator keeps its state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// The in-process store (`memory://`).
+    Memory,
+    /// One Redis server.
+    Single(String),
+    /// A Redis Cluster, by its seed nodes (each a `redis://` or `rediss://` URL).
+    Cluster(Vec<String>),
+}
+
+const REDIS_URL_FORMS: &str = "must be redis://host:port, rediss://host:port, \
+     redis+cluster://host:port,host:port,..., a comma-separated list of redis:// seed nodes, \
+     or memory:// for the in-process store";
+
+impl RedisTarget {
+    /// A `[stream_recovery].redis_url`, in any of its forms; the reason is safe to show
+    /// (it never repeats the URL, which may hold a password).
+    pub fn parse(url: &str) -> Result<Self, &'static str> {
+        let single = |u: &str| u.starts_with("redis://") || u.starts_with("rediss://");
+        if url == "memory://" {
+            return Ok(RedisTarget::Memory);
+        }
+        for (scheme, node_scheme) in [
+            ("redis+cluster://", "redis://"),
+            ("rediss+cluster://", "rediss://"),
+        ] {
+            if let Some(rest) = url.strip_prefix(scheme) {
+                let rest = rest.trim_end_matches('/');
+                // Credentials, if any, are written once before the first host and apply to all.
+                let (userinfo, hosts) = match rest.rsplit_once('@') {
+                    Some((u, h)) => (format!("{u}@"), h),
+                    None => (String::new(), rest),
+                };
+                let seeds: Vec<String> = hosts
+                    .split(',')
+                    .map(|h| format!("{node_scheme}{userinfo}{}", h.trim()))
+                    .collect();
+                if hosts
+                    .split(',')
+                    .any(|h| h.trim().is_empty() || h.contains('/'))
+                {
+                    return Err("a redis+cluster:// URL lists host:port seeds separated by commas");
+                }
+                return Ok(RedisTarget::Cluster(seeds));
+            }
+        }
+        if url.contains(',') {
+            let seeds: Vec<String> = url.split(',').map(|s| s.trim().to_owned()).collect();
+            if seeds
+                .iter()
+                .all(|s| single(s) && s.len() > "redis://".len())
+            {
+                return Ok(RedisTarget::Cluster(seeds));
+            }
+            return Err(REDIS_URL_FORMS);
+        }
+        if single(url) {
+            return Ok(RedisTarget::Single(url.to_owned()));
+        }
+        Err(REDIS_URL_FORMS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_redis_url_names_one_server_a_cluster_or_memory() {
+        use RedisTarget::*;
+        let t = RedisTarget::parse;
+        assert_eq!(t("memory://"), Ok(Memory));
+        assert_eq!(t("redis://h:6379/2"), Ok(Single("redis://h:6379/2".into())));
+        assert_eq!(t("rediss://h:6380"), Ok(Single("rediss://h:6380".into())));
+        assert_eq!(
+            t("redis+cluster://a:7000,b:7001/"),
+            Ok(Cluster(vec![
+                "redis://a:7000".into(),
+                "redis://b:7001".into()
+            ]))
+        );
+        assert_eq!(
+            t("rediss+cluster://u:p@a:7000,b:7001"),
+            Ok(Cluster(vec![
+                "rediss://u:p@a:7000".into(),
+                "rediss://u:p@b:7001".into()
+            ]))
+        );
+        assert_eq!(
+            t("redis://a:7000, redis://b:7001"),
+            Ok(Cluster(vec![
+                "redis://a:7000".into(),
+                "redis://b:7001".into()
+            ]))
+        );
+        for bad in [
+            "",
+            "http://h",
+            "redis+cluster://",
+            "redis+cluster://a:1,,b:2",
+            "redis+cluster://a:1/0,b:2",
+            "redis://a:1,http://b",
+            "redis://a:1,",
+        ] {
+            assert!(t(bad).is_err(), "{bad:?} accepted");
+        }
+        assert_eq!(
+            redact_url("redis://u:pw@a:1,redis://u:pw@b:2"),
+            "redis://u:***@a:1,redis://u:***@b:2"
+        );
+        // The reason never repeats the URL (a password could be in it).
+        let reason = t("redis://u:secret@a:1,nope").unwrap_err();
+        assert!(!reason.contains("secret"));
+    }
+}
