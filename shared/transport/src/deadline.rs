@@ -15,7 +15,7 @@ use prost::Message as _;
 use prost::encoding::{WireType, decode_key, decode_varint};
 use runplane_proto::CallClass;
 
-use crate::RetryConfig;
+use crate::config::RetryConfig;
 
 pub(crate) fn of(
     config: &RetryConfig,
@@ -96,7 +96,7 @@ fn wait(frame: &[u8], field: u32) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use runplane_proto::runstore::v1 as pb;
+    use runplane_proto::runstore::v1 as runstore_pb;
 
     fn frame(message: &impl prost::Message) -> Vec<u8> {
         let encoded = message.encode_to_vec();
@@ -111,7 +111,7 @@ mod tests {
         let config = RetryConfig::default();
         let policy =
             runplane_proto::policy_for("/runplane.runstore.v1.RunnerService/PollSteering").unwrap();
-        let request = pb::PollSteeringRequest {
+        let request = runstore_pb::PollSteeringRequest {
             run_id: "r".into(),
             wait: Some(prost_types::Duration {
                 seconds: 25,
