@@ -20,7 +20,8 @@ use tonic::{Request, Response, Status};
 
 use crate::domain::profiles::Profiles;
 use crate::error::CredentialHealthError;
-use crate::store::{Report, Store, incident_view};
+use crate::store::incidents::incident_view;
+use crate::store::{Report, Store};
 use crate::view::{self, timestamp};
 
 /// The run store, called with the service token.
@@ -36,7 +37,7 @@ const COUNT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often the replica re-reads the notice counters of the leads being watched,
 /// without a wake-up (the safety net: other replicas' notices arrive by NOTIFY).
 pub const NOTICE_RECHECK: Duration = Duration::from_secs(30);
-/// The Postgres channel of new notices; a key is a lead's [`crate::store::notice_key`].
+/// The Postgres channel of new notices; a key is a lead's [`crate::store::notices::notice_key`].
 pub const NOTICE_CHANNEL: &str = "runplane_lead_notices";
 
 /// What every CredentialHealthService handler works with; [`crate::CredentialHealth`]'s
@@ -47,7 +48,7 @@ pub struct HealthServiceState {
     pub run_store: RunStoreClient,
     /// The tokens the server's authentication layer knows (`[auth]`).
     pub tokens: runplane_grpc::auth::Tokens,
-    /// Notice watchers, by lead ([`crate::store::notice_key`]); what each last sent is its
+    /// Notice watchers, by lead ([`crate::store::notices::notice_key`]); what each last sent is its
     /// lead's notice sequence.
     pub notices: Wakeups<i64>,
     /// Tells the other replicas which leads got notices (Postgres only).
@@ -198,7 +199,10 @@ impl CredentialHealthService for CredentialHealthApi {
             return Err(CredentialHealthError::CredentialUnknown(req.credential_id).into());
         };
         let (outcome, reason) = profile.classify(&req.failure_tail);
-        tracing::Span::current().record("outcome", crate::store::outcome_name(outcome));
+        tracing::Span::current().record(
+            "outcome",
+            crate::store::turn_failures::outcome_name(outcome),
+        );
         let on_credential: Vec<(String, u32)> = s
             .profiles
             .on_credential(&req.credential_id)
@@ -509,7 +513,7 @@ impl CredentialHealthService for CredentialHealthApi {
         tokio::spawn(async move {
             let mut wake = s
                 .notices
-                .subscribe(&crate::store::notice_key(&org, &req.lead_id));
+                .subscribe(&crate::store::notices::notice_key(&org, &req.lead_id));
             let mut closing = s.closing.subscribe();
             let due = runplane_grpc::heartbeat::Due::new(heartbeat);
             loop {

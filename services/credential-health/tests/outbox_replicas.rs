@@ -13,7 +13,7 @@ use std::time::Duration;
 use runplane_clock::ManualClock;
 use runplane_config::{Config, ProfileConfig, Secret};
 use runplane_credential_health::CredentialHealth;
-use runplane_credential_health::store::OUTBOX_MARK_BACKEND_ERROR;
+use runplane_credential_health::store::outbox::OUTBOX_MARK_BACKEND_ERROR;
 use runplane_db::outbox::CLAIM_TIMEOUT;
 use runplane_grpc::ServiceSet;
 use runplane_proto::runstore::v1 as runstore_pb;
