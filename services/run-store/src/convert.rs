@@ -1,10 +1,12 @@
-//! Stored rows to protobuf messages.
+//! Stored rows to protobuf messages, and the verdict between its domain and wire forms.
 
 use prost::Message;
 use runplane_proto::runstore::v1 as pb;
 
 use crate::domain::state::RunState;
 use crate::domain::validate::json_to_struct;
+use crate::domain::verdict::Verdict;
+use crate::error::RunStoreError;
 use crate::store::entities::{event, run, steering_message};
 use runplane_clock::to_timestamp as timestamp;
 
@@ -23,7 +25,10 @@ pub fn run(model: &run::Model) -> pb::Run {
             turn_id: v["turn_id"].as_str().unwrap_or_default().to_owned(),
             recorded_at: v["recorded_at_us"].as_i64().map(timestamp),
         });
-    let verdict = (terminal && model.verdict_outcome.is_some()).then(|| model.recorded_verdict());
+    let verdict = terminal
+        .then(|| model.verdict())
+        .flatten()
+        .map(|v| pb::Verdict::from(&v));
     let failure_reason = match (&backend_error, &verdict) {
         (Some(b), _) => b.reason.clone(),
         (None, Some(v)) if v.outcome() != pb::VerdictOutcome::Succeeded => v.reason.clone(),
@@ -95,5 +100,36 @@ pub fn message(model: &steering_message::Model) -> pb::SteeringMessage {
         sequence: model.sequence as u64,
         enqueued_at: Some(timestamp(model.enqueued_at_us)),
         payload,
+    }
+}
+
+/// The recorded verdict as sent in answers and sealed in receipts.
+impl From<&Verdict> for pb::Verdict {
+    fn from(verdict: &Verdict) -> Self {
+        Self {
+            outcome: pb::VerdictOutcome::from(verdict.outcome) as i32,
+            reason: verdict.reason.clone(),
+            exit_code: verdict.exit_code,
+            signal: verdict.signal,
+            message: verdict.message.clone(),
+        }
+    }
+}
+
+/// A runner's verdict; an unspecified (or unknown) outcome is refused naming the field.
+impl TryFrom<&pb::Verdict> for Verdict {
+    type Error = RunStoreError;
+
+    fn try_from(verdict: &pb::Verdict) -> Result<Self, Self::Error> {
+        let outcome = verdict.outcome().try_into().map_err(|_| {
+            RunStoreError::invalid("verdict.outcome", "must be succeeded, failed or cancelled")
+        })?;
+        Ok(Self {
+            outcome,
+            reason: verdict.reason.clone(),
+            exit_code: verdict.exit_code,
+            signal: verdict.signal,
+            message: verdict.message.clone(),
+        })
     }
 }

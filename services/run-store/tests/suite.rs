@@ -10,6 +10,7 @@ use futures::StreamExt;
 use runplane_grpc::{ErrorReason, error_info};
 use runplane_proto::runstore::v1 as pb;
 use runplane_run_store::domain::receipt::verify;
+use runplane_run_store::domain::verdict::Verdict;
 use tonic::Code;
 
 runplane_testkit::on_both_backends!(
@@ -1438,10 +1439,11 @@ async fn a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not(h: Harn
         other => panic!("{other:?}"),
     }
     // The first attempt: committed, nobody woken.
+    let verdict = Verdict::try_from(&succeeded()).unwrap();
     let first = h
         .store
         .store()
-        .submit_result(&run_id, &succeeded(), "", None, &h.signer)
+        .submit_result(&run_id, &verdict, "", None, &h.signer)
         .await
         .unwrap();
     assert!(first.made_terminal);

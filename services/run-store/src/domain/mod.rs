@@ -6,3 +6,4 @@ pub mod limits;
 pub mod receipt;
 pub mod state;
 pub mod validate;
+pub mod verdict;

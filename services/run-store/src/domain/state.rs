@@ -1,7 +1,6 @@
 //! A run's state: stored as its name (`queued`, …), sent as the proto enum.
 
 use runplane_proto::runstore::v1 as runstore_pb;
-use runplane_proto::runstore::v1::VerdictOutcome;
 use sea_orm::entity::prelude::*;
 
 /// Where a run is in its life. A run leaves the live states only once, through
@@ -50,16 +49,6 @@ impl RunState {
 
     pub fn is_terminal(self) -> bool {
         !Self::LIVE.contains(&self)
-    }
-
-    /// The terminal state a verdict outcome puts a run in.
-    pub fn for_outcome(outcome: VerdictOutcome) -> Option<Self> {
-        Some(match outcome {
-            VerdictOutcome::Succeeded => Self::Succeeded,
-            VerdictOutcome::Failed => Self::Failed,
-            VerdictOutcome::Cancelled => Self::Cancelled,
-            VerdictOutcome::Unspecified => return None,
-        })
     }
 }
 
@@ -113,24 +102,6 @@ impl TryFrom<runstore_pb::RunState> for RunState {
             runstore_pb::RunState::BackendError => Self::BackendError,
             runstore_pb::RunState::Unspecified => return Err(state),
         })
-    }
-}
-
-pub fn outcome_name(outcome: VerdictOutcome) -> &'static str {
-    match outcome {
-        VerdictOutcome::Succeeded => "succeeded",
-        VerdictOutcome::Failed => "failed",
-        VerdictOutcome::Cancelled => "cancelled",
-        VerdictOutcome::Unspecified => "unspecified",
-    }
-}
-
-pub fn outcome_from_name(name: &str) -> VerdictOutcome {
-    match name {
-        "succeeded" => VerdictOutcome::Succeeded,
-        "failed" => VerdictOutcome::Failed,
-        "cancelled" => VerdictOutcome::Cancelled,
-        _ => VerdictOutcome::Unspecified,
     }
 }
 

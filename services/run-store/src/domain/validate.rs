@@ -2,9 +2,10 @@
 //! request that fails any check writes nothing.
 
 use prost_types::value::Kind;
-use runplane_proto::runstore::v1::{EventInput, EventKind, Verdict, VerdictOutcome};
+use runplane_proto::runstore::v1::{EventInput, EventKind};
 
 use crate::domain::limits::Limits;
+use crate::domain::verdict::Verdict;
 use crate::error::RunStoreError;
 
 /// Client-chosen keys (request ids, batch keys, nonces): 16–128 printable ASCII bytes.
@@ -79,17 +80,11 @@ pub fn snake_reason(field: &'static str, value: &str) -> Result<(), RunStoreErro
     Ok(())
 }
 
-pub fn verdict(verdict: Option<&Verdict>) -> Result<&Verdict, RunStoreError> {
-    let v = verdict.ok_or_else(|| RunStoreError::invalid("verdict", "is required"))?;
-    if v.outcome() == VerdictOutcome::Unspecified {
-        return Err(RunStoreError::invalid(
-            "verdict.outcome",
-            "must be succeeded, failed or cancelled",
-        ));
-    }
+/// A runner's verdict, its outcome already known (see `convert`).
+pub fn verdict(v: &Verdict) -> Result<(), RunStoreError> {
     snake_reason("verdict.reason", &v.reason)?;
     bounded("verdict.message", &v.message, 0, 512)?;
-    Ok(v)
+    Ok(())
 }
 
 /// Structured event data as JSON with sorted keys; empty when absent.

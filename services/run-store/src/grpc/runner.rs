@@ -118,7 +118,12 @@ impl RunnerService for RunnerApi {
         let s = &self.shared;
         let req = request.get_ref();
         s.runner(&request, &req.run_id, true).await?;
-        let verdict = validate::verdict(req.verdict.as_ref())?;
+        let verdict = req
+            .verdict
+            .as_ref()
+            .ok_or_else(|| RunStoreError::invalid("verdict", "is required"))?;
+        let verdict = Verdict::try_from(verdict)?;
+        validate::verdict(&verdict)?;
         validate::bounded(
             "failure_tail",
             &req.failure_tail,
@@ -136,7 +141,7 @@ impl RunnerService for RunnerApi {
             .store
             .submit_result(
                 &req.run_id,
-                verdict,
+                &verdict,
                 &req.failure_tail,
                 final_batch,
                 &s.settings.signer,
@@ -144,7 +149,7 @@ impl RunnerService for RunnerApi {
             .await?;
         if finished.made_terminal {
             s.changes.ended(&req.run_id, finished.run.state);
-            tracing::info!(outcome = %state::outcome_name(verdict.outcome()), reason = %verdict.reason, "run finished");
+            tracing::info!(outcome = %verdict.outcome, reason = %verdict.reason, "run finished");
         } else {
             s.changes.ended_again(&req.run_id);
         }

@@ -7,6 +7,7 @@ pub mod run {
     use sea_orm::entity::prelude::*;
 
     pub use crate::domain::state::RunState;
+    pub use crate::domain::verdict::{Verdict, VerdictOutcome};
 
     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
     #[sea_orm(table_name = "runs")]
@@ -31,7 +32,7 @@ pub mod run {
         pub chain_head: Vec<u8>,
         /// Per-run counter of steering messages, so their order is the enqueue order.
         pub steering_sequence: i64,
-        pub verdict_outcome: Option<String>,
+        pub verdict_outcome: Option<VerdictOutcome>,
         pub verdict_reason: Option<String>,
         pub verdict_exit_code: Option<i32>,
         pub verdict_signal: Option<i32>,
@@ -59,17 +60,15 @@ pub mod run {
     impl ActiveModelBehavior for ActiveModel {}
 
     impl Model {
-        /// The verdict recorded on this run (defaults where none is: check the state).
-        pub fn recorded_verdict(&self) -> runplane_proto::runstore::v1::Verdict {
-            runplane_proto::runstore::v1::Verdict {
-                outcome: crate::domain::state::outcome_from_name(
-                    self.verdict_outcome.as_deref().unwrap_or_default(),
-                ) as i32,
+        /// The verdict recorded on this run; `None` before it has one.
+        pub fn verdict(&self) -> Option<Verdict> {
+            Some(Verdict {
+                outcome: self.verdict_outcome?,
                 reason: self.verdict_reason.clone().unwrap_or_default(),
                 exit_code: self.verdict_exit_code,
                 signal: self.verdict_signal,
                 message: self.verdict_message.clone().unwrap_or_default(),
-            }
+            })
         }
     }
 }

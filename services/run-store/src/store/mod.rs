@@ -42,8 +42,9 @@ pub use migration::Migrator;
 use crate::domain::chain::{self, ChainedEvent};
 use crate::domain::ids;
 use crate::domain::receipt::ReceiptSigner;
-use crate::domain::state::{self, RunState};
+use crate::domain::state::RunState;
 use crate::domain::validate::CheckedEvent;
+use crate::domain::verdict::{Verdict, VerdictOutcome};
 use crate::error::RunStoreError;
 use entities::{event, event_batch, keyed_answer, receipt, run, run_key, steering_message};
 
@@ -359,8 +360,8 @@ fn same_request(existing: run::Model, digest: &str) -> Result<run::Model> {
 }
 
 /// Two verdicts are the same when outcome, reason and exit code agree.
-fn same_verdict(run: &run::Model, verdict: &pb::Verdict) -> bool {
-    run.verdict_outcome.as_deref() == Some(state::outcome_name(verdict.outcome()))
+fn same_verdict(run: &run::Model, verdict: &Verdict) -> bool {
+    run.verdict_outcome == Some(verdict.outcome)
         && run.verdict_reason.as_deref() == Some(verdict.reason.as_str())
         && run.verdict_exit_code == verdict.exit_code
 }
@@ -371,8 +372,8 @@ pub fn terminal_error(run: &run::Model) -> RunStoreError {
         run_id: run.id.clone(),
         outcome: run
             .verdict_outcome
-            .clone()
-            .unwrap_or_else(|| run.state.as_str().to_owned()),
+            .map_or(run.state.as_str(), VerdictOutcome::as_str)
+            .to_owned(),
         reason: run.verdict_reason.clone().unwrap_or_default(),
         exit_code: run.verdict_exit_code,
     }

@@ -8,7 +8,7 @@ impl Store {
     pub async fn submit_result(
         &self,
         run_id: &str,
-        verdict: &pb::Verdict,
+        verdict: &Verdict,
         failure_tail: &str,
         final_batch: Option<(&str, &[CheckedEvent])>,
         signer: &ReceiptSigner,
@@ -40,7 +40,7 @@ impl Store {
         let run = self
             .finish_locked(&txn, run, verdict, Some(failure_tail), signer)
             .await?;
-        if verdict.outcome() == pb::VerdictOutcome::Failed && !failure_tail.is_empty() {
+        if verdict.outcome == VerdictOutcome::Failed && !failure_tail.is_empty() {
             self.owe_turn_failure(&txn, &run, format!("{}:result", run.id), failure_tail)
                 .await?;
         }
@@ -88,12 +88,7 @@ impl Store {
         {
             (pb::FailRunOutcome::GuardMismatch, run)
         } else {
-            let verdict = pb::Verdict {
-                outcome: pb::VerdictOutcome::Failed as i32,
-                reason: reason.to_owned(),
-                message: message.to_owned(),
-                ..Default::default()
-            };
+            let verdict = Verdict::new(VerdictOutcome::Failed, reason, message);
             let run = self
                 .finish_locked(&txn, run, &verdict, None, signer)
                 .await?;
@@ -127,12 +122,7 @@ impl Store {
         if run.state != RunState::Queued {
             return Ok(None);
         }
-        let verdict = pb::Verdict {
-            outcome: pb::VerdictOutcome::Cancelled as i32,
-            reason: "interrupted".into(),
-            message: reason.to_owned(),
-            ..Default::default()
-        };
+        let verdict = Verdict::new(VerdictOutcome::Cancelled, "interrupted", reason);
         let run = self
             .finish_locked(&txn, run, &verdict, None, signer)
             .await?;
@@ -165,12 +155,7 @@ impl Store {
         if run.state.is_terminal() {
             return Err(terminal_error(&run));
         }
-        let verdict = pb::Verdict {
-            outcome: pb::VerdictOutcome::Cancelled as i32,
-            reason: REASON_CANCELLED.into(),
-            message: message.to_owned(),
-            ..Default::default()
-        };
+        let verdict = Verdict::new(VerdictOutcome::Cancelled, REASON_CANCELLED, message);
         let run = self
             .finish_locked(&txn, run, &verdict, None, signer)
             .await?;
@@ -215,12 +200,11 @@ impl Store {
             return Ok(None);
         }
         let limit_s = (run.deadline_at_us.unwrap_or(now) - run.created_at_us) / 1_000_000;
-        let verdict = pb::Verdict {
-            outcome: pb::VerdictOutcome::Failed as i32,
-            reason: REASON_DEADLINE_EXCEEDED.into(),
-            message: format!("the run outlived its {limit_s} s deadline"),
-            ..Default::default()
-        };
+        let verdict = Verdict::new(
+            VerdictOutcome::Failed,
+            REASON_DEADLINE_EXCEEDED,
+            format!("the run outlived its {limit_s} s deadline"),
+        );
         let run = self
             .finish_locked(&txn, run, &verdict, None, signer)
             .await?;
@@ -264,12 +248,7 @@ impl Store {
                 )));
             }
             RunState::Starting | RunState::Running => {
-                let verdict = pb::Verdict {
-                    outcome: pb::VerdictOutcome::Failed as i32,
-                    reason: "backend_error".into(),
-                    message: reason.to_owned(),
-                    ..Default::default()
-                };
+                let verdict = Verdict::new(VerdictOutcome::Failed, "backend_error", reason);
                 let run = self
                     .finish_locked(&txn, run, &verdict, None, signer)
                     .await?;
@@ -389,17 +368,14 @@ impl Store {
         &self,
         txn: &DatabaseTransaction,
         run: run::Model,
-        verdict: &pb::Verdict,
+        verdict: &Verdict,
         failure_tail: Option<&str>,
         signer: &ReceiptSigner,
     ) -> Result<run::Model> {
         let now = self.now_us();
-        let terminal = RunState::for_outcome(verdict.outcome())
-            .ok_or_else(|| RunStoreError::invalid("verdict.outcome", "is unspecified"))?;
         let mut active = run.clone().into_active_model();
-        active.state = sea_orm::Set(terminal);
-        active.verdict_outcome =
-            sea_orm::Set(Some(state::outcome_name(verdict.outcome()).to_owned()));
+        active.state = sea_orm::Set(verdict.outcome.run_state());
+        active.verdict_outcome = sea_orm::Set(Some(verdict.outcome));
         active.verdict_reason = sea_orm::Set(Some(verdict.reason.clone()));
         active.verdict_exit_code = sea_orm::Set(verdict.exit_code);
         active.verdict_signal = sea_orm::Set(verdict.signal);
@@ -430,7 +406,7 @@ impl Store {
         let body = pb::ReceiptBody {
             run_id: run.id.clone(),
             org_id: run.org_id.clone(),
-            verdict: Some(run.recorded_verdict()),
+            verdict: run.verdict().as_ref().map(pb::Verdict::from),
             event_count: run.last_sequence as u64,
             check_events: checks
                 .into_iter()
