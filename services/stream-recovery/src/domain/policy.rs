@@ -8,7 +8,7 @@
 //!   the run without waiting): a 60 s cap is kept as the formula's bound, but
 //!   it binds only from the seventh attempt, so under `MAX_ATTEMPTS` it is never reached.
 //!   [`backoff_ms`] is the one formula: the memory store calls it and the Redis claim
-//!   script is handed its values (see `store/redis.rs`).
+//!   script is handed its values (see `store/redis/claims.rs`).
 //! - After 5 takeovers the next claim ends the run (`stream_recovery_exhausted`): a run
 //!   whose controllers keep dying is a bug, not an outage, and must not loop forever.
 //! - A takeover more than 5 minutes after the previous one starts a fresh budget: an

@@ -3,7 +3,7 @@
 //! process, like a Redis without persistence.
 //!
 //! Bounded like Redis: every key the scripts give a TTL expires here at the same moment
-//! (see `store/redis.rs`), on this store's clock (the coordinator's, as Redis uses its
+//! (see `store/redis/mod.rs`), on this store's clock (the coordinator's, as Redis uses its
 //! server's): a lease, a run's meta and buffer, its budget, an org's hourly counter.
 //! Expired state is dropped when its run is next touched, and every run's by the sweep's
 //! listing (`runs`), which the coordinator calls every 30 s.
