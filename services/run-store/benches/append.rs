@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -68,11 +68,13 @@ async fn bench_run_store(endpoint: &str, runners: usize, batch: usize, round: us
     for r in 0..runners {
         let run = operator
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: format!("bench-{round}-{runners}-{batch}-{r:04}-req"),
                     org_id: "bench".into(),
                     lead_id: "bench".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                        "c".into(),
+                    )),
                     command: "agent".into(),
                     ..Default::default()
                 },
@@ -85,7 +87,7 @@ async fn bench_run_store(endpoint: &str, runners: usize, batch: usize, round: us
             .unwrap();
         let key = operator
             .issue_run_key(authed(
-                pb::IssueRunKeyRequest {
+                runstore_pb::IssueRunKeyRequest {
                     run_id: run.id.clone(),
                     sandbox_id: "sbx".into(),
                     sandbox_generation: 1,
@@ -108,8 +110,8 @@ async fn bench_run_store(endpoint: &str, runners: usize, batch: usize, round: us
             let mut latencies = Vec::with_capacity(per_runner);
             for b in 0..per_runner {
                 let events = (0..batch)
-                    .map(|i| pb::EventInput {
-                        kind: pb::EventKind::Stdout as i32,
+                    .map(|i| runstore_pb::EventInput {
+                        kind: runstore_pb::EventKind::Stdout as i32,
                         text: format!(
                             "line {b}.{i}: the agent printed something of typical length"
                         ),
@@ -119,7 +121,7 @@ async fn bench_run_store(endpoint: &str, runners: usize, batch: usize, round: us
                 let t = Instant::now();
                 runner
                     .append_events(authed(
-                        pb::AppendEventsRequest {
+                        runstore_pb::AppendEventsRequest {
                             run_id: run_id.clone(),
                             batch_key: format!("bench-batch-{b:08}"),
                             events,
@@ -160,7 +162,7 @@ async fn bench_baseline(
                         event::Model {
                             run_id: run_id.clone(),
                             sequence: (b * batch + i + 1) as i64,
-                            kind: pb::EventKind::Stdout as i32,
+                            kind: runstore_pb::EventKind::Stdout as i32,
                             text: format!(
                                 "line {b}.{i}: the agent printed something of typical length"
                             ),

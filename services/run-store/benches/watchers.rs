@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -81,11 +81,13 @@ async fn connect(endpoint: &str) -> Channel {
 async fn create_run(channel: &Channel, n: usize) -> String {
     RunServiceClient::new(channel.clone())
         .create_run(authed(
-            pb::CreateRunRequest {
+            runstore_pb::CreateRunRequest {
                 client_request_id: format!("watchers-bench-{n:06}-request"),
                 org_id: "bench".into(),
                 lead_id: "bench".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "c".into(),
+                )),
                 command: "agent".into(),
                 ..Default::default()
             },
@@ -99,10 +101,10 @@ async fn create_run(channel: &Channel, n: usize) -> String {
         .id
 }
 
-async fn watch(channel: &Channel, run_id: &str) -> tonic::Streaming<pb::WatchRunResponse> {
+async fn watch(channel: &Channel, run_id: &str) -> tonic::Streaming<runstore_pb::WatchRunResponse> {
     let mut stream = RunServiceClient::new(channel.clone())
         .watch_run(authed(
-            pb::WatchRunRequest {
+            runstore_pb::WatchRunRequest {
                 run_id: run_id.to_owned(),
                 ..Default::default()
             },
@@ -157,7 +159,7 @@ async fn latencies(appender: &Channel, watcher: &Channel, n: usize) -> Vec<Durat
     let run_id = create_run(appender, 1_000_000 + n).await;
     let key = RunServiceClient::new(appender.clone())
         .issue_run_key(authed(
-            pb::IssueRunKeyRequest {
+            runstore_pb::IssueRunKeyRequest {
                 run_id: run_id.clone(),
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
@@ -176,11 +178,11 @@ async fn latencies(appender: &Channel, watcher: &Channel, n: usize) -> Vec<Durat
         let started = Instant::now();
         runner
             .append_events(authed(
-                pb::AppendEventsRequest {
+                runstore_pb::AppendEventsRequest {
                     run_id: run_id.clone(),
                     batch_key: format!("latency-batch-{i:06}"),
-                    events: vec![pb::EventInput {
-                        kind: pb::EventKind::Stdout as i32,
+                    events: vec![runstore_pb::EventInput {
+                        kind: runstore_pb::EventKind::Stdout as i32,
                         text: format!("line {i}"),
                         ..Default::default()
                     }],
@@ -191,7 +193,7 @@ async fn latencies(appender: &Channel, watcher: &Channel, n: usize) -> Vec<Durat
             .unwrap();
         loop {
             let item = stream.message().await.unwrap().expect("watch open");
-            if let Some(pb::watch_run_response::Update::Event(e)) = item.update
+            if let Some(runstore_pb::watch_run_response::Update::Event(e)) = item.update
                 && e.sequence == i as u64 + 1
             {
                 break;

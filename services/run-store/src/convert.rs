@@ -1,7 +1,7 @@
 //! Stored rows to protobuf messages, and the verdict between its domain and wire forms.
 
 use prost::Message;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 
 use crate::domain::state::RunState;
 use crate::domain::validate::json_to_struct;
@@ -10,15 +10,17 @@ use crate::error::RunStoreError;
 use crate::store::entities::{event, run, steering_message};
 use runplane_clock::to_timestamp as timestamp;
 
-pub fn run(model: &run::Model) -> pb::Run {
+pub fn run(model: &run::Model) -> runstore_pb::Run {
     let terminal = model.state.is_terminal();
-    let backend_error: Option<pb::BackendError> = model
+    let backend_error: Option<runstore_pb::BackendError> = model
         .backend_error
         .as_deref()
         .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok())
-        .map(|v| pb::BackendError {
-            kind: pb::BackendErrorKind::from_str_name(v["kind"].as_str().unwrap_or_default())
-                .unwrap_or(pb::BackendErrorKind::Unspecified) as i32,
+        .map(|v| runstore_pb::BackendError {
+            kind: runstore_pb::BackendErrorKind::from_str_name(
+                v["kind"].as_str().unwrap_or_default(),
+            )
+            .unwrap_or(runstore_pb::BackendErrorKind::Unspecified) as i32,
             reason: v["reason"].as_str().unwrap_or_default().to_owned(),
             credential_id: v["credential_id"].as_str().unwrap_or_default().to_owned(),
             incident_id: v["incident_id"].as_str().unwrap_or_default().to_owned(),
@@ -28,17 +30,19 @@ pub fn run(model: &run::Model) -> pb::Run {
     let verdict = terminal
         .then(|| model.verdict())
         .flatten()
-        .map(|v| pb::Verdict::from(&v));
+        .map(|v| runstore_pb::Verdict::from(&v));
     let failure_reason = match (&backend_error, &verdict) {
         (Some(b), _) => b.reason.clone(),
-        (None, Some(v)) if v.outcome() != pb::VerdictOutcome::Succeeded => v.reason.clone(),
+        (None, Some(v)) if v.outcome() != runstore_pb::VerdictOutcome::Succeeded => {
+            v.reason.clone()
+        }
         _ => String::new(),
     };
-    pb::Run {
+    runstore_pb::Run {
         id: model.id.clone(),
         org_id: model.org_id.clone(),
         lead_id: model.lead_id.clone(),
-        state: pb::RunState::from(model.state) as i32,
+        state: runstore_pb::RunState::from(model.state) as i32,
         verdict,
         failure_reason,
         credential_id: model.credential_id.clone(),
@@ -64,8 +68,8 @@ pub fn run(model: &run::Model) -> pb::Run {
     }
 }
 
-pub fn event(model: &event::Model) -> pb::Event {
-    pb::Event {
+pub fn event(model: &event::Model) -> runstore_pb::Event {
+    runstore_pb::Event {
         run_id: model.run_id.clone(),
         sequence: model.sequence as u64,
         kind: model.kind,
@@ -79,21 +83,27 @@ pub fn event(model: &event::Model) -> pb::Event {
     }
 }
 
-pub fn message(model: &steering_message::Model) -> pb::SteeringMessage {
-    use pb::steering_message::Payload;
+pub fn message(model: &steering_message::Model) -> runstore_pb::SteeringMessage {
+    use runstore_pb::steering_message::Payload;
     let bytes = model.payload.as_slice();
-    let payload = match pb::SteeringKind::try_from(model.kind) {
-        Ok(pb::SteeringKind::Steer) => pb::SteerPayload::decode(bytes).ok().map(Payload::Steer),
-        Ok(pb::SteeringKind::Interrupt) => pb::InterruptPayload::decode(bytes)
+    let payload = match runstore_pb::SteeringKind::try_from(model.kind) {
+        Ok(runstore_pb::SteeringKind::Steer) => runstore_pb::SteerPayload::decode(bytes)
+            .ok()
+            .map(Payload::Steer),
+        Ok(runstore_pb::SteeringKind::Interrupt) => runstore_pb::InterruptPayload::decode(bytes)
             .ok()
             .map(Payload::Interrupt),
-        Ok(pb::SteeringKind::ResumeStream) => pb::ResumeStreamPayload::decode(bytes)
+        Ok(runstore_pb::SteeringKind::ResumeStream) => {
+            runstore_pb::ResumeStreamPayload::decode(bytes)
+                .ok()
+                .map(Payload::ResumeStream)
+        }
+        Ok(runstore_pb::SteeringKind::Abort) => runstore_pb::AbortPayload::decode(bytes)
             .ok()
-            .map(Payload::ResumeStream),
-        Ok(pb::SteeringKind::Abort) => pb::AbortPayload::decode(bytes).ok().map(Payload::Abort),
+            .map(Payload::Abort),
         _ => None,
     };
-    pb::SteeringMessage {
+    runstore_pb::SteeringMessage {
         id: model.id.clone(),
         run_id: model.run_id.clone(),
         kind: model.kind,
@@ -104,10 +114,10 @@ pub fn message(model: &steering_message::Model) -> pb::SteeringMessage {
 }
 
 /// The recorded verdict as sent in answers and sealed in receipts.
-impl From<&Verdict> for pb::Verdict {
+impl From<&Verdict> for runstore_pb::Verdict {
     fn from(verdict: &Verdict) -> Self {
         Self {
-            outcome: pb::VerdictOutcome::from(verdict.outcome) as i32,
+            outcome: runstore_pb::VerdictOutcome::from(verdict.outcome) as i32,
             reason: verdict.reason.clone(),
             exit_code: verdict.exit_code,
             signal: verdict.signal,
@@ -117,10 +127,10 @@ impl From<&Verdict> for pb::Verdict {
 }
 
 /// A runner's verdict; an unspecified (or unknown) outcome is refused naming the field.
-impl TryFrom<&pb::Verdict> for Verdict {
+impl TryFrom<&runstore_pb::Verdict> for Verdict {
     type Error = RunStoreError;
 
-    fn try_from(verdict: &pb::Verdict) -> Result<Self, Self::Error> {
+    fn try_from(verdict: &runstore_pb::Verdict) -> Result<Self, Self::Error> {
         let outcome = verdict.outcome().try_into().map_err(|_| {
             RunStoreError::invalid("verdict.outcome", "must be succeeded, failed or cancelled")
         })?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use prost::Message;
 use runplane_db::outbox::{self, Delivery};
 use runplane_grpc::trace_context::outbox_span;
-use runplane_proto::credentials::v1 as ch;
+use runplane_proto::credentials::v1 as credentials_pb;
 use tracing::Instrument;
 
 use crate::error::RunStoreError;
@@ -26,7 +26,7 @@ pub async fn deliver(
     let delivered = outbox::deliver_due(store.database(), || store.now_us(), limit, |row| {
         let mut client = client.clone();
         async move {
-            let Ok(request) = ch::ReportTurnFailureRequest::decode(row.payload.as_slice()) else {
+            let Ok(request) = credentials_pb::ReportTurnFailureRequest::decode(row.payload.as_slice()) else {
                 return Delivery::Refused("undecodable payload".into());
             };
             let span = outbox_span(&row.kind, &row.idempotency_key, &row.traceparent);

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use runplane_grpc::ErrorReason;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use tonic::Code;
 
@@ -26,10 +26,10 @@ async fn append(
     runner: &mut RunnerClient,
     run_id: &str,
     batch_key: &str,
-    events: Vec<pb::EventInput>,
-) -> Result<pb::AppendEventsResponse, tonic::Status> {
+    events: Vec<runstore_pb::EventInput>,
+) -> Result<runstore_pb::AppendEventsResponse, tonic::Status> {
     runner
-        .append_events(pb::AppendEventsRequest {
+        .append_events(runstore_pb::AppendEventsRequest {
             run_id: run_id.into(),
             batch_key: batch_key.into(),
             events,
@@ -72,7 +72,7 @@ async fn a_key_superseded_after_appending_is_refused_at_once(h: Harness) {
     append(&mut new, &run_id, "revoke-new-batch-001", vec![line("y")])
         .await
         .unwrap();
-    new.submit_result(pb::SubmitResultRequest {
+    new.submit_result(runstore_pb::SubmitResultRequest {
         run_id: run_id.clone(),
         verdict: Some(succeeded()),
         ..Default::default()
@@ -140,7 +140,7 @@ async fn an_append_after_an_acknowledgements_event_extends_the_chain(h: Harness)
     let steer = h
         .operator()
         .await
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: run_id.clone(),
             text: "look again".into(),
             idempotency_key: "ack-then-append-steer".into(),
@@ -153,11 +153,11 @@ async fn an_append_after_an_acknowledgements_event_extends_the_chain(h: Harness)
     // Dropping the steer appends `steer_undeliverable` on the acknowledgement's own path,
     // past the tip the appends remembered.
     runner
-        .poll_steering(pb::PollSteeringRequest {
+        .poll_steering(runstore_pb::PollSteeringRequest {
             run_id: run_id.clone(),
-            acks: vec![pb::SteeringAck {
+            acks: vec![runstore_pb::SteeringAck {
                 message_id: steer.id,
-                outcome: pb::AckOutcome::DroppedUndeliverable as i32,
+                outcome: runstore_pb::AckOutcome::DroppedUndeliverable as i32,
                 attempts: 3,
                 error: "agent busy".into(),
             }],
@@ -221,7 +221,7 @@ async fn a_key_revoked_on_another_replica_is_refused_at_once() {
     }
     b.operator()
         .await
-        .cancel_run(pb::CancelRunRequest {
+        .cancel_run(runstore_pb::CancelRunRequest {
             run_id: run_id.clone(),
             reason: "operator stop".into(),
             idempotency_key: "cancel-other-replica-key".into(),

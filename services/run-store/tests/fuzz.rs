@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_run_store::domain::limits::Limits;
 use runplane_run_store::domain::receipt::{ReceiptSigner, verify};
 use runplane_run_store::domain::validate;
@@ -54,13 +54,13 @@ fn duration() -> impl Strategy<Value = prost_types::Duration> {
         .prop_map(|(seconds, nanos)| prost_types::Duration { seconds, nanos })
 }
 
-fn create_request() -> impl Strategy<Value = pb::CreateRunRequest> {
+fn create_request() -> impl Strategy<Value = runstore_pb::CreateRunRequest> {
     (
         (text(140), text(140), text(140)),
         prop_oneof![
             Just(None),
-            text(140).prop_map(|p| Some(pb::create_run_request::Target::Profile(p))),
-            text(140).prop_map(|c| Some(pb::create_run_request::Target::CredentialId(c))),
+            text(140).prop_map(|p| Some(runstore_pb::create_run_request::Target::Profile(p))),
+            text(140).prop_map(|c| Some(runstore_pb::create_run_request::Target::CredentialId(c))),
         ],
         text(4200),
         proptest::collection::vec(text(64), 0..260),
@@ -69,7 +69,7 @@ fn create_request() -> impl Strategy<Value = pb::CreateRunRequest> {
     )
         .prop_map(
             |((client_request_id, org_id, lead_id), target, command, args, labels, max)| {
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id,
                     org_id,
                     lead_id,
@@ -123,7 +123,7 @@ fn json_value(depth: u32) -> impl Strategy<Value = prost_types::Value> {
     })
 }
 
-fn event() -> impl Strategy<Value = pb::EventInput> {
+fn event() -> impl Strategy<Value = runstore_pb::EventInput> {
     (
         prop_oneof![any::<i32>(), 0i32..12],
         text(1200),
@@ -137,7 +137,7 @@ fn event() -> impl Strategy<Value = pb::EventInput> {
         proptest::option::of(timestamp()),
     )
         .prop_map(
-            |(kind, text, data, check, name, observed_at)| pb::EventInput {
+            |(kind, text, data, check, name, observed_at)| runstore_pb::EventInput {
                 kind,
                 text,
                 data: data.map(|fields| prost_types::Struct { fields }),
@@ -148,19 +148,21 @@ fn event() -> impl Strategy<Value = pb::EventInput> {
         )
 }
 
-fn ack() -> impl Strategy<Value = pb::SteeringAck> {
+fn ack() -> impl Strategy<Value = runstore_pb::SteeringAck> {
     (
         prop_oneof![text(40), "msg_[0-9a-f]{32}", "msg_[0-9a-fA-Fé]{30,34}",],
         prop_oneof![any::<i32>(), 0i32..4],
         any::<u32>(),
         text(600),
     )
-        .prop_map(|(message_id, outcome, attempts, error)| pb::SteeringAck {
-            message_id,
-            outcome,
-            attempts,
-            error,
-        })
+        .prop_map(
+            |(message_id, outcome, attempts, error)| runstore_pb::SteeringAck {
+                message_id,
+                outcome,
+                attempts,
+                error,
+            },
+        )
 }
 
 /// Small limits, so arbitrary batches cross every bound.
@@ -230,7 +232,7 @@ proptest! {
         key_id in text(80),
         public_key in any::<[u8; 32]>(),
     ) {
-        let receipt = pb::Receipt {
+        let receipt = runstore_pb::Receipt {
             signed_payload: payload,
             signature,
             key_id,
@@ -247,7 +249,7 @@ proptest! {
         in_signature in any::<bool>(),
     ) {
         let signer = ReceiptSigner::from_seed([7; 32]);
-        let sealed = signer.seal(pb::ReceiptBody {
+        let sealed = signer.seal(runstore_pb::ReceiptBody {
             run_id,
             event_count,
             ..Default::default()

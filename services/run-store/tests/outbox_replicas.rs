@@ -18,11 +18,11 @@ use runplane_clock::{Clock, ManualClock, SharedClock, SystemClock};
 use runplane_config::{Config, Secret};
 use runplane_db::outbox::CLAIM_TIMEOUT;
 use runplane_grpc::ServiceSet;
-use runplane_proto::credentials::v1 as ch;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_server::{
     CredentialHealthService, CredentialHealthServiceServer,
 };
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_run_store::RunStore;
 use runplane_run_store::domain::receipt::verify;
 use runplane_run_store::store::OUTBOX_REPORT_TURN_FAILURE;
@@ -87,8 +87,8 @@ impl Receiver {
 impl CredentialHealthService for Receiver {
     async fn report_turn_failure(
         &self,
-        request: Request<ch::ReportTurnFailureRequest>,
-    ) -> Result<Response<ch::ReportTurnFailureResponse>, Status> {
+        request: Request<credentials_pb::ReportTurnFailureRequest>,
+    ) -> Result<Response<credentials_pb::ReportTurnFailureResponse>, Status> {
         let turn = request.into_inner().turn_id;
         *self.calls.lock().unwrap().entry(turn).or_default() += 1;
         let held = {
@@ -101,7 +101,9 @@ impl CredentialHealthService for Receiver {
         if held {
             self.gate.acquire().await.unwrap().forget();
         }
-        Ok(Response::new(ch::ReportTurnFailureResponse::default()))
+        Ok(Response::new(
+            credentials_pb::ReportTurnFailureResponse::default(),
+        ))
     }
 }
 
@@ -135,7 +137,7 @@ async fn owe_reports(store: &RunStore, n: usize) -> Vec<String> {
     let mut turns = Vec::new();
     for i in 0..n {
         let turn_id = format!("run-outbox-{i:04}:result");
-        let request = ch::ReportTurnFailureRequest {
+        let request = credentials_pb::ReportTurnFailureRequest {
             turn_id: turn_id.clone(),
             run_id: format!("run-outbox-{i:04}"),
             credential_id: "cred-a".into(),
@@ -270,12 +272,12 @@ async fn two_replicas_sweeping_the_same_due_runs_end_each_once() {
 
     for id in &ids {
         let run = b.get_run(id).await;
-        assert_eq!(run.state(), pb::RunState::Failed);
+        assert_eq!(run.state(), runstore_pb::RunState::Failed);
         assert_eq!(run.failure_reason, "deadline_exceeded");
         let receipt = a
             .operator()
             .await
-            .get_receipt(pb::GetReceiptRequest { run_id: id.clone() })
+            .get_receipt(runstore_pb::GetReceiptRequest { run_id: id.clone() })
             .await
             .unwrap()
             .into_inner()

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Backend, Harness, line};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use tokio_stream::StreamExt;
 
 /// Well under the 30 s re-check: only a wake-up from the other replica arrives this soon.
@@ -21,7 +21,7 @@ async fn a_watcher_on_one_replica_sees_an_append_made_on_another() {
     let mut watch = b
         .operator()
         .await
-        .watch_run(pb::WatchRunRequest {
+        .watch_run(runstore_pb::WatchRunRequest {
             run_id: run_id.clone(),
             after_sequence: 0,
             states_only: false,
@@ -37,12 +37,12 @@ async fn a_watcher_on_one_replica_sees_an_append_made_on_another() {
     let first = watch.next().await.unwrap().unwrap();
     assert!(matches!(
         first.update,
-        Some(pb::watch_run_response::Update::Run(_))
+        Some(runstore_pb::watch_run_response::Update::Run(_))
     ));
     let mut runner = a.runner(&key).await;
     for (i, text) in ["one", "two", "three"].into_iter().enumerate() {
         runner
-            .append_events(pb::AppendEventsRequest {
+            .append_events(runstore_pb::AppendEventsRequest {
                 run_id: run_id.clone(),
                 batch_key: format!("replicas-batch-{i:04}"),
                 events: vec![line(text)],
@@ -57,7 +57,7 @@ async fn a_watcher_on_one_replica_sees_an_append_made_on_another() {
             .unwrap()
             .unwrap();
         match item.update {
-            Some(pb::watch_run_response::Update::Event(e)) => assert_eq!(e.text, text),
+            Some(runstore_pb::watch_run_response::Update::Event(e)) => assert_eq!(e.text, text),
             other => panic!("expected event {text}, got {other:?}"),
         }
     }
@@ -73,7 +73,7 @@ async fn a_long_poll_on_one_replica_wakes_for_a_message_enqueued_on_another() {
         let run_id = run_id.clone();
         tokio::spawn(async move {
             runner
-                .poll_steering(pb::PollSteeringRequest {
+                .poll_steering(runstore_pb::PollSteeringRequest {
                     run_id,
                     acks: vec![],
                     wait: Some(prost_types::Duration {
@@ -91,7 +91,7 @@ async fn a_long_poll_on_one_replica_wakes_for_a_message_enqueued_on_another() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     a.operator()
         .await
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: run_id.clone(),
             text: "from the other replica".into(),
             idempotency_key: "replicas-steer-0001".into(),

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use common::*;
 use futures::StreamExt;
 use runplane_grpc::{ErrorReason, error_info};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_run_store::domain::receipt::verify;
 use runplane_run_store::domain::verdict::Verdict;
 use tonic::Code;
@@ -50,18 +50,18 @@ runplane_testkit::on_both_backends!(
     a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not,
 );
 
-fn slots(credential: &str, capacity: u32, unavailable: &str) -> pb::CredentialSlots {
-    pb::CredentialSlots {
+fn slots(credential: &str, capacity: u32, unavailable: &str) -> runstore_pb::CredentialSlots {
+    runstore_pb::CredentialSlots {
         credential_id: credential.into(),
         capacity,
         unavailable: unavailable.into(),
     }
 }
 
-async fn claim(h: &Harness, credentials: Vec<pb::CredentialSlots>) -> Vec<String> {
+async fn claim(h: &Harness, credentials: Vec<runstore_pb::CredentialSlots>) -> Vec<String> {
     h.operator()
         .await
-        .claim_slots(pb::ClaimSlotsRequest {
+        .claim_slots(runstore_pb::ClaimSlotsRequest {
             credentials,
             unlimited: false,
             max_runs: 0,
@@ -72,7 +72,7 @@ async fn claim(h: &Harness, credentials: Vec<pb::CredentialSlots>) -> Vec<String
         .claimed
         .into_iter()
         .map(|r| {
-            assert_eq!(r.state(), pb::RunState::Starting);
+            assert_eq!(r.state(), runstore_pb::RunState::Starting);
             r.id
         })
         .collect()
@@ -88,7 +88,7 @@ async fn claim_slots_fills_a_credential_to_its_capacity_oldest_first(h: Harness)
         [first.id.clone(), second.id.clone()]
     );
     let waiting = h.get_run(&third.id).await;
-    assert_eq!(waiting.state(), pb::RunState::Queued);
+    assert_eq!(waiting.state(), runstore_pb::RunState::Queued);
     assert_eq!(
         waiting.waiting_reason,
         "credential cred-a is full: 2 of 2 slots busy"
@@ -96,7 +96,7 @@ async fn claim_slots_fills_a_credential_to_its_capacity_oldest_first(h: Harness)
     let counts = h
         .operator()
         .await
-        .count_active_runs(pb::CountActiveRunsRequest {
+        .count_active_runs(runstore_pb::CountActiveRunsRequest {
             credential_ids: vec!["cred-a".into()],
             profiles: vec![],
         })
@@ -143,8 +143,8 @@ async fn concurrent_claims_never_overfill_a_credential(h: Harness) {
     assert_eq!(claimed.iter().collect::<HashSet<_>>().len(), 3);
 }
 
-fn cancel(run_id: &str, reason: &str, key: &str) -> pb::CancelRunRequest {
-    pb::CancelRunRequest {
+fn cancel(run_id: &str, reason: &str, key: &str) -> runstore_pb::CancelRunRequest {
+    runstore_pb::CancelRunRequest {
         run_id: run_id.into(),
         reason: reason.into(),
         idempotency_key: key.into(),
@@ -161,9 +161,9 @@ async fn cancel_run_ends_the_run_once_and_replays_its_answer(h: Harness) {
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(first.state(), pb::RunState::Cancelled);
+    assert_eq!(first.state(), runstore_pb::RunState::Cancelled);
     let verdict = first.verdict.clone().unwrap();
-    assert_eq!(verdict.outcome(), pb::VerdictOutcome::Cancelled);
+    assert_eq!(verdict.outcome(), runstore_pb::VerdictOutcome::Cancelled);
     assert_eq!(verdict.reason, "cancelled");
     assert_eq!(verdict.message, "operator asked");
     assert_eq!(first.failure_reason, "cancelled");
@@ -175,7 +175,7 @@ async fn cancel_run_ends_the_run_once_and_replays_its_answer(h: Harness) {
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(replay.state(), pb::RunState::Cancelled);
+    assert_eq!(replay.state(), runstore_pb::RunState::Cancelled);
     assert_eq!(
         replay.ended_at, first.ended_at,
         "the replay ended nothing again"
@@ -223,7 +223,7 @@ async fn cancel_run_ends_the_run_once_and_replays_its_answer(h: Harness) {
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(run.state(), pb::RunState::Cancelled);
+    assert_eq!(run.state(), runstore_pb::RunState::Cancelled);
     assert_eq!(run.verdict.unwrap().message, "cancelled by an operator");
 }
 
@@ -239,7 +239,7 @@ async fn cancel_run_refuses_bad_input_and_writes_nothing(h: Harness) {
     // Another org's token sees no such run.
     let mut other = h.operator().await;
     let theirs = other
-        .create_run(pb::CreateRunRequest {
+        .create_run(runstore_pb::CreateRunRequest {
             org_id: "globex".into(),
             ..create_request("cancel-other-org")
         })
@@ -270,12 +270,18 @@ async fn cancel_run_refuses_bad_input_and_writes_nothing(h: Harness) {
         .await
         .unwrap_err();
     assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
-    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
-    assert_eq!(h.get_run(&theirs.id).await.state(), pb::RunState::Queued);
+    assert_eq!(
+        h.get_run(&run_id).await.state(),
+        runstore_pb::RunState::Running
+    );
+    assert_eq!(
+        h.get_run(&theirs.id).await.state(),
+        runstore_pb::RunState::Queued
+    );
 }
 
-fn with_deadline(request_id: &str, d: prost_types::Duration) -> pb::CreateRunRequest {
-    pb::CreateRunRequest {
+fn with_deadline(request_id: &str, d: prost_types::Duration) -> runstore_pb::CreateRunRequest {
+    runstore_pb::CreateRunRequest {
         max_duration: Some(d),
         ..create_request(request_id)
     }
@@ -327,7 +333,7 @@ async fn a_run_past_its_deadline_ends_once_however_many_sweep(h: Harness) {
     assert_eq!(h.store.sweep_deadlines().await.unwrap(), 0);
 
     let run = h.get_run(&due.id).await;
-    assert_eq!(run.state(), pb::RunState::Failed);
+    assert_eq!(run.state(), runstore_pb::RunState::Failed);
     assert_eq!(run.failure_reason, "deadline_exceeded");
     assert_eq!(
         receipt(&h, &due.id).await.verdict.unwrap().reason,
@@ -336,9 +342,15 @@ async fn a_run_past_its_deadline_ends_once_however_many_sweep(h: Harness) {
     // The runner learns it from its poll.
     let mut runner = h.runner(&key).await;
     let answer = poll(&mut runner, &due.id, vec![]).await.unwrap();
-    assert_eq!(answer.run_state(), pb::RunState::Failed);
-    assert_eq!(h.get_run(&later.id).await.state(), pb::RunState::Queued);
-    assert_eq!(h.get_run(&none.id).await.state(), pb::RunState::Queued);
+    assert_eq!(answer.run_state(), runstore_pb::RunState::Failed);
+    assert_eq!(
+        h.get_run(&later.id).await.state(),
+        runstore_pb::RunState::Queued
+    );
+    assert_eq!(
+        h.get_run(&none.id).await.state(),
+        runstore_pb::RunState::Queued
+    );
 }
 
 async fn max_duration_out_of_range_is_refused_naming_the_field(h: Harness) {
@@ -376,7 +388,7 @@ async fn max_duration_out_of_range_is_refused_naming_the_field(h: Harness) {
         assert_eq!(error_info(&err).unwrap().metadata["field"], "max_duration");
     }
     let listed = op
-        .list_runs(pb::ListRunsRequest::default())
+        .list_runs(runstore_pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -390,7 +402,7 @@ async fn a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone(h: Harne
     let replacement_key = h.issue_key_for(&run_id, "sbx-replacement", 1).await;
     let mut runner = h.runner(&replacement_key).await;
     runner
-        .hello(pb::HelloRequest {
+        .hello(runstore_pb::HelloRequest {
             run_id: run_id.clone(),
             nonce: "replacement-runner-nonce".into(),
             runner_version: String::new(),
@@ -399,7 +411,7 @@ async fn a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone(h: Harne
         .unwrap();
     assert_eq!(h.get_run(&run_id).await.sandbox_id, "sbx-replacement");
     let mut op = h.operator().await;
-    let lost = |sandbox: &str, key: &str| pb::FailRunRequest {
+    let lost = |sandbox: &str, key: &str| runstore_pb::FailRunRequest {
         run_id: run_id.clone(),
         reason: "sandbox_lost".into(),
         message: format!("{sandbox} lost past the grace"),
@@ -412,8 +424,14 @@ async fn a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone(h: Harne
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(delayed.outcome(), pb::FailRunOutcome::GuardMismatch);
-    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
+    assert_eq!(
+        delayed.outcome(),
+        runstore_pb::FailRunOutcome::GuardMismatch
+    );
+    assert_eq!(
+        h.get_run(&run_id).await.state(),
+        runstore_pb::RunState::Running
+    );
     append(
         &mut runner,
         &run_id,
@@ -427,32 +445,32 @@ async fn a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone(h: Harne
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(current.outcome(), pb::FailRunOutcome::MadeTerminal);
+    assert_eq!(current.outcome(), runstore_pb::FailRunOutcome::MadeTerminal);
 }
 
 async fn a_terminal_runs_poll_answers_its_state_and_pending_abort(h: Harness) {
     let (run_id, key) = h.running_run("terminal-poll").await;
     let mut op = h.operator().await;
     // As the coordinator ends an exhausted run: the abort first, then the failure.
-    op.enqueue_control(pb::EnqueueControlRequest {
+    op.enqueue_control(runstore_pb::EnqueueControlRequest {
         run_id: run_id.clone(),
         idempotency_key: format!("{run_id}:abort"),
-        control: Some(pb::enqueue_control_request::Control::Abort(
-            pb::AbortPayload {
+        control: Some(runstore_pb::enqueue_control_request::Control::Abort(
+            runstore_pb::AbortPayload {
                 reason: "stream_recovery_exhausted".into(),
             },
         )),
     })
     .await
     .unwrap();
-    op.steer(pb::SteerRequest {
+    op.steer(runstore_pb::SteerRequest {
         run_id: run_id.clone(),
         text: "too late".into(),
         idempotency_key: "steer-before-the-end-01".into(),
     })
     .await
     .unwrap();
-    op.fail_run(pb::FailRunRequest {
+    op.fail_run(runstore_pb::FailRunRequest {
         run_id: run_id.clone(),
         reason: "stream_recovery_exhausted".into(),
         message: "taken over 5 times".into(),
@@ -464,10 +482,10 @@ async fn a_terminal_runs_poll_answers_its_state_and_pending_abort(h: Harness) {
     .unwrap();
     let mut runner = h.runner(&key).await;
     let answer = poll(&mut runner, &run_id, vec![]).await.unwrap();
-    assert_eq!(answer.run_state(), pb::RunState::Failed);
+    assert_eq!(answer.run_state(), runstore_pb::RunState::Failed);
     assert_eq!(
         answer.messages.iter().map(|m| m.kind()).collect::<Vec<_>>(),
-        [pb::SteeringKind::Abort],
+        [runstore_pb::SteeringKind::Abort],
         "only the abort still matters"
     );
     let abort = answer.messages[0].id.clone();
@@ -478,7 +496,7 @@ async fn a_terminal_runs_poll_answers_its_state_and_pending_abort(h: Harness) {
         answer.messages.is_empty(),
         "the abort is served once acknowledged"
     );
-    assert_eq!(answer.run_state(), pb::RunState::Failed);
+    assert_eq!(answer.run_state(), runstore_pb::RunState::Failed);
 }
 
 async fn list_runs_by_ids(h: Harness) {
@@ -487,7 +505,7 @@ async fn list_runs_by_ids(h: Harness) {
     let _c = h.create_run("by-id-c").await;
     let mut op = h.operator().await;
     let listed = op
-        .list_runs(pb::ListRunsRequest {
+        .list_runs(runstore_pb::ListRunsRequest {
             run_ids: vec![a.id.clone(), b.id.clone()],
             ..Default::default()
         })
@@ -500,7 +518,7 @@ async fn list_runs_by_ids(h: Harness) {
     want.sort();
     assert_eq!(ids, want);
     let err = op
-        .list_runs(pb::ListRunsRequest {
+        .list_runs(runstore_pb::ListRunsRequest {
             run_ids: vec!["nope".into()],
             ..Default::default()
         })
@@ -508,7 +526,7 @@ async fn list_runs_by_ids(h: Harness) {
         .unwrap_err();
     assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
     let err = op
-        .list_runs(pb::ListRunsRequest {
+        .list_runs(runstore_pb::ListRunsRequest {
             run_ids: vec![h.create_run("by-id-d").await.id; 501],
             ..Default::default()
         })
@@ -521,7 +539,7 @@ async fn list_runs_by_ids(h: Harness) {
 async fn wait_for_runs(h: &Harness) -> tokio::task::JoinHandle<bool> {
     let mut op = h.operator().await;
     tokio::spawn(async move {
-        op.wait_for_runs(pb::WaitForRunsRequest {
+        op.wait_for_runs(runstore_pb::WaitForRunsRequest {
             wait: Some(prost_types::Duration {
                 seconds: 20,
                 nanos: 0,
@@ -546,7 +564,7 @@ async fn pending_messages_are_listed_and_wake_the_reconciler_as_ends_do(h: Harne
         let mut listed: Vec<String> = h
             .operator()
             .await
-            .list_runs(pb::ListRunsRequest {
+            .list_runs(runstore_pb::ListRunsRequest {
                 run_ids: ids.clone(),
                 with_pending_messages: true,
                 ..Default::default()
@@ -571,7 +589,7 @@ async fn pending_messages_are_listed_and_wake_the_reconciler_as_ends_do(h: Harne
     );
     h.operator()
         .await
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: steered.clone(),
             text: "are you there".into(),
             idempotency_key: "pending-steer-0001".into(),
@@ -597,7 +615,7 @@ async fn pending_messages_are_listed_and_wake_the_reconciler_as_ends_do(h: Harne
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     h.operator()
         .await
-        .cancel_run(pb::CancelRunRequest {
+        .cancel_run(runstore_pb::CancelRunRequest {
             run_id: quiet.clone(),
             reason: String::new(),
             idempotency_key: "pending-cancel-0001".into(),
@@ -611,10 +629,10 @@ async fn append(
     runner: &mut RunnerClient,
     run_id: &str,
     batch_key: &str,
-    events: Vec<pb::EventInput>,
-) -> Result<pb::AppendEventsResponse, tonic::Status> {
+    events: Vec<runstore_pb::EventInput>,
+) -> Result<runstore_pb::AppendEventsResponse, tonic::Status> {
     runner
-        .append_events(pb::AppendEventsRequest {
+        .append_events(runstore_pb::AppendEventsRequest {
             run_id: run_id.into(),
             batch_key: batch_key.into(),
             events,
@@ -626,10 +644,10 @@ async fn append(
 async fn poll(
     runner: &mut RunnerClient,
     run_id: &str,
-    acks: Vec<pb::SteeringAck>,
-) -> Result<pb::PollSteeringResponse, tonic::Status> {
+    acks: Vec<runstore_pb::SteeringAck>,
+) -> Result<runstore_pb::PollSteeringResponse, tonic::Status> {
     runner
-        .poll_steering(pb::PollSteeringRequest {
+        .poll_steering(runstore_pb::PollSteeringRequest {
             run_id: run_id.into(),
             acks,
             wait: None,
@@ -639,10 +657,10 @@ async fn poll(
         .map(|r| r.into_inner())
 }
 
-fn applied(id: &str) -> pb::SteeringAck {
-    pb::SteeringAck {
+fn applied(id: &str) -> runstore_pb::SteeringAck {
+    runstore_pb::SteeringAck {
         message_id: id.into(),
-        outcome: pb::AckOutcome::Applied as i32,
+        outcome: runstore_pb::AckOutcome::Applied as i32,
         attempts: 1,
         error: String::new(),
     }
@@ -651,10 +669,10 @@ fn applied(id: &str) -> pb::SteeringAck {
 async fn submit(
     runner: &mut RunnerClient,
     run_id: &str,
-    verdict: pb::Verdict,
-) -> Result<pb::SubmitResultResponse, tonic::Status> {
+    verdict: runstore_pb::Verdict,
+) -> Result<runstore_pb::SubmitResultResponse, tonic::Status> {
     runner
-        .submit_result(pb::SubmitResultRequest {
+        .submit_result(runstore_pb::SubmitResultRequest {
             run_id: run_id.into(),
             verdict: Some(verdict),
             ..Default::default()
@@ -663,11 +681,11 @@ async fn submit(
         .map(|r| r.into_inner())
 }
 
-async fn receipt(h: &Harness, run_id: &str) -> pb::ReceiptBody {
+async fn receipt(h: &Harness, run_id: &str) -> runstore_pb::ReceiptBody {
     let receipt = h
         .operator()
         .await
-        .get_receipt(pb::GetReceiptRequest {
+        .get_receipt(runstore_pb::GetReceiptRequest {
             run_id: run_id.into(),
         })
         .await
@@ -708,7 +726,7 @@ async fn an_interrupt_whose_poll_response_was_lost_is_served_again(h: Harness) {
     let interrupt = h
         .operator()
         .await
-        .interrupt(pb::InterruptRequest {
+        .interrupt(runstore_pb::InterruptRequest {
             run_id: run_id.clone(),
             reason: "operator stop".into(),
             grace: None,
@@ -727,7 +745,10 @@ async fn an_interrupt_whose_poll_response_was_lost_is_served_again(h: Harness) {
     let again = poll(&mut runner, &run_id, vec![]).await.unwrap();
     assert_eq!(again.messages.len(), 1);
     assert_eq!(again.messages[0].id, interrupt.id);
-    assert_eq!(again.messages[0].kind(), pb::SteeringKind::Interrupt);
+    assert_eq!(
+        again.messages[0].kind(),
+        runstore_pb::SteeringKind::Interrupt
+    );
 
     // Only the acknowledgement retires it; until then every poll serves it.
     let still = poll(&mut runner, &run_id, vec![]).await.unwrap();
@@ -750,7 +771,7 @@ async fn invalid_acknowledgements_are_refused_whole(h: Harness) {
     let (run_id, key) = h.running_run("bad-acks").await;
     let mut op = h.operator().await;
     let steer = op
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: run_id.clone(),
             text: "also run lint".into(),
             idempotency_key: "steer-000000000001".into(),
@@ -761,7 +782,7 @@ async fn invalid_acknowledgements_are_refused_whole(h: Harness) {
         .message
         .unwrap();
     let interrupt = op
-        .interrupt(pb::InterruptRequest {
+        .interrupt(runstore_pb::InterruptRequest {
             run_id: run_id.clone(),
             reason: String::new(),
             grace: None,
@@ -775,7 +796,7 @@ async fn invalid_acknowledgements_are_refused_whole(h: Harness) {
     // A message of another run.
     let (other_run, _) = h.running_run("bad-acks-other").await;
     let foreign = op
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: other_run,
             text: "x".into(),
             idempotency_key: "steer-000000000002".into(),
@@ -787,7 +808,7 @@ async fn invalid_acknowledgements_are_refused_whole(h: Harness) {
         .unwrap();
     let mut runner = h.runner(&key).await;
 
-    let cases: Vec<(Vec<pb::SteeringAck>, ErrorReason)> = vec![
+    let cases: Vec<(Vec<runstore_pb::SteeringAck>, ErrorReason)> = vec![
         (
             vec![applied(&steer.id), applied("msg_not-a-real-id")],
             ErrorReason::AckIdInvalid,
@@ -806,9 +827,9 @@ async fn invalid_acknowledgements_are_refused_whole(h: Harness) {
         (
             vec![
                 applied(&steer.id),
-                pb::SteeringAck {
+                runstore_pb::SteeringAck {
                     message_id: interrupt.id.clone(),
-                    outcome: pb::AckOutcome::DroppedUndeliverable as i32,
+                    outcome: runstore_pb::AckOutcome::DroppedUndeliverable as i32,
                     attempts: 3,
                     error: "child gone".into(),
                 },
@@ -820,7 +841,7 @@ async fn invalid_acknowledgements_are_refused_whole(h: Harness) {
             ErrorReason::AckIdInvalid,
         ),
         (
-            vec![pb::SteeringAck {
+            vec![runstore_pb::SteeringAck {
                 message_id: steer.id.clone(),
                 outcome: 0,
                 attempts: 1,
@@ -844,7 +865,7 @@ async fn a_dropped_steer_writes_one_undeliverable_event(h: Harness) {
     let steer = h
         .operator()
         .await
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: run_id.clone(),
             text: "unappliable".into(),
             idempotency_key: "steer-000000000009".into(),
@@ -854,9 +875,9 @@ async fn a_dropped_steer_writes_one_undeliverable_event(h: Harness) {
         .into_inner()
         .message
         .unwrap();
-    let drop = pb::SteeringAck {
+    let drop = runstore_pb::SteeringAck {
         message_id: steer.id.clone(),
-        outcome: pb::AckOutcome::DroppedUndeliverable as i32,
+        outcome: runstore_pb::AckOutcome::DroppedUndeliverable as i32,
         attempts: 3,
         error: "stdin closed".into(),
     };
@@ -878,7 +899,10 @@ async fn a_dropped_steer_writes_one_undeliverable_event(h: Harness) {
     );
     let events = h.store.store().events_after(&run_id, 0, 100).await.unwrap();
     assert_eq!(events.len(), 1);
-    assert_eq!(events[0].kind, pb::EventKind::SteerUndeliverable as i32);
+    assert_eq!(
+        events[0].kind,
+        runstore_pb::EventKind::SteerUndeliverable as i32
+    );
     assert!(events[0].data.contains(&steer.id));
 }
 
@@ -917,7 +941,7 @@ async fn a_replayed_verdict_is_already_recorded_and_a_different_one_is_refused(h
     assert!(submit(&mut runner, &run_id, failed(2)).await.is_err());
     let replay = submit(&mut runner, &run_id, failed(2)).await.unwrap();
     assert!(replay.already_recorded);
-    assert_eq!(replay.run.unwrap().state(), pb::RunState::Failed);
+    assert_eq!(replay.run.unwrap().state(), runstore_pb::RunState::Failed);
     assert!(replay.receipt.is_some());
 
     let err = submit(&mut runner, &run_id, succeeded()).await.unwrap_err();
@@ -963,7 +987,7 @@ async fn revoked_and_unknown_keys_are_refused(h: Harness) {
 
     let mut current = h.runner(&second_key).await;
     current
-        .hello(pb::HelloRequest {
+        .hello(runstore_pb::HelloRequest {
             run_id: run_id.clone(),
             nonce: "second-generation-nonce".into(),
             runner_version: String::new(),
@@ -983,7 +1007,7 @@ async fn revoked_and_unknown_keys_are_refused(h: Harness) {
     assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
     // The steering poll answers with the terminal state, so the runner stops its agent.
     let answer = poll(&mut current, &run_id, vec![]).await.unwrap();
-    assert_eq!(answer.run_state(), pb::RunState::Succeeded);
+    assert_eq!(answer.run_state(), runstore_pb::RunState::Succeeded);
     assert!(answer.messages.is_empty());
 }
 
@@ -991,7 +1015,7 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
     let (run_id, _) = h.running_run("guarded-fail").await;
     let current_key = h.issue_key(&run_id, 2).await;
     let mut op = h.operator().await;
-    let fail = |key: &str, guard: Option<u64>| pb::FailRunRequest {
+    let fail = |key: &str, guard: Option<u64>| runstore_pb::FailRunRequest {
         run_id: run_id.clone(),
         reason: "sandbox_lost".into(),
         message: "lost past the grace".into(),
@@ -1005,12 +1029,15 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(stale.outcome(), pb::FailRunOutcome::GuardMismatch);
-    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
+    assert_eq!(stale.outcome(), runstore_pb::FailRunOutcome::GuardMismatch);
+    assert_eq!(
+        h.get_run(&run_id).await.state(),
+        runstore_pb::RunState::Running
+    );
     // The live generation's key still works.
     let mut runner = h.runner(&current_key).await;
     runner
-        .hello(pb::HelloRequest {
+        .hello(runstore_pb::HelloRequest {
             run_id: run_id.clone(),
             nonce: "generation-two-nonce-01".into(),
             runner_version: String::new(),
@@ -1023,7 +1050,7 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(won.outcome(), pb::FailRunOutcome::MadeTerminal);
+    assert_eq!(won.outcome(), runstore_pb::FailRunOutcome::MadeTerminal);
     let replay = op
         .fail_run(fail("fail-generation-2-lost", Some(2)))
         .await
@@ -1031,7 +1058,7 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
         .into_inner();
     assert_eq!(
         replay.outcome(),
-        pb::FailRunOutcome::MadeTerminal,
+        runstore_pb::FailRunOutcome::MadeTerminal,
         "a replay gets the first answer"
     );
     let other = op
@@ -1039,7 +1066,10 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(other.outcome(), pb::FailRunOutcome::AlreadyTerminal);
+    assert_eq!(
+        other.outcome(),
+        runstore_pb::FailRunOutcome::AlreadyTerminal
+    );
     let err = op
         .fail_run(fail("fail-generation-2-lost", Some(7)))
         .await
@@ -1051,7 +1081,7 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
     );
 
     let run = h.get_run(&run_id).await;
-    assert_eq!(run.state(), pb::RunState::Failed);
+    assert_eq!(run.state(), runstore_pb::RunState::Failed);
     assert_eq!(run.failure_reason, "sandbox_lost");
     let err = append(
         &mut runner,
@@ -1072,7 +1102,7 @@ async fn hello_is_replay_safe_per_nonce(h: Harness) {
     let run = h.create_run("hello-nonce").await;
     let key = h.issue_key(&run.id, 1).await;
     let mut runner = h.runner(&key).await;
-    let hello = |nonce: &str| pb::HelloRequest {
+    let hello = |nonce: &str| runstore_pb::HelloRequest {
         run_id: run.id.clone(),
         nonce: nonce.into(),
         runner_version: "t".into(),
@@ -1090,7 +1120,7 @@ async fn hello_is_replay_safe_per_nonce(h: Harness) {
         .unwrap()
         .into_inner();
     assert_eq!(first.claimed_at, again.claimed_at);
-    assert_eq!(first.run.unwrap().state(), pb::RunState::Running);
+    assert_eq!(first.run.unwrap().state(), runstore_pb::RunState::Running);
     let err = runner
         .hello(hello("instance-b-0000000001"))
         .await
@@ -1137,7 +1167,7 @@ async fn create_run_is_keyed_by_client_request_id(h: Harness) {
     assert_reason(&err, Code::InvalidArgument, ErrorReason::InvalidField);
     assert_eq!(error_info(&err).unwrap().metadata["field"], "target");
     let listed = op
-        .list_runs(pb::ListRunsRequest::default())
+        .list_runs(runstore_pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -1251,7 +1281,7 @@ async fn the_receipt_verifies_and_pins_the_chain(h: Harness) {
     .unwrap();
     let mut op = h.operator().await;
     let err = op
-        .get_receipt(pb::GetReceiptRequest {
+        .get_receipt(runstore_pb::GetReceiptRequest {
             run_id: run_id.clone(),
         })
         .await
@@ -1263,7 +1293,7 @@ async fn the_receipt_verifies_and_pins_the_chain(h: Harness) {
     );
 
     let result = runner
-        .submit_result(pb::SubmitResultRequest {
+        .submit_result(runstore_pb::SubmitResultRequest {
             run_id: run_id.clone(),
             verdict: Some(succeeded()),
             failure_tail: String::new(),
@@ -1290,7 +1320,7 @@ async fn the_receipt_verifies_and_pins_the_chain(h: Harness) {
 
     let key_id = body.key_id.clone();
     let public = op
-        .get_receipt_public_key(pb::GetReceiptPublicKeyRequest { key_id })
+        .get_receipt_public_key(runstore_pb::GetReceiptPublicKeyRequest { key_id })
         .await
         .unwrap()
         .into_inner();
@@ -1313,7 +1343,7 @@ async fn org_tokens_are_confined_to_their_org(h: Harness) {
     let err = acme.create_run(globex).await.unwrap_err();
     assert_reason(&err, Code::PermissionDenied, ErrorReason::PermissionDenied);
     let err = acme
-        .get_run(pb::GetRunRequest {
+        .get_run(runstore_pb::GetRunRequest {
             run_id: globex_run.id.clone(),
         })
         .await
@@ -1327,7 +1357,7 @@ async fn org_tokens_are_confined_to_their_org(h: Harness) {
         .run
         .unwrap();
     let listed = acme
-        .list_runs(pb::ListRunsRequest::default())
+        .list_runs(runstore_pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -1340,7 +1370,7 @@ async fn org_tokens_are_confined_to_their_org(h: Harness) {
         [acme_run.id.as_str()]
     );
     let err = acme
-        .issue_run_key(pb::IssueRunKeyRequest {
+        .issue_run_key(runstore_pb::IssueRunKeyRequest {
             run_id: acme_run.id,
             sandbox_id: "sbx".into(),
             sandbox_generation: 1,
@@ -1352,7 +1382,7 @@ async fn org_tokens_are_confined_to_their_org(h: Harness) {
 
     let mut nobody = h.operator_with("not-a-token-at-all-0123456789abcdef").await;
     let err = nobody
-        .list_runs(pb::ListRunsRequest::default())
+        .list_runs(runstore_pb::ListRunsRequest::default())
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated);
@@ -1372,7 +1402,7 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
     let mut stream = h
         .operator()
         .await
-        .watch_run(pb::WatchRunRequest {
+        .watch_run(runstore_pb::WatchRunRequest {
             run_id: run_id.clone(),
             after_sequence: 1,
             states_only: false,
@@ -1387,7 +1417,7 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
             .unwrap();
         submit(&mut runner, &run_id, succeeded()).await.unwrap();
     });
-    use pb::watch_run_response::Update;
+    use runstore_pb::watch_run_response::Update;
     let mut seen = Vec::new();
     while let Some(item) = stream.next().await {
         match item.unwrap().update.unwrap() {
@@ -1419,12 +1449,12 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
 /// by the runner. The replay wakes the run's watchers, which would otherwise wait for the
 /// 30 s re-check.
 async fn a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not(h: Harness) {
-    use pb::watch_run_response::Update;
+    use runstore_pb::watch_run_response::Update;
     let (run_id, key) = h.running_run("replayed-wake").await;
     let mut stream = h
         .operator()
         .await
-        .watch_run(pb::WatchRunRequest {
+        .watch_run(runstore_pb::WatchRunRequest {
             run_id: run_id.clone(),
             after_sequence: 0,
             states_only: true,
@@ -1435,7 +1465,7 @@ async fn a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not(h: Harn
         .into_inner();
     // The RUNNING snapshot: the watch has read and waits for a change.
     match stream.next().await.unwrap().unwrap().update.unwrap() {
-        Update::Run(run) => assert_eq!(run.state(), pb::RunState::Running),
+        Update::Run(run) => assert_eq!(run.state(), runstore_pb::RunState::Running),
         other => panic!("{other:?}"),
     }
     // The first attempt: committed, nobody woken.
@@ -1460,7 +1490,7 @@ async fn a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not(h: Harn
     })
     .await
     .expect("the replay did not wake the watcher");
-    assert_eq!(ended, pb::RunState::Succeeded);
+    assert_eq!(ended, runstore_pb::RunState::Succeeded);
 }
 
 async fn a_long_poll_wakes_when_a_message_is_enqueued(h: Harness) {
@@ -1470,7 +1500,7 @@ async fn a_long_poll_wakes_when_a_message_is_enqueued(h: Harness) {
         let run_id = run_id.clone();
         tokio::spawn(async move {
             runner
-                .poll_steering(pb::PollSteeringRequest {
+                .poll_steering(runstore_pb::PollSteeringRequest {
                     run_id,
                     acks: vec![],
                     wait: Some(prost_types::Duration {
@@ -1487,7 +1517,7 @@ async fn a_long_poll_wakes_when_a_message_is_enqueued(h: Harness) {
     tokio::task::yield_now().await;
     h.operator()
         .await
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id,
             text: "wake up".into(),
             idempotency_key: "steer-long-poll-0001".into(),
@@ -1496,7 +1526,7 @@ async fn a_long_poll_wakes_when_a_message_is_enqueued(h: Harness) {
         .unwrap();
     let answer = poller.await.unwrap();
     assert_eq!(answer.messages.len(), 1);
-    assert_eq!(answer.messages[0].kind(), pb::SteeringKind::Steer);
+    assert_eq!(answer.messages[0].kind(), runstore_pb::SteeringKind::Steer);
 }
 
 async fn list_runs_filters_and_pages(h: Harness) {
@@ -1504,7 +1534,9 @@ async fn list_runs_filters_and_pages(h: Harness) {
     for i in 0..5 {
         let mut req = create_request(&format!("list-{i}"));
         if i % 2 == 0 {
-            req.target = Some(pb::create_run_request::Target::Profile("fast".into()));
+            req.target = Some(runstore_pb::create_run_request::Target::Profile(
+                "fast".into(),
+            ));
         }
         op.create_run(req).await.unwrap();
     }
@@ -1512,7 +1544,7 @@ async fn list_runs_filters_and_pages(h: Harness) {
     let mut token = String::new();
     loop {
         let page = op
-            .list_runs(pb::ListRunsRequest {
+            .list_runs(runstore_pb::ListRunsRequest {
                 page_size: 2,
                 page_token: token.clone(),
                 ..Default::default()
@@ -1530,9 +1562,9 @@ async fn list_runs_filters_and_pages(h: Harness) {
     assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 5);
 
     let fast = op
-        .list_runs(pb::ListRunsRequest {
+        .list_runs(runstore_pb::ListRunsRequest {
             profile: "fast".into(),
-            states: vec![pb::RunState::Queued as i32],
+            states: vec![runstore_pb::RunState::Queued as i32],
             ..Default::default()
         })
         .await
@@ -1541,7 +1573,7 @@ async fn list_runs_filters_and_pages(h: Harness) {
     assert_eq!(fast.runs.len(), 3);
 
     let first_page = op
-        .list_runs(pb::ListRunsRequest {
+        .list_runs(runstore_pb::ListRunsRequest {
             page_size: 2,
             ..Default::default()
         })
@@ -1549,7 +1581,7 @@ async fn list_runs_filters_and_pages(h: Harness) {
         .unwrap()
         .into_inner();
     let err = op
-        .list_runs(pb::ListRunsRequest {
+        .list_runs(runstore_pb::ListRunsRequest {
             page_size: 2,
             profile: "fast".into(),
             page_token: first_page.next_page_token,
@@ -1565,7 +1597,7 @@ async fn an_interrupt_on_a_queued_run_cancels_it(h: Harness) {
     let answer = h
         .operator()
         .await
-        .interrupt(pb::InterruptRequest {
+        .interrupt(runstore_pb::InterruptRequest {
             run_id: run.id.clone(),
             reason: "not needed".into(),
             grace: None,
@@ -1575,11 +1607,14 @@ async fn an_interrupt_on_a_queued_run_cancels_it(h: Harness) {
         .unwrap()
         .into_inner();
     assert!(answer.message.is_none());
-    assert_eq!(answer.run.unwrap().state(), pb::RunState::Cancelled);
+    assert_eq!(
+        answer.run.unwrap().state(),
+        runstore_pb::RunState::Cancelled
+    );
     let err = h
         .operator()
         .await
-        .issue_run_key(pb::IssueRunKeyRequest {
+        .issue_run_key(runstore_pb::IssueRunKeyRequest {
             run_id: run.id,
             sandbox_id: "sbx".into(),
             sandbox_generation: 1,
@@ -1592,10 +1627,10 @@ async fn an_interrupt_on_a_queued_run_cancels_it(h: Harness) {
 
 async fn mark_backend_error_is_durable_from_running_and_from_done(h: Harness) {
     let mut op = h.operator().await;
-    let mark = |run_id: &str, key: &str| pb::MarkBackendErrorRequest {
+    let mark = |run_id: &str, key: &str| runstore_pb::MarkBackendErrorRequest {
         run_id: run_id.into(),
         idempotency_key: key.into(),
-        kind: pb::BackendErrorKind::Error as i32,
+        kind: runstore_pb::BackendErrorKind::Error as i32,
         reason: "upstream 529 overloaded".into(),
         credential_id: "cred-a".into(),
         incident_id: "inc-1".into(),
@@ -1607,13 +1642,16 @@ async fn mark_backend_error_is_durable_from_running_and_from_done(h: Harness) {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(marked.outcome(), pb::MarkBackendErrorOutcome::Marked);
+    assert_eq!(
+        marked.outcome(),
+        runstore_pb::MarkBackendErrorOutcome::Marked
+    );
     let run = marked.run.unwrap();
-    assert_eq!(run.state(), pb::RunState::BackendError);
+    assert_eq!(run.state(), runstore_pb::RunState::BackendError);
     assert_eq!(run.failure_reason, "upstream 529 overloaded");
     assert_eq!(
         run.backend_error.unwrap().kind(),
-        pb::BackendErrorKind::Error
+        runstore_pb::BackendErrorKind::Error
     );
 
     let (done, key) = h.running_run("backend-done").await;
@@ -1625,24 +1663,36 @@ async fn mark_backend_error_is_durable_from_running_and_from_done(h: Harness) {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(marked.outcome(), pb::MarkBackendErrorOutcome::Marked);
-    assert_eq!(h.get_run(&done).await.state(), pb::RunState::BackendError);
+    assert_eq!(
+        marked.outcome(),
+        runstore_pb::MarkBackendErrorOutcome::Marked
+    );
+    assert_eq!(
+        h.get_run(&done).await.state(),
+        runstore_pb::RunState::BackendError
+    );
     let replay = op
         .mark_backend_error(mark(&done, "turn-done-0000001"))
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(replay.outcome(), pb::MarkBackendErrorOutcome::Marked);
+    assert_eq!(
+        replay.outcome(),
+        runstore_pb::MarkBackendErrorOutcome::Marked
+    );
     let again = op
         .mark_backend_error(mark(&done, "turn-done-0000002"))
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(again.outcome(), pb::MarkBackendErrorOutcome::AlreadyMarked);
+    assert_eq!(
+        again.outcome(),
+        runstore_pb::MarkBackendErrorOutcome::AlreadyMarked
+    );
 
     let listed = op
-        .list_runs(pb::ListRunsRequest {
-            states: vec![pb::RunState::BackendError as i32],
+        .list_runs(runstore_pb::ListRunsRequest {
+            states: vec![runstore_pb::RunState::BackendError as i32],
             ..Default::default()
         })
         .await
@@ -1656,7 +1706,7 @@ async fn shutdown_answers_long_polls_instead_of_cutting_them(mut h: Harness) {
     let mut runner = h.runner(&key).await;
     let poller = tokio::spawn(async move {
         runner
-            .poll_steering(pb::PollSteeringRequest {
+            .poll_steering(runstore_pb::PollSteeringRequest {
                 run_id,
                 acks: vec![],
                 wait: Some(prost_types::Duration {
@@ -1686,7 +1736,7 @@ async fn numbers_past_their_columns_are_invalid_argument_and_change_nothing(h: H
     let past = i64::MAX as u64 + 1;
     // A wrapped after_sequence would be negative: every event again, not a refusal.
     let watched = match op
-        .watch_run(pb::WatchRunRequest {
+        .watch_run(runstore_pb::WatchRunRequest {
             run_id: run_id.clone(),
             after_sequence: past,
             states_only: false,
@@ -1702,7 +1752,7 @@ async fn numbers_past_their_columns_are_invalid_argument_and_change_nothing(h: H
     };
     assert_eq!(field(&watched), "after_sequence");
     let e = op
-        .fail_run(pb::FailRunRequest {
+        .fail_run(runstore_pb::FailRunRequest {
             run_id: run_id.clone(),
             reason: "sandbox_lost".into(),
             message: String::new(),
@@ -1714,7 +1764,7 @@ async fn numbers_past_their_columns_are_invalid_argument_and_change_nothing(h: H
         .unwrap_err();
     assert_eq!(field(&e), "if_sandbox_generation");
     let e = op
-        .issue_run_key(pb::IssueRunKeyRequest {
+        .issue_run_key(runstore_pb::IssueRunKeyRequest {
             run_id: run_id.clone(),
             sandbox_id: "sbx-past".into(),
             sandbox_generation: past,
@@ -1723,5 +1773,8 @@ async fn numbers_past_their_columns_are_invalid_argument_and_change_nothing(h: H
         .await
         .unwrap_err();
     assert_eq!(field(&e), "sandbox_generation");
-    assert_eq!(h.get_run(&run_id).await.state(), pb::RunState::Running);
+    assert_eq!(
+        h.get_run(&run_id).await.state(),
+        runstore_pb::RunState::Running
+    );
 }

@@ -3,7 +3,7 @@
 //! The request's verdict becomes this type at the gRPC boundary (`convert`), and the
 //! recorded one becomes the proto again there, for answers and for the receipt.
 
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use sea_orm::entity::prelude::*;
 
 use super::state::RunState;
@@ -61,7 +61,7 @@ impl std::str::FromStr for VerdictOutcome {
     }
 }
 
-impl From<VerdictOutcome> for pb::VerdictOutcome {
+impl From<VerdictOutcome> for runstore_pb::VerdictOutcome {
     fn from(outcome: VerdictOutcome) -> Self {
         match outcome {
             VerdictOutcome::Succeeded => Self::Succeeded,
@@ -71,16 +71,16 @@ impl From<VerdictOutcome> for pb::VerdictOutcome {
     }
 }
 
-impl TryFrom<pb::VerdictOutcome> for VerdictOutcome {
+impl TryFrom<runstore_pb::VerdictOutcome> for VerdictOutcome {
     /// `VERDICT_OUTCOME_UNSPECIFIED`, which no run ends with.
-    type Error = pb::VerdictOutcome;
+    type Error = runstore_pb::VerdictOutcome;
 
-    fn try_from(outcome: pb::VerdictOutcome) -> Result<Self, Self::Error> {
+    fn try_from(outcome: runstore_pb::VerdictOutcome) -> Result<Self, Self::Error> {
         Ok(match outcome {
-            pb::VerdictOutcome::Succeeded => Self::Succeeded,
-            pb::VerdictOutcome::Failed => Self::Failed,
-            pb::VerdictOutcome::Cancelled => Self::Cancelled,
-            pb::VerdictOutcome::Unspecified => return Err(outcome),
+            runstore_pb::VerdictOutcome::Succeeded => Self::Succeeded,
+            runstore_pb::VerdictOutcome::Failed => Self::Failed,
+            runstore_pb::VerdictOutcome::Cancelled => Self::Cancelled,
+            runstore_pb::VerdictOutcome::Unspecified => return Err(outcome),
         })
     }
 }
@@ -125,7 +125,7 @@ mod tests {
         for outcome in <VerdictOutcome as sea_orm::Iterable>::iter() {
             assert_eq!(outcome.as_str().parse(), Ok(outcome));
             assert_eq!(outcome.run_state().as_str(), outcome.as_str());
-            let wire = pb::VerdictOutcome::from(outcome);
+            let wire = runstore_pb::VerdictOutcome::from(outcome);
             assert_eq!(
                 wire.as_str_name(),
                 format!("VERDICT_OUTCOME_{}", outcome.as_str().to_uppercase())
@@ -133,6 +133,6 @@ mod tests {
             assert_eq!(VerdictOutcome::try_from(wire), Ok(outcome));
         }
         assert!("unspecified".parse::<VerdictOutcome>().is_err());
-        assert!(VerdictOutcome::try_from(pb::VerdictOutcome::Unspecified).is_err());
+        assert!(VerdictOutcome::try_from(runstore_pb::VerdictOutcome::Unspecified).is_err());
     }
 }

@@ -19,7 +19,7 @@ use base64::Engine;
 use futures::Stream;
 use prost::Message;
 use runplane_grpc::proto_duration as duration;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_server::RunService;
 use runplane_proto::runstore::v1::runner_service_server::RunnerService;
 use runplane_telemetry::metrics;
@@ -87,26 +87,26 @@ impl Shared {
     async fn admit(
         &self,
         org_id: &str,
-        target: &pb::create_run_request::Target,
+        target: &runstore_pb::create_run_request::Target,
     ) -> std::result::Result<Admitted, Status> {
-        use runplane_proto::credentials::v1 as ch;
+        use runplane_proto::credentials::v1 as credentials_pb;
         let Some(client) = &self.credential_health else {
             return Ok(Admitted {
                 credential_id: match target {
-                    pb::create_run_request::Target::CredentialId(c) => c.clone(),
-                    pb::create_run_request::Target::Profile(_) => String::new(),
+                    runstore_pb::create_run_request::Target::CredentialId(c) => c.clone(),
+                    runstore_pb::create_run_request::Target::Profile(_) => String::new(),
                 },
                 max_run_seconds: 0,
             });
         };
-        let request = ch::CheckAdmissionRequest {
+        let request = credentials_pb::CheckAdmissionRequest {
             org_id: org_id.to_owned(),
             target: Some(match target {
-                pb::create_run_request::Target::Profile(p) => {
-                    ch::check_admission_request::Target::Profile(p.clone())
+                runstore_pb::create_run_request::Target::Profile(p) => {
+                    credentials_pb::check_admission_request::Target::Profile(p.clone())
                 }
-                pb::create_run_request::Target::CredentialId(c) => {
-                    ch::check_admission_request::Target::CredentialId(c.clone())
+                runstore_pb::create_run_request::Target::CredentialId(c) => {
+                    credentials_pb::check_admission_request::Target::CredentialId(c.clone())
                 }
             }),
         };
@@ -189,9 +189,9 @@ impl Shared {
         Ok(run)
     }
 
-    fn limits(&self) -> pb::RunnerLimits {
+    fn limits(&self) -> runstore_pb::RunnerLimits {
         let l = &self.settings.limits;
-        pb::RunnerLimits {
+        runstore_pb::RunnerLimits {
             max_batch_events: l.max_batch_events,
             max_batch_bytes: l.max_batch_bytes,
             max_event_text_bytes: l.max_event_text_bytes,

@@ -17,10 +17,10 @@ pub struct CheckedCreateRun {
 /// against its documented bound, `max_duration` against `max_run_duration_seconds`.
 /// Pure, so it is fuzzed (`tests/fuzz.rs`).
 pub fn check_create_run(
-    req: &pb::CreateRunRequest,
+    req: &runstore_pb::CreateRunRequest,
     max_run_duration_seconds: u32,
 ) -> Result<CheckedCreateRun> {
-    use pb::create_run_request::Target;
+    use runstore_pb::create_run_request::Target;
     validate::client_key("client_request_id", &req.client_request_id)?;
     validate::name("org_id", &req.org_id)?;
     if !req.lead_id.is_empty() {
@@ -92,16 +92,21 @@ pub(super) fn checked_max_duration(d: &prost_types::Duration, bound: u32) -> Res
     Ok(d)
 }
 
-pub(super) type WatchStream =
-    Pin<Box<dyn Stream<Item = std::result::Result<pb::WatchRunResponse, Status>> + Send + 'static>>;
+pub(super) type WatchStream = Pin<
+    Box<
+        dyn Stream<Item = std::result::Result<runstore_pb::WatchRunResponse, Status>>
+            + Send
+            + 'static,
+    >,
+>;
 
 #[tonic::async_trait]
 impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(org_id = %request.get_ref().org_id, credential_id))]
     async fn create_run(
         &self,
-        request: Request<pb::CreateRunRequest>,
-    ) -> std::result::Result<Response<pb::CreateRunResponse>, Status> {
+        request: Request<runstore_pb::CreateRunRequest>,
+    ) -> std::result::Result<Response<runstore_pb::CreateRunResponse>, Status> {
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
@@ -134,7 +139,7 @@ impl RunService for RunApi {
             .existing_run(&req.org_id, &req.client_request_id, &request_digest)
             .await?
         {
-            return Ok(Response::new(pb::CreateRunResponse {
+            return Ok(Response::new(runstore_pb::CreateRunResponse {
                 run: Some(convert::run(&run)),
             }));
         }
@@ -172,34 +177,34 @@ impl RunService for RunApi {
             s.changes.created();
             tracing::info!(run_id = %run.id, "run created");
         }
-        Ok(Response::new(pb::CreateRunResponse {
+        Ok(Response::new(runstore_pb::CreateRunResponse {
             run: Some(convert::run(&run)),
         }))
     }
 
     async fn get_run(
         &self,
-        request: Request<pb::GetRunRequest>,
-    ) -> std::result::Result<Response<pb::GetRunResponse>, Status> {
+        request: Request<runstore_pb::GetRunRequest>,
+    ) -> std::result::Result<Response<runstore_pb::GetRunResponse>, Status> {
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
-        Ok(Response::new(pb::GetRunResponse {
+        Ok(Response::new(runstore_pb::GetRunResponse {
             run: Some(convert::run(&run)),
         }))
     }
 
     async fn list_runs(
         &self,
-        request: Request<pb::ListRunsRequest>,
-    ) -> std::result::Result<Response<pb::ListRunsResponse>, Status> {
+        request: Request<runstore_pb::ListRunsRequest>,
+    ) -> std::result::Result<Response<runstore_pb::ListRunsResponse>, Status> {
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
         let org_id = operator.org_filter(&req.org_id)?;
         let mut states = Vec::new();
         for st in &req.states {
-            let st = pb::RunState::try_from(*st)
+            let st = runstore_pb::RunState::try_from(*st)
                 .ok()
                 .and_then(|st| RunState::try_from(st).ok())
                 .ok_or_else(|| {
@@ -238,7 +243,7 @@ impl RunService for RunApi {
         } else {
             String::new()
         };
-        Ok(Response::new(pb::ListRunsResponse {
+        Ok(Response::new(runstore_pb::ListRunsResponse {
             runs: runs.iter().map(convert::run).collect(),
             next_page_token,
         }))
@@ -246,8 +251,8 @@ impl RunService for RunApi {
 
     async fn count_active_runs(
         &self,
-        request: Request<pb::CountActiveRunsRequest>,
-    ) -> std::result::Result<Response<pb::CountActiveRunsResponse>, Status> {
+        request: Request<runstore_pb::CountActiveRunsRequest>,
+    ) -> std::result::Result<Response<runstore_pb::CountActiveRunsResponse>, Status> {
         let s = &self.shared;
         s.service(&request)?;
         let req = request.get_ref();
@@ -272,7 +277,7 @@ impl RunService for RunApi {
                 && (req.credential_ids.is_empty()
                     || req.credential_ids.iter().any(|c| c == credential))
         });
-        Ok(Response::new(pb::CountActiveRunsResponse {
+        Ok(Response::new(runstore_pb::CountActiveRunsResponse {
             active_by_credential: counts.by_credential,
             active_by_profile: counts.by_profile,
             active_by_profile_credential: counts.by_profile_credential,
@@ -284,8 +289,8 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all)]
     async fn wait_for_runs(
         &self,
-        request: Request<pb::WaitForRunsRequest>,
-    ) -> std::result::Result<Response<pb::WaitForRunsResponse>, Status> {
+        request: Request<runstore_pb::WaitForRunsRequest>,
+    ) -> std::result::Result<Response<runstore_pb::WaitForRunsResponse>, Status> {
         let s = &self.shared;
         s.service(&request)?;
         let wait = from_duration("wait", request.get_ref().wait.as_ref())?
@@ -297,14 +302,14 @@ impl RunService for RunApi {
             .subscribe(crate::changes::RECONCILER_WORK)
             .changed(deadline)
             .await;
-        Ok(Response::new(pb::WaitForRunsResponse { woken }))
+        Ok(Response::new(runstore_pb::WaitForRunsResponse { woken }))
     }
 
     #[tracing::instrument(skip_all, fields(credentials = request.get_ref().credentials.len(), claimed))]
     async fn claim_slots(
         &self,
-        request: Request<pb::ClaimSlotsRequest>,
-    ) -> std::result::Result<Response<pb::ClaimSlotsResponse>, Status> {
+        request: Request<runstore_pb::ClaimSlotsRequest>,
+    ) -> std::result::Result<Response<runstore_pb::ClaimSlotsResponse>, Status> {
         let s = &self.shared;
         s.service(&request)?;
         let req = request.get_ref();
@@ -336,14 +341,14 @@ impl RunService for RunApi {
         for run in &claimed {
             s.changes.notify(&run.id);
         }
-        Ok(Response::new(pb::ClaimSlotsResponse {
+        Ok(Response::new(runstore_pb::ClaimSlotsResponse {
             claimed: claimed.iter().map(convert::run).collect(),
         }))
     }
 
     async fn watch_run(
         &self,
-        request: Request<pb::WatchRunRequest>,
+        request: Request<runstore_pb::WatchRunRequest>,
     ) -> std::result::Result<Response<WatchStream>, Status> {
         let s = self.shared.clone();
         let operator = s.operator(&request)?;
@@ -366,8 +371,8 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, generation = request.get_ref().sandbox_generation))]
     async fn issue_run_key(
         &self,
-        request: Request<pb::IssueRunKeyRequest>,
-    ) -> std::result::Result<Response<pb::IssueRunKeyResponse>, Status> {
+        request: Request<runstore_pb::IssueRunKeyRequest>,
+    ) -> std::result::Result<Response<runstore_pb::IssueRunKeyResponse>, Status> {
         let s = &self.shared;
         s.service(&request)?;
         let req = request.get_ref();
@@ -388,7 +393,7 @@ impl RunService for RunApi {
             .await?;
         s.changes.notify(&req.run_id);
         tracing::info!(key_id = %key.key_id, "run key issued");
-        Ok(Response::new(pb::IssueRunKeyResponse {
+        Ok(Response::new(runstore_pb::IssueRunKeyResponse {
             run_key: secret,
             key_id: key.key_id,
             sandbox_generation: key.sandbox_generation as u64,
@@ -397,8 +402,8 @@ impl RunService for RunApi {
 
     async fn check_run_key(
         &self,
-        request: Request<pb::CheckRunKeyRequest>,
-    ) -> std::result::Result<Response<pb::CheckRunKeyResponse>, Status> {
+        request: Request<runstore_pb::CheckRunKeyRequest>,
+    ) -> std::result::Result<Response<runstore_pb::CheckRunKeyResponse>, Status> {
         let s = &self.shared;
         s.service(&request)?;
         let req = request.get_ref();
@@ -410,9 +415,9 @@ impl RunService for RunApi {
             .store
             .authenticate_key_hash(&hex(&req.key_sha256), &req.run_id, false)
             .await?;
-        Ok(Response::new(pb::CheckRunKeyResponse {
+        Ok(Response::new(runstore_pb::CheckRunKeyResponse {
             org_id: auth.run.org_id.clone(),
-            run_state: pb::RunState::from(auth.run.state) as i32,
+            run_state: runstore_pb::RunState::from(auth.run.state) as i32,
             sandbox_generation: auth.key.sandbox_generation as u64,
             key_id: auth.key.key_id,
         }))
@@ -421,8 +426,8 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn steer(
         &self,
-        request: Request<pb::SteerRequest>,
-    ) -> std::result::Result<Response<pb::SteerResponse>, Status> {
+        request: Request<runstore_pb::SteerRequest>,
+    ) -> std::result::Result<Response<runstore_pb::SteerResponse>, Status> {
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
@@ -432,7 +437,7 @@ impl RunService for RunApi {
             return Err(RunStoreError::invalid("text", "must be one line (no newline)").into());
         }
         validate::client_key("idempotency_key", &req.idempotency_key)?;
-        let payload = pb::SteerPayload {
+        let payload = runstore_pb::SteerPayload {
             text: req.text.clone(),
         }
         .encode_to_vec();
@@ -440,14 +445,14 @@ impl RunService for RunApi {
             .store
             .enqueue(
                 &req.run_id,
-                pb::SteeringKind::Steer,
+                runstore_pb::SteeringKind::Steer,
                 payload,
                 &req.idempotency_key,
                 false,
             )
             .await?;
         s.changes.queued(&req.run_id);
-        Ok(Response::new(pb::SteerResponse {
+        Ok(Response::new(runstore_pb::SteerResponse {
             message: Some(convert::message(&message)),
         }))
     }
@@ -455,8 +460,8 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn interrupt(
         &self,
-        request: Request<pb::InterruptRequest>,
-    ) -> std::result::Result<Response<pb::InterruptResponse>, Status> {
+        request: Request<runstore_pb::InterruptRequest>,
+    ) -> std::result::Result<Response<runstore_pb::InterruptResponse>, Status> {
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
@@ -474,12 +479,12 @@ impl RunService for RunApi {
                 .await?
         {
             s.changes.ended(&req.run_id, cancelled.state);
-            return Ok(Response::new(pb::InterruptResponse {
+            return Ok(Response::new(runstore_pb::InterruptResponse {
                 message: None,
                 run: Some(convert::run(&cancelled)),
             }));
         }
-        let payload = pb::InterruptPayload {
+        let payload = runstore_pb::InterruptPayload {
             reason: req.reason.clone(),
             grace: Some(duration(grace)),
         }
@@ -488,7 +493,7 @@ impl RunService for RunApi {
             .store
             .enqueue(
                 &req.run_id,
-                pb::SteeringKind::Interrupt,
+                runstore_pb::SteeringKind::Interrupt,
                 payload,
                 &req.idempotency_key,
                 false,
@@ -496,7 +501,7 @@ impl RunService for RunApi {
             .await?;
         s.changes.queued(&req.run_id);
         let run = s.store.get_run(&req.run_id).await?;
-        Ok(Response::new(pb::InterruptResponse {
+        Ok(Response::new(runstore_pb::InterruptResponse {
             message: Some(convert::message(&message)),
             run: Some(convert::run(&run)),
         }))
@@ -505,9 +510,9 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn enqueue_control(
         &self,
-        request: Request<pb::EnqueueControlRequest>,
-    ) -> std::result::Result<Response<pb::EnqueueControlResponse>, Status> {
-        use pb::enqueue_control_request::Control;
+        request: Request<runstore_pb::EnqueueControlRequest>,
+    ) -> std::result::Result<Response<runstore_pb::EnqueueControlResponse>, Status> {
+        use runstore_pb::enqueue_control_request::Control;
         let s = &self.shared;
         s.service(&request)?;
         let req = request.get_ref();
@@ -521,11 +526,15 @@ impl RunService for RunApi {
                     1,
                     256,
                 )?;
-                (pb::SteeringKind::ResumeStream, p.encode_to_vec(), false)
+                (
+                    runstore_pb::SteeringKind::ResumeStream,
+                    p.encode_to_vec(),
+                    false,
+                )
             }
             Some(Control::Abort(p)) => {
                 validate::snake_reason("abort.reason", &p.reason)?;
-                (pb::SteeringKind::Abort, p.encode_to_vec(), true)
+                (runstore_pb::SteeringKind::Abort, p.encode_to_vec(), true)
             }
             None => {
                 return Err(RunStoreError::invalid(
@@ -546,7 +555,7 @@ impl RunService for RunApi {
             )
             .await?;
         s.changes.queued(&req.run_id);
-        Ok(Response::new(pb::EnqueueControlResponse {
+        Ok(Response::new(runstore_pb::EnqueueControlResponse {
             message: Some(convert::message(&message)),
         }))
     }
@@ -554,8 +563,8 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn cancel_run(
         &self,
-        request: Request<pb::CancelRunRequest>,
-    ) -> std::result::Result<Response<pb::CancelRunResponse>, Status> {
+        request: Request<runstore_pb::CancelRunRequest>,
+    ) -> std::result::Result<Response<runstore_pb::CancelRunResponse>, Status> {
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
@@ -593,7 +602,7 @@ impl RunService for RunApi {
         } else {
             s.changes.ended_again(&req.run_id);
         }
-        Ok(Response::new(pb::CancelRunResponse {
+        Ok(Response::new(runstore_pb::CancelRunResponse {
             run: Some(convert::run(&finished.run)),
         }))
     }
@@ -601,8 +610,8 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, reason = %request.get_ref().reason))]
     async fn fail_run(
         &self,
-        request: Request<pb::FailRunRequest>,
-    ) -> std::result::Result<Response<pb::FailRunResponse>, Status> {
+        request: Request<runstore_pb::FailRunRequest>,
+    ) -> std::result::Result<Response<runstore_pb::FailRunResponse>, Status> {
         let s = &self.shared;
         s.service(&request)?;
         let req = request.get_ref();
@@ -651,11 +660,11 @@ impl RunService for RunApi {
             .await?;
         if replayed {
             s.changes.ended_again(&req.run_id);
-        } else if outcome == pb::FailRunOutcome::MadeTerminal {
+        } else if outcome == runstore_pb::FailRunOutcome::MadeTerminal {
             s.changes.ended(&req.run_id, run.state);
         }
         tracing::info!(outcome = outcome.as_str_name(), "fail run");
-        Ok(Response::new(pb::FailRunResponse {
+        Ok(Response::new(runstore_pb::FailRunResponse {
             outcome: outcome as i32,
             run: Some(convert::run(&run)),
         }))
@@ -664,15 +673,18 @@ impl RunService for RunApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn mark_backend_error(
         &self,
-        request: Request<pb::MarkBackendErrorRequest>,
-    ) -> std::result::Result<Response<pb::MarkBackendErrorResponse>, Status> {
+        request: Request<runstore_pb::MarkBackendErrorRequest>,
+    ) -> std::result::Result<Response<runstore_pb::MarkBackendErrorResponse>, Status> {
         let s = &self.shared;
         s.service(&request)?;
         let req = request.get_ref();
         validate::run_id(&req.run_id)?;
         validate::client_key("idempotency_key", &req.idempotency_key)?;
-        let kind = match pb::BackendErrorKind::try_from(req.kind) {
-            Ok(k @ (pb::BackendErrorKind::Error | pb::BackendErrorKind::Exhausted)) => k,
+        let kind = match runstore_pb::BackendErrorKind::try_from(req.kind) {
+            Ok(
+                k @ (runstore_pb::BackendErrorKind::Error
+                | runstore_pb::BackendErrorKind::Exhausted),
+            ) => k,
             _ => return Err(RunStoreError::invalid("kind", "must be error or exhausted").into()),
         };
         validate::bounded("reason", &req.reason, 1, 512)?;
@@ -706,12 +718,12 @@ impl RunService for RunApi {
             .await?;
         if replayed {
             s.changes.ended_again(&req.run_id);
-        } else if outcome == pb::MarkBackendErrorOutcome::Marked {
+        } else if outcome == runstore_pb::MarkBackendErrorOutcome::Marked {
             s.changes.ended(&req.run_id, run.state);
         } else {
             s.changes.notify(&req.run_id);
         }
-        Ok(Response::new(pb::MarkBackendErrorResponse {
+        Ok(Response::new(runstore_pb::MarkBackendErrorResponse {
             outcome: outcome as i32,
             run: Some(convert::run(&run)),
         }))
@@ -719,8 +731,8 @@ impl RunService for RunApi {
 
     async fn get_receipt(
         &self,
-        request: Request<pb::GetReceiptRequest>,
-    ) -> std::result::Result<Response<pb::GetReceiptResponse>, Status> {
+        request: Request<runstore_pb::GetReceiptRequest>,
+    ) -> std::result::Result<Response<runstore_pb::GetReceiptResponse>, Status> {
         let s = &self.shared;
         let operator = s.operator(&request)?;
         let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
@@ -729,15 +741,15 @@ impl RunService for RunApi {
             .receipt(&run.id)
             .await?
             .ok_or(RunStoreError::ReceiptNotSealed { run_id: run.id })?;
-        Ok(Response::new(pb::GetReceiptResponse {
+        Ok(Response::new(runstore_pb::GetReceiptResponse {
             receipt: Some(receipt),
         }))
     }
 
     async fn get_receipt_public_key(
         &self,
-        request: Request<pb::GetReceiptPublicKeyRequest>,
-    ) -> std::result::Result<Response<pb::GetReceiptPublicKeyResponse>, Status> {
+        request: Request<runstore_pb::GetReceiptPublicKeyRequest>,
+    ) -> std::result::Result<Response<runstore_pb::GetReceiptPublicKeyResponse>, Status> {
         let s = &self.shared;
         s.operator(&request)?;
         let key_id = &request.get_ref().key_id;
@@ -748,7 +760,7 @@ impl RunService for RunApi {
             }
             .into());
         }
-        Ok(Response::new(pb::GetReceiptPublicKeyResponse {
+        Ok(Response::new(runstore_pb::GetReceiptPublicKeyResponse {
             key_id: key_id.clone(),
             public_key: signer.public_key().to_vec(),
             algorithm: "ed25519".into(),

@@ -7,8 +7,8 @@ impl RunnerService for RunnerApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn hello(
         &self,
-        request: Request<pb::HelloRequest>,
-    ) -> std::result::Result<Response<pb::HelloResponse>, Status> {
+        request: Request<runstore_pb::HelloRequest>,
+    ) -> std::result::Result<Response<runstore_pb::HelloResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
         let auth = s.runner(&request, &req.run_id, false).await?;
@@ -19,7 +19,7 @@ impl RunnerService for RunnerApi {
             .await?;
         s.changes.notify(&run.id);
         tracing::info!(key_id = %auth.key.key_id, generation = auth.key.sandbox_generation, "runner said hello");
-        Ok(Response::new(pb::HelloResponse {
+        Ok(Response::new(runstore_pb::HelloResponse {
             chain_head: run.chain_head.clone(),
             run: Some(convert::run(&run)),
             claimed_at: Some(runplane_clock::to_timestamp(claimed_at)),
@@ -30,8 +30,8 @@ impl RunnerService for RunnerApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, events = request.get_ref().events.len()))]
     async fn append_events(
         &self,
-        request: Request<pb::AppendEventsRequest>,
-    ) -> std::result::Result<Response<pb::AppendEventsResponse>, Status> {
+        request: Request<runstore_pb::AppendEventsRequest>,
+    ) -> std::result::Result<Response<runstore_pb::AppendEventsResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
         let key = presented(&request)?;
@@ -54,7 +54,7 @@ impl RunnerService for RunnerApi {
             .append_for_runner(key, &req.run_id, &req.batch_key, &events)
             .await?;
         s.changes.notify(&req.run_id);
-        Ok(Response::new(pb::AppendEventsResponse {
+        Ok(Response::new(runstore_pb::AppendEventsResponse {
             first_sequence: appended.first_sequence,
             last_sequence: appended.last_sequence,
             chain_head: appended.chain_head,
@@ -64,8 +64,8 @@ impl RunnerService for RunnerApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id, acks = request.get_ref().acks.len()))]
     async fn poll_steering(
         &self,
-        request: Request<pb::PollSteeringRequest>,
-    ) -> std::result::Result<Response<pb::PollSteeringResponse>, Status> {
+        request: Request<runstore_pb::PollSteeringRequest>,
+    ) -> std::result::Result<Response<runstore_pb::PollSteeringResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
         // A terminal run's key still polls: the runner learns the run ended (and gets an
@@ -94,16 +94,16 @@ impl RunnerService for RunnerApi {
             let terminal = run.state.is_terminal();
             if terminal {
                 // Only an abort still means anything to a runner whose run ended.
-                pending.retain(|m| m.kind == pb::SteeringKind::Abort as i32);
+                pending.retain(|m| m.kind == runstore_pb::SteeringKind::Abort as i32);
             }
             if !pending.is_empty()
                 || terminal
                 || tokio::time::Instant::now() >= deadline
                 || s.changes.is_closing()
             {
-                return Ok(Response::new(pb::PollSteeringResponse {
+                return Ok(Response::new(runstore_pb::PollSteeringResponse {
                     messages: pending.iter().map(convert::message).collect(),
-                    run_state: pb::RunState::from(run.state) as i32,
+                    run_state: runstore_pb::RunState::from(run.state) as i32,
                 }));
             }
             changes.changed(deadline).await;
@@ -113,8 +113,8 @@ impl RunnerService for RunnerApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn submit_result(
         &self,
-        request: Request<pb::SubmitResultRequest>,
-    ) -> std::result::Result<Response<pb::SubmitResultResponse>, Status> {
+        request: Request<runstore_pb::SubmitResultRequest>,
+    ) -> std::result::Result<Response<runstore_pb::SubmitResultResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
         s.runner(&request, &req.run_id, true).await?;
@@ -154,7 +154,7 @@ impl RunnerService for RunnerApi {
             s.changes.ended_again(&req.run_id);
         }
         let receipt = s.store.receipt(&req.run_id).await?;
-        Ok(Response::new(pb::SubmitResultResponse {
+        Ok(Response::new(runstore_pb::SubmitResultResponse {
             run: Some(convert::run(&finished.run)),
             already_recorded: !finished.made_terminal,
             receipt,
@@ -163,7 +163,7 @@ impl RunnerService for RunnerApi {
 }
 
 /// PollSteering's checks of its acknowledgements; pure, so it is fuzzed.
-pub fn check_acks(acks: &[pb::SteeringAck], max: usize) -> Result<Vec<Ack>> {
+pub fn check_acks(acks: &[runstore_pb::SteeringAck], max: usize) -> Result<Vec<Ack>> {
     if acks.len() > max {
         return Err(RunStoreError::AckInvalid {
             index: max,
@@ -182,9 +182,9 @@ pub fn check_acks(acks: &[pb::SteeringAck], max: usize) -> Result<Vec<Ack>> {
                     reason: "not a message id this server issues".into(),
                 });
             }
-            let dropped = match pb::AckOutcome::try_from(a.outcome) {
-                Ok(pb::AckOutcome::Applied) => false,
-                Ok(pb::AckOutcome::DroppedUndeliverable) => true,
+            let dropped = match runstore_pb::AckOutcome::try_from(a.outcome) {
+                Ok(runstore_pb::AckOutcome::Applied) => false,
+                Ok(runstore_pb::AckOutcome::DroppedUndeliverable) => true,
                 _ => {
                     return Err(RunStoreError::AckInvalid {
                         index,

@@ -7,17 +7,17 @@ use super::*;
 pub(super) async fn watch(
     s: &Shared,
     first: crate::store::entities::run::Model,
-    req: &pb::WatchRunRequest,
+    req: &runstore_pb::WatchRunRequest,
     heartbeat: Duration,
-    tx: &tokio::sync::mpsc::Sender<std::result::Result<pb::WatchRunResponse, Status>>,
+    tx: &tokio::sync::mpsc::Sender<std::result::Result<runstore_pb::WatchRunResponse, Status>>,
 ) -> std::result::Result<(), Status> {
-    use pb::watch_run_response::Update;
+    use runstore_pb::watch_run_response::Update;
     let due = runplane_grpc::heartbeat::Due::new(heartbeat);
     let due = &due;
     let send = |update: Update| {
         due.sent();
         async move {
-            tx.send(Ok(pb::WatchRunResponse {
+            tx.send(Ok(runstore_pb::WatchRunResponse {
                 update: Some(update),
             }))
             .await
@@ -81,7 +81,7 @@ pub(super) async fn watch(
                 break;
             }
             // Nothing sent for an interval: say the stream is alive, and where it is.
-            let heartbeat = pb::Heartbeat {
+            let heartbeat = runstore_pb::Heartbeat {
                 last_sequence: cursor,
                 server_time: Some(runplane_clock::to_timestamp(s.store.now_us())),
             };

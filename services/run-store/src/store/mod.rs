@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use prost::Message;
 use runplane_clock::SharedClock;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use sea_orm::sea_query::{Expr, Order};
 use sea_orm::{
     ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr,
@@ -90,7 +90,7 @@ fn tail_end(s: &str, max: usize) -> &str {
 }
 
 /// The event kind of a failed agent turn.
-const TURN_FAILED: i32 = pb::EventKind::TurnFailed as i32;
+const TURN_FAILED: i32 = runstore_pb::EventKind::TurnFailed as i32;
 
 /// Active runs counted three ways (see [`Store::count_active`]).
 #[derive(Debug, Clone, Default)]
@@ -380,11 +380,11 @@ pub fn terminal_error(run: &run::Model) -> RunStoreError {
 }
 
 pub fn kind_name(kind: i32) -> &'static str {
-    match pb::SteeringKind::try_from(kind) {
-        Ok(pb::SteeringKind::Steer) => "steer",
-        Ok(pb::SteeringKind::Interrupt) => "interrupt",
-        Ok(pb::SteeringKind::ResumeStream) => "resume_stream",
-        Ok(pb::SteeringKind::Abort) => "abort",
+    match runstore_pb::SteeringKind::try_from(kind) {
+        Ok(runstore_pb::SteeringKind::Steer) => "steer",
+        Ok(runstore_pb::SteeringKind::Interrupt) => "interrupt",
+        Ok(runstore_pb::SteeringKind::ResumeStream) => "resume_stream",
+        Ok(runstore_pb::SteeringKind::Abort) => "abort",
         _ => "message",
     }
 }

@@ -8,7 +8,7 @@ impl Store {
     pub async fn enqueue(
         &self,
         run_id: &str,
-        kind: pb::SteeringKind,
+        kind: runstore_pb::SteeringKind,
         payload: Vec<u8>,
         idempotency_key: &str,
         accept_on_terminal: bool,
@@ -85,7 +85,7 @@ impl Store {
                     reason: "no such message for this run".into(),
                 });
             };
-            if ack.dropped && message.kind != pb::SteeringKind::Steer as i32 {
+            if ack.dropped && message.kind != runstore_pb::SteeringKind::Steer as i32 {
                 return Err(RunStoreError::AckDropForbidden {
                     index,
                     kind: kind_name(message.kind),
@@ -119,7 +119,7 @@ impl Store {
             let events: Vec<CheckedEvent> = undeliverable
                 .iter()
                 .map(|ack| CheckedEvent {
-                    kind: pb::EventKind::SteerUndeliverable as i32,
+                    kind: runstore_pb::EventKind::SteerUndeliverable as i32,
                     text: String::new(),
                     data: serde_json::json!({
                         "message_id": ack.message_id,

@@ -58,7 +58,7 @@ impl Store {
         run_id: &str,
         request: &FailRequest<'_>,
         signer: &ReceiptSigner,
-    ) -> Result<Keyed<pb::FailRunOutcome>> {
+    ) -> Result<Keyed<runstore_pb::FailRunOutcome>> {
         let FailRequest {
             reason,
             message,
@@ -73,8 +73,8 @@ impl Store {
             .await?;
         if let Some(outcome) = replayed {
             txn.commit().await?;
-            let outcome =
-                pb::FailRunOutcome::try_from(outcome).unwrap_or(pb::FailRunOutcome::Unspecified);
+            let outcome = runstore_pb::FailRunOutcome::try_from(outcome)
+                .unwrap_or(runstore_pb::FailRunOutcome::Unspecified);
             return Ok(Keyed {
                 outcome,
                 run,
@@ -82,17 +82,17 @@ impl Store {
             });
         }
         let (outcome, run) = if run.state.is_terminal() {
-            (pb::FailRunOutcome::AlreadyTerminal, run)
+            (runstore_pb::FailRunOutcome::AlreadyTerminal, run)
         } else if guard_generation.is_some_and(|g| i64::try_from(g) != Ok(run.sandbox_generation))
             || guard_sandbox.is_some_and(|id| id != run.sandbox_id)
         {
-            (pb::FailRunOutcome::GuardMismatch, run)
+            (runstore_pb::FailRunOutcome::GuardMismatch, run)
         } else {
             let verdict = Verdict::new(VerdictOutcome::Failed, reason, message);
             let run = self
                 .finish_locked(&txn, run, &verdict, None, signer)
                 .await?;
-            (pb::FailRunOutcome::MadeTerminal, run)
+            (runstore_pb::FailRunOutcome::MadeTerminal, run)
         };
         self.commit_keyed(
             txn,
@@ -223,15 +223,15 @@ impl Store {
         outcome_json: &str,
         reason: &str,
         signer: &ReceiptSigner,
-    ) -> Result<Keyed<pb::MarkBackendErrorOutcome>> {
+    ) -> Result<Keyed<runstore_pb::MarkBackendErrorOutcome>> {
         const METHOD: &str = "MarkBackendError";
         let (txn, run, replayed) = self
             .begin_keyed(run_id, METHOD, idempotency_key, request_digest)
             .await?;
         if let Some(outcome) = replayed {
             txn.commit().await?;
-            let outcome = pb::MarkBackendErrorOutcome::try_from(outcome)
-                .unwrap_or(pb::MarkBackendErrorOutcome::Unspecified);
+            let outcome = runstore_pb::MarkBackendErrorOutcome::try_from(outcome)
+                .unwrap_or(runstore_pb::MarkBackendErrorOutcome::Unspecified);
             return Ok(Keyed {
                 outcome,
                 run,
@@ -240,7 +240,7 @@ impl Store {
         }
         let now = self.now_us();
         let (outcome, run) = match run.state {
-            RunState::BackendError => (pb::MarkBackendErrorOutcome::AlreadyMarked, run),
+            RunState::BackendError => (runstore_pb::MarkBackendErrorOutcome::AlreadyMarked, run),
             RunState::Queued | RunState::Cancelled => {
                 return Err(RunStoreError::VerdictConflict(format!(
                     "a {} run cannot carry a backend error",
@@ -257,7 +257,7 @@ impl Store {
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
                 (
-                    pb::MarkBackendErrorOutcome::Marked,
+                    runstore_pb::MarkBackendErrorOutcome::Marked,
                     active.update(&txn).await?,
                 )
             }
@@ -269,7 +269,7 @@ impl Store {
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
                 (
-                    pb::MarkBackendErrorOutcome::Marked,
+                    runstore_pb::MarkBackendErrorOutcome::Marked,
                     active.update(&txn).await?,
                 )
             }
@@ -403,14 +403,14 @@ impl Store {
             .order_by(event::Column::Sequence, Order::Asc)
             .all(txn)
             .await?;
-        let body = pb::ReceiptBody {
+        let body = runstore_pb::ReceiptBody {
             run_id: run.id.clone(),
             org_id: run.org_id.clone(),
-            verdict: run.verdict().as_ref().map(pb::Verdict::from),
+            verdict: run.verdict().as_ref().map(runstore_pb::Verdict::from),
             event_count: run.last_sequence as u64,
             check_events: checks
                 .into_iter()
-                .map(|e| pb::CheckEventRef {
+                .map(|e| runstore_pb::CheckEventRef {
                     sequence: e.sequence as u64,
                     digest: e.digest,
                     name: e.name,
@@ -436,12 +436,12 @@ impl Store {
         Ok(run)
     }
 
-    pub async fn receipt(&self, run_id: &str) -> Result<Option<pb::Receipt>> {
+    pub async fn receipt(&self, run_id: &str) -> Result<Option<runstore_pb::Receipt>> {
         Ok(receipt::Entity::find_by_id(run_id.to_owned())
             .one(&self.db)
             .await?
-            .map(|r| pb::Receipt {
-                body: pb::ReceiptBody::decode(r.signed_payload.as_slice()).ok(),
+            .map(|r| runstore_pb::Receipt {
+                body: runstore_pb::ReceiptBody::decode(r.signed_payload.as_slice()).ok(),
                 signed_payload: r.signed_payload,
                 signature: r.signature,
                 key_id: r.key_id,

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use runplane_config::{Config, Secret};
 use runplane_grpc::{ErrorReason, ServiceSet, error_info};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -156,7 +156,7 @@ impl Harness {
     }
 
     /// A queued run in org `acme`.
-    pub async fn create_run(&self, request_id: &str) -> pb::Run {
+    pub async fn create_run(&self, request_id: &str) -> runstore_pb::Run {
         self.operator()
             .await
             .create_run(create_request(request_id))
@@ -175,7 +175,7 @@ impl Harness {
     pub async fn issue_key_for(&self, run_id: &str, sandbox_id: &str, generation: u64) -> String {
         self.operator()
             .await
-            .issue_run_key(pb::IssueRunKeyRequest {
+            .issue_run_key(runstore_pb::IssueRunKeyRequest {
                 run_id: run_id.into(),
                 sandbox_id: sandbox_id.into(),
                 sandbox_generation: generation,
@@ -193,7 +193,7 @@ impl Harness {
         let key = self.issue_key(&run.id, 1).await;
         self.runner(&key)
             .await
-            .hello(pb::HelloRequest {
+            .hello(runstore_pb::HelloRequest {
                 run_id: run.id.clone(),
                 nonce: "runner-nonce-0000000001".into(),
                 runner_version: "test".into(),
@@ -203,10 +203,10 @@ impl Harness {
         (run.id, key)
     }
 
-    pub async fn get_run(&self, run_id: &str) -> pb::Run {
+    pub async fn get_run(&self, run_id: &str) -> runstore_pb::Run {
         self.operator()
             .await
-            .get_run(pb::GetRunRequest {
+            .get_run(runstore_pb::GetRunRequest {
                 run_id: run_id.into(),
             })
             .await
@@ -217,12 +217,12 @@ impl Harness {
     }
 }
 
-pub fn create_request(request_id: &str) -> pb::CreateRunRequest {
-    pb::CreateRunRequest {
+pub fn create_request(request_id: &str) -> runstore_pb::CreateRunRequest {
+    runstore_pb::CreateRunRequest {
         client_request_id: format!("{request_id:0>16}"),
         org_id: "acme".into(),
         lead_id: "lead-1".into(),
-        target: Some(pb::create_run_request::Target::CredentialId(
+        target: Some(runstore_pb::create_run_request::Target::CredentialId(
             "cred-a".into(),
         )),
         command: "agent".into(),
@@ -232,35 +232,35 @@ pub fn create_request(request_id: &str) -> pb::CreateRunRequest {
     }
 }
 
-pub fn line(text: &str) -> pb::EventInput {
-    pb::EventInput {
-        kind: pb::EventKind::Stdout as i32,
+pub fn line(text: &str) -> runstore_pb::EventInput {
+    runstore_pb::EventInput {
+        kind: runstore_pb::EventKind::Stdout as i32,
         text: text.into(),
         ..Default::default()
     }
 }
 
-pub fn check(name: &str) -> pb::EventInput {
-    pb::EventInput {
-        kind: pb::EventKind::Custom as i32,
+pub fn check(name: &str) -> runstore_pb::EventInput {
+    runstore_pb::EventInput {
+        kind: runstore_pb::EventKind::Custom as i32,
         check: true,
         name: name.into(),
         ..Default::default()
     }
 }
 
-pub fn succeeded() -> pb::Verdict {
-    pb::Verdict {
-        outcome: pb::VerdictOutcome::Succeeded as i32,
+pub fn succeeded() -> runstore_pb::Verdict {
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Succeeded as i32,
         reason: "exit_zero".into(),
         exit_code: Some(0),
         ..Default::default()
     }
 }
 
-pub fn failed(code: i32) -> pb::Verdict {
-    pb::Verdict {
-        outcome: pb::VerdictOutcome::Failed as i32,
+pub fn failed(code: i32) -> runstore_pb::Verdict {
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Failed as i32,
         reason: "exit_nonzero".into(),
         exit_code: Some(code),
         ..Default::default()
