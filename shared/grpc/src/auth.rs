@@ -30,10 +30,10 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::error::{ErrorReason, status_with_reason};
+use crate::method::{OPEN_SERVICES, service_of};
 
-/// Services whose calls need no credential: health (load balancers, probes) and
-/// reflection (grpcurl's `list` and `describe`).
-pub(crate) const OPEN_SERVICES: &[&str] = &["grpc.health.v1.", "grpc.reflection."];
+/// The longest bearer token accepted; every runplane token and key is far shorter.
+const MAX_BEARER_LEN: usize = 4096;
 
 /// The SHA-256 of a secret, as every runplane token and key is stored and compared.
 pub fn sha256(secret: &str) -> [u8; 32] {
@@ -179,7 +179,7 @@ pub enum Decision {
 
 /// Judges a call to `path` with `authorization` metadata against `tokens`.
 pub fn decide(tokens: &Tokens, path: &str, authorization: Option<&http::HeaderValue>) -> Decision {
-    let service = crate::guard::service_of(path);
+    let service = service_of(path);
     if OPEN_SERVICES.iter().any(|p| service.starts_with(p)) {
         return Decision::PassOn;
     }
@@ -246,8 +246,14 @@ fn bearer(value: Option<&http::HeaderValue>) -> Option<&str> {
     let value = value?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     let token = token.trim();
-    (scheme.eq_ignore_ascii_case("bearer") && crate::guard::token_is_well_formed(token))
-        .then_some(token)
+    (scheme.eq_ignore_ascii_case("bearer") && token_is_well_formed(token)).then_some(token)
+}
+
+/// Whether `token` has a form some service could accept: short, printable, no spaces.
+pub(crate) fn token_is_well_formed(token: &str) -> bool {
+    !token.is_empty()
+        && token.len() <= MAX_BEARER_LEN
+        && token.bytes().all(|b| b.is_ascii_graphic())
 }
 
 /// Layer of [`Authenticate`].

@@ -19,12 +19,9 @@ use tonic::{Code, Status};
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::auth::token_is_well_formed;
 use crate::error::{ErrorReason, status_with_reason};
-
-use crate::auth::OPEN_SERVICES;
-
-/// The longest bearer token accepted; every runplane token and key is far shorter.
-const MAX_BEARER_LEN: usize = 4096;
+use crate::method::{OPEN_SERVICES, service_of};
 
 /// Decoding limits by service.
 #[derive(Debug, Clone)]
@@ -49,12 +46,6 @@ impl MessageLimits {
     }
 }
 
-/// The service name of a gRPC path, `/pkg.Service/Method` → `pkg.Service`.
-pub(crate) fn service_of(path: &str) -> &str {
-    let path = path.strip_prefix('/').unwrap_or(path);
-    path.split_once('/').map_or(path, |(service, _)| service)
-}
-
 /// Whether `value` is `Bearer <token>` with a token of a form some service could accept.
 fn bearer_is_well_formed(value: Option<&http::HeaderValue>) -> bool {
     let Some(value) = value.and_then(|v| v.to_str().ok()) else {
@@ -64,13 +55,6 @@ fn bearer_is_well_formed(value: Option<&http::HeaderValue>) -> bool {
         return false;
     };
     scheme.eq_ignore_ascii_case("bearer") && token_is_well_formed(token.trim())
-}
-
-/// Whether `token` has a form some service could accept: short, printable, no spaces.
-pub(crate) fn token_is_well_formed(token: &str) -> bool {
-    !token.is_empty()
-        && token.len() <= MAX_BEARER_LEN
-        && token.bytes().all(|b| b.is_ascii_graphic())
 }
 
 /// Layer of [`RequestGuard`].
@@ -301,13 +285,5 @@ mod tests {
             assert!(!bearer_is_well_formed(Some(&value)), "{bad}");
         }
         assert!(!bearer_is_well_formed(None));
-    }
-
-    #[test]
-    fn the_service_is_the_first_path_segment() {
-        assert_eq!(
-            service_of("/runplane.runstore.v1.RunService/GetRun"),
-            "runplane.runstore.v1.RunService"
-        );
     }
 }

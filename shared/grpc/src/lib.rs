@@ -26,6 +26,7 @@ pub mod endpoints;
 pub mod error;
 pub mod guard;
 pub mod heartbeat;
+mod method;
 pub mod server;
 pub mod shed;
 pub mod tasks;

@@ -26,7 +26,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::error::ErrorReason;
-use crate::guard::service_of;
+use crate::method::service_of;
 
 /// Layer of [`LoadShed`].
 #[derive(Debug, Clone)]
