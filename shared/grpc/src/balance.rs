@@ -48,8 +48,8 @@ use tonic::body::Body;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tower_service::Service;
 
-use crate::client::{CONNECT_TIMEOUT, ClientError};
-use crate::endpoints::{EndpointList, RESOLVE_EVERY, Target};
+use crate::endpoints::{CONNECT_TIMEOUT, EndpointList, RESOLVE_EVERY, Target};
+use crate::error::{ClientError, error_chain};
 
 /// A fresh connection whose server sent nothing (not even its h2 SETTINGS) within this
 /// proves that nothing sent on it reached a handler.
@@ -159,7 +159,7 @@ impl Balanced {
                     };
                     return Ok(balanced.clone());
                 }
-                Err(e) => last = format!("{}: {}", member.shown, crate::client::error_chain(&e)),
+                Err(e) => last = format!("{}: {}", member.shown, error_chain(&e)),
             }
         }
         Err(ClientError::Connect {

@@ -10,6 +10,9 @@
 //! Errors name the entry by its position and show it only when it cannot hold a secret
 //! (no userinfo, no query): an endpoint is configuration, and configuration gets pasted
 //! into bug reports.
+//!
+//! Every endpoint gets the same settings ([`endpoint_settings`]: h2 keepalive, TLS for
+//! `https://`); whoever connects bounds the connect by [`CONNECT_TIMEOUT`].
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -17,8 +20,16 @@ use std::time::Duration;
 
 use tonic::transport::Endpoint;
 
-use crate::client::{ClientError, endpoint_settings};
+use crate::error::{ClientError, error_chain};
 use crate::tls::ClientTls;
+
+/// How long a TCP connect may take before it counts as failed (and provably unsent).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// h2 keepalive: a ping every interval on a connection with calls open; no answer
+/// within the timeout breaks the connection.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often a name is resolved again. A pod that joins a headless Service gets calls
 /// within this; one that left stops being tried once a connect to it fails.
@@ -132,6 +143,33 @@ pub fn shown(entry: &str) -> String {
         shown.push('…');
     }
     shown
+}
+
+/// [`crate::client::endpoint_with_tls`] without the connect timeout, for a caller whose own connector
+/// bounds the connect (the retrying transport does, and classifies it).
+pub fn endpoint_settings(uri: &str, tls: Option<&ClientTls>) -> Result<Endpoint, ClientError> {
+    let invalid = |reason: String| ClientError::InvalidEndpoint {
+        endpoint: shown(uri),
+        reason,
+    };
+    let endpoint = Endpoint::from_shared(uri.to_owned())
+        .map_err(|e| invalid(e.to_string()))?
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT);
+    if endpoint.uri().scheme_str() != Some("https") {
+        return Ok(endpoint);
+    }
+    let tls = tls.ok_or_else(|| {
+        invalid(
+            "an https:// endpoint needs tls.ca_file (RUNPLANE_TLS__CA_FILE): the CA that \
+             signed the server's certificate"
+                .to_owned(),
+        )
+    })?;
+    endpoint
+        .tls_config(tls.config())
+        .map_err(|e| invalid(error_chain(&e)))
 }
 
 fn target(

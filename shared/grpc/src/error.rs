@@ -1,6 +1,7 @@
 //! Errors on the wire: a gRPC code plus `google.rpc.ErrorInfo` whose `reason` is one of
 //! the stable names in `runplane.errors.v1.Reason`. Clients branch on the reason, never
-//! on the message text.
+//! on the message text. Also the error of building a client ([`ClientError`]), and
+//! [`error_chain`] to show any error with its causes.
 
 use std::collections::HashMap;
 
@@ -89,4 +90,25 @@ pub fn metadata<const N: usize>(pairs: [(&str, String); N]) -> Vec<(String, Stri
 /// The `ErrorInfo` a runplane server attached to `status`, if any.
 pub fn error_info(status: &Status) -> Option<tonic_types::ErrorInfo> {
     status.get_details_error_info()
+}
+
+/// Why a channel to a runplane service could not be built or connected.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid endpoint `{endpoint}`: {reason}")]
+    InvalidEndpoint { endpoint: String, reason: String },
+    #[error("could not connect to {endpoint}: {reason}")]
+    Connect { endpoint: String, reason: String },
+}
+
+/// `e` and each of its sources, joined by `: `.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }

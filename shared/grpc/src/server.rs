@@ -262,7 +262,7 @@ pub async fn serve_with_tls(
         // Applies to `serve_with_incoming` too: each accepted stream is handshaken first.
         builder = builder
             .tls_config(tls.config())
-            .map_err(|e| ServeError::Tls(crate::client::error_chain(&e)))?;
+            .map_err(|e| ServeError::Tls(crate::error::error_chain(&e)))?;
     }
 
     if let Ok(address) = listener.local_addr() {

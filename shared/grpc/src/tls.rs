@@ -130,7 +130,7 @@ impl ServerTls {
                     "tls.key_file",
                     format!(
                         "{key_name} and {cert_name} cannot serve together: {}",
-                        crate::client::error_chain(&e)
+                        crate::error::error_chain(&e)
                     ),
                 )
             })?;
