@@ -38,9 +38,9 @@ use std::time::{Duration, SystemTime};
 use futures::StreamExt;
 use runplane_integration_tests::split::{self, Split};
 use runplane_integration_tests::{Process, authed, channel, start_dev_with_env};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tonic::transport::Channel;
 
@@ -156,10 +156,10 @@ impl Target {
         let run = self
             .runs
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: request_id,
                     org_id: self.org_id.into(),
-                    target: Some(pb::create_run_request::Target::Profile("default".into())),
+                    target: Some(runstore_pb::create_run_request::Target::Profile("default".into())),
                     command: "true".into(),
                     ..Default::default()
                 },
@@ -174,10 +174,10 @@ impl Target {
             .await
             .unwrap_or_else(|_| panic!("run {} did not end within {RUN_TIMEOUT:?}", run.id));
         let verdict_seen = SystemTime::now();
-        assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+        assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
         self.runs
             .get_receipt(authed(
-                pb::GetReceiptRequest {
+                runstore_pb::GetReceiptRequest {
                     run_id: run.id.clone(),
                 },
                 &self.token,
@@ -202,11 +202,11 @@ impl Target {
     }
 
     /// Follows the run's state snapshots until the terminal one.
-    async fn watch_to_end(&mut self, run_id: &str) -> pb::Run {
+    async fn watch_to_end(&mut self, run_id: &str) -> runstore_pb::Run {
         let mut stream = self
             .runs
             .watch_run(authed(
-                pb::WatchRunRequest {
+                runstore_pb::WatchRunRequest {
                     run_id: run_id.into(),
                     states_only: true,
                     ..Default::default()
@@ -217,7 +217,7 @@ impl Target {
             .expect("WatchRun")
             .into_inner();
         while let Some(item) = stream.next().await {
-            if let Some(pb::watch_run_response::Update::Run(run)) =
+            if let Some(runstore_pb::watch_run_response::Update::Run(run)) =
                 item.expect("WatchRun item").update
                 && run.state().is_terminal()
             {
@@ -229,11 +229,11 @@ impl Target {
 
     /// The run's one sandbox; a second would mean a relaunch, which a run of `true`
     /// must not need.
-    async fn only_sandbox(&mut self, run_id: &str) -> rpb::Sandbox {
+    async fn only_sandbox(&mut self, run_id: &str) -> reconciler_pb::Sandbox {
         let mut sandboxes = self
             .sandboxes
             .list_sandboxes(authed(
-                rpb::ListSandboxesRequest {
+                reconciler_pb::ListSandboxesRequest {
                     run_id: run_id.into(),
                     ..Default::default()
                 },

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 
 use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{self, ControlPlane, ReapSession, eventually};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tonic::transport::Channel;
 
@@ -38,7 +38,7 @@ fn authed<T>(message: T) -> tonic::Request<T> {
 /// From the first reattach to a routed answer.
 async fn reattach(api: &SandboxServiceClient<Channel>, sandbox_id: &str) -> Duration {
     let resolve = || {
-        authed(rpb::ResolveRouteRequest {
+        authed(reconciler_pb::ResolveRouteRequest {
             sandbox_id: sandbox_id.to_owned(),
             session_id: "bench-session".into(),
         })
@@ -112,7 +112,7 @@ async fn main() {
             latencies.push(reattach(&api, sandbox_id).await);
         }
         for run_id in &round_runs {
-            runs.cancel_run(authed(pb::CancelRunRequest {
+            runs.cancel_run(authed(runstore_pb::CancelRunRequest {
                 run_id: run_id.clone(),
                 reason: "wake bench round over".into(),
                 idempotency_key: format!("wake-bench-cancel-{run_id}"),
@@ -128,12 +128,12 @@ async fn main() {
                 let sandbox_id = sandbox_id.clone();
                 async move {
                     match api
-                        .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id }))
+                        .get_sandbox(authed(reconciler_pb::GetSandboxRequest { sandbox_id }))
                         .await
                     {
                         Err(status) if status.code() == tonic::Code::NotFound => Some(()),
                         Ok(answer) => (answer.into_inner().sandbox?.status()
-                            == rpb::SandboxStatus::Deleted)
+                            == reconciler_pb::SandboxStatus::Deleted)
                             .then_some(()),
                         Err(_) => None,
                     }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use tonic::transport::Channel;
 
@@ -92,13 +92,13 @@ impl ControlPlane {
         request_id: &str,
         script: &str,
     ) -> runplane_proto::runstore::v1::Run {
-        use runplane_proto::runstore::v1 as pb;
-        pb::run_service_client::RunServiceClient::new(crate::channel(&self.endpoint).await)
+        use runplane_proto::runstore::v1 as runstore_pb;
+        runstore_pb::run_service_client::RunServiceClient::new(crate::channel(&self.endpoint).await)
             .create_run(crate::authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: request_id.to_owned(),
                     org_id: "acme".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
                     command: "sh".into(),
                     args: vec!["-c".into(), script.to_owned()],
                     ..Default::default()
@@ -284,9 +284,9 @@ pub async fn idle_suspended(
     run_id: &str,
     node_dir: &std::path::Path,
     limit: Duration,
-) -> (rpb::Sandbox, u32) {
+) -> (reconciler_pb::Sandbox, u32) {
     let sandbox = sandbox_where(api, token, run_id, limit, "the idle suspend", |s| {
-        s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+        s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty()
     })
     .await;
     let pid: u32 = std::fs::read_to_string(node_dir.join(&sandbox.id).join("pid"))
@@ -305,12 +305,12 @@ pub async fn sandbox_where(
     run_id: &str,
     limit: Duration,
     what: &str,
-    wanted: impl Fn(&rpb::Sandbox) -> bool,
-) -> rpb::Sandbox {
+    wanted: impl Fn(&reconciler_pb::Sandbox) -> bool,
+) -> reconciler_pb::Sandbox {
     eventually(limit, what, || {
         let mut api = api.clone();
         let request = crate::authed(
-            rpb::ListSandboxesRequest {
+            reconciler_pb::ListSandboxesRequest {
                 run_id: run_id.to_owned(),
                 ..Default::default()
             },
@@ -335,7 +335,7 @@ pub async fn sandbox_where(
 pub async fn node_ready(api: &SandboxServiceClient<Channel>, token: &str, id: &str) {
     eventually(Duration::from_secs(30), "the node ready", || {
         let mut api = api.clone();
-        let request = crate::authed(rpb::ListNodesRequest::default(), token);
+        let request = crate::authed(reconciler_pb::ListNodesRequest::default(), token);
         async move {
             api.list_nodes(request)
                 .await
@@ -343,7 +343,7 @@ pub async fn node_ready(api: &SandboxServiceClient<Channel>, token: &str, id: &s
                 .into_inner()
                 .nodes
                 .iter()
-                .any(|n| n.id == id && n.state() == rpb::NodeState::Ready)
+                .any(|n| n.id == id && n.state() == reconciler_pb::NodeState::Ready)
                 .then_some(())
         }
     })

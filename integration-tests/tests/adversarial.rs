@@ -14,7 +14,7 @@ use runplane_integration_tests::sandboxes::{
 };
 use runplane_integration_tests::split::{Split, TOKEN as SPLIT_TOKEN};
 use runplane_integration_tests::{authed, channel, runplane_bin, start_dev};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -112,11 +112,11 @@ async fn adversary_finds_nothing(target: Target) {
     // The other sandbox: an agent that sleeps.
     let victim_run = runs
         .create_run(authed(
-            pb::CreateRunRequest {
+            runstore_pb::CreateRunRequest {
                 client_request_id: format!("victim-run-{:0>16}", std::process::id()),
                 org_id: "acme".into(),
                 lead_id: "lead-1".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
                 command: "sh".into(),
                 args: vec!["-c".into(), "exec sleep 300".into()],
                 ..Default::default()
@@ -174,7 +174,7 @@ async fn adversary_finds_nothing(target: Target) {
     let (adversary_sid, adversary_key) = runner_of(&adversary_dir).await;
     let _reap_adversary = ReapSession(adversary_sid);
     runs.steer(authed(
-        pb::SteerRequest {
+        runstore_pb::SteerRequest {
             run_id: run_id.clone(),
             text: "go".into(),
             idempotency_key: format!("adversary-go-{}", std::process::id()),
@@ -269,7 +269,7 @@ async fn adversary_finds_nothing(target: Target) {
     }
     let victim = runs
         .get_run(authed(
-            pb::GetRunRequest {
+            runstore_pb::GetRunRequest {
                 run_id: victim_run.id.clone(),
             },
             &target.token,
@@ -279,10 +279,10 @@ async fn adversary_finds_nothing(target: Target) {
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(victim.state(), pb::RunState::Running, "{victim:?}");
+    assert_eq!(victim.state(), runstore_pb::RunState::Running, "{victim:?}");
 
     runs.cancel_run(authed(
-        pb::CancelRunRequest {
+        runstore_pb::CancelRunRequest {
             run_id: victim_run.id.clone(),
             idempotency_key: format!("victim-cancel-{}", std::process::id()),
             ..Default::default()

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use runplane_integration_tests::otlp::start_receiver;
 use runplane_integration_tests::{authed, channel, start_dev_with_env};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 fn hex(bytes: &[u8]) -> String {
@@ -35,10 +35,10 @@ async fn a_cancel_joins_the_runs_trace_and_is_counted() {
     let mut op = RunServiceClient::new(channel(&dev.endpoint()).await);
     let run = op
         .create_run(authed(
-            pb::CreateRunRequest {
+            runstore_pb::CreateRunRequest {
                 client_request_id: "cancel-trace-run-0001".into(),
                 org_id: "acme".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
                 command: "true".into(),
                 ..Default::default()
             },
@@ -56,7 +56,7 @@ async fn a_cancel_joins_the_runs_trace_and_is_counted() {
         .expect("the run's trace")
         .to_owned();
     op.cancel_run(authed(
-        pb::CancelRunRequest {
+        runstore_pb::CancelRunRequest {
             run_id: run.id.clone(),
             reason: "traced cancel".into(),
             idempotency_key: "cancel-trace-key-0001".into(),

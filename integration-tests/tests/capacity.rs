@@ -6,9 +6,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use runplane_integration_tests::{authed, channel, process_alive, start_dev_with_env, wait_for};
-use runplane_proto::credentials::v1 as ch;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 fn agent(pid_file: &Path) -> Vec<String> {
@@ -56,11 +56,11 @@ exhausted_pattern = "quota exceeded"
         let pid_file = dir.path().join(format!("agent-{i}.pid"));
         let run = op
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: format!("capacity-run-{i:0>8}"),
                     org_id: "acme".into(),
                     lead_id: "lead-1".into(),
-                    target: Some(pb::create_run_request::Target::Profile("small".into())),
+                    target: Some(runstore_pb::create_run_request::Target::Profile("small".into())),
                     command: "sh".into(),
                     args: agent(&pid_file),
                     ..Default::default()
@@ -83,7 +83,7 @@ exhausted_pattern = "quota exceeded"
         }
     }
     let get = async |op: &mut RunServiceClient<tonic::transport::Channel>, id: &str| {
-        op.get_run(authed(pb::GetRunRequest { run_id: id.into() }, &token))
+        op.get_run(authed(runstore_pb::GetRunRequest { run_id: id.into() }, &token))
             .await
             .unwrap()
             .into_inner()
@@ -101,11 +101,11 @@ exhausted_pattern = "quota exceeded"
     )
     .await;
     let waiting = get(&mut op, &third).await;
-    assert_eq!(waiting.state(), pb::RunState::Queued);
+    assert_eq!(waiting.state(), runstore_pb::RunState::Queued);
     assert!(!runs[2].1.exists(), "the third agent did not start");
 
     let view = fleet
-        .get_fleet(authed(ch::GetFleetRequest::default(), &token))
+        .get_fleet(authed(credentials_pb::GetFleetRequest::default(), &token))
         .await
         .unwrap()
         .into_inner();
@@ -146,7 +146,7 @@ exhausted_pattern = "quota exceeded"
 
     // One of the two ends: the waiting run gets its slot.
     op.cancel_run(authed(
-        pb::CancelRunRequest {
+        runstore_pb::CancelRunRequest {
             run_id: runs[0].0.clone(),
             reason: "make room".into(),
             idempotency_key: "capacity-cancel-first".into(),
@@ -163,19 +163,19 @@ exhausted_pattern = "quota exceeded"
     )
     .await;
     wait_for("the third run runs", Duration::from_secs(30), async || {
-        get(&mut op, &third).await.state() == pb::RunState::Running
+        get(&mut op, &third).await.state() == runstore_pb::RunState::Running
     })
     .await;
     assert_eq!(get(&mut op, &third).await.waiting_reason, "");
     assert_eq!(
         get(&mut op, &runs[1].0).await.state(),
-        pb::RunState::Running
+        runstore_pb::RunState::Running
     );
     // The two still running end, and leave nothing behind (their sandboxes would
     // otherwise outlive this test's runplane dev, as sandboxes are meant to).
     for (i, (run_id, pid_file)) in runs.iter().enumerate().skip(1) {
         op.cancel_run(authed(
-            pb::CancelRunRequest {
+            runstore_pb::CancelRunRequest {
                 run_id: run_id.clone(),
                 reason: "test over".into(),
                 idempotency_key: format!("capacity-cancel-{i:0>8}"),

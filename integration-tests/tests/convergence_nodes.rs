@@ -9,9 +9,9 @@ use runplane_integration_tests::sandboxes::{
     self, ReapSession, eventually, process_state, session_members, start_node,
 };
 use runplane_integration_tests::{Process, channel, start_serve};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::{TestDatabase, free_local_addr};
 
@@ -92,10 +92,10 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs
-        .create_run(authed(pb::CreateRunRequest {
+        .create_run(authed(runstore_pb::CreateRunRequest {
             client_request_id: "convergence-request-0001".into(),
             org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
             command: "sh".into(),
             // Waiting for a line nobody sends: parked, so the node may suspend it.
             args: vec!["-c".into(), "read line; exec sleep 120".into()],
@@ -125,7 +125,7 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
     // The run ends (an operator's cancel, or a service's FailRun where cancel is not
     // served), while its sandbox is suspended and unplaced.
     let cancelled = runs
-        .cancel_run(authed(pb::CancelRunRequest {
+        .cancel_run(authed(runstore_pb::CancelRunRequest {
             run_id: run.id.clone(),
             reason: "convergence test".into(),
             idempotency_key: "convergence-cancel-0001".into(),
@@ -133,7 +133,7 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
         .await;
     if let Err(status) = cancelled {
         assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
-        runs.fail_run(authed(pb::FailRunRequest {
+        runs.fail_run(authed(runstore_pb::FailRunRequest {
             run_id: run.id.clone(),
             reason: "ended_by_test".into(),
             message: "ended while its sandbox was suspended".into(),
@@ -150,12 +150,12 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
         let id = sandbox.id.clone();
         async move {
             let s = api
-                .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id: id }))
+                .get_sandbox(authed(reconciler_pb::GetSandboxRequest { sandbox_id: id }))
                 .await
                 .ok()?
                 .into_inner()
                 .sandbox?;
-            (s.status() == rpb::SandboxStatus::Deleted).then_some(())
+            (s.status() == reconciler_pb::SandboxStatus::Deleted).then_some(())
         }
     })
     .await;
@@ -177,7 +177,7 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
     .await;
     assert!(left.is_empty());
     let run = runs
-        .get_run(authed(pb::GetRunRequest {
+        .get_run(authed(runstore_pb::GetRunRequest {
             run_id: run.id.clone(),
         }))
         .await

@@ -142,14 +142,14 @@ async fn reflection_describes_methods_with_their_replay_policy() {
 
 #[tokio::test]
 async fn dev_reports_the_fleet_of_its_embedded_default_profile() {
-    use runplane_proto::credentials::v1 as ch;
+    use runplane_proto::credentials::v1 as credentials_pb;
     let data = tempfile::tempdir().unwrap();
     let dev = start_dev(data.path()).await;
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
-    let mut client = ch::credential_health_service_client::CredentialHealthServiceClient::new(
+    let mut client = credentials_pb::credential_health_service_client::CredentialHealthServiceClient::new(
         channel(&dev.endpoint()).await,
     );
-    let mut request = tonic::Request::new(ch::GetFleetRequest::default());
+    let mut request = tonic::Request::new(credentials_pb::GetFleetRequest::default());
     request.metadata_mut().insert(
         "authorization",
         format!("Bearer {}", token.trim()).parse().unwrap(),
@@ -171,7 +171,7 @@ async fn dev_reports_the_fleet_of_its_embedded_default_profile() {
     );
     // Without a token: refused, not served.
     let err = client
-        .get_fleet(ch::GetFleetRequest::default())
+        .get_fleet(credentials_pb::GetFleetRequest::default())
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated);
@@ -221,7 +221,7 @@ async fn a_taken_port_is_refused_with_the_address() {
 
 #[tokio::test]
 async fn run_keys_and_tokens_never_reach_the_logs() {
-    use runplane_proto::runstore::v1 as pb;
+    use runplane_proto::runstore::v1 as runstore_pb;
     use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
     use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 
@@ -240,10 +240,10 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
     let mut op = RunServiceClient::new(channel(&dev.endpoint()).await);
     let run = op
         .create_run(authed(
-            pb::CreateRunRequest {
+            runstore_pb::CreateRunRequest {
                 client_request_id: "log-scan-request-0001".into(),
                 org_id: "acme".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
                 command: "true".into(),
                 ..Default::default()
             },
@@ -256,7 +256,7 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
         .unwrap();
     let key = op
         .issue_run_key(authed(
-            pb::IssueRunKeyRequest {
+            runstore_pb::IssueRunKeyRequest {
                 run_id: run.id.clone(),
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
@@ -271,7 +271,7 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
     let mut runner = RunnerServiceClient::new(channel(&dev.endpoint()).await);
     runner
         .hello(authed(
-            pb::HelloRequest {
+            runstore_pb::HelloRequest {
                 run_id: run.id.clone(),
                 nonce: "log-scan-nonce-000001".into(),
                 runner_version: String::new(),
@@ -283,7 +283,7 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
     // A refused call too: its error must not echo the key either.
     let refused = runner
         .append_events(authed(
-            pb::AppendEventsRequest {
+            runstore_pb::AppendEventsRequest {
                 run_id: run.id.clone(),
                 batch_key: "short".into(),
                 events: vec![],

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use runplane_integration_tests::split::{Split, TOKEN};
 use runplane_integration_tests::{authed, channel, wait_for};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 /// Far below the one-minute round: only a dispatch on creation ends the runs this soon.
@@ -41,10 +41,10 @@ exhausted_pattern = "quota exceeded"
     for i in 0..2 {
         let run = runs
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: format!("dispatch-on-create-{i}"),
                     org_id: "acme".into(),
-                    target: Some(pb::create_run_request::Target::Profile("default".into())),
+                    target: Some(runstore_pb::create_run_request::Target::Profile("default".into())),
                     command: "true".into(),
                     ..Default::default()
                 },
@@ -55,14 +55,14 @@ exhausted_pattern = "quota exceeded"
             .into_inner()
             .run
             .unwrap();
-        let mut last = pb::RunState::Queued;
+        let mut last = runstore_pb::RunState::Queued;
         wait_for(
             &format!("run {i} to end though the round is a minute away"),
             WITHIN,
             async || {
                 last = runs
                     .get_run(authed(
-                        pb::GetRunRequest {
+                        runstore_pb::GetRunRequest {
                             run_id: run.id.clone(),
                         },
                         TOKEN,
@@ -77,6 +77,6 @@ exhausted_pattern = "quota exceeded"
             },
         )
         .await;
-        assert_eq!(last, pb::RunState::Succeeded, "run {i}");
+        assert_eq!(last, runstore_pb::RunState::Succeeded, "run {i}");
     }
 }

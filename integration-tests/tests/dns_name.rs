@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use runplane_integration_tests::start_serve;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_testkit::TestDatabase;
 
 const TOKEN: &str = "dns-name-operator-token-0123456789abcdef01";
@@ -79,14 +79,14 @@ async fn a_name_with_several_addresses_is_every_replica_and_the_cli_moves_off_fa
     )
     .unwrap();
 
-    let run = pb::run_service_client::RunServiceClient::new(
+    let run = runstore_pb::run_service_client::RunServiceClient::new(
         runplane_integration_tests::channel(&replicas[2].endpoint()).await,
     )
     .create_run(runplane_integration_tests::authed(
-        pb::CreateRunRequest {
+        runstore_pb::CreateRunRequest {
             client_request_id: "dns-name-run-000000001".into(),
             org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
             command: "agent".into(),
             ..Default::default()
         },

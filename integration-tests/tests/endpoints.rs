@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use runplane_grpc::client::Bearer;
 use runplane_integration_tests::{Process, start_serve};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::TestDatabase;
 
@@ -33,8 +33,8 @@ fn list(replicas: &[Process]) -> String {
     endpoints.join(",")
 }
 
-fn create_run(request_id: &str, target: pb::create_run_request::Target) -> pb::CreateRunRequest {
-    pb::CreateRunRequest {
+fn create_run(request_id: &str, target: runstore_pb::create_run_request::Target) -> runstore_pb::CreateRunRequest {
+    runstore_pb::CreateRunRequest {
         client_request_id: request_id.into(),
         org_id: "acme".into(),
         lead_id: "lead".into(),
@@ -49,7 +49,7 @@ async fn get_runs(client: &mut RunStoreClient, run_id: &str, rounds: usize) {
     tokio::time::timeout(HANG_GUARD, async {
         for i in 0..rounds {
             let run = client
-                .get_run(pb::GetRunRequest {
+                .get_run(runstore_pb::GetRunRequest {
                     run_id: run_id.into(),
                 })
                 .await
@@ -85,7 +85,7 @@ async fn a_service_client_given_three_replicas_rides_out_one_killed_and_one_froz
     let run_id = client
         .create_run(create_run(
             "endpoints-run-00000001",
-            pb::create_run_request::Target::CredentialId("c".into()),
+            runstore_pb::create_run_request::Target::CredentialId("c".into()),
         ))
         .await
         .unwrap()
@@ -154,7 +154,7 @@ exhausted_pattern = "quota exceeded"
             HANG_GUARD,
             client.create_run(create_run(
                 &format!("endpoints-admit-{n:08}"),
-                pb::create_run_request::Target::Profile("default".into()),
+                runstore_pb::create_run_request::Target::Profile("default".into()),
             )),
         )
         .await

@@ -12,9 +12,9 @@ use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{
     ControlPlane, ReapSession, eventually, start_node_logging,
 };
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tokio_stream::StreamExt as _;
 
@@ -75,7 +75,7 @@ impl Cluster {
         }
     }
 
-    async fn create_run(&self, request_id: &str, script: &str) -> pb::Run {
+    async fn create_run(&self, request_id: &str, script: &str) -> runstore_pb::Run {
         self.control_plane
             .create_script_run(request_id, script)
             .await
@@ -86,14 +86,14 @@ impl Cluster {
         &self,
         run_id: &str,
         what: &str,
-        matches: impl Fn(&rpb::Sandbox) -> bool,
-    ) -> rpb::Sandbox {
+        matches: impl Fn(&reconciler_pb::Sandbox) -> bool,
+    ) -> reconciler_pb::Sandbox {
         let matches = &matches;
         eventually(Duration::from_secs(30), what, || {
             let mut api = self.api.clone();
             let run_id = run_id.to_owned();
             async move {
-                api.list_sandboxes(authed(rpb::ListSandboxesRequest {
+                api.list_sandboxes(authed(reconciler_pb::ListSandboxesRequest {
                     run_id,
                     ..Default::default()
                 }))
@@ -124,7 +124,7 @@ impl Cluster {
     async fn steer_go(&self, run_id: &str, key: &str) {
         self.runs
             .clone()
-            .steer(authed(pb::SteerRequest {
+            .steer(authed(runstore_pb::SteerRequest {
                 run_id: run_id.to_owned(),
                 text: "go".into(),
                 idempotency_key: key.into(),
@@ -133,13 +133,13 @@ impl Cluster {
             .unwrap();
     }
 
-    async fn ended(&self, run_id: &str) -> pb::Run {
+    async fn ended(&self, run_id: &str) -> runstore_pb::Run {
         eventually(Duration::from_secs(30), "the run to end", || {
             let mut runs = self.runs.clone();
             let run_id = run_id.to_owned();
             async move {
                 let run = runs
-                    .get_run(authed(pb::GetRunRequest { run_id }))
+                    .get_run(authed(runstore_pb::GetRunRequest { run_id }))
                     .await
                     .ok()?
                     .into_inner()
@@ -155,7 +155,7 @@ impl Cluster {
         self.events(run_id)
             .await
             .into_iter()
-            .filter(|e| e.kind() == pb::EventKind::Stdout)
+            .filter(|e| e.kind() == runstore_pb::EventKind::Stdout)
             .map(|e| e.text)
             .collect()
     }
@@ -165,17 +165,17 @@ impl Cluster {
         self.events(run_id)
             .await
             .into_iter()
-            .filter(|e| e.kind() == pb::EventKind::SteerApplied)
+            .filter(|e| e.kind() == runstore_pb::EventKind::SteerApplied)
             .map(|e| e.name)
             .collect()
     }
 
     /// The run's events so far, in order.
-    async fn events(&self, run_id: &str) -> Vec<pb::Event> {
+    async fn events(&self, run_id: &str) -> Vec<runstore_pb::Event> {
         let mut watch = self
             .runs
             .clone()
-            .watch_run(authed(pb::WatchRunRequest {
+            .watch_run(authed(runstore_pb::WatchRunRequest {
                 run_id: run_id.into(),
                 heartbeat_interval: Some(prost_types::Duration {
                     seconds: 1,
@@ -190,8 +190,8 @@ impl Cluster {
         // Every event stored so far comes before the first heartbeat.
         while let Some(update) = watch.next().await {
             match update.unwrap().update {
-                Some(pb::watch_run_response::Update::Event(e)) => events.push(e),
-                Some(pb::watch_run_response::Update::Heartbeat(_)) | None => break,
+                Some(runstore_pb::watch_run_response::Update::Event(e)) => events.push(e),
+                Some(runstore_pb::watch_run_response::Update::Heartbeat(_)) | None => break,
                 _ => {}
             }
         }
@@ -207,13 +207,13 @@ impl Cluster {
 }
 
 /// Started and placed on its node.
-fn running_on_its_node(s: &rpb::Sandbox) -> bool {
-    s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty()
+fn running_on_its_node(s: &reconciler_pb::Sandbox) -> bool {
+    s.status() == reconciler_pb::SandboxStatus::Started && !s.active_node_id.is_empty()
 }
 
 /// Idle-suspended and published unplaced.
-fn parked(s: &rpb::Sandbox) -> bool {
-    s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+fn parked(s: &reconciler_pb::Sandbox) -> bool {
+    s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,7 +231,7 @@ async fn a_silent_agent_that_is_working_is_never_suspended_and_finishes() {
     let _reap = cluster.reap(&sandbox.id);
 
     let ended = cluster.ended(&run.id).await;
-    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
     assert_eq!(cluster.stdout(&run.id).await, ["done"]);
     assert_eq!(cluster.suspends(), 0, "a working agent was frozen");
 }
@@ -254,7 +254,7 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
 
     // The reattach: not placed, a wake is queued, and the node holding it restores it.
     let resolve = || {
-        authed(rpb::ResolveRouteRequest {
+        authed(reconciler_pb::ResolveRouteRequest {
             sandbox_id: sandbox.id.clone(),
             session_id: "session-1".into(),
         })
@@ -284,7 +284,7 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
 
     cluster.steer_go(&run.id, "idle-parked-steer-00001").await;
     let ended = cluster.ended(&run.id).await;
-    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
     assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
 }
 
@@ -311,11 +311,11 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
         .steer_go(&steered.id, "parked-steer-key-000001")
         .await;
     let ended = cluster.ended(&steered.id).await;
-    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
     assert_eq!(cluster.stdout(&steered.id).await, ["got-go"]);
 
     // An interrupt alone: woken, the runner applies it, and the agent it stops ends the run.
-    runs.interrupt(authed(pb::InterruptRequest {
+    runs.interrupt(authed(runstore_pb::InterruptRequest {
         run_id: interrupted.id.clone(),
         reason: "enough".into(),
         idempotency_key: "parked-interrupt-key-01".into(),
@@ -334,11 +334,11 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     );
     service
         .enqueue_control(runplane_integration_tests::authed(
-            pb::EnqueueControlRequest {
+            runstore_pb::EnqueueControlRequest {
                 run_id: resumed.id.clone(),
                 idempotency_key: "parked-resume-key-00001".into(),
-                control: Some(pb::enqueue_control_request::Control::ResumeStream(
-                    pb::ResumeStreamPayload {
+                control: Some(runstore_pb::enqueue_control_request::Control::ResumeStream(
+                    runstore_pb::ResumeStreamPayload {
                         controller_token: "a-controller-token".into(),
                         next_sequence: 1,
                         attempt: 1,
@@ -352,7 +352,7 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
         .unwrap();
     cluster
         .sandbox_when(&resumed.id, "the resume_stream to restore it", |s| {
-            s.status() == rpb::SandboxStatus::Started && s.active_node_id == "node-i"
+            s.status() == reconciler_pb::SandboxStatus::Started && s.active_node_id == "node-i"
         })
         .await;
     eventually(
@@ -363,7 +363,7 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     .await;
 
     // A cancel: the run ends at once, and its frozen agent is destroyed with its sandbox.
-    runs.cancel_run(authed(pb::CancelRunRequest {
+    runs.cancel_run(authed(runstore_pb::CancelRunRequest {
         run_id: cancelled.id.clone(),
         reason: "not needed".into(),
         idempotency_key: "parked-cancel-key-00001".into(),
@@ -383,7 +383,7 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     .await;
     cluster
         .sandbox_when(&cancelled.id, "the cancelled run's sandbox deleted", |s| {
-            s.status() == rpb::SandboxStatus::Deleted
+            s.status() == reconciler_pb::SandboxStatus::Deleted
         })
         .await;
 }
@@ -420,7 +420,7 @@ async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
         .sandbox_when(&marked.id, "the marked agent's sandbox", |s| {
             matches!(
                 s.status(),
-                rpb::SandboxStatus::Started | rpb::SandboxStatus::Suspended
+                reconciler_pb::SandboxStatus::Started | reconciler_pb::SandboxStatus::Suspended
             )
         })
         .await;
@@ -451,7 +451,7 @@ async fn an_agent_that_leaves_its_park_mark_is_suspended_however_it_waits() {
     }
     for run in [&marked, &unmarked] {
         let ended = cluster.ended(&run.id).await;
-        assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+        assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
         assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
     }
 }

@@ -10,15 +10,15 @@ use std::time::Duration;
 use runplane_integration_tests::sandboxes::{eventually, start_node_with_credential};
 use runplane_integration_tests::split::{Split, TOKEN};
 use runplane_integration_tests::{authed, channel, runplane_bin};
-use runplane_proto::credentials::v1 as cpb;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
-use runplane_proto::reconciler::v1 as rc;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_credential_service_client::NodeCredentialServiceClient;
 use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::recovery::v1 as rec;
+use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 
@@ -144,8 +144,8 @@ fn refusal<T: std::fmt::Debug>(answer: Result<T, tonic::Status>) -> (tonic::Code
 const BOOT: &str = "boot-0123456789abcdef";
 
 /// RegisterNode for `node`, on a boot and endpoint that are never dialled.
-fn register(node: &str) -> rc::RegisterNodeRequest {
-    rc::RegisterNodeRequest {
+fn register(node: &str) -> reconciler_pb::RegisterNodeRequest {
+    reconciler_pb::RegisterNodeRequest {
         node_id: node.into(),
         boot_id: BOOT.into(),
         endpoint: "127.0.0.1:1".into(),
@@ -173,7 +173,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         .epoch;
     nodes
         .heartbeat(authed(
-            rc::HeartbeatRequest {
+            reconciler_pb::HeartbeatRequest {
                 node_id: "node-a".into(),
                 epoch,
                 used: 0,
@@ -198,7 +198,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             nodes
                 .heartbeat(authed(
-                    rc::HeartbeatRequest {
+                    reconciler_pb::HeartbeatRequest {
                         node_id: b(),
                         epoch: 1,
                         used: 0
@@ -214,7 +214,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             nodes
                 .list_assigned_sandboxes(authed(
-                    rc::ListAssignedSandboxesRequest {
+                    reconciler_pb::ListAssignedSandboxesRequest {
                         node_id: b(),
                         epoch: 1,
                         ..Default::default()
@@ -230,7 +230,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             nodes
                 .claim_launch(authed(
-                    rc::ClaimLaunchRequest {
+                    reconciler_pb::ClaimLaunchRequest {
                         node_id: b(),
                         epoch: 1,
                         sandbox_id: SANDBOX.into(),
@@ -248,13 +248,13 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             nodes
                 .publish_sandbox_state(authed(
-                    rc::PublishSandboxStateRequest {
+                    reconciler_pb::PublishSandboxStateRequest {
                         node_id: b(),
                         epoch: 1,
                         sandbox_id: SANDBOX.into(),
                         execution_generation: 1,
                         observation_seq: 1,
-                        status: rc::SandboxStatus::Lost as i32,
+                        status: reconciler_pb::SandboxStatus::Lost as i32,
                         ..Default::default()
                     },
                     &own
@@ -268,7 +268,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             nodes
                 .report_restored(authed(
-                    rc::ReportRestoredRequest {
+                    reconciler_pb::ReportRestoredRequest {
                         node_id: b(),
                         epoch: 1,
                         wake_id: SANDBOX.into(),
@@ -286,7 +286,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             nodes
                 .report_wake_failed(authed(
-                    rc::ReportWakeFailedRequest {
+                    reconciler_pb::ReportWakeFailedRequest {
                         node_id: b(),
                         epoch: 1,
                         wake_id: SANDBOX.into(),
@@ -301,7 +301,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     );
     // Nothing was written for node-b.
     let registered: Vec<String> = SandboxServiceClient::new(channel(&reconciler).await)
-        .list_nodes(authed(rc::ListNodesRequest::default(), TOKEN))
+        .list_nodes(authed(reconciler_pb::ListNodesRequest::default(), TOKEN))
         .await
         .unwrap()
         .into_inner()
@@ -317,7 +317,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     assert_eq!(
         refusal(
             sandboxes
-                .list_nodes(authed(rc::ListNodesRequest::default(), &own))
+                .list_nodes(authed(reconciler_pb::ListNodesRequest::default(), &own))
                 .await
         ),
         unauthenticated,
@@ -326,7 +326,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     assert_eq!(
         refusal(
             sandboxes
-                .list_sandboxes(authed(rc::ListSandboxesRequest::default(), &own))
+                .list_sandboxes(authed(reconciler_pb::ListSandboxesRequest::default(), &own))
                 .await
         ),
         unauthenticated,
@@ -336,7 +336,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             sandboxes
                 .destroy_sandbox(authed(
-                    rc::DestroySandboxRequest {
+                    reconciler_pb::DestroySandboxRequest {
                         sandbox_id: SANDBOX.into(),
                         reason: "x".into()
                     },
@@ -352,7 +352,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             credentials
                 .create_node_credential(authed(
-                    rc::CreateNodeCredentialRequest {
+                    reconciler_pb::CreateNodeCredentialRequest {
                         node_id: "node-b".into()
                     },
                     &own
@@ -366,7 +366,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             credentials
                 .revoke_node_credentials(authed(
-                    rc::RevokeNodeCredentialsRequest {
+                    reconciler_pb::RevokeNodeCredentialsRequest {
                         node_id: "node-a".into()
                     },
                     &own
@@ -379,7 +379,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     let mut runs = RunServiceClient::new(channel(&split.url("run-store")).await);
     assert_eq!(
         refusal(
-            runs.list_runs(authed(pb::ListRunsRequest::default(), &own))
+            runs.list_runs(authed(runstore_pb::ListRunsRequest::default(), &own))
                 .await
         ),
         unauthenticated,
@@ -387,7 +387,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     );
     let refused = refusal(
         runs.issue_run_key(authed(
-            pb::IssueRunKeyRequest {
+            runstore_pb::IssueRunKeyRequest {
                 run_id: SANDBOX.into(),
                 sandbox_id: SANDBOX.into(),
                 sandbox_generation: 1,
@@ -401,7 +401,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     let refused = refusal(
         RunnerServiceClient::new(channel(&split.url("run-store")).await)
             .hello(authed(
-                pb::HelloRequest {
+                runstore_pb::HelloRequest {
                     run_id: SANDBOX.into(),
                     ..Default::default()
                 },
@@ -420,7 +420,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             recovery
                 .park_stream(authed(
-                    rec::ParkStreamRequest {
+                    recovery_pb::ParkStreamRequest {
                         run_id: SANDBOX.into(),
                         sandbox_id: SANDBOX.into()
                     },
@@ -434,7 +434,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     assert_eq!(
         refusal(
             recovery
-                .sweep_orphans(authed(rec::SweepOrphansRequest::default(), &own))
+                .sweep_orphans(authed(recovery_pb::SweepOrphansRequest::default(), &own))
                 .await
         ),
         unauthenticated,
@@ -443,7 +443,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
     assert_eq!(
         refusal(
             CredentialHealthServiceClient::new(channel(&split.url("credential-health")).await)
-                .get_fleet(authed(cpb::GetFleetRequest::default(), &own))
+                .get_fleet(authed(credentials_pb::GetFleetRequest::default(), &own))
                 .await
         ),
         unauthenticated,
@@ -462,7 +462,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
         refusal(
             nodes
                 .heartbeat(authed(
-                    rc::HeartbeatRequest {
+                    reconciler_pb::HeartbeatRequest {
                         node_id: "node-a".into(),
                         epoch,
                         used: 0
@@ -506,7 +506,7 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
         let mut api = api.clone();
         async move {
             let nodes = api
-                .list_nodes(authed(rc::ListNodesRequest::default(), TOKEN))
+                .list_nodes(authed(reconciler_pb::ListNodesRequest::default(), TOKEN))
                 .await
                 .ok()?
                 .into_inner()
@@ -520,11 +520,11 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
     let mut runs = RunServiceClient::new(channel(&split.url("run-store")).await);
     let run = runs
         .create_run(authed(
-            pb::CreateRunRequest {
+            runstore_pb::CreateRunRequest {
                 client_request_id: "node-credential-e2e-0001".into(),
                 org_id: "acme".into(),
                 lead_id: "lead-1".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
                 command: "sh".into(),
                 // Runs until the test has seen where it runs; fails if the node's
                 // credential reached it.
@@ -550,7 +550,7 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
         let run_id = run.id.clone();
         async move {
             api.list_sandboxes(authed(
-                rc::ListSandboxesRequest {
+                reconciler_pb::ListSandboxesRequest {
                     run_id,
                     ..Default::default()
                 },
@@ -561,7 +561,7 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
             .into_inner()
             .sandboxes
             .into_iter()
-            .find(|s| s.status() == rc::SandboxStatus::Started)
+            .find(|s| s.status() == reconciler_pb::SandboxStatus::Started)
         }
     })
     .await;
@@ -575,7 +575,7 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
         let run_id = run.id.clone();
         async move {
             let run = runs
-                .get_run(authed(pb::GetRunRequest { run_id }, TOKEN))
+                .get_run(authed(runstore_pb::GetRunRequest { run_id }, TOKEN))
                 .await
                 .ok()?
                 .into_inner()
@@ -584,7 +584,7 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
         }
     })
     .await;
-    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
 
     // Revoked, the agent is refused and stops rather than spinning on refusals.
     cli(&split, &["revoke", "node-own"]).await;

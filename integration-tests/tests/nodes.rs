@@ -10,9 +10,9 @@ use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{
     self, ControlPlane, ReapSession, eventually, session_members, start_node, start_node_logging,
 };
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 const TOKEN: &str = "node-test-operator-token-0123456789abcdefg";
@@ -64,21 +64,21 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         let mut api = api.clone();
         async move {
             let nodes = api
-                .list_nodes(authed(rpb::ListNodesRequest::default()))
+                .list_nodes(authed(reconciler_pb::ListNodesRequest::default()))
                 .await
                 .ok()?
                 .into_inner()
                 .nodes;
             let a = nodes.iter().find(|n| n.id == "node-a")?;
             let b = nodes.iter().find(|n| n.id == "node-b")?;
-            (a.state() == rpb::NodeState::Ready && a.used <= b.used).then_some(())
+            (a.state() == reconciler_pb::NodeState::Ready && a.used <= b.used).then_some(())
         }
     })
     .await;
 
     // The reattach: not placed, a wake is queued.
     let resolve = || {
-        authed(rpb::ResolveRouteRequest {
+        authed(reconciler_pb::ResolveRouteRequest {
             sandbox_id: sandbox.id.clone(),
             session_id: "session-1".into(),
         })
@@ -97,12 +97,12 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         let id = sandbox.id.clone();
         async move {
             let s = api
-                .get_sandbox(authed(rpb::GetSandboxRequest { sandbox_id: id }))
+                .get_sandbox(authed(reconciler_pb::GetSandboxRequest { sandbox_id: id }))
                 .await
                 .ok()?
                 .into_inner()
                 .sandbox?;
-            (s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty())
+            (s.status() == reconciler_pb::SandboxStatus::Started && !s.active_node_id.is_empty())
                 .then_some(())
         }
     })
@@ -119,7 +119,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
     );
 
     // Thawed, the agent is given its line, finishes and so does the run.
-    runs.steer(authed(pb::SteerRequest {
+    runs.steer(authed(runstore_pb::SteerRequest {
         run_id: run.id.clone(),
         text: "go".into(),
         idempotency_key: "idle-wake-steer-00001".into(),
@@ -131,7 +131,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         let run_id = run.id.clone();
         async move {
             let run = runs
-                .get_run(authed(pb::GetRunRequest { run_id }))
+                .get_run(authed(runstore_pb::GetRunRequest { run_id }))
                 .await
                 .ok()?
                 .into_inner()
@@ -140,7 +140,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         }
     })
     .await;
-    assert_eq!(ended.state(), pb::RunState::Succeeded, "{ended:?}");
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,10 +172,10 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs
-        .create_run(authed(pb::CreateRunRequest {
+        .create_run(authed(runstore_pb::CreateRunRequest {
             client_request_id: "agent-restart-request-01".into(),
             org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
             command: "sh".into(),
             args: vec!["-c".into(), "echo started; exec sleep 60".into()],
             ..Default::default()
@@ -191,12 +191,12 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         let run_id = run_id.clone();
         async move {
             let run = runs
-                .get_run(authed(pb::GetRunRequest { run_id }))
+                .get_run(authed(runstore_pb::GetRunRequest { run_id }))
                 .await
                 .ok()?
                 .into_inner()
                 .run?;
-            (run.state() == pb::RunState::Running).then_some(())
+            (run.state() == runstore_pb::RunState::Running).then_some(())
         }
     };
     eventually(
@@ -210,7 +210,7 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     drop(agent);
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let sandbox = api
-        .list_sandboxes(authed(rpb::ListSandboxesRequest {
+        .list_sandboxes(authed(reconciler_pb::ListSandboxesRequest {
             run_id: run.id.clone(),
             ..Default::default()
         }))
@@ -250,7 +250,7 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         let run_id = run.id.clone();
         async move {
             let run = runs
-                .get_run(authed(pb::GetRunRequest { run_id }))
+                .get_run(authed(runstore_pb::GetRunRequest { run_id }))
                 .await
                 .ok()?
                 .into_inner()
@@ -259,7 +259,7 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         }
     })
     .await;
-    assert_eq!(ended.state(), pb::RunState::Failed, "{ended:?}");
+    assert_eq!(ended.state(), runstore_pb::RunState::Failed, "{ended:?}");
     assert_eq!(ended.verdict.unwrap().reason, "sandbox_lost");
     // Nothing of it keeps running: the agent the dead runner left behind is stopped with
     // the sandbox's session when the ended run's sandbox is destroyed.
@@ -301,10 +301,10 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs
-        .create_run(authed(pb::CreateRunRequest {
+        .create_run(authed(runstore_pb::CreateRunRequest {
             client_request_id: "refused-launch-request-1".into(),
             org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
             command: "true".into(),
             ..Default::default()
         }))
@@ -313,7 +313,7 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
         .into_inner()
         .run
         .unwrap();
-    runs.issue_run_key(authed(pb::IssueRunKeyRequest {
+    runs.issue_run_key(authed(runstore_pb::IssueRunKeyRequest {
         run_id: run.id.clone(),
         sandbox_id: "0b0e5c1a-7d3e-4f60-9a2b-5c6d7e8f9a0b".into(),
         sandbox_generation: 5,
@@ -326,7 +326,7 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
         let mut api = api.clone();
         async move {
             let nodes = api
-                .list_nodes(authed(rpb::ListNodesRequest::default()))
+                .list_nodes(authed(reconciler_pb::ListNodesRequest::default()))
                 .await
                 .ok()?
                 .into_inner()
@@ -335,10 +335,10 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
         }
     })
     .await;
-    api.create_sandbox(authed(rpb::CreateSandboxRequest {
+    api.create_sandbox(authed(reconciler_pb::CreateSandboxRequest {
         client_request_id: "refused-launch-sandbox-1".into(),
         run_id: run.id.clone(),
-        substrate: rpb::Substrate::Direct as i32,
+        substrate: reconciler_pb::Substrate::Direct as i32,
         idle_timeout: None,
         node_id: "node-q".into(),
     }))
@@ -360,7 +360,7 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
     let heartbeat_of = |api: &SandboxServiceClient<_>| {
         let mut api = api.clone();
         async move {
-            api.list_nodes(authed(rpb::ListNodesRequest::default()))
+            api.list_nodes(authed(reconciler_pb::ListNodesRequest::default()))
                 .await
                 .ok()?
                 .into_inner()

@@ -7,7 +7,7 @@ use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use runplane_integration_tests::{Process, channel, runplane_bin, start_dev, start_dev_on};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::free_local_addr;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
@@ -543,7 +543,7 @@ async fn receipt_key_id(dev: &Dev, id: &str) -> String {
 
 /// GetReceiptPublicKey's key, as hex, asked without the CLI.
 async fn public_key(endpoint: &str, token: &str, key_id: &str) -> String {
-    let mut request = tonic::Request::new(pb::GetReceiptPublicKeyRequest {
+    let mut request = tonic::Request::new(runstore_pb::GetReceiptPublicKeyRequest {
         key_id: key_id.to_owned(),
     });
     request

@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use runplane_integration_tests::{channel, runplane_bin, start_dev_on};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::free_local_addr;
 use tokio::process::Command;
@@ -119,7 +119,7 @@ async fn two_runs_dying_on_a_backend_error_cool_the_credential_off_for_the_third
     assert!(stdout.contains("credential local cooling off"), "{stdout}");
 
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
-    let mut request = tonic::Request::new(pb::ListRunsRequest {
+    let mut request = tonic::Request::new(runstore_pb::ListRunsRequest {
         lead_id: "lead-7".into(),
         ..Default::default()
     });
@@ -135,7 +135,7 @@ async fn two_runs_dying_on_a_backend_error_cool_the_credential_off_for_the_third
         .runs;
     assert_eq!(runs.len(), 2, "the refused run was never created");
     for run in runs {
-        assert_eq!(run.state(), pb::RunState::BackendError, "{run:?}");
+        assert_eq!(run.state(), runstore_pb::RunState::BackendError, "{run:?}");
         assert_eq!(run.failure_reason, "API Error: No response from API");
     }
 }

@@ -12,11 +12,11 @@ use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
 use runplane_integration_tests::sandboxes::{ReapSession, eventually, start_node};
 use runplane_integration_tests::{Process, channel, start_serve};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::recovery::v1 as pb;
+use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
-use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_stream_recovery::StreamRecovery;
 use runplane_stream_recovery::store::redis::RedisStore;
@@ -57,9 +57,9 @@ async fn coordinator(redis: &TestRedis, run_store: &str, clock: &ManualClock) ->
     endpoint
 }
 
-async fn sandbox_of(api: &Sandboxes, run_id: &str) -> Option<rpb::Sandbox> {
+async fn sandbox_of(api: &Sandboxes, run_id: &str) -> Option<reconciler_pb::Sandbox> {
     api.clone()
-        .list_sandboxes(rpb::ListSandboxesRequest {
+        .list_sandboxes(reconciler_pb::ListSandboxesRequest {
             run_id: run_id.to_owned(),
             ..Default::default()
         })
@@ -71,10 +71,10 @@ async fn sandbox_of(api: &Sandboxes, run_id: &str) -> Option<rpb::Sandbox> {
         .next()
 }
 
-async fn budget(recovery: &Recovery, run_id: &str) -> pb::GetRecoveryBudgetResponse {
+async fn budget(recovery: &Recovery, run_id: &str) -> recovery_pb::GetRecoveryBudgetResponse {
     recovery
         .clone()
-        .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+        .get_recovery_budget(recovery_pb::GetRecoveryBudgetRequest {
             run_id: run_id.to_owned(),
         })
         .await
@@ -83,10 +83,10 @@ async fn budget(recovery: &Recovery, run_id: &str) -> pb::GetRecoveryBudgetRespo
 }
 
 /// Every item of a non-following tail from the first frame.
-async fn tail(recovery: &Recovery, run_id: &str) -> Vec<pb::tail_response::Item> {
+async fn tail(recovery: &Recovery, run_id: &str) -> Vec<recovery_pb::tail_response::Item> {
     let mut tail = recovery
         .clone()
-        .tail(pb::TailRequest {
+        .tail(recovery_pb::TailRequest {
             run_id: run_id.to_owned(),
             from_sequence: 0,
             follow: false,
@@ -102,11 +102,11 @@ async fn tail(recovery: &Recovery, run_id: &str) -> Vec<pb::tail_response::Item>
     items
 }
 
-fn lines(items: &[pb::tail_response::Item]) -> Vec<String> {
+fn lines(items: &[recovery_pb::tail_response::Item]) -> Vec<String> {
     items
         .iter()
         .filter_map(|i| match i {
-            pb::tail_response::Item::Frame(f) => Some(String::from_utf8(f.data.clone()).unwrap()),
+            recovery_pb::tail_response::Item::Frame(f) => Some(String::from_utf8(f.data.clone()).unwrap()),
             _ => None,
         })
         .collect()
@@ -184,10 +184,10 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         .to_owned();
     let mut runs = RunServiceClient::with_interceptor(channel(&endpoint).await, Bearer::new(TOKEN));
     let run_id = runs
-        .create_run(rs::CreateRunRequest {
+        .create_run(runstore_pb::CreateRunRequest {
             client_request_id: "parked-stream-request-0001".into(),
             org_id: "acme".into(),
-            target: Some(rs::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
             command: "sh".into(),
             args: vec!["-c".into(), script],
             ..Default::default()
@@ -209,7 +209,7 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         let (api, run_id) = (api.clone(), run_id.clone());
         async move {
             sandbox_of(&api, &run_id).await.filter(|s| {
-                s.status() == rpb::SandboxStatus::Suspended && s.active_node_id.is_empty()
+                s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty()
             })
         }
     })
@@ -225,7 +225,7 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
     let before = budget(&recovery, &run_id).await;
     assert_eq!(
         before.lease.as_ref().unwrap().state(),
-        pb::LeaseState::Parked,
+        recovery_pb::LeaseState::Parked,
         "parked before the suspend: {before:?}"
     );
     assert_eq!(before.next_sequence, 11, "the first ten lines are in");
@@ -235,36 +235,36 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         clock.advance(LEASE + Duration::from_secs(1));
         let plan = recovery
             .clone()
-            .plan_recovery(pb::PlanRecoveryRequest {
+            .plan_recovery(recovery_pb::PlanRecoveryRequest {
                 run_id: run_id.clone(),
                 reason: "test".into(),
             })
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(plan.decision(), pb::RecoveryDecision::LeaseHeld, "{plan:?}");
+        assert_eq!(plan.decision(), recovery_pb::RecoveryDecision::LeaseHeld, "{plan:?}");
         let items = tail(&recovery, &run_id).await;
         assert_eq!(lines(&items).len(), 10);
         assert!(
             !items
                 .iter()
-                .any(|i| matches!(i, pb::tail_response::Item::Recovery(r) if r.decision() == pb::RecoveryDecision::Claimed)),
+                .any(|i| matches!(i, recovery_pb::tail_response::Item::Recovery(r) if r.decision() == recovery_pb::RecoveryDecision::Claimed)),
             "a tail claimed a parked stream: {items:?}"
         );
     }
     let held = budget(&recovery, &run_id).await;
     assert_eq!(held.budget.unwrap().attempts, 0, "nothing was spent");
-    assert_eq!(held.lease.unwrap().state(), pb::LeaseState::Parked);
+    assert_eq!(held.lease.unwrap().state(), recovery_pb::LeaseState::Parked);
 
     // A wake restores it; a steer gives the agent the line it waits for.
     api.clone()
-        .request_wake(rpb::RequestWakeRequest {
+        .request_wake(reconciler_pb::RequestWakeRequest {
             sandbox_id: sandbox.id.clone(),
             reason: "test".into(),
         })
         .await
         .unwrap();
-    runs.steer(rs::SteerRequest {
+    runs.steer(runstore_pb::SteerRequest {
         run_id: run_id.clone(),
         text: "go".into(),
         idempotency_key: "parked-stream-steer-00001".into(),
@@ -276,7 +276,7 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         let run_id = run_id.clone();
         async move {
             let run = runs
-                .get_run(rs::GetRunRequest { run_id })
+                .get_run(runstore_pb::GetRunRequest { run_id })
                 .await
                 .ok()?
                 .into_inner()
@@ -285,7 +285,7 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         }
     })
     .await;
-    assert_eq!(status.state(), rs::RunState::Succeeded, "{status:?}");
+    assert_eq!(status.state(), runstore_pb::RunState::Succeeded, "{status:?}");
 
     let items = tail(&recovery, &run_id).await;
     let expected: Vec<String> = (1..=20).map(|i| format!("line {i}")).collect();
@@ -293,7 +293,7 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
     assert!(
         !items
             .iter()
-            .any(|i| matches!(i, pb::tail_response::Item::ReplayGap(_))),
+            .any(|i| matches!(i, recovery_pb::tail_response::Item::ReplayGap(_))),
         "no replay_gap: {items:?}"
     );
     assert_eq!(budget(&recovery, &run_id).await.budget.unwrap().attempts, 0);

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{self, ControlPlane, eventually};
-use runplane_proto::node::v1 as npb;
+use runplane_proto::node::v1 as node_pb;
 use runplane_proto::node::v1::session_service_client::SessionServiceClient;
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 
 const TOKEN: &str = "route-token-test-operator-token-0123456789";
@@ -19,14 +19,14 @@ const TOKEN: &str = "route-token-test-operator-token-0123456789";
 async fn placed(
     api: &SandboxServiceClient<tonic::transport::Channel>,
     run_id: &str,
-) -> rpb::Sandbox {
+) -> reconciler_pb::Sandbox {
     sandboxes::sandbox_where(
         api,
         TOKEN,
         run_id,
         Duration::from_secs(30),
         "the sandbox placed",
-        |s| s.status() == rpb::SandboxStatus::Started && !s.active_node_id.is_empty(),
+        |s| s.status() == reconciler_pb::SandboxStatus::Started && !s.active_node_id.is_empty(),
     )
     .await
 }
@@ -36,10 +36,10 @@ async fn attach(
     endpoint: &str,
     bearer: &str,
     sandbox_id: &str,
-) -> Result<npb::AttachResponse, String> {
+) -> Result<node_pb::AttachResponse, String> {
     let mut node = SessionServiceClient::new(channel(&format!("http://{endpoint}")).await);
     node.attach(runplane_integration_tests::authed(
-        npb::AttachRequest {
+        node_pb::AttachRequest {
             sandbox_id: sandbox_id.to_owned(),
         },
         bearer,
@@ -80,7 +80,7 @@ async fn a_node_accepts_only_the_route_token_signed_for_its_own_sandbox() {
     // node-a's heartbeat has counted its sandbox, so node-b is the less used.
     eventually(Duration::from_secs(30), "node-a counted as used", || {
         let mut api = api.clone();
-        let request = runplane_integration_tests::authed(rpb::ListNodesRequest::default(), TOKEN);
+        let request = runplane_integration_tests::authed(reconciler_pb::ListNodesRequest::default(), TOKEN);
         async move {
             let nodes = api.list_nodes(request).await.ok()?.into_inner().nodes;
             nodes
@@ -114,10 +114,10 @@ async fn a_node_accepts_only_the_route_token_signed_for_its_own_sandbox() {
         })
         .collect();
 
-    let route = |sandbox: &rpb::Sandbox| {
+    let route = |sandbox: &reconciler_pb::Sandbox| {
         let mut api = api.clone();
         let request = runplane_integration_tests::authed(
-            rpb::ResolveRouteRequest {
+            reconciler_pb::ResolveRouteRequest {
                 sandbox_id: sandbox.id.clone(),
                 session_id: "session-1".into(),
             },
@@ -195,7 +195,7 @@ async fn a_node_accepts_only_the_route_token_signed_for_its_own_sandbox() {
     // No bearer at all: the authentication layer's answer.
     let mut bare = SessionServiceClient::new(channel(&format!("http://{endpoint_a}")).await);
     let none = bare
-        .attach(npb::AttachRequest {
+        .attach(node_pb::AttachRequest {
             sandbox_id: on_a.id.clone(),
         })
         .await

@@ -5,7 +5,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use runplane_integration_tests::{channel, runplane_bin, start_dev_on};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_testkit::free_local_addr;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -68,7 +68,7 @@ async fn a_run_prints_live_survives_a_dev_restart_and_ends_succeeded() {
     // no loss is stamped.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
-    let mut request = tonic::Request::new(rpb::ListSandboxesRequest::default());
+    let mut request = tonic::Request::new(reconciler_pb::ListSandboxesRequest::default());
     request.metadata_mut().insert(
         "authorization",
         format!("Bearer {}", token.trim()).parse().unwrap(),
@@ -80,7 +80,7 @@ async fn a_run_prints_live_survives_a_dev_restart_and_ends_succeeded() {
         .into_inner()
         .sandboxes;
     assert_eq!(sandboxes.len(), 1);
-    assert_eq!(sandboxes[0].status(), rpb::SandboxStatus::Started);
+    assert_eq!(sandboxes[0].status(), reconciler_pb::SandboxStatus::Started);
     assert!(
         sandboxes[0].loss_observed_at.is_none(),
         "re-adopted, not presumed lost"

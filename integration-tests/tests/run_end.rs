@@ -10,7 +10,7 @@ use std::time::Duration;
 use runplane_integration_tests::{
     Process, authed, channel, process_alive as alive, runplane_bin, start_dev_with_env,
 };
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
@@ -52,16 +52,16 @@ impl Dev {
         RunServiceClient::new(channel(&self.dev.endpoint()).await)
     }
 
-    async fn create(&self, name: &str, max_duration: Option<Duration>) -> pb::Run {
+    async fn create(&self, name: &str, max_duration: Option<Duration>) -> runstore_pb::Run {
         let pid_file = self.pid_file(name);
         self.op()
             .await
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: format!("run-end-{name:0>16}"),
                     org_id: "acme".into(),
                     lead_id: "lead-1".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("local".into())),
+                    target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
                     command: "sh".into(),
                     args: vec![
                         "-c".into(),
@@ -84,12 +84,12 @@ impl Dev {
     }
 
     /// Issues the run's key as the reconciler would and starts `runplane runner` with it.
-    async fn start_runner(&self, run: &pb::Run, name: &str) -> Runner {
+    async fn start_runner(&self, run: &runstore_pb::Run, name: &str) -> Runner {
         let key = self
             .op()
             .await
             .issue_run_key(authed(
-                pb::IssueRunKeyRequest {
+                runstore_pb::IssueRunKeyRequest {
                     run_id: run.id.clone(),
                     sandbox_id: format!("sbx-{name}"),
                     sandbox_generation: 1,
@@ -121,11 +121,11 @@ impl Dev {
         }
     }
 
-    async fn run(&self, run_id: &str) -> pb::Run {
+    async fn run(&self, run_id: &str) -> runstore_pb::Run {
         self.op()
             .await
             .get_run(authed(
-                pb::GetRunRequest {
+                runstore_pb::GetRunRequest {
                     run_id: run_id.into(),
                 },
                 &self.token,
@@ -139,7 +139,7 @@ impl Dev {
 
     async fn wait_until_running(&self, run_id: &str) {
         for _ in 0..300 {
-            if self.run(run_id).await.state() == pb::RunState::Running {
+            if self.run(run_id).await.state() == runstore_pb::RunState::Running {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -189,7 +189,7 @@ async fn assert_gone(pid: i32, what: &str) {
 }
 
 /// A running run with its runner and its agent's pid.
-async fn running(dev: &Dev, name: &str, max_duration: Option<Duration>) -> (pb::Run, Runner, i32) {
+async fn running(dev: &Dev, name: &str, max_duration: Option<Duration>) -> (runstore_pb::Run, Runner, i32) {
     let run = dev.create(name, max_duration).await;
     let runner = dev.start_runner(&run, name).await;
     let pid = runner.agent_pid().await;
@@ -218,7 +218,7 @@ async fn a_cancelled_runs_agent_is_stopped_and_its_runner_sends_nothing_more() {
         .op()
         .await
         .cancel_run(authed(
-            pb::CancelRunRequest {
+            runstore_pb::CancelRunRequest {
                 run_id: run.id.clone(),
                 reason: "not needed any more".into(),
                 idempotency_key: "cancel-run-end-000001".into(),
@@ -230,12 +230,12 @@ async fn a_cancelled_runs_agent_is_stopped_and_its_runner_sends_nothing_more() {
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(cancelled.state(), pb::RunState::Cancelled);
+    assert_eq!(cancelled.state(), runstore_pb::RunState::Cancelled);
     assert_gone(pid, "CancelRun").await;
     let (status, logs) = runner.finish().await;
     assert_runner_stopped_quietly(status, &logs);
     let after = dev.run(&run.id).await;
-    assert_eq!(after.state(), pb::RunState::Cancelled);
+    assert_eq!(after.state(), runstore_pb::RunState::Cancelled);
     assert_eq!(after.verdict.unwrap().message, "not needed any more");
 }
 
@@ -248,7 +248,7 @@ async fn a_run_past_its_max_duration_ends_deadline_exceeded_and_its_agent_is_gon
     let (status, logs) = runner.finish().await;
     assert_runner_stopped_quietly(status, &logs);
     let after = dev.run(&run.id).await;
-    assert_eq!(after.state(), pb::RunState::Failed);
+    assert_eq!(after.state(), runstore_pb::RunState::Failed);
     assert_eq!(after.failure_reason, "deadline_exceeded");
 }
 
@@ -260,7 +260,7 @@ async fn runs_failed_by_a_service_or_a_backend_error_have_their_agents_stopped()
     let mut op = dev.op().await;
     // What the reconciler sends when a loss outlives the grace.
     op.fail_run(authed(
-        pb::FailRunRequest {
+        runstore_pb::FailRunRequest {
             run_id: lost.id.clone(),
             reason: "sandbox_lost".into(),
             message: "sandbox lost for longer than the loss grace".into(),
@@ -274,10 +274,10 @@ async fn runs_failed_by_a_service_or_a_backend_error_have_their_agents_stopped()
     .unwrap();
     // What credential health sends for a classified backend error.
     op.mark_backend_error(authed(
-        pb::MarkBackendErrorRequest {
+        runstore_pb::MarkBackendErrorRequest {
             run_id: backend.id.clone(),
             idempotency_key: "backend-error-turn-0001".into(),
-            kind: pb::BackendErrorKind::Error as i32,
+            kind: runstore_pb::BackendErrorKind::Error as i32,
             reason: "API Error: No response from API".into(),
             credential_id: "local".into(),
             incident_id: String::new(),
@@ -290,8 +290,8 @@ async fn runs_failed_by_a_service_or_a_backend_error_have_their_agents_stopped()
     assert_gone(lost_pid, "FailRun").await;
     assert_gone(backend_pid, "MarkBackendError").await;
     for (runner, run_id, state) in [
-        (lost_runner, &lost.id, pb::RunState::Failed),
-        (backend_runner, &backend.id, pb::RunState::BackendError),
+        (lost_runner, &lost.id, runstore_pb::RunState::Failed),
+        (backend_runner, &backend.id, runstore_pb::RunState::BackendError),
     ] {
         let (status, logs) = runner.finish().await;
         assert_runner_stopped_quietly(status, &logs);
@@ -307,11 +307,11 @@ async fn the_exhaustion_abort_reaches_the_live_runner_and_is_applied_once() {
     // Exactly the two calls the coordinator makes when a run's recovery is exhausted,
     // in its order: the abort, then the failure.
     op.enqueue_control(authed(
-        pb::EnqueueControlRequest {
+        runstore_pb::EnqueueControlRequest {
             run_id: run.id.clone(),
             idempotency_key: format!("{}:abort", run.id),
-            control: Some(pb::enqueue_control_request::Control::Abort(
-                pb::AbortPayload {
+            control: Some(runstore_pb::enqueue_control_request::Control::Abort(
+                runstore_pb::AbortPayload {
                     reason: "stream_recovery_exhausted".into(),
                 },
             )),
@@ -321,7 +321,7 @@ async fn the_exhaustion_abort_reaches_the_live_runner_and_is_applied_once() {
     .await
     .unwrap();
     op.fail_run(authed(
-        pb::FailRunRequest {
+        runstore_pb::FailRunRequest {
             run_id: run.id.clone(),
             reason: "stream_recovery_exhausted".into(),
             message: "the run's stream was taken over 5 times and kept failing".into(),
@@ -343,6 +343,6 @@ async fn the_exhaustion_abort_reaches_the_live_runner_and_is_applied_once() {
     );
     assert!(!logs.contains(DISCARDED), "{logs}");
     let after = dev.run(&run.id).await;
-    assert_eq!(after.state(), pb::RunState::Failed);
+    assert_eq!(after.state(), runstore_pb::RunState::Failed);
     assert_eq!(after.failure_reason, "stream_recovery_exhausted");
 }

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use runplane_integration_tests::split::{Split, TOKEN};
 use runplane_integration_tests::{authed, channel, process_alive as alive, wait_for};
-use runplane_proto::reconciler::v1 as rc;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 const GONE_WITHIN: Duration = Duration::from_secs(15);
@@ -65,14 +65,14 @@ max_run_seconds = 3
     async fn create(
         &self,
         name: &str,
-        target: pb::create_run_request::Target,
-    ) -> (pb::Run, PathBuf) {
+        target: runstore_pb::create_run_request::Target,
+    ) -> (runstore_pb::Run, PathBuf) {
         let pid_file = self.dir.path().join(format!("{name}.pid"));
         let run = self
             .runs()
             .await
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: format!("split-end-{name:0>12}"),
                     org_id: "acme".into(),
                     lead_id: "lead-1".into(),
@@ -94,11 +94,11 @@ max_run_seconds = 3
         (run, pid_file)
     }
 
-    async fn run(&self, run_id: &str) -> pb::Run {
+    async fn run(&self, run_id: &str) -> runstore_pb::Run {
         self.runs()
             .await
             .get_run(authed(
-                pb::GetRunRequest {
+                runstore_pb::GetRunRequest {
                     run_id: run_id.into(),
                 },
                 TOKEN,
@@ -110,10 +110,10 @@ max_run_seconds = 3
             .unwrap()
     }
 
-    async fn sandboxes(&self, run_id: &str) -> Vec<rc::Sandbox> {
+    async fn sandboxes(&self, run_id: &str) -> Vec<reconciler_pb::Sandbox> {
         SandboxServiceClient::new(channel(&self.split.url("sandbox-reconciler")).await)
             .list_sandboxes(authed(
-                rc::ListSandboxesRequest {
+                reconciler_pb::ListSandboxesRequest {
                     run_id: run_id.into(),
                     ..Default::default()
                 },
@@ -154,7 +154,7 @@ async fn assert_converged(w: &World, run_id: &str, pid: i32, what: &str) {
             !sandboxes.is_empty()
                 && sandboxes
                     .iter()
-                    .all(|s| s.status() == rc::SandboxStatus::Deleted)
+                    .all(|s| s.status() == reconciler_pb::SandboxStatus::Deleted)
         },
     )
     .await;
@@ -166,19 +166,19 @@ async fn a_cancelled_run_in_the_split_topology_leaves_no_agent_and_no_sandbox() 
     let (run, pid_file) = w
         .create(
             "cancel",
-            pb::create_run_request::Target::CredentialId("local".into()),
+            runstore_pb::create_run_request::Target::CredentialId("local".into()),
         )
         .await;
     let pid = agent_pid(&pid_file).await;
     wait_for("the run runs", Duration::from_secs(30), async || {
-        w.run(&run.id).await.state() == pb::RunState::Running
+        w.run(&run.id).await.state() == runstore_pb::RunState::Running
     })
     .await;
     let cancelled = w
         .runs()
         .await
         .cancel_run(authed(
-            pb::CancelRunRequest {
+            runstore_pb::CancelRunRequest {
                 run_id: run.id.clone(),
                 reason: "operator cancel".into(),
                 idempotency_key: "split-cancel-key-0001".into(),
@@ -190,9 +190,9 @@ async fn a_cancelled_run_in_the_split_topology_leaves_no_agent_and_no_sandbox() 
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(cancelled.state(), pb::RunState::Cancelled);
+    assert_eq!(cancelled.state(), runstore_pb::RunState::Cancelled);
     assert_converged(&w, &run.id, pid, "CancelRun").await;
-    assert_eq!(w.run(&run.id).await.state(), pb::RunState::Cancelled);
+    assert_eq!(w.run(&run.id).await.state(), runstore_pb::RunState::Cancelled);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,7 +201,7 @@ async fn a_profiles_max_run_seconds_ends_its_run_deadline_exceeded() {
     let (run, pid_file) = w
         .create(
             "deadline",
-            pb::create_run_request::Target::Profile("timed".into()),
+            runstore_pb::create_run_request::Target::Profile("timed".into()),
         )
         .await;
     assert!(
@@ -211,6 +211,6 @@ async fn a_profiles_max_run_seconds_ends_its_run_deadline_exceeded() {
     let pid = agent_pid(&pid_file).await;
     assert_converged(&w, &run.id, pid, "the deadline").await;
     let after = w.run(&run.id).await;
-    assert_eq!(after.state(), pb::RunState::Failed);
+    assert_eq!(after.state(), runstore_pb::RunState::Failed);
     assert_eq!(after.failure_reason, "deadline_exceeded");
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use runplane_integration_tests::{Process, channel, runplane_bin, start_serve};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::{TestDatabase, free_local_addr};
 use tokio::process::Command;
@@ -75,10 +75,10 @@ impl ControlPlane {
     async fn run(&self, name: &str, script: &str) -> (String, String) {
         let mut op = self.operator().await;
         let run = op
-            .create_run(pb::CreateRunRequest {
+            .create_run(runstore_pb::CreateRunRequest {
                 client_request_id: format!("{name}-request-0000001"),
                 org_id: "acme".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("cred".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("cred".into())),
                 command: "sh".into(),
                 args: vec!["-c".into(), script.into()],
                 ..Default::default()
@@ -89,7 +89,7 @@ impl ControlPlane {
             .run
             .unwrap();
         let key = op
-            .issue_run_key(pb::IssueRunKeyRequest {
+            .issue_run_key(runstore_pb::IssueRunKeyRequest {
                 run_id: run.id.clone(),
                 sandbox_id: "sbx-restart".into(),
                 sandbox_generation: 1,
@@ -102,10 +102,10 @@ impl ControlPlane {
         (run.id, key)
     }
 
-    async fn get_run(&self, run_id: &str) -> pb::Run {
+    async fn get_run(&self, run_id: &str) -> runstore_pb::Run {
         self.operator()
             .await
-            .get_run(pb::GetRunRequest {
+            .get_run(runstore_pb::GetRunRequest {
                 run_id: run_id.into(),
             })
             .await
@@ -115,11 +115,11 @@ impl ControlPlane {
             .unwrap()
     }
 
-    async fn events(&self, run_id: &str) -> Vec<pb::Event> {
+    async fn events(&self, run_id: &str) -> Vec<runstore_pb::Event> {
         let mut stream = self
             .operator()
             .await
-            .watch_run(pb::WatchRunRequest {
+            .watch_run(runstore_pb::WatchRunRequest {
                 run_id: run_id.into(),
                 after_sequence: 0,
                 states_only: false,
@@ -130,17 +130,17 @@ impl ControlPlane {
             .into_inner();
         let mut events = Vec::new();
         while let Some(item) = stream.next().await {
-            if let Some(pb::watch_run_response::Update::Event(e)) = item.unwrap().update {
+            if let Some(runstore_pb::watch_run_response::Update::Event(e)) = item.unwrap().update {
                 events.push(e);
             }
         }
         events
     }
 
-    async fn receipt(&self, run_id: &str) -> pb::ReceiptBody {
+    async fn receipt(&self, run_id: &str) -> runstore_pb::ReceiptBody {
         self.operator()
             .await
-            .get_receipt(pb::GetReceiptRequest {
+            .get_receipt(runstore_pb::GetReceiptRequest {
                 run_id: run_id.into(),
             })
             .await
@@ -189,7 +189,7 @@ async fn two_thousand_lines_survive_three_run_store_crashes() {
     assert!(status.success(), "runner exit: {status:?}");
 
     let run = cp.get_run(&run_id).await;
-    assert_eq!(run.state(), pb::RunState::Succeeded);
+    assert_eq!(run.state(), runstore_pb::RunState::Succeeded);
     let body = cp.receipt(&run_id).await;
     assert_eq!(body.event_count, 2000, "every line once, nothing else");
     let events = cp.events(&run_id).await;
@@ -218,7 +218,7 @@ async fn an_interrupt_sent_across_a_restart_is_applied_exactly_once() {
     }
     cp.operator()
         .await
-        .interrupt(pb::InterruptRequest {
+        .interrupt(runstore_pb::InterruptRequest {
             run_id: run_id.clone(),
             reason: "operator stop".into(),
             grace: None,
@@ -235,7 +235,7 @@ async fn an_interrupt_sent_across_a_restart_is_applied_exactly_once() {
         .unwrap();
     assert!(status.success(), "runner exit: {status:?}");
     let run = cp.get_run(&run_id).await;
-    assert_eq!(run.state(), pb::RunState::Cancelled);
+    assert_eq!(run.state(), runstore_pb::RunState::Cancelled);
     assert_eq!(run.verdict.unwrap().reason, "interrupted");
     let events = cp.events(&run_id).await;
     let interrupted = events.iter().filter(|e| e.text == "interrupted").count();
@@ -245,7 +245,7 @@ async fn an_interrupt_sent_across_a_restart_is_applied_exactly_once() {
     );
     let applied = events
         .iter()
-        .filter(|e| e.kind() == pb::EventKind::SteerApplied && e.name == "interrupt")
+        .filter(|e| e.kind() == runstore_pb::EventKind::SteerApplied && e.name == "interrupt")
         .count();
     assert_eq!(applied, 1);
 }
@@ -267,7 +267,7 @@ async fn a_steer_the_agent_cannot_take_is_dropped_once_after_three_attempts() {
     }
     cp.operator()
         .await
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: run_id.clone(),
             text: "nobody reads this".into(),
             idempotency_key: "steer-to-closed-stdin-1".into(),
@@ -282,13 +282,13 @@ async fn a_steer_the_agent_cannot_take_is_dropped_once_after_three_attempts() {
     let run = cp.get_run(&run_id).await;
     assert_eq!(
         run.state(),
-        pb::RunState::Succeeded,
+        runstore_pb::RunState::Succeeded,
         "a dropped steer does not fail the run"
     );
     let events = cp.events(&run_id).await;
     let undeliverable: Vec<_> = events
         .iter()
-        .filter(|e| e.kind() == pb::EventKind::SteerUndeliverable)
+        .filter(|e| e.kind() == runstore_pb::EventKind::SteerUndeliverable)
         .collect();
     assert_eq!(undeliverable.len(), 1, "{events:#?}");
     let data = undeliverable[0].data.clone().unwrap();

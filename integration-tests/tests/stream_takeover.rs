@@ -11,9 +11,9 @@ use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
 use runplane_integration_tests::runplane_bin;
-use runplane_proto::recovery::v1 as pb;
+use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
-use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
@@ -112,10 +112,10 @@ impl World {
             Bearer::new(TOKEN),
         );
         let run = op
-            .create_run(rs::CreateRunRequest {
+            .create_run(runstore_pb::CreateRunRequest {
                 client_request_id: "takeover-request-000001".into(),
                 org_id: "acme".into(),
-                target: Some(rs::create_run_request::Target::CredentialId("c".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
                 command: "sh".into(),
                 args: vec!["-c".into(), SCRIPT.into()],
                 ..Default::default()
@@ -126,7 +126,7 @@ impl World {
             .run
             .unwrap();
         let key = op
-            .issue_run_key(rs::IssueRunKeyRequest {
+            .issue_run_key(runstore_pb::IssueRunKeyRequest {
                 run_id: run.id.clone(),
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
@@ -155,7 +155,7 @@ impl World {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
             let b = recovery
-                .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+                .get_recovery_budget(recovery_pb::GetRecoveryBudgetRequest {
                     run_id: run_id.to_owned(),
                 })
                 .await
@@ -175,17 +175,17 @@ impl World {
     /// Presumes the controller dead (its lease lapses on the coordinator's clock) and plans
     /// recoveries until one claims the stream. A renewal racing the jump can keep the
     /// lease for a moment; the next jump takes it.
-    async fn claim(&self, run_id: &str) -> pb::PlanRecoveryResponse {
+    async fn claim(&self, run_id: &str) -> recovery_pb::PlanRecoveryResponse {
         let mut recovery = self.recovery().await;
         for _ in 0..20 {
             self.clock.advance(Duration::from_secs(31));
             if let Ok(plan) = recovery
-                .plan_recovery(pb::PlanRecoveryRequest {
+                .plan_recovery(recovery_pb::PlanRecoveryRequest {
                     run_id: run_id.to_owned(),
                     reason: "test".into(),
                 })
                 .await
-                && plan.get_ref().decision() == pb::RecoveryDecision::Claimed
+                && plan.get_ref().decision() == recovery_pb::RecoveryDecision::Claimed
             {
                 return plan.into_inner();
             }
@@ -199,7 +199,7 @@ impl World {
         let mut tail = self
             .recovery()
             .await
-            .tail(pb::TailRequest {
+            .tail(recovery_pb::TailRequest {
                 run_id: run_id.to_owned(),
                 from_sequence: 0,
                 follow: false,
@@ -210,7 +210,7 @@ impl World {
             .into_inner();
         let mut lines = Vec::new();
         while let Some(item) = tail.message().await.unwrap() {
-            if let Some(pb::tail_response::Item::Frame(f)) = item.item {
+            if let Some(recovery_pb::tail_response::Item::Frame(f)) = item.item {
                 lines.push(String::from_utf8(f.data).unwrap());
             }
         }
@@ -222,7 +222,7 @@ impl World {
     async fn attempts(&self, run_id: &str) -> u32 {
         self.recovery()
             .await
-            .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+            .get_recovery_budget(recovery_pb::GetRecoveryBudgetRequest {
                 run_id: run_id.to_owned(),
             })
             .await
@@ -259,7 +259,7 @@ async fn a_taken_over_stream_continues_with_the_new_token() {
     let budget = w
         .recovery()
         .await
-        .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+        .get_recovery_budget(recovery_pb::GetRecoveryBudgetRequest {
             run_id: run_id.clone(),
         })
         .await
@@ -338,7 +338,7 @@ async fn the_coordinator_serves_again_when_redis_returns_and_the_run_finishes() 
     let down = w
         .recovery()
         .await
-        .get_recovery_budget(pb::GetRecoveryBudgetRequest {
+        .get_recovery_budget(recovery_pb::GetRecoveryBudgetRequest {
             run_id: run_id.clone(),
         })
         .await
@@ -379,14 +379,14 @@ async fn a_runner_whose_keys_were_flushed_mid_run_resyncs_and_its_run_finishes()
         let plan = w
             .recovery()
             .await
-            .plan_recovery(pb::PlanRecoveryRequest {
+            .plan_recovery(recovery_pb::PlanRecoveryRequest {
                 run_id: run_id.clone(),
                 reason: "test".into(),
             })
             .await
             .unwrap()
             .into_inner();
-        assert_ne!(plan.decision(), pb::RecoveryDecision::Claimed);
+        assert_ne!(plan.decision(), recovery_pb::RecoveryDecision::Claimed);
     }
     let status = tokio::time::timeout(Duration::from_secs(60), runner.wait())
         .await
@@ -417,7 +417,7 @@ async fn a_budget_refusal_ends_the_stream_turn_and_the_run_goes_on() {
         .unwrap();
     assert!(status.success(), "the agent ran to the end");
     let run = w.run_state(&run_id).await;
-    assert_eq!(run.state(), rs::RunState::Succeeded);
+    assert_eq!(run.state(), runstore_pb::RunState::Succeeded);
 
     let events = w
         .run_store
@@ -425,17 +425,17 @@ async fn a_budget_refusal_ends_the_stream_turn_and_the_run_goes_on() {
         .events_after(&run_id, 0, 1000)
         .await
         .unwrap();
-    let events: Vec<rs::Event> = events
+    let events: Vec<runstore_pb::Event> = events
         .iter()
         .map(runplane_run_store::convert::event)
         .collect();
     let stdout: Vec<String> = events
         .iter()
-        .filter(|e| e.kind() == rs::EventKind::Stdout)
+        .filter(|e| e.kind() == runstore_pb::EventKind::Stdout)
         .map(|e| e.text.clone())
         .collect();
     assert_eq!(stdout, expected(), "the run store got every line");
-    let ended: Vec<&rs::Event> = events
+    let ended: Vec<&runstore_pb::Event> = events
         .iter()
         .filter(|e| e.name == "live_stream_ended")
         .collect();
@@ -457,12 +457,12 @@ async fn a_budget_refusal_ends_the_stream_turn_and_the_run_goes_on() {
 }
 
 impl World {
-    async fn run_state(&self, run_id: &str) -> rs::Run {
+    async fn run_state(&self, run_id: &str) -> runstore_pb::Run {
         RunServiceClient::with_interceptor(
             channel(&self.run_store_endpoint).await,
             Bearer::new(TOKEN),
         )
-        .get_run(rs::GetRunRequest {
+        .get_run(runstore_pb::GetRunRequest {
             run_id: run_id.to_owned(),
         })
         .await

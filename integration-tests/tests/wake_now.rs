@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{self, ControlPlane, ReapSession, eventually};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 const TOKEN: &str = "wake-now-operator-token-0123456789abcdefgh";
@@ -46,7 +46,7 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
     let _reap = ReapSession(pid);
 
     let resolve = || {
-        authed(rpb::ResolveRouteRequest {
+        authed(reconciler_pb::ResolveRouteRequest {
             sandbox_id: sandbox.id.clone(),
             session_id: "session-1".into(),
         })
@@ -66,7 +66,7 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
     .into_inner();
     assert_eq!(route.node_id, "node-a");
 
-    runs.cancel_run(authed(pb::CancelRunRequest {
+    runs.cancel_run(authed(runstore_pb::CancelRunRequest {
         run_id: run.id.clone(),
         reason: "test over".into(),
         idempotency_key: "wake-now-cancel-0001".into(),

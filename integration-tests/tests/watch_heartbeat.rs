@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use runplane_integration_tests::wedge::WedgeProxy;
 use runplane_integration_tests::{authed, channel, runplane_bin, start_dev};
-use runplane_proto::credentials::v1 as cpb;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
-use runplane_proto::recovery::v1 as rpb;
+use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
@@ -98,7 +98,7 @@ async fn a_run_watched_through_a_wedged_connection_is_reopened_from_its_cursor()
     let wedged = proxy.connections();
     RunServiceClient::new(channel(&dev.endpoint()).await)
         .steer(authed(
-            pb::SteerRequest {
+            runstore_pb::SteerRequest {
                 run_id: run_id.clone(),
                 text: "go".into(),
                 idempotency_key: format!("wedged-watch-steer-{marker}"),
@@ -215,11 +215,11 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
     let _reap = Reap(marker.clone());
     let run = runs
         .create_run(authed(
-            pb::CreateRunRequest {
+            runstore_pb::CreateRunRequest {
                 client_request_id: format!("watch-heartbeat-{marker}"),
                 org_id: "dev".into(),
                 lead_id: "cli".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
                 command: "sh".into(),
                 args: vec!["-c".into(), format!("echo started; sleep 60; : {marker}")],
                 ..Default::default()
@@ -236,7 +236,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
     // at the last sequence it sent.
     let mut watch = runs
         .watch_run(authed(
-            pb::WatchRunRequest {
+            runstore_pb::WatchRunRequest {
                 run_id: run.id.clone(),
                 after_sequence: 0,
                 states_only: false,
@@ -256,11 +256,11 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
             .unwrap()
             .expect("the run is still going");
         match item.update.unwrap() {
-            pb::watch_run_response::Update::Event(e) => {
+            runstore_pb::watch_run_response::Update::Event(e) => {
                 last_sequence = e.sequence;
                 printed |= e.text == "started";
             }
-            pb::watch_run_response::Update::Heartbeat(h) if printed => break h,
+            runstore_pb::watch_run_response::Update::Heartbeat(h) if printed => break h,
             _ => {}
         }
     };
@@ -271,7 +271,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
     let mut recovery = StreamRecoveryServiceClient::new(ch.clone());
     let mut tail = recovery
         .tail(authed(
-            rpb::TailRequest {
+            recovery_pb::TailRequest {
                 run_id: run.id.clone(),
                 from_sequence: 0,
                 follow: true,
@@ -290,9 +290,9 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
             .unwrap()
             .expect("the run is still going");
         match item.item.unwrap() {
-            rpb::tail_response::Item::CaughtUp(c) => next_sequence = Some(c.next_sequence),
-            rpb::tail_response::Item::Frame(f) => next_sequence = Some(f.sequence + 1),
-            rpb::tail_response::Item::Heartbeat(h) if next_sequence.is_some() => break h,
+            recovery_pb::tail_response::Item::CaughtUp(c) => next_sequence = Some(c.next_sequence),
+            recovery_pb::tail_response::Item::Frame(f) => next_sequence = Some(f.sequence + 1),
+            recovery_pb::tail_response::Item::Heartbeat(h) if next_sequence.is_some() => break h,
             _ => {}
         }
     };
@@ -307,7 +307,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
     let mut credentials = CredentialHealthServiceClient::new(ch.clone());
     let mut notices = credentials
         .watch_notices(authed(
-            cpb::WatchNoticesRequest {
+            credentials_pb::WatchNoticesRequest {
                 lead_id: "nobody".into(),
                 after_cursor: String::new(),
                 org_id: "dev".into(),
@@ -323,7 +323,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
         .expect("a quiet WatchNotices heartbeats")
         .unwrap()
         .expect("the watch follows");
-    let Some(cpb::watch_notices_response::Item::Heartbeat(h)) = item.item else {
+    let Some(credentials_pb::watch_notices_response::Item::Heartbeat(h)) = item.item else {
         panic!("a heartbeat, not {item:?}")
     };
     assert_eq!(h.cursor, "");
@@ -332,7 +332,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
     // An interval outside 1 s to 60 s is refused, naming the field.
     let refused = runs
         .watch_run(authed(
-            pb::WatchRunRequest {
+            runstore_pb::WatchRunRequest {
                 run_id: run.id.clone(),
                 heartbeat_interval: Some(prost_types::Duration {
                     seconds: 0,
@@ -347,7 +347,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
     assert_invalid_heartbeat(&refused);
     let refused = recovery
         .tail(authed(
-            rpb::TailRequest {
+            recovery_pb::TailRequest {
                 run_id: run.id.clone(),
                 follow: true,
                 heartbeat_interval: seconds(61),
@@ -360,7 +360,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
     assert_invalid_heartbeat(&refused);
     let refused = credentials
         .watch_notices(authed(
-            cpb::WatchNoticesRequest {
+            credentials_pb::WatchNoticesRequest {
                 lead_id: "nobody".into(),
                 org_id: "dev".into(),
                 heartbeat_interval: seconds(-1),
@@ -374,7 +374,7 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
 
     // End the run so its sandbox does not outlive the test.
     runs.cancel_run(authed(
-        pb::CancelRunRequest {
+        runstore_pb::CancelRunRequest {
             run_id: run.id.clone(),
             reason: "test over".into(),
             idempotency_key: format!("watch-heartbeat-cancel-{marker}"),

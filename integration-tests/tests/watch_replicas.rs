@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use runplane_integration_tests::{authed, channel, start_serve};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_testkit::TestDatabase;
@@ -32,11 +32,11 @@ async fn a_watcher_on_one_serve_process_sees_an_append_made_through_another() {
     let mut operator = RunServiceClient::new(to_a.clone());
     let run_id = operator
         .create_run(authed(
-            pb::CreateRunRequest {
+            runstore_pb::CreateRunRequest {
                 client_request_id: "watch-replicas-run-0001".into(),
                 org_id: "org".into(),
                 lead_id: "lead".into(),
-                target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
                 command: "agent".into(),
                 ..Default::default()
             },
@@ -50,7 +50,7 @@ async fn a_watcher_on_one_serve_process_sees_an_append_made_through_another() {
         .id;
     let key = operator
         .issue_run_key(authed(
-            pb::IssueRunKeyRequest {
+            runstore_pb::IssueRunKeyRequest {
                 run_id: run_id.clone(),
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
@@ -65,7 +65,7 @@ async fn a_watcher_on_one_serve_process_sees_an_append_made_through_another() {
 
     let mut watch = RunServiceClient::new(to_b)
         .watch_run(authed(
-            pb::WatchRunRequest {
+            runstore_pb::WatchRunRequest {
                 run_id: run_id.clone(),
                 heartbeat_interval: Some(prost_types::Duration {
                     seconds: 60,
@@ -82,16 +82,16 @@ async fn a_watcher_on_one_serve_process_sees_an_append_made_through_another() {
     let first = watch.message().await.unwrap().unwrap();
     assert!(matches!(
         first.update,
-        Some(pb::watch_run_response::Update::Run(_))
+        Some(runstore_pb::watch_run_response::Update::Run(_))
     ));
 
     RunnerServiceClient::new(to_a)
         .append_events(authed(
-            pb::AppendEventsRequest {
+            runstore_pb::AppendEventsRequest {
                 run_id: run_id.clone(),
                 batch_key: "watch-replicas-batch-1".into(),
-                events: vec![pb::EventInput {
-                    kind: pb::EventKind::Stdout as i32,
+                events: vec![runstore_pb::EventInput {
+                    kind: runstore_pb::EventKind::Stdout as i32,
                     text: "hello from replica a".into(),
                     ..Default::default()
                 }],
@@ -107,7 +107,7 @@ async fn a_watcher_on_one_serve_process_sees_an_append_made_through_another() {
                 .await
                 .unwrap()
                 .expect("the watch stays open");
-            if let Some(pb::watch_run_response::Update::Event(e)) = item.update {
+            if let Some(runstore_pb::watch_run_response::Update::Event(e)) = item.update {
                 return e;
             }
         }

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use runplane_config::{Config, Secret};
 use runplane_grpc::{ServerLimits, ServiceSet};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -205,10 +205,12 @@ async fn scenario(
     for r in 0..RUNNERS {
         let run = op
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: format!("outage-{name}-{r:05}-request"),
                     org_id: "bench".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                        "c".into(),
+                    )),
                     command: "agent".into(),
                     ..Default::default()
                 },
@@ -221,7 +223,7 @@ async fn scenario(
             .unwrap();
         let key = op
             .issue_run_key(authed(
-                pb::IssueRunKeyRequest {
+                runstore_pb::IssueRunKeyRequest {
                     run_id: run.id.clone(),
                     sandbox_id: "sbx".into(),
                     sandbox_generation: 1,
@@ -259,11 +261,11 @@ async fn scenario(
             loop {
                 batch += 1;
                 let append = client.append_events(authed(
-                    pb::AppendEventsRequest {
+                    runstore_pb::AppendEventsRequest {
                         run_id: run_id.clone(),
                         batch_key: format!("outage-batch-{batch:08}"),
-                        events: vec![pb::EventInput {
-                            kind: pb::EventKind::Stdout as i32,
+                        events: vec![runstore_pb::EventInput {
+                            kind: runstore_pb::EventKind::Stdout as i32,
                             text: format!("line {batch}"),
                             ..Default::default()
                         }],

@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::{ENV_AGENT_WRAPPER, ENV_RUN_KEY};
+use runplane_sandbox::contract::{ENV_AGENT_WRAPPER, ENV_RUN_KEY};
 
 /// Longest line kept as one event; the rest of a longer line is cut off.
 pub const MAX_LINE_BYTES: usize = 16 << 10;
@@ -49,7 +49,7 @@ impl Agent {
     pub fn spawn(
         command: &str,
         args: &[String],
-        events: mpsc::Sender<pb::EventInput>,
+        events: mpsc::Sender<runstore_pb::EventInput>,
         frames: Option<crate::frames::Frames>,
         clock: runplane_clock::SharedClock,
     ) -> std::io::Result<Self> {
@@ -91,7 +91,7 @@ impl Agent {
         if let Some(out) = child.stdout.take() {
             readers.push(tokio::spawn(read_lines(
                 out,
-                pb::EventKind::Stdout,
+                runstore_pb::EventKind::Stdout,
                 events.clone(),
                 tail.clone(),
                 frames.clone(),
@@ -101,7 +101,7 @@ impl Agent {
         if let Some(err) = child.stderr.take() {
             readers.push(tokio::spawn(read_lines(
                 err,
-                pb::EventKind::Stderr,
+                runstore_pb::EventKind::Stderr,
                 events.clone(),
                 tail.clone(),
                 frames.clone(),
@@ -253,8 +253,8 @@ fn agent_wrapper() -> Vec<String> {
 
 async fn read_lines(
     pipe: impl AsyncRead + Unpin,
-    kind: pb::EventKind,
-    events: mpsc::Sender<pb::EventInput>,
+    kind: runstore_pb::EventKind,
+    events: mpsc::Sender<runstore_pb::EventInput>,
     tail: Arc<Mutex<VecDeque<String>>>,
     frames: Option<crate::frames::Frames>,
     clock: runplane_clock::SharedClock,
@@ -291,7 +291,7 @@ async fn read_lines(
         {
             frames.push(text.clone().into_bytes());
         }
-        let event = pb::EventInput {
+        let event = runstore_pb::EventInput {
             kind: kind as i32,
             text,
             observed_at: Some(crate::events::observed_at(clock.as_ref())),

@@ -27,7 +27,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use prost::Message;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use tokio::sync::{Notify, mpsc};
 
 use crate::Client;
@@ -49,7 +49,7 @@ const MARKER_BYTES: usize = 128;
 
 /// Cuts `event`'s text so the event's encoded size fits `max_bytes`, ending it with a
 /// marker naming how many bytes were cut. An event that fits is left alone.
-pub fn fit(mut event: pb::EventInput, max_bytes: usize) -> pb::EventInput {
+pub fn fit(mut event: runstore_pb::EventInput, max_bytes: usize) -> runstore_pb::EventInput {
     let size = event.encoded_len();
     if size <= max_bytes {
         return event;
@@ -68,7 +68,10 @@ pub fn fit(mut event: pb::EventInput, max_bytes: usize) -> pb::EventInput {
     event
 }
 
-pub fn channel() -> (mpsc::Sender<pb::EventInput>, mpsc::Receiver<pb::EventInput>) {
+pub fn channel() -> (
+    mpsc::Sender<runstore_pb::EventInput>,
+    mpsc::Receiver<runstore_pb::EventInput>,
+) {
     mpsc::channel(QUEUE_EVENTS)
 }
 
@@ -91,9 +94,9 @@ pub fn observed_at(clock: &dyn Clock) -> prost_types::Timestamp {
 }
 
 /// An `events_lost` event for `count` events.
-pub fn lost_event(count: u64, clock: &dyn Clock) -> pb::EventInput {
-    pb::EventInput {
-        kind: pb::EventKind::EventsLost as i32,
+pub fn lost_event(count: u64, clock: &dyn Clock) -> runstore_pb::EventInput {
+    runstore_pb::EventInput {
+        kind: runstore_pb::EventKind::EventsLost as i32,
         name: "events_lost".into(),
         text: format!("{count} events could not be delivered during an outage and were dropped"),
         data: Some(prost_types::Struct {
@@ -112,7 +115,7 @@ pub fn lost_event(count: u64, clock: &dyn Clock) -> pb::EventInput {
 
 enum Item {
     /// An event and its encoded size.
-    Event(pb::EventInput, usize),
+    Event(runstore_pb::EventInput, usize),
     /// So many events were dropped here.
     Dropped(u64),
 }
@@ -135,7 +138,7 @@ struct Pending {
 
 /// One batch off the buffer.
 struct Batch {
-    events: Vec<pb::EventInput>,
+    events: Vec<runstore_pb::EventInput>,
     /// The agent's (and steering's) events in it.
     real: u64,
     /// Events its drop markers count.
@@ -158,7 +161,7 @@ impl Pending {
 
     /// Adds `event`; never waits. A full buffer drops its oldest events (the ones taken
     /// into a batch are no longer in it) and counts them in one marker at the front.
-    fn push(&self, event: pb::EventInput) {
+    fn push(&self, event: runstore_pb::EventInput) {
         let size = event.encoded_len();
         let mut s = self.lock();
         s.items.push_back(Item::Event(event, size));
@@ -282,8 +285,8 @@ pub async fn drain(
     client: Client,
     run_id: String,
     nonce: String,
-    limits: pb::RunnerLimits,
-    mut queue: mpsc::Receiver<pb::EventInput>,
+    limits: runstore_pb::RunnerLimits,
+    mut queue: mpsc::Receiver<runstore_pb::EventInput>,
     ending: crate::ending::Ending,
     clock: SharedClock,
 ) -> DrainReport {
@@ -390,11 +393,11 @@ async fn append(
     client: &Client,
     run_id: &str,
     batch_key: &str,
-    events: Vec<pb::EventInput>,
+    events: Vec<runstore_pb::EventInput>,
 ) -> Result<(), Stop> {
     let result = client
         .clone()
-        .append_events(pb::AppendEventsRequest {
+        .append_events(runstore_pb::AppendEventsRequest {
             run_id: run_id.to_owned(),
             batch_key: batch_key.to_owned(),
             events,

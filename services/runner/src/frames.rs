@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use runplane_grpc::{ErrorReason, error_info};
-use runplane_proto::recovery::v1 as pb;
+use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
 use runplane_proto::runstore::v1::EventInput;
 use tokio::sync::{Notify, mpsc};
@@ -107,10 +107,10 @@ impl Frames {
 
     /// The token, the next batch, whether the batch must resync (the ring no longer holds
     /// the sequence the coordinator expects) and whether the stream is finished.
-    fn pending(&self) -> (Option<String>, Vec<pb::FrameInput>, bool, bool) {
+    fn pending(&self) -> (Option<String>, Vec<recovery_pb::FrameInput>, bool, bool) {
         let s = self.state.lock().expect("frames poisoned");
         let mut size = 0;
-        let batch: Vec<pb::FrameInput> = s
+        let batch: Vec<recovery_pb::FrameInput> = s
             .ring
             .iter()
             .filter(|(seq, _)| *seq >= s.next_to_send)
@@ -119,7 +119,7 @@ impl Frames {
                 size += d.len();
                 size <= 1 << 20
             })
-            .map(|(sequence, data)| pb::FrameInput {
+            .map(|(sequence, data)| recovery_pb::FrameInput {
                 sequence: *sequence,
                 data: data.clone(),
             })
@@ -209,7 +209,7 @@ fn ttl() -> prost_types::Duration {
 pub async fn stream(client: RecoveryClient, run_id: String, controller_id: String, frames: Frames) {
     match client
         .clone()
-        .acquire_lease(pb::AcquireLeaseRequest {
+        .acquire_lease(recovery_pb::AcquireLeaseRequest {
             run_id: run_id.clone(),
             controller_id,
             ttl: Some(ttl()),
@@ -232,7 +232,7 @@ pub async fn stream(client: RecoveryClient, run_id: String, controller_id: Strin
             if !batch.is_empty() {
                 match client
                     .clone()
-                    .append_frames(pb::AppendFramesRequest {
+                    .append_frames(recovery_pb::AppendFramesRequest {
                         run_id: run_id.clone(),
                         controller_token: token.clone(),
                         frames: batch,
@@ -283,7 +283,7 @@ pub async fn stream(client: RecoveryClient, run_id: String, controller_id: Strin
             } else if finished {
                 let _ = client
                     .clone()
-                    .release_lease(pb::ReleaseLeaseRequest {
+                    .release_lease(recovery_pb::ReleaseLeaseRequest {
                         run_id: run_id.clone(),
                         controller_token: token.clone(),
                     })
@@ -294,7 +294,7 @@ pub async fn stream(client: RecoveryClient, run_id: String, controller_id: Strin
                 last_renewal = tokio::time::Instant::now();
                 if let Err(s) = client
                     .clone()
-                    .renew_lease(pb::RenewLeaseRequest {
+                    .renew_lease(recovery_pb::RenewLeaseRequest {
                         run_id: run_id.clone(),
                         controller_token: token.clone(),
                         ttl: Some(ttl()),

@@ -23,24 +23,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use runplane_config::Secret;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_transport::{RetryConfig, RetryLayer, RunnerChannel};
 use tonic::service::interceptor::InterceptedService;
 use tracing::Instrument as _;
 
-/// Environment variables the runner reads; the run key is never taken from argv.
-pub const ENV_ENDPOINT: &str = "RUNPLANE_ENDPOINT";
-pub const ENV_RUN_ID: &str = "RUNPLANE_RUN_ID";
-pub const ENV_RUN_KEY: &str = "RUNPLANE_RUN_KEY";
-/// The arguments the sandbox driver's containment puts before the agent's command, one
-/// a line (bubblewrap; see the process driver). Unset or empty: the agent runs as is.
-pub const ENV_AGENT_WRAPPER: &str = "RUNPLANE_AGENT_WRAPPER";
-/// Where the stream recovery coordinator is; the run store's endpoint when unset.
-pub const ENV_RECOVERY_ENDPOINT: &str = "RUNPLANE_RECOVERY_ENDPOINT";
-/// The sandbox's directory under the process driver, where the runner keeps
-/// [`steering::STEERING_MARK`]; unset elsewhere.
-pub const ENV_SANDBOX_DIR: &str = "RUNPLANE_SANDBOX_DIR";
+// The environment the runner reads is the sandbox contract's (`runplane_sandbox::contract`),
+// where the drivers that set it read the same names; the run key is never taken from argv.
+use runplane_sandbox::contract::{ENV_ENDPOINT, ENV_RECOVERY_ENDPOINT, ENV_RUN_ID, ENV_RUN_KEY};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {
@@ -91,7 +82,7 @@ pub type Client = RunnerServiceClient<InterceptedService<RunnerChannel, Bearer>>
 /// How the runner ended.
 #[derive(Debug, Clone)]
 pub struct Outcome {
-    pub verdict: pb::Verdict,
+    pub verdict: runstore_pb::Verdict,
     /// The run store recorded this verdict (or had recorded the same one).
     pub recorded: bool,
     /// Events that could not be delivered and were reported lost.
@@ -121,7 +112,7 @@ pub async fn run(
     let nonce = format!("runner-{}", uuid::Uuid::new_v4().simple());
     let hello = client
         .clone()
-        .hello(pb::HelloRequest {
+        .hello(runstore_pb::HelloRequest {
             run_id: env.run_id.clone(),
             nonce: nonce.clone(),
             runner_version: env!("CARGO_PKG_VERSION").into(),
@@ -246,7 +237,7 @@ pub async fn run(
     if drained.lost > 0 {
         final_events.push(events::lost_event(drained.lost, clock.as_ref()));
     }
-    let failure_tail = if verdict.outcome() == pb::VerdictOutcome::Succeeded {
+    let failure_tail = if verdict.outcome() == runstore_pb::VerdictOutcome::Succeeded {
         String::new()
     } else {
         redactor.redact(&agent.tail(limits.max_failure_tail_bytes.max(1024) as usize))
@@ -267,13 +258,13 @@ async fn submit(
     client: &Client,
     env: &RunnerEnv,
     nonce: &str,
-    verdict: &pb::Verdict,
+    verdict: &runstore_pb::Verdict,
     failure_tail: String,
-    final_events: Vec<pb::EventInput>,
-) -> Result<tonic::Response<pb::SubmitResultResponse>, tonic::Status> {
+    final_events: Vec<runstore_pb::EventInput>,
+) -> Result<tonic::Response<runstore_pb::SubmitResultResponse>, tonic::Status> {
     client
         .clone()
-        .submit_result(pb::SubmitResultRequest {
+        .submit_result(runstore_pb::SubmitResultRequest {
             run_id: env.run_id.clone(),
             verdict: Some(verdict.clone()),
             failure_tail,

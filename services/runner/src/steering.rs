@@ -16,7 +16,8 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
+use runplane_sandbox::contract;
 use tokio::sync::mpsc;
 
 use crate::child::Control;
@@ -37,12 +38,12 @@ pub async fn poll(
     client: Client,
     run_id: String,
     control: Control,
-    events: mpsc::Sender<pb::EventInput>,
+    events: mpsc::Sender<runstore_pb::EventInput>,
     frames: crate::frames::Frames,
     ending: Ending,
     clock: runplane_clock::SharedClock,
 ) {
-    let mut acks: Vec<pb::SteeringAck> = Vec::new();
+    let mut acks: Vec<runstore_pb::SteeringAck> = Vec::new();
     let mut applied: HashSet<String> = HashSet::new();
     let mut attempts: HashMap<String, u32> = HashMap::new();
     let mut backoff = BACKOFF_START;
@@ -56,7 +57,7 @@ pub async fn poll(
         let sent_acks = acks.clone();
         let answer = client
             .clone()
-            .poll_steering(pb::PollSteeringRequest {
+            .poll_steering(runstore_pb::PollSteeringRequest {
                 run_id: run_id.clone(),
                 acks: sent_acks,
                 wait: Some(runplane_grpc::proto_duration(POLL_WAIT)),
@@ -94,16 +95,22 @@ pub async fn poll(
                 tracing::warn!("the run ended in the control plane; stopping the agent");
             }
             for message in &answer.messages {
-                if let Some(pb::steering_message::Payload::Abort(abort)) = &message.payload {
+                if let Some(runstore_pb::steering_message::Payload::Abort(abort)) = &message.payload
+                {
                     tracing::warn!(reason = %abort.reason, "abort: stopping the agent");
                 }
                 let tries = attempts.get(&message.id).copied().unwrap_or(0) + 1;
-                acks.push(ack(&message.id, pb::AckOutcome::Applied, tries, ""));
+                acks.push(ack(
+                    &message.id,
+                    runstore_pb::AckOutcome::Applied,
+                    tries,
+                    "",
+                ));
             }
             if !acks.is_empty() {
                 let _ = client
                     .clone()
-                    .poll_steering(pb::PollSteeringRequest {
+                    .poll_steering(runstore_pb::PollSteeringRequest {
                         run_id: run_id.clone(),
                         acks: std::mem::take(&mut acks),
                         wait: None,
@@ -122,7 +129,7 @@ pub async fn poll(
         let mut unapplied = 0;
         for message in &answer.messages {
             if applied.contains(&message.id) {
-                acks.push(ack(&message.id, pb::AckOutcome::Applied, 1, ""));
+                acks.push(ack(&message.id, runstore_pb::AckOutcome::Applied, 1, ""));
                 continue;
             }
             let tries = attempts.entry(message.id.clone()).or_insert(0);
@@ -130,19 +137,24 @@ pub async fn poll(
             match apply(message, &control, &frames, &ending).await {
                 Applied::Yes => {
                     applied.insert(message.id.clone());
-                    acks.push(ack(&message.id, pb::AckOutcome::Applied, *tries, ""));
+                    acks.push(ack(
+                        &message.id,
+                        runstore_pb::AckOutcome::Applied,
+                        *tries,
+                        "",
+                    ));
                     new_acks += 1;
                     let _ = events.send(applied_event(message, clock.as_ref())).await;
                 }
                 Applied::Failed(error)
-                    if message.kind() == pb::SteeringKind::Steer
+                    if message.kind() == runstore_pb::SteeringKind::Steer
                         && *tries >= STEER_MAX_ATTEMPTS =>
                 {
                     tracing::warn!(message_id = %message.id, "steer undeliverable after {tries} attempts; dropping it");
                     applied.insert(message.id.clone());
                     acks.push(ack(
                         &message.id,
-                        pb::AckOutcome::DroppedUndeliverable,
+                        runstore_pb::AckOutcome::DroppedUndeliverable,
                         *tries,
                         &error,
                     ));
@@ -164,52 +176,45 @@ pub async fn poll(
     }
 }
 
-/// The sandbox driver's view of this loop, for idle suspend: how many polls were
-/// answered and how many served messages are not applied yet, in
+/// The sandbox driver's view of this loop, for idle suspend: its
+/// [`RunnerPolls`](runplane_sandbox::contract::RunnerPolls) in
 /// `$RUNPLANE_SANDBOX_DIR/steering` (outside the agent's reach), from the loop's start.
-/// A node suspends an agent waiting for input only when nothing is pending, and a
-/// restored one only after one more answer (it had its chance to hear what was sent while
-/// it was frozen). Without a sandbox directory (not the process driver) nothing is
-/// written.
+/// Without a sandbox directory (not the process driver) nothing is written.
 struct PollMark(Option<std::path::PathBuf>);
 
-/// The file [`PollMark`] writes, in the sandbox's directory.
-pub const STEERING_MARK: &str = "steering";
+/// The sandbox's directory, where the process driver set one.
+fn sandbox_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os(contract::ENV_SANDBOX_DIR)
+        .filter(|dir| !dir.is_empty())
+        .map(std::path::PathBuf::from)
+}
 
 impl PollMark {
     fn from_env() -> Self {
-        Self(
-            std::env::var_os(crate::ENV_SANDBOX_DIR)
-                .filter(|dir| !dir.is_empty())
-                .map(|dir| std::path::Path::new(&dir).join(STEERING_MARK)),
-        )
+        Self(sandbox_dir().map(|dir| dir.join(contract::STEERING_MARK)))
     }
 
-    /// Replaced whole (written aside, then renamed), so a reader never sees half of it.
     fn record(&self, answered: u64, pending: usize) {
         let Some(path) = &self.0 else {
             return;
         };
-        let aside = path.with_extension("new");
-        let written = std::fs::write(&aside, format!("{answered} {pending}\n"))
-            .and_then(|()| std::fs::rename(&aside, path));
-        if let Err(error) = written {
+        let polls = contract::RunnerPolls {
+            answered,
+            pending: pending as u64,
+        };
+        if let Err(error) = polls.write(path) {
             tracing::debug!(%error, "steering mark not written");
         }
     }
 }
 
-/// The park mark a contained agent may leave in its workspace (the process driver's
-/// `PARK_MARK`): `<sandbox dir>/workspace/.runplane-park`.
-pub const PARK_MARK: &str = ".runplane-park";
-
-/// Removes the agent's park mark, if it left one (a link is removed, never followed).
+/// Removes the agent's park mark ([`contract::PARK_MARK`]), if it left one (a link is
+/// removed, never followed).
 fn unpark() {
-    let Some(dir) = std::env::var_os(crate::ENV_SANDBOX_DIR).filter(|d| !d.is_empty()) else {
+    let Some(dir) = sandbox_dir() else {
         return;
     };
-    let mark = std::path::Path::new(&dir).join("workspace").join(PARK_MARK);
-    match std::fs::remove_file(&mark) {
+    match std::fs::remove_file(contract::park_mark(&dir)) {
         Ok(()) => tracing::debug!("the agent's park mark removed before a steer"),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(error) => tracing::warn!(%error, "the agent's park mark not removed"),
@@ -217,12 +222,12 @@ fn unpark() {
 }
 
 async fn apply(
-    message: &pb::SteeringMessage,
+    message: &runstore_pb::SteeringMessage,
     control: &Control,
     frames: &crate::frames::Frames,
     ending: &Ending,
 ) -> Applied {
-    use pb::steering_message::Payload;
+    use runstore_pb::steering_message::Payload;
     match &message.payload {
         Some(Payload::Steer(steer)) => {
             // Input ends a park: the mark goes before the line, so a node never sees the
@@ -265,14 +270,19 @@ async fn apply(
     }
 }
 
-fn ack(id: &str, outcome: pb::AckOutcome, attempts: u32, error: &str) -> pb::SteeringAck {
+fn ack(
+    id: &str,
+    outcome: runstore_pb::AckOutcome,
+    attempts: u32,
+    error: &str,
+) -> runstore_pb::SteeringAck {
     // At most 500 bytes, cut at a character boundary (a byte cut could split one).
     let mut cut = error.len().min(500);
     while !error.is_char_boundary(cut) {
         cut -= 1;
     }
     let error = error[..cut].to_owned();
-    pb::SteeringAck {
+    runstore_pb::SteeringAck {
         message_id: id.to_owned(),
         outcome: outcome as i32,
         attempts,
@@ -287,11 +297,11 @@ fn jittered(step: Duration) -> Duration {
 }
 
 fn applied_event(
-    message: &pb::SteeringMessage,
+    message: &runstore_pb::SteeringMessage,
     clock: &dyn runplane_clock::Clock,
-) -> pb::EventInput {
-    pb::EventInput {
-        kind: pb::EventKind::SteerApplied as i32,
+) -> runstore_pb::EventInput {
+    runstore_pb::EventInput {
+        kind: runstore_pb::EventKind::SteerApplied as i32,
         name: crate::verdict::kind_name(message.kind()).to_owned(),
         text: message.id.clone(),
         observed_at: Some(crate::events::observed_at(clock)),
@@ -304,13 +314,13 @@ fn degraded_event(
     from_us: i64,
     failed_polls: u32,
     clock: &dyn runplane_clock::Clock,
-) -> pb::EventInput {
+) -> runstore_pb::EventInput {
     let secs = |us: i64| us as f64 / 1e6;
     let field = |v: f64| prost_types::Value {
         kind: Some(prost_types::value::Kind::NumberValue(v)),
     };
-    pb::EventInput {
-        kind: pb::EventKind::SteerPollDegraded as i32,
+    runstore_pb::EventInput {
+        kind: runstore_pb::EventKind::SteerPollDegraded as i32,
         name: "steer_poll_degraded".into(),
         text: format!("steering polls failed {failed_polls} times during an outage"),
         data: Some(prost_types::Struct {

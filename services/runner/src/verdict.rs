@@ -4,7 +4,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
 use runplane_grpc::{ErrorReason, error_info};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 
 use crate::redact::Redactor;
 
@@ -14,18 +14,20 @@ pub const DISCARDED_PREFIX: &str = "result_discarded_run_terminal";
 /// The verdict of an agent that exited with `status`; `interrupted` holds the reason of
 /// the operator's interrupt when one was applied, which an interrupted run's verdict
 /// message carries (the exit status when the operator gave none).
-pub fn of(status: ExitStatus, interrupted: Option<&str>) -> pb::Verdict {
+pub fn of(status: ExitStatus, interrupted: Option<&str>) -> runstore_pb::Verdict {
     let (outcome, reason) = match (status.code(), interrupted.is_some()) {
-        (Some(0), _) => (pb::VerdictOutcome::Succeeded, "exit_zero"),
-        (_, true) => (pb::VerdictOutcome::Cancelled, "interrupted"),
-        (Some(_), false) => (pb::VerdictOutcome::Failed, "exit_nonzero"),
-        (None, false) => (pb::VerdictOutcome::Failed, "killed_by_signal"),
+        (Some(0), _) => (runstore_pb::VerdictOutcome::Succeeded, "exit_zero"),
+        (_, true) => (runstore_pb::VerdictOutcome::Cancelled, "interrupted"),
+        (Some(_), false) => (runstore_pb::VerdictOutcome::Failed, "exit_nonzero"),
+        (None, false) => (runstore_pb::VerdictOutcome::Failed, "killed_by_signal"),
     };
     let message = match interrupted {
-        Some(why) if !why.is_empty() && outcome == pb::VerdictOutcome::Cancelled => why.to_owned(),
+        Some(why) if !why.is_empty() && outcome == runstore_pb::VerdictOutcome::Cancelled => {
+            why.to_owned()
+        }
         _ => describe(status),
     };
-    pb::Verdict {
+    runstore_pb::Verdict {
         outcome: outcome as i32,
         reason: reason.into(),
         exit_code: status.code(),
@@ -37,15 +39,15 @@ pub fn of(status: ExitStatus, interrupted: Option<&str>) -> pb::Verdict {
 /// The verdict of a run whose agent could not be started at all (`error`, redacted):
 /// failed, `agent_not_started`. Without it, a run Hello made RUNNING would wait out the
 /// loss grace for a runner that is gone.
-pub fn not_started(command: &str, error: &str) -> pb::Verdict {
+pub fn not_started(command: &str, error: &str) -> runstore_pb::Verdict {
     let mut message = format!("could not start `{command}`: {error}");
     let mut cut = message.len().min(MAX_MESSAGE_BYTES);
     while !message.is_char_boundary(cut) {
         cut -= 1;
     }
     message.truncate(cut);
-    pb::Verdict {
-        outcome: pb::VerdictOutcome::Failed as i32,
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Failed as i32,
         reason: "agent_not_started".into(),
         exit_code: None,
         signal: None,
@@ -57,9 +59,9 @@ pub fn not_started(command: &str, error: &str) -> pb::Verdict {
 const MAX_MESSAGE_BYTES: usize = 512;
 
 /// The verdict of an agent stopped by a service's `abort`: failed, with the abort's reason.
-pub fn aborted(status: ExitStatus, reason: &str) -> pb::Verdict {
-    pb::Verdict {
-        outcome: pb::VerdictOutcome::Failed as i32,
+pub fn aborted(status: ExitStatus, reason: &str) -> runstore_pb::Verdict {
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Failed as i32,
         reason: reason.to_owned(),
         exit_code: None,
         signal: status.signal(),
@@ -80,7 +82,7 @@ pub fn describe(status: ExitStatus) -> String {
 pub fn recorded<T>(
     answer: Result<T, tonic::Status>,
     run_id: &str,
-    verdict: &pb::Verdict,
+    verdict: &runstore_pb::Verdict,
     redactor: &Redactor,
 ) -> Result<bool, String> {
     match answer {
@@ -96,22 +98,22 @@ pub fn is_run_terminal(status: &tonic::Status) -> bool {
         && error_info(status).is_some_and(|i| i.reason == ErrorReason::RunTerminal.as_str_name())
 }
 
-pub fn kind_name(kind: pb::SteeringKind) -> &'static str {
+pub fn kind_name(kind: runstore_pb::SteeringKind) -> &'static str {
     match kind {
-        pb::SteeringKind::Steer => "steer",
-        pb::SteeringKind::Interrupt => "interrupt",
-        pb::SteeringKind::ResumeStream => "resume_stream",
-        pb::SteeringKind::Abort => "abort",
-        pb::SteeringKind::Unspecified => "unspecified",
+        runstore_pb::SteeringKind::Steer => "steer",
+        runstore_pb::SteeringKind::Interrupt => "interrupt",
+        runstore_pb::SteeringKind::ResumeStream => "resume_stream",
+        runstore_pb::SteeringKind::Abort => "abort",
+        runstore_pb::SteeringKind::Unspecified => "unspecified",
     }
 }
 
-fn outcome_name(outcome: pb::VerdictOutcome) -> &'static str {
+fn outcome_name(outcome: runstore_pb::VerdictOutcome) -> &'static str {
     match outcome {
-        pb::VerdictOutcome::Succeeded => "succeeded",
-        pb::VerdictOutcome::Failed => "failed",
-        pb::VerdictOutcome::Cancelled => "cancelled",
-        pb::VerdictOutcome::Unspecified => "unspecified",
+        runstore_pb::VerdictOutcome::Succeeded => "succeeded",
+        runstore_pb::VerdictOutcome::Failed => "failed",
+        runstore_pb::VerdictOutcome::Cancelled => "cancelled",
+        runstore_pb::VerdictOutcome::Unspecified => "unspecified",
     }
 }
 
@@ -121,7 +123,7 @@ fn outcome_name(outcome: pb::VerdictOutcome) -> &'static str {
 pub fn handle_refusal(
     status: &tonic::Status,
     run_id: &str,
-    attempted: &pb::Verdict,
+    attempted: &runstore_pb::Verdict,
     redactor: &Redactor,
 ) -> Result<bool, String> {
     if !is_run_terminal(status) {
@@ -150,7 +152,7 @@ pub fn handle_refusal(
 /// characters, the whole line redacted.
 pub fn breadcrumb(
     run_id: &str,
-    attempted: &pb::Verdict,
+    attempted: &runstore_pb::Verdict,
     error: &str,
     redactor: &Redactor,
 ) -> String {
@@ -185,12 +187,12 @@ mod tests {
         let ok = of(ExitStatus::from_raw(0), None);
         assert_eq!(
             (ok.outcome(), ok.reason.as_str(), ok.exit_code),
-            (pb::VerdictOutcome::Succeeded, "exit_zero", Some(0))
+            (runstore_pb::VerdictOutcome::Succeeded, "exit_zero", Some(0))
         );
         let failed = of(ExitStatus::from_raw(3 << 8), None);
         assert_eq!(
             (failed.outcome(), failed.exit_code),
-            (pb::VerdictOutcome::Failed, Some(3))
+            (runstore_pb::VerdictOutcome::Failed, Some(3))
         );
         let killed = of(ExitStatus::from_raw(9), None);
         assert_eq!(
@@ -198,14 +200,17 @@ mod tests {
             ("killed_by_signal", Some(9))
         );
         let interrupted = of(ExitStatus::from_raw(2), Some(""));
-        assert_eq!(interrupted.outcome(), pb::VerdictOutcome::Cancelled);
+        assert_eq!(
+            interrupted.outcome(),
+            runstore_pb::VerdictOutcome::Cancelled
+        );
     }
 
     #[test]
     fn the_breadcrumb_is_bounded_and_redacted() {
         let redactor = Redactor::new("rk_abcdefghijklmnopqrstuvwxyz");
-        let verdict = pb::Verdict {
-            outcome: pb::VerdictOutcome::Failed as i32,
+        let verdict = runstore_pb::Verdict {
+            outcome: runstore_pb::VerdictOutcome::Failed as i32,
             reason: "x".repeat(2000),
             exit_code: Some(1),
             ..Default::default()

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::serve;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -49,7 +49,7 @@ async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in
         client,
         run.id.clone(),
         "drain-test-nonce".into(),
-        pb::RunnerLimits {
+        runstore_pb::RunnerLimits {
             max_batch_events: 100,
             max_batch_bytes: 1 << 20,
             ..Default::default()
@@ -61,8 +61,8 @@ async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in
 
     // Far more than the pending buffer holds: the drain takes it all without waiting
     // (the producer never parks), keeping the newest and counting the oldest it drops.
-    let line = |i: usize| pb::EventInput {
-        kind: pb::EventKind::Stdout as i32,
+    let line = |i: usize| runstore_pb::EventInput {
+        kind: runstore_pb::EventKind::Stdout as i32,
         text: format!("line {i} {}", "y".repeat(4000)),
         ..Default::default()
     };
@@ -106,7 +106,7 @@ async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in
     let mut next = 0;
     let mut markers = 0;
     for event in &stored {
-        if event.kind == pb::EventKind::EventsLost as i32 {
+        if event.kind == runstore_pb::EventKind::EventsLost as i32 {
             markers += 1;
             next += serde_json::from_str::<serde_json::Value>(&event.data).unwrap()["count"]
                 .as_f64()
@@ -156,7 +156,7 @@ async fn batches_respect_a_small_server_limit_and_an_oversized_event_is_cut_with
         Bearer::new(key),
     );
     let limits = client
-        .hello(pb::HelloRequest {
+        .hello(runstore_pb::HelloRequest {
             run_id: run.id.clone(),
             nonce: "drain-limit-nonce-01".into(),
             runner_version: "test".into(),
@@ -188,8 +188,8 @@ async fn batches_respect_a_small_server_limit_and_an_oversized_event_is_cut_with
         })
         .collect();
     for text in &texts {
-        tx.send(pb::EventInput {
-            kind: pb::EventKind::Stdout as i32,
+        tx.send(runstore_pb::EventInput {
+            kind: runstore_pb::EventKind::Stdout as i32,
             text: text.clone(),
             ..Default::default()
         })

@@ -12,7 +12,7 @@ use common::{config, connected};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use runplane_grpc::ServiceSet;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -128,7 +128,7 @@ async fn a_replica_stopped_mid_call_is_left_behind_and_nothing_is_applied_twice(
     let client = RunnerServiceClient::with_interceptor(channel, Bearer::new(key));
     client
         .clone()
-        .hello(pb::HelloRequest {
+        .hello(runstore_pb::HelloRequest {
             run_id: run.id.clone(),
             nonce: "replica-stop-nonce-01".into(),
             runner_version: "test".into(),
@@ -142,11 +142,11 @@ async fn a_replica_stopped_mid_call_is_left_behind_and_nothing_is_applied_twice(
         let run_id = run.id.clone();
         async move {
             client
-                .append_events(pb::AppendEventsRequest {
+                .append_events(runstore_pb::AppendEventsRequest {
                     run_id,
                     batch_key: format!("replica-stop-batch-{i:04}"),
-                    events: vec![pb::EventInput {
-                        kind: pb::EventKind::Stdout as i32,
+                    events: vec![runstore_pb::EventInput {
+                        kind: runstore_pb::EventKind::Stdout as i32,
                         text: format!("line {i}"),
                         ..Default::default()
                     }],
@@ -178,7 +178,7 @@ async fn a_replica_stopped_mid_call_is_left_behind_and_nothing_is_applied_twice(
     let stored = store.store().events_after(&run.id, 0, 1000).await.unwrap();
     let lines: Vec<&str> = stored
         .iter()
-        .filter(|e| e.kind == pb::EventKind::Stdout as i32)
+        .filter(|e| e.kind == runstore_pb::EventKind::Stdout as i32)
         .map(|e| e.text.as_str())
         .collect();
     let expected: Vec<String> = (0..BATCHES).map(|i| format!("line {i}")).collect();

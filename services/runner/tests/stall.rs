@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use common::serve;
 use runplane_config::Secret;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use runplane_runner::RunnerEnv;
@@ -201,7 +201,7 @@ async fn a_long_run_store_outage_never_stalls_the_agent_and_every_kept_line_arri
         let Some(last) = page.last() else { break };
         after = last.sequence as u64;
         for event in &page {
-            if event.kind == pb::EventKind::EventsLost as i32 {
+            if event.kind == runstore_pb::EventKind::EventsLost as i32 {
                 let count = serde_json::from_str::<serde_json::Value>(&event.data).unwrap()["count"]
                     .as_f64()
                     .unwrap() as u64;
@@ -209,7 +209,7 @@ async fn a_long_run_store_outage_never_stalls_the_agent_and_every_kept_line_arri
                 markers += 1;
                 dropped += count;
                 next_line += count;
-            } else if event.kind == pb::EventKind::Stdout as i32 {
+            } else if event.kind == runstore_pb::EventKind::Stdout as i32 {
                 let number: u64 = event
                     .text
                     .split(' ')

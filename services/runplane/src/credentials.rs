@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use runplane_proto::credentials::v1 as pb;
+use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 
 use crate::output::table;
@@ -79,7 +79,7 @@ pub async fn credentials(
 ) -> anyhow::Result<()> {
     let mut client = client(config_file, &args.connect)?;
     let fleet = client
-        .get_fleet(pb::GetFleetRequest {
+        .get_fleet(credentials_pb::GetFleetRequest {
             profile: args.profile.unwrap_or_default(),
             credential_id: args.credential.unwrap_or_default(),
         })
@@ -95,7 +95,7 @@ fn seconds(s: u32) -> String {
 }
 
 /// The fleet as two aligned tables.
-pub fn write_fleet(fleet: &pb::GetFleetResponse, out: &mut impl Write) -> std::io::Result<()> {
+pub fn write_fleet(fleet: &credentials_pb::GetFleetResponse, out: &mut impl Write) -> std::io::Result<()> {
     let mut rows = vec![
         [
             "CREDENTIAL",
@@ -170,7 +170,7 @@ pub async fn notices(
     }
     loop {
         let stream = client
-            .watch_notices(pb::WatchNoticesRequest {
+            .watch_notices(credentials_pb::WatchNoticesRequest {
                 lead_id: args.lead.clone(),
                 after_cursor: cursor.clone(),
                 org_id: args.org.clone(),
@@ -198,7 +198,7 @@ pub async fn notices(
         loop {
             match stream.message().await {
                 Ok(Some(item)) => match item.item {
-                    Some(pb::watch_notices_response::Item::Notice(n)) => {
+                    Some(credentials_pb::watch_notices_response::Item::Notice(n)) => {
                         cursor = n.cursor.clone();
                         write_notice(&n, out).context("writing a notice")?;
                         printed += 1;
@@ -206,7 +206,7 @@ pub async fn notices(
                             return Ok(());
                         }
                     }
-                    Some(pb::watch_notices_response::Item::Gap(gap)) => {
+                    Some(credentials_pb::watch_notices_response::Item::Gap(gap)) => {
                         writeln!(
                             out,
                             "({} older notices were removed by retention)",
@@ -215,12 +215,12 @@ pub async fn notices(
                         out.flush()?;
                     }
                     // Where the stream is, past removed notices too.
-                    Some(pb::watch_notices_response::Item::Heartbeat(h))
+                    Some(credentials_pb::watch_notices_response::Item::Heartbeat(h))
                         if !h.cursor.is_empty() =>
                     {
                         cursor = h.cursor;
                     }
-                    Some(pb::watch_notices_response::Item::Heartbeat(_)) | None => {}
+                    Some(credentials_pb::watch_notices_response::Item::Heartbeat(_)) | None => {}
                 },
                 // Silent past its heartbeats: its connection is condemned, so the re-open
                 // goes out on a new one at once.
@@ -242,7 +242,7 @@ pub async fn notices(
     }
 }
 
-fn write_notice(n: &pb::Notice, out: &mut impl Write) -> std::io::Result<()> {
+fn write_notice(n: &credentials_pb::Notice, out: &mut impl Write) -> std::io::Result<()> {
     let at = n
         .created_at
         .as_ref()
@@ -264,8 +264,8 @@ mod tests {
 
     #[test]
     fn the_fleet_table_reports_cool_off_and_quarantine_in_separate_columns() {
-        let fleet = pb::GetFleetResponse {
-            credentials: vec![pb::CredentialHealth {
+        let fleet = credentials_pb::GetFleetResponse {
+            credentials: vec![credentials_pb::CredentialHealth {
                 credential_id: "cred-a".into(),
                 profiles: vec!["sonnet".into()],
                 capacity: 4,
@@ -276,7 +276,7 @@ mod tests {
                 open_incident: None,
                 ..Default::default()
             }],
-            profiles: vec![pb::ProfileHealth {
+            profiles: vec![credentials_pb::ProfileHealth {
                 profile: "sonnet".into(),
                 credential_id: "cred-a".into(),
                 capacity: 4,

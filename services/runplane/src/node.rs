@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use runplane_config::{Config, Secret};
-use runplane_proto::reconciler::v1 as pb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_credential_service_client::NodeCredentialServiceClient;
-use runplane_sandbox_reconciler::agent::{AgentConfig, run as run_agent};
-use runplane_sandbox_reconciler::drivers::process::Containment;
+use runplane_node_agent::{AgentConfig, run as run_agent};
+use runplane_sandbox::Containment;
 
 #[derive(Debug, clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -174,7 +174,7 @@ async fn token(
     match command {
         TokenCommand::Create { node, .. } => {
             let answer = client
-                .create_node_credential(pb::CreateNodeCredentialRequest { node_id: node })
+                .create_node_credential(reconciler_pb::CreateNodeCredentialRequest { node_id: node })
                 .await
                 .map_err(crate::connect::rpc)?
                 .into_inner();
@@ -189,7 +189,7 @@ async fn token(
         }
         TokenCommand::Revoke { node, .. } => {
             let answer = client
-                .revoke_node_credentials(pb::RevokeNodeCredentialsRequest {
+                .revoke_node_credentials(reconciler_pb::RevokeNodeCredentialsRequest {
                     node_id: node.clone(),
                 })
                 .await
@@ -199,7 +199,7 @@ async fn token(
         }
         TokenCommand::List { node, .. } => {
             let answer = client
-                .list_node_credentials(pb::ListNodeCredentialsRequest {
+                .list_node_credentials(reconciler_pb::ListNodeCredentialsRequest {
                     node_id: node.unwrap_or_default(),
                 })
                 .await

@@ -12,7 +12,7 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use clap::ValueEnum;
 use runplane_clock::{Clock, SystemClock};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 
 use crate::connect::{RunStoreConnect, idempotency_key, rpc};
 use crate::output::{self, or_dash, rfc3339, state_name};
@@ -34,7 +34,7 @@ pub enum StateArg {
     BackendError,
 }
 
-impl From<StateArg> for pb::RunState {
+impl From<StateArg> for runstore_pb::RunState {
     fn from(state: StateArg) -> Self {
         match state {
             StateArg::Queued => Self::Queued,
@@ -160,7 +160,7 @@ pub async fn runs(
     loop {
         let remaining = args.limit.map(|l| l - runs.len() as u32);
         let page = client
-            .list_runs(pb::ListRunsRequest {
+            .list_runs(runstore_pb::ListRunsRequest {
                 org_id: args.org.clone().unwrap_or_default(),
                 lead_id: args.lead.clone().unwrap_or_default(),
                 credential_id: args.credential.clone().unwrap_or_default(),
@@ -168,7 +168,7 @@ pub async fn runs(
                 states: args
                     .state
                     .iter()
-                    .map(|s| pb::RunState::from(*s) as i32)
+                    .map(|s| runstore_pb::RunState::from(*s) as i32)
                     .collect(),
                 page_size: remaining.unwrap_or(MAX_PAGE).min(MAX_PAGE),
                 page_token: page_token.clone(),
@@ -201,7 +201,7 @@ pub async fn runs(
 
 /// The roster as an aligned table; `now` dates the AGE column.
 pub fn write_runs(
-    runs: &[pb::Run],
+    runs: &[runstore_pb::Run],
     now: DateTime<Utc>,
     out: &mut impl Write,
 ) -> std::io::Result<()> {
@@ -236,7 +236,7 @@ pub async fn get(
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let run = client
-        .get_run(pb::GetRunRequest {
+        .get_run(runstore_pb::GetRunRequest {
             run_id: args.run.clone(),
         })
         .await
@@ -254,7 +254,7 @@ pub async fn get(
 }
 
 /// One run, a field a line; `now` says how long ago and how soon.
-pub fn write_run(run: &pb::Run, now: DateTime<Utc>, out: &mut impl Write) -> std::io::Result<()> {
+pub fn write_run(run: &runstore_pb::Run, now: DateTime<Utc>, out: &mut impl Write) -> std::io::Result<()> {
     let when = |t: &Option<prost_types::Timestamp>| -> String {
         let Some(t) = t else { return "-".into() };
         match output::time(t) {
@@ -275,7 +275,7 @@ pub fn write_run(run: &pb::Run, now: DateTime<Utc>, out: &mut impl Write) -> std
         (
             "verdict",
             run.verdict.as_ref().map_or("-".into(), |v| {
-                output::verdict(&pb::Verdict {
+                output::verdict(&runstore_pb::Verdict {
                     message: String::new(),
                     ..v.clone()
                 })
@@ -341,7 +341,7 @@ pub async fn cancel(
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let run = client
-        .cancel_run(pb::CancelRunRequest {
+        .cancel_run(runstore_pb::CancelRunRequest {
             run_id: args.run.clone(),
             reason: args.reason.unwrap_or_default(),
             idempotency_key: idempotency_key("cancel"),
@@ -367,7 +367,7 @@ pub async fn steer(
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let message = client
-        .steer(pb::SteerRequest {
+        .steer(runstore_pb::SteerRequest {
             run_id: args.run.clone(),
             text: args.text,
             idempotency_key: idempotency_key("steer"),
@@ -389,7 +389,7 @@ pub async fn interrupt(
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let answer = client
-        .interrupt(pb::InterruptRequest {
+        .interrupt(runstore_pb::InterruptRequest {
             run_id: args.run.clone(),
             reason: args.reason.unwrap_or_default(),
             grace: args.grace.map(crate::duration::to_proto),
@@ -426,17 +426,17 @@ mod tests {
     fn the_roster_has_the_columns_an_operator_scans() {
         let now = DateTime::from_timestamp(1_800_000_600, 0).unwrap();
         let runs = [
-            pb::Run {
+            runstore_pb::Run {
                 id: "0190-a".into(),
-                state: pb::RunState::Running as i32,
+                state: runstore_pb::RunState::Running as i32,
                 lead_id: "alice".into(),
                 credential_id: "local".into(),
                 created_at: Some(at(1_800_000_000)),
                 ..Default::default()
             },
-            pb::Run {
+            runstore_pb::Run {
                 id: "0190-b".into(),
-                state: pb::RunState::BackendError as i32,
+                state: runstore_pb::RunState::BackendError as i32,
                 lead_id: "bob".into(),
                 credential_id: "cred-b".into(),
                 failure_reason: "rate limited".into(),
@@ -465,12 +465,12 @@ mod tests {
     #[test]
     fn a_run_shows_every_field_that_matters() {
         let now = DateTime::from_timestamp(1_800_000_060, 0).unwrap();
-        let run = pb::Run {
+        let run = runstore_pb::Run {
             id: "0190-a".into(),
             org_id: "acme".into(),
-            state: pb::RunState::Cancelled as i32,
-            verdict: Some(pb::Verdict {
-                outcome: pb::VerdictOutcome::Cancelled as i32,
+            state: runstore_pb::RunState::Cancelled as i32,
+            verdict: Some(runstore_pb::Verdict {
+                outcome: runstore_pb::VerdictOutcome::Cancelled as i32,
                 reason: "cancelled".into(),
                 message: "not needed".into(),
                 ..Default::default()

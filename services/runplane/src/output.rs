@@ -3,7 +3,7 @@
 
 use std::io::Write;
 
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 
 /// Rows as columns padded to their widest cell, two spaces apart; the first row is the
 /// header.
@@ -24,7 +24,7 @@ pub fn table(out: &mut impl Write, rows: &[Vec<String>]) -> std::io::Result<()> 
 }
 
 /// `running`, `backend_error`: the name `--state` accepts.
-pub fn state_name(state: pb::RunState) -> String {
+pub fn state_name(state: runstore_pb::RunState) -> String {
     state
         .as_str_name()
         .trim_start_matches("RUN_STATE_")
@@ -32,7 +32,7 @@ pub fn state_name(state: pb::RunState) -> String {
 }
 
 /// `succeeded (exit_zero, exit code 0)`, `cancelled (cancelled: no longer needed)`.
-pub fn verdict(verdict: &pb::Verdict) -> String {
+pub fn verdict(verdict: &runstore_pb::Verdict) -> String {
     let outcome = verdict
         .outcome()
         .as_str_name()
@@ -53,7 +53,7 @@ pub fn verdict(verdict: &pb::Verdict) -> String {
 
 /// How a run ended, as `runplane run` and `runplane logs` close: `succeeded (exit_zero,
 /// exit code 0)`, `failed (deadline_exceeded)`.
-pub fn ending(run: &pb::Run) -> String {
+pub fn ending(run: &runstore_pb::Run) -> String {
     let verdict = run.verdict.clone().unwrap_or_default();
     let exit = verdict
         .exit_code
@@ -64,7 +64,7 @@ pub fn ending(run: &pb::Run) -> String {
 
 /// Why a run that did not succeed ended (the roster's reason), else the verdict's reason.
 /// Why a run ended, or why a queued run still waits.
-pub fn reason(run: &pb::Run) -> &str {
+pub fn reason(run: &runstore_pb::Run) -> &str {
     if !run.failure_reason.is_empty() {
         &run.failure_reason
     } else if !run.waiting_reason.is_empty() {
@@ -117,15 +117,15 @@ mod tests {
 
     #[test]
     fn verdicts_read_as_one_line() {
-        let v = pb::Verdict {
-            outcome: pb::VerdictOutcome::Cancelled as i32,
+        let v = runstore_pb::Verdict {
+            outcome: runstore_pb::VerdictOutcome::Cancelled as i32,
             reason: "cancelled".into(),
             message: "no longer needed".into(),
             ..Default::default()
         };
         assert_eq!(verdict(&v), "cancelled (cancelled: no longer needed)");
-        let v = pb::Verdict {
-            outcome: pb::VerdictOutcome::Succeeded as i32,
+        let v = runstore_pb::Verdict {
+            outcome: runstore_pb::VerdictOutcome::Succeeded as i32,
             reason: "exit_zero".into(),
             exit_code: Some(0),
             ..Default::default()

@@ -43,15 +43,15 @@ pub fn from_value<M: Message + Default>(
 
 #[cfg(test)]
 mod tests {
-    use runplane_proto::runstore::v1 as pb;
+    use runplane_proto::runstore::v1 as runstore_pb;
 
     use super::*;
 
     #[test]
     fn prints_what_grpcurl_prints() {
-        let run = pb::Run {
+        let run = runstore_pb::Run {
             id: "0190".into(),
-            state: pb::RunState::Running as i32,
+            state: runstore_pb::RunState::Running as i32,
             last_sequence: 7,
             created_at: Some(prost_types::Timestamp {
                 seconds: 1_800_000_000,
@@ -72,8 +72,8 @@ mod tests {
 
     #[test]
     fn reads_back_what_it_prints_and_proto_field_names_too() {
-        let receipt = pb::GetReceiptResponse {
-            receipt: Some(pb::Receipt {
+        let receipt = runstore_pb::GetReceiptResponse {
+            receipt: Some(runstore_pb::Receipt {
                 signed_payload: vec![1, 2, 3],
                 signature: vec![4, 5],
                 key_id: "ed25519:ab".into(),
@@ -84,14 +84,14 @@ mod tests {
         let value = to_value(&receipt, name);
         assert_eq!(value["receipt"]["signedPayload"], "AQID");
         assert_eq!(
-            from_value::<pb::GetReceiptResponse>(value, name).unwrap(),
+            from_value::<runstore_pb::GetReceiptResponse>(value, name).unwrap(),
             receipt
         );
         let snake = serde_json::json!({"receipt": {
             "signed_payload": "AQID", "signature": "BAU=", "key_id": "ed25519:ab"
         }});
         assert_eq!(
-            from_value::<pb::GetReceiptResponse>(snake, name).unwrap(),
+            from_value::<runstore_pb::GetReceiptResponse>(snake, name).unwrap(),
             receipt
         );
     }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use base64::Engine;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::Receipt;
 use runplane_run_store::domain::ids::hex;
 use runplane_run_store::domain::receipt::{ReceiptSigner, verify};
@@ -33,7 +33,7 @@ pub async fn get(
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let answer = client
-        .get_receipt(pb::GetReceiptRequest {
+        .get_receipt(runstore_pb::GetReceiptRequest {
             run_id: args.run.clone(),
         })
         .await
@@ -45,7 +45,7 @@ pub async fn get(
     let key_id = answer.receipt.map(|r| r.key_id).unwrap_or_default();
     // A hint only: the receipt is printed whether or not the key can be fetched.
     match client
-        .get_receipt_public_key(pb::GetReceiptPublicKeyRequest {
+        .get_receipt_public_key(runstore_pb::GetReceiptPublicKeyRequest {
             key_id: key_id.clone(),
         })
         .await
@@ -82,7 +82,7 @@ pub fn verify_file(file: &Path, public_key: &str, out: &mut impl Write) -> anyho
     let json: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not JSON", file.display()))?;
     let receipt = if json.get("receipt").is_some() {
-        crate::protojson::from_value::<pb::GetReceiptResponse>(json, GET_RECEIPT_RESPONSE)?
+        crate::protojson::from_value::<runstore_pb::GetReceiptResponse>(json, GET_RECEIPT_RESPONSE)?
             .receipt
             .unwrap_or_default()
     } else {

@@ -8,7 +8,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use runplane_proto::recovery::v1 as pb;
+use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
 
 #[derive(Debug, clap::Args)]
@@ -43,7 +43,7 @@ pub async fn sweep(
     let (mut examined, mut deleted, mut ended) = (0, 0, 0);
     loop {
         let answer = client
-            .sweep_orphans(pb::SweepOrphansRequest {
+            .sweep_orphans(recovery_pb::SweepOrphansRequest {
                 cursor: cursor.clone(),
                 limit: args.batch,
                 dry_run: args.dry_run,
@@ -54,11 +54,11 @@ pub async fn sweep(
         for r in &answer.results {
             examined += 1;
             let what = match r.action() {
-                pb::OrphanAction::KeysDeleted => {
+                recovery_pb::OrphanAction::KeysDeleted => {
                     deleted += 1;
                     "keys deleted (run terminal or unknown)"
                 }
-                pb::OrphanAction::RunEnded => {
+                recovery_pb::OrphanAction::RunEnded => {
                     ended += 1;
                     "run ended (stream_recovery_exhausted)"
                 }

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 
 use crate::connect::RunStoreConnect;
 use crate::output::ending;
@@ -50,11 +50,11 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
         .split_first()
         .context("a command is required")?;
     let target = match &args.profile {
-        Some(p) => pb::create_run_request::Target::Profile(p.clone()),
-        None => pb::create_run_request::Target::CredentialId(args.credential.clone()),
+        Some(p) => runstore_pb::create_run_request::Target::Profile(p.clone()),
+        None => runstore_pb::create_run_request::Target::CredentialId(args.credential.clone()),
     };
     let run = client
-        .create_run(pb::CreateRunRequest {
+        .create_run(runstore_pb::CreateRunRequest {
             client_request_id: format!("cli-{}", uuid::Uuid::new_v4().simple()),
             org_id: args.org.clone(),
             lead_id: args.lead.clone(),
@@ -76,7 +76,7 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
     let outcome = verdict.outcome();
     eprintln!("runplane: {}", ending(&final_run));
     if let Ok(receipt) = client
-        .get_receipt(pb::GetReceiptRequest {
+        .get_receipt(runstore_pb::GetReceiptRequest {
             run_id: run.id.clone(),
         })
         .await
@@ -96,8 +96,8 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
         );
     }
     Ok(match (final_run.state(), outcome) {
-        (pb::RunState::Succeeded, _) => 0,
-        (_, pb::VerdictOutcome::Cancelled) => 130,
+        (runstore_pb::RunState::Succeeded, _) => 0,
+        (_, runstore_pb::VerdictOutcome::Cancelled) => 130,
         _ => verdict
             .exit_code
             .filter(|c| (1..=255).contains(c))

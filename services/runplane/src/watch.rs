@@ -9,7 +9,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::watch_run_response::Update;
 
 use runplane_transport::{Watch, WatchError};
@@ -45,15 +45,15 @@ pub async fn print_events(
     mut after: u64,
     until: Until,
     heartbeat: Duration,
-) -> anyhow::Result<pb::Run> {
-    let mut last_state = pb::RunState::Unspecified;
-    let mut last_run: Option<pb::Run> = None;
+) -> anyhow::Result<runstore_pb::Run> {
+    let mut last_state = runstore_pb::RunState::Unspecified;
+    let mut last_run: Option<runstore_pb::Run> = None;
     // For Until::Now: the last sequence stored when the first snapshot was taken.
     let mut stop_at: Option<u64> = None;
     let mut broken_since: Option<tokio::time::Instant> = None;
     loop {
         let opened = client
-            .watch_run(pb::WatchRunRequest {
+            .watch_run(runstore_pb::WatchRunRequest {
                 run_id: run_id.to_owned(),
                 after_sequence: after,
                 states_only: false,
@@ -152,15 +152,15 @@ fn is_refusal(code: tonic::Code) -> bool {
 }
 
 /// Fails only when stdout is gone (a closed pipe): nobody reads the lines any more.
-fn print_event(event: &pb::Event) -> anyhow::Result<()> {
+fn print_event(event: &runstore_pb::Event) -> anyhow::Result<()> {
     match event.kind() {
-        pb::EventKind::Stdout => {
+        runstore_pb::EventKind::Stdout => {
             let mut out = std::io::stdout().lock();
             writeln!(out, "{}", event.text)
                 .and_then(|()| out.flush())
                 .context("writing to stdout")?;
         }
-        pb::EventKind::Stderr => eprintln!("{}", event.text),
+        runstore_pb::EventKind::Stderr => eprintln!("{}", event.text),
         kind => eprintln!(
             "runplane: [{}] {} {}",
             kind.as_str_name()

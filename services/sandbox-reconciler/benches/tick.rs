@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use runplane_sandbox_reconciler::domain::loss::Probe;
+use runplane_sandbox::Probe;
 use runplane_sandbox_reconciler::drivers::FakeDriver;
 use runplane_sandbox_reconciler::reconcile::{ReconcileSettings, Reconciler};
 use runplane_sandbox_reconciler::store::entities::sandbox;

@@ -26,7 +26,7 @@ impl ReconcileSettings {
 /// service token when it is empty.
 pub fn route_key(config: &Config) -> Vec<u8> {
     match config.sandbox_reconciler.route_token_key.expose() {
-        "" => crate::domain::route_token::default_key(config.auth.service_token.expose()),
+        "" => runplane_sandbox::route_token::default_key(config.auth.service_token.expose()),
         key => key.as_bytes().to_vec(),
     }
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use runplane_proto::reconciler::v1 as pb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_credential_service_server::NodeCredentialService;
 use runplane_proto::reconciler::v1::node_service_server::NodeService;
 use runplane_proto::reconciler::v1::sandbox_service_server::SandboxService;
@@ -11,21 +11,14 @@ use sha2::{Digest, Sha256};
 use tonic::{Request, Response, Status};
 
 use crate::domain::placement;
-use crate::domain::route_token::{self, RouteClaims};
 use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;
 use crate::store::entities::{node, sandbox, wake};
 use crate::store::nodes::{Assigned, MAX_WAKE_ERROR_BYTES, Observation};
 use crate::store::{Placement, Store};
+use runplane_sandbox::route_token::{self, RouteClaims};
 
-/// The stream recovery coordinator, called with the service token.
-pub type RecoveryClient =
-    runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient<
-        tonic::service::interceptor::InterceptedService<
-            runplane_grpc::client::TracedChannel,
-            runplane_grpc::client::Bearer,
-        >,
-    >;
+pub use crate::clients::RecoveryClient;
 
 /// How soon a client told NOT_PLACED should try again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -207,15 +200,15 @@ pub struct NodeApi {
 /// How often nodes are asked to heartbeat.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 
-fn node_of(n: &node::Model) -> pb::Node {
-    pb::Node {
+fn node_of(n: &node::Model) -> reconciler_pb::Node {
+    reconciler_pb::Node {
         id: n.id.clone(),
         endpoint: n.endpoint.clone(),
         capacity: n.capacity as u32,
         used: n.used as u32,
         labels: Default::default(),
         epoch: n.epoch as u64,
-        state: pb::NodeState::Ready as i32,
+        state: reconciler_pb::NodeState::Ready as i32,
         registered_at: Some(runplane_clock::to_timestamp(n.registered_at_us)),
         last_heartbeat_at: Some(runplane_clock::to_timestamp(n.last_heartbeat_us)),
     }
@@ -233,19 +226,19 @@ fn page_size(requested: u32) -> Result<u32, ReconcilerError> {
 /// anything is written: the node's epoch and the observation to publish. Pure, so it is
 /// fuzzed (`tests/fuzz.rs`).
 pub fn check_publication(
-    req: &pb::PublishSandboxStateRequest,
+    req: &reconciler_pb::PublishSandboxStateRequest,
 ) -> Result<(i64, Observation<'_>), ReconcilerError> {
     node_name("node_id", &req.node_id)?;
     sandbox_id(&req.sandbox_id)?;
     let epoch = int64("epoch", req.epoch)?;
     let status = match req.status() {
-        pb::SandboxStatus::Started => SandboxStatus::Started,
-        pb::SandboxStatus::Suspended => SandboxStatus::Suspended,
-        pb::SandboxStatus::Restoring => SandboxStatus::Restoring,
-        pb::SandboxStatus::Exited => SandboxStatus::Exited,
-        pb::SandboxStatus::Lost => SandboxStatus::Lost,
+        reconciler_pb::SandboxStatus::Started => SandboxStatus::Started,
+        reconciler_pb::SandboxStatus::Suspended => SandboxStatus::Suspended,
+        reconciler_pb::SandboxStatus::Restoring => SandboxStatus::Restoring,
+        reconciler_pb::SandboxStatus::Exited => SandboxStatus::Exited,
+        reconciler_pb::SandboxStatus::Lost => SandboxStatus::Lost,
         // The acknowledgement of a DESTROY assignment: the process is stopped.
-        pb::SandboxStatus::Deleted => SandboxStatus::Deleted,
+        reconciler_pb::SandboxStatus::Deleted => SandboxStatus::Deleted,
         _ => {
             return Err(ReconcilerError::InvalidField {
                 field: "status",
@@ -282,13 +275,13 @@ fn node_name(field: &'static str, value: &str) -> Result<(), ReconcilerError> {
     Ok(())
 }
 
-fn assignment_of(a: &Assigned) -> pb::Assignment {
+fn assignment_of(a: &Assigned) -> reconciler_pb::Assignment {
     let (row, intent, wake) = match a {
-        Assigned::Run(row) => (row, pb::AssignmentIntent::Run, None),
-        Assigned::Restore(row, wake) => (row, pb::AssignmentIntent::Restore, Some(wake)),
-        Assigned::Destroy(row) => (row, pb::AssignmentIntent::Destroy, None),
+        Assigned::Run(row) => (row, reconciler_pb::AssignmentIntent::Run, None),
+        Assigned::Restore(row, wake) => (row, reconciler_pb::AssignmentIntent::Restore, Some(wake)),
+        Assigned::Destroy(row) => (row, reconciler_pb::AssignmentIntent::Destroy, None),
     };
-    pb::Assignment {
+    reconciler_pb::Assignment {
         sandbox_id: row.id.clone(),
         run_id: row.run_id.clone(),
         intent: intent as i32,
@@ -304,7 +297,7 @@ fn assignment_of(a: &Assigned) -> pb::Assignment {
 }
 
 /// A revision that changes whenever the assignment list does.
-fn revision(assignments: &[pb::Assignment]) -> u64 {
+fn revision(assignments: &[reconciler_pb::Assignment]) -> u64 {
     let mut h = Sha256::new();
     for a in assignments {
         h.update(a.sandbox_id.as_bytes());
@@ -321,8 +314,8 @@ impl NodeService for NodeApi {
     #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
     async fn register_node(
         &self,
-        request: Request<pb::RegisterNodeRequest>,
-    ) -> Result<Response<pb::RegisterNodeResponse>, Status> {
+        request: Request<reconciler_pb::RegisterNodeRequest>,
+    ) -> Result<Response<reconciler_pb::RegisterNodeResponse>, Status> {
         let s = &self.shared;
         s.authenticate_node(&request, &request.get_ref().node_id)
             .await?;
@@ -359,7 +352,7 @@ impl NodeService for NodeApi {
             )
             .await?;
         tracing::info!(epoch = node.epoch, endpoint = %node.endpoint, "node registered");
-        Ok(Response::new(pb::RegisterNodeResponse {
+        Ok(Response::new(reconciler_pb::RegisterNodeResponse {
             epoch: node.epoch as u64,
             node: Some(node_of(&node)),
             heartbeat_interval: Some(runplane_grpc::proto_duration(HEARTBEAT_EVERY)),
@@ -369,8 +362,8 @@ impl NodeService for NodeApi {
 
     async fn heartbeat(
         &self,
-        request: Request<pb::HeartbeatRequest>,
-    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        request: Request<reconciler_pb::HeartbeatRequest>,
+    ) -> Result<Response<reconciler_pb::HeartbeatResponse>, Status> {
         let s = &self.shared;
         s.authenticate_node(&request, &request.get_ref().node_id)
             .await?;
@@ -383,15 +376,15 @@ impl NodeService for NodeApi {
                 req.used.min(i32::MAX as u32) as i32,
             )
             .await?;
-        Ok(Response::new(pb::HeartbeatResponse {
+        Ok(Response::new(reconciler_pb::HeartbeatResponse {
             next_heartbeat_in: Some(runplane_grpc::proto_duration(HEARTBEAT_EVERY)),
         }))
     }
 
     async fn list_assigned_sandboxes(
         &self,
-        request: Request<pb::ListAssignedSandboxesRequest>,
-    ) -> Result<Response<pb::ListAssignedSandboxesResponse>, Status> {
+        request: Request<reconciler_pb::ListAssignedSandboxesRequest>,
+    ) -> Result<Response<reconciler_pb::ListAssignedSandboxesResponse>, Status> {
         let s = &self.shared;
         s.authenticate_node(&request, &request.get_ref().node_id)
             .await?;
@@ -409,7 +402,7 @@ impl NodeService for NodeApi {
             s.store
                 .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
                 .await?;
-            let assignments: Vec<pb::Assignment> = s
+            let assignments: Vec<reconciler_pb::Assignment> = s
                 .store
                 .assignments(&req.node_id)
                 .await?
@@ -418,10 +411,12 @@ impl NodeService for NodeApi {
                 .collect();
             let revision = revision(&assignments);
             if revision != req.known_revision || tokio::time::Instant::now() >= deadline {
-                return Ok(Response::new(pb::ListAssignedSandboxesResponse {
-                    assignments,
-                    revision,
-                }));
+                return Ok(Response::new(
+                    reconciler_pb::ListAssignedSandboxesResponse {
+                        assignments,
+                        revision,
+                    },
+                ));
             }
             // Read again when a round (here or on another replica) may have changed
             // the assignments, else answer at the deadline.
@@ -432,8 +427,8 @@ impl NodeService for NodeApi {
     #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id, sandbox_id = %request.get_ref().sandbox_id))]
     async fn claim_launch(
         &self,
-        request: Request<pb::ClaimLaunchRequest>,
-    ) -> Result<Response<pb::ClaimLaunchResponse>, Status> {
+        request: Request<reconciler_pb::ClaimLaunchRequest>,
+    ) -> Result<Response<reconciler_pb::ClaimLaunchResponse>, Status> {
         let s = &self.shared;
         s.authenticate_node(&request, &request.get_ref().node_id)
             .await?;
@@ -473,7 +468,7 @@ impl NodeService for NodeApi {
             })
             .await?
             .into_inner();
-        Ok(Response::new(pb::ClaimLaunchResponse {
+        Ok(Response::new(reconciler_pb::ClaimLaunchResponse {
             run_id: row.run_id,
             run_key: issued.run_key,
             key_id: issued.key_id,
@@ -485,8 +480,8 @@ impl NodeService for NodeApi {
 
     async fn publish_sandbox_state(
         &self,
-        request: Request<pb::PublishSandboxStateRequest>,
-    ) -> Result<Response<pb::PublishSandboxStateResponse>, Status> {
+        request: Request<reconciler_pb::PublishSandboxStateRequest>,
+    ) -> Result<Response<reconciler_pb::PublishSandboxStateResponse>, Status> {
         let s = &self.shared;
         s.authenticate_node(&request, &request.get_ref().node_id)
             .await?;
@@ -498,7 +493,7 @@ impl NodeService for NodeApi {
             .publish_observation(&req.node_id, epoch, &observation)
             .await?;
         let placement = s.store.placement(&row.id).await?;
-        Ok(Response::new(pb::PublishSandboxStateResponse {
+        Ok(Response::new(reconciler_pb::PublishSandboxStateResponse {
             applied,
             sandbox: Some(sandbox_of(&placement, None)),
         }))
@@ -507,8 +502,8 @@ impl NodeService for NodeApi {
     #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id, wake_id = %request.get_ref().wake_id))]
     async fn report_restored(
         &self,
-        request: Request<pb::ReportRestoredRequest>,
-    ) -> Result<Response<pb::ReportRestoredResponse>, Status> {
+        request: Request<reconciler_pb::ReportRestoredRequest>,
+    ) -> Result<Response<reconciler_pb::ReportRestoredResponse>, Status> {
         let s = &self.shared;
         s.authenticate_node(&request, &request.get_ref().node_id)
             .await?;
@@ -527,15 +522,15 @@ impl NodeService for NodeApi {
             .await?;
         tracing::info!(sandbox_id = %row.id, "wake restored; placement and route identity written");
         let placement = s.store.placement(&row.id).await?;
-        Ok(Response::new(pb::ReportRestoredResponse {
+        Ok(Response::new(reconciler_pb::ReportRestoredResponse {
             sandbox: Some(sandbox_of(&placement, None)),
         }))
     }
 
     async fn report_wake_failed(
         &self,
-        request: Request<pb::ReportWakeFailedRequest>,
-    ) -> Result<Response<pb::ReportWakeFailedResponse>, Status> {
+        request: Request<reconciler_pb::ReportWakeFailedRequest>,
+    ) -> Result<Response<reconciler_pb::ReportWakeFailedResponse>, Status> {
         let s = &self.shared;
         s.authenticate_node(&request, &request.get_ref().node_id)
             .await?;
@@ -555,7 +550,7 @@ impl NodeService for NodeApi {
                 &req.error,
             )
             .await?;
-        Ok(Response::new(pb::ReportWakeFailedResponse {
+        Ok(Response::new(reconciler_pb::ReportWakeFailedResponse {
             wake: Some(wake_of(&wake)),
         }))
     }
@@ -563,8 +558,8 @@ impl NodeService for NodeApi {
     #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
     async fn park_sandbox_stream(
         &self,
-        request: Request<pb::ParkSandboxStreamRequest>,
-    ) -> Result<Response<pb::ParkSandboxStreamResponse>, Status> {
+        request: Request<reconciler_pb::ParkSandboxStreamRequest>,
+    ) -> Result<Response<reconciler_pb::ParkSandboxStreamResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
         s.authenticate_node(&request, &req.node_id).await?;
@@ -585,7 +580,7 @@ impl NodeService for NodeApi {
             })
             .await
             .map_err(|status| coordinator_failed("ParkStream", &status))?;
-        Ok(Response::new(pb::ParkSandboxStreamResponse {
+        Ok(Response::new(reconciler_pb::ParkSandboxStreamResponse {
             parked: answer.into_inner().parked,
         }))
     }
@@ -593,8 +588,8 @@ impl NodeService for NodeApi {
     #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
     async fn unpark_sandbox_stream(
         &self,
-        request: Request<pb::UnparkSandboxStreamRequest>,
-    ) -> Result<Response<pb::UnparkSandboxStreamResponse>, Status> {
+        request: Request<reconciler_pb::UnparkSandboxStreamRequest>,
+    ) -> Result<Response<reconciler_pb::UnparkSandboxStreamResponse>, Status> {
         let s = &self.shared;
         let req = request.get_ref();
         s.authenticate_node(&request, &req.node_id).await?;
@@ -614,7 +609,7 @@ impl NodeService for NodeApi {
             })
             .await
             .map_err(|status| coordinator_failed("UnparkStream", &status))?;
-        Ok(Response::new(pb::UnparkSandboxStreamResponse {}))
+        Ok(Response::new(reconciler_pb::UnparkSandboxStreamResponse {}))
     }
 }
 
@@ -669,16 +664,16 @@ fn sandbox_id(id: &str) -> Result<(), ReconcilerError> {
     Ok(())
 }
 
-fn wake_of(w: &wake::Model) -> pb::Wake {
-    pb::Wake {
+fn wake_of(w: &wake::Model) -> reconciler_pb::Wake {
+    reconciler_pb::Wake {
         id: w.id.clone(),
         sandbox_id: w.sandbox_id.clone(),
         state: match w.state.as_str() {
-            "pending" => pb::WakeState::Pending,
-            "assigned" => pb::WakeState::Assigned,
-            "restored" => pb::WakeState::Restored,
-            "failed" => pb::WakeState::Failed,
-            _ => pb::WakeState::Unspecified,
+            "pending" => reconciler_pb::WakeState::Pending,
+            "assigned" => reconciler_pb::WakeState::Assigned,
+            "restored" => reconciler_pb::WakeState::Restored,
+            "failed" => reconciler_pb::WakeState::Failed,
+            _ => reconciler_pb::WakeState::Unspecified,
         } as i32,
         node_id: w.node_id.clone().unwrap_or_default(),
         attempts: w.attempts as u32,
@@ -689,20 +684,20 @@ fn wake_of(w: &wake::Model) -> pb::Wake {
 }
 
 /// A sandbox as the API shows it: placement through the one placement rule.
-pub fn sandbox_of(p: &Placement, pending_wake: Option<&wake::Model>) -> pb::Sandbox {
+pub fn sandbox_of(p: &Placement, pending_wake: Option<&wake::Model>) -> reconciler_pb::Sandbox {
     let s: &sandbox::Model = &p.sandbox;
-    pb::Sandbox {
+    reconciler_pb::Sandbox {
         id: s.id.clone(),
         run_id: s.run_id.clone(),
         org_id: s.org_id.clone(),
         substrate: match s.substrate.as_str() {
-            "kubernetes" => pb::Substrate::Kubernetes,
-            "direct" => pb::Substrate::Direct,
-            _ => pb::Substrate::Unspecified,
+            "kubernetes" => reconciler_pb::Substrate::Kubernetes,
+            "direct" => reconciler_pb::Substrate::Direct,
+            _ => reconciler_pb::Substrate::Unspecified,
         } as i32,
-        status: pb::SandboxStatus::from(s.status) as i32,
+        status: reconciler_pb::SandboxStatus::from(s.status) as i32,
         active_node_id: s.active_node_id.clone().unwrap_or_default(),
-        route_identity: p.route.as_ref().map(|r| pb::RouteIdentity {
+        route_identity: p.route.as_ref().map(|r| reconciler_pb::RouteIdentity {
             current_node_id: r.current_node_id.clone(),
             execution_generation: r.execution_generation as u64,
         }),
@@ -724,8 +719,8 @@ impl SandboxService for SandboxApi {
     #[tracing::instrument(skip_all, fields(run_id = %request.get_ref().run_id))]
     async fn create_sandbox(
         &self,
-        request: Request<pb::CreateSandboxRequest>,
-    ) -> Result<Response<pb::CreateSandboxResponse>, Status> {
+        request: Request<reconciler_pb::CreateSandboxRequest>,
+    ) -> Result<Response<reconciler_pb::CreateSandboxResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -738,7 +733,7 @@ impl SandboxService for SandboxApi {
             }
             .into());
         }
-        if req.substrate() != pb::Substrate::Direct {
+        if req.substrate() != reconciler_pb::Substrate::Direct {
             return Err(ReconcilerError::InvalidField {
                 field: "substrate",
                 reason: "only SUBSTRATE_DIRECT has a driver so far".into(),
@@ -809,7 +804,7 @@ impl SandboxService for SandboxApi {
             })
             .await?;
         let placement = s.store.placement(&row.id).await?;
-        Ok(Response::new(pb::CreateSandboxResponse {
+        Ok(Response::new(reconciler_pb::CreateSandboxResponse {
             sandbox: Some(sandbox_of(&placement, None)),
         }))
     }
@@ -817,8 +812,8 @@ impl SandboxService for SandboxApi {
     #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
     async fn destroy_sandbox(
         &self,
-        request: Request<pb::DestroySandboxRequest>,
-    ) -> Result<Response<pb::DestroySandboxResponse>, Status> {
+        request: Request<reconciler_pb::DestroySandboxRequest>,
+    ) -> Result<Response<reconciler_pb::DestroySandboxResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -842,15 +837,15 @@ impl SandboxService for SandboxApi {
             crate::reconcile::stop_local(&s.store, &s.local_driver(), &row).await?;
         }
         let placement = s.store.placement(&row.id).await?;
-        Ok(Response::new(pb::DestroySandboxResponse {
+        Ok(Response::new(reconciler_pb::DestroySandboxResponse {
             sandbox: Some(sandbox_of(&placement, None)),
         }))
     }
 
     async fn list_nodes(
         &self,
-        request: Request<pb::ListNodesRequest>,
-    ) -> Result<Response<pb::ListNodesResponse>, Status> {
+        request: Request<reconciler_pb::ListNodesRequest>,
+    ) -> Result<Response<reconciler_pb::ListNodesResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -868,13 +863,13 @@ impl SandboxService for SandboxApi {
         } else {
             String::new()
         };
-        Ok(Response::new(pb::ListNodesResponse {
+        Ok(Response::new(reconciler_pb::ListNodesResponse {
             nodes: nodes
                 .iter()
                 .map(|n| {
                     let mut shown = node_of(n);
                     if n.last_heartbeat_us < silent_since {
-                        shown.state = pb::NodeState::Unresponsive as i32;
+                        shown.state = reconciler_pb::NodeState::Unresponsive as i32;
                     }
                     shown
                 })
@@ -885,8 +880,8 @@ impl SandboxService for SandboxApi {
 
     async fn list_sandboxes(
         &self,
-        request: Request<pb::ListSandboxesRequest>,
-    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        request: Request<reconciler_pb::ListSandboxesRequest>,
+    ) -> Result<Response<reconciler_pb::ListSandboxesResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -898,7 +893,7 @@ impl SandboxService for SandboxApi {
         let wanted: Vec<Option<SandboxStatus>> = req
             .statuses
             .iter()
-            .filter_map(|st| pb::SandboxStatus::try_from(*st).ok())
+            .filter_map(|st| reconciler_pb::SandboxStatus::try_from(*st).ok())
             .map(|st| SandboxStatus::try_from(st).ok())
             .collect();
         let rows = s
@@ -924,7 +919,7 @@ impl SandboxService for SandboxApi {
             let wake = s.store.open_wake(&row.id).await?;
             sandboxes.push(sandbox_of(&placement, wake.as_ref()));
         }
-        Ok(Response::new(pb::ListSandboxesResponse {
+        Ok(Response::new(reconciler_pb::ListSandboxesResponse {
             sandboxes,
             next_page_token,
         }))
@@ -932,15 +927,15 @@ impl SandboxService for SandboxApi {
 
     async fn get_sandbox(
         &self,
-        request: Request<pb::GetSandboxRequest>,
-    ) -> Result<Response<pb::GetSandboxResponse>, Status> {
+        request: Request<reconciler_pb::GetSandboxRequest>,
+    ) -> Result<Response<reconciler_pb::GetSandboxResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let id = &request.get_ref().sandbox_id;
         sandbox_id(id)?;
         let placement = s.store.placement(id).await?;
         let wake = s.store.open_wake(id).await?;
-        Ok(Response::new(pb::GetSandboxResponse {
+        Ok(Response::new(reconciler_pb::GetSandboxResponse {
             sandbox: Some(sandbox_of(&placement, wake.as_ref())),
         }))
     }
@@ -948,8 +943,8 @@ impl SandboxService for SandboxApi {
     #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
     async fn resolve_route(
         &self,
-        request: Request<pb::ResolveRouteRequest>,
-    ) -> Result<Response<pb::ResolveRouteResponse>, Status> {
+        request: Request<reconciler_pb::ResolveRouteRequest>,
+    ) -> Result<Response<reconciler_pb::ResolveRouteResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -997,7 +992,7 @@ impl SandboxService for SandboxApi {
                 expires_unix: expires_us / 1_000_000,
             },
         );
-        Ok(Response::new(pb::ResolveRouteResponse {
+        Ok(Response::new(reconciler_pb::ResolveRouteResponse {
             node_id: node.id,
             endpoint: node.endpoint,
             route_token: token,
@@ -1008,8 +1003,8 @@ impl SandboxService for SandboxApi {
 
     async fn request_wake(
         &self,
-        request: Request<pb::RequestWakeRequest>,
-    ) -> Result<Response<pb::RequestWakeResponse>, Status> {
+        request: Request<reconciler_pb::RequestWakeRequest>,
+    ) -> Result<Response<reconciler_pb::RequestWakeResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -1017,7 +1012,7 @@ impl SandboxService for SandboxApi {
         at_most("reason", &req.reason, MAX_REASON_BYTES)?;
         let p = s.live_placement(&req.sandbox_id).await?;
         if placement::serving_node(&p.sandbox, p.route.as_ref()).is_some() {
-            return Ok(Response::new(pb::RequestWakeResponse {
+            return Ok(Response::new(reconciler_pb::RequestWakeResponse {
                 placed: true,
                 wake: None,
             }));
@@ -1025,7 +1020,7 @@ impl SandboxService for SandboxApi {
         s.refuse_wake_of_ended_run(&p.sandbox).await?;
         let wake = s.store.queue_wake(&req.sandbox_id, &req.reason).await?;
         s.signals.want_round();
-        Ok(Response::new(pb::RequestWakeResponse {
+        Ok(Response::new(reconciler_pb::RequestWakeResponse {
             placed: false,
             wake: Some(wake_of(&wake)),
         }))
@@ -1039,8 +1034,10 @@ pub struct NodeCredentialApi {
     pub shared: Arc<Shared>,
 }
 
-fn node_credential_of(c: &crate::store::entities::node_credential::Model) -> pb::NodeCredential {
-    pb::NodeCredential {
+fn node_credential_of(
+    c: &crate::store::entities::node_credential::Model,
+) -> reconciler_pb::NodeCredential {
+    reconciler_pb::NodeCredential {
         id: c.id.clone(),
         node_id: c.node_id.clone(),
         created_at: Some(runplane_clock::to_timestamp(c.created_at_us)),
@@ -1053,8 +1050,8 @@ impl NodeCredentialService for NodeCredentialApi {
     #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
     async fn create_node_credential(
         &self,
-        request: Request<pb::CreateNodeCredentialRequest>,
-    ) -> Result<Response<pb::CreateNodeCredentialResponse>, Status> {
+        request: Request<reconciler_pb::CreateNodeCredentialRequest>,
+    ) -> Result<Response<reconciler_pb::CreateNodeCredentialResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -1062,7 +1059,7 @@ impl NodeCredentialService for NodeCredentialApi {
         let (row, token) = s.store.create_node_credential(&req.node_id).await?;
         // The secret is in the answer only, never in a log line.
         tracing::info!(credential_id = %row.id, "node credential created");
-        Ok(Response::new(pb::CreateNodeCredentialResponse {
+        Ok(Response::new(reconciler_pb::CreateNodeCredentialResponse {
             credential: Some(node_credential_of(&row)),
             token,
         }))
@@ -1071,23 +1068,25 @@ impl NodeCredentialService for NodeCredentialApi {
     #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
     async fn revoke_node_credentials(
         &self,
-        request: Request<pb::RevokeNodeCredentialsRequest>,
-    ) -> Result<Response<pb::RevokeNodeCredentialsResponse>, Status> {
+        request: Request<reconciler_pb::RevokeNodeCredentialsRequest>,
+    ) -> Result<Response<reconciler_pb::RevokeNodeCredentialsResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         let revoked = s.store.revoke_node_credentials(&req.node_id).await?;
         tracing::info!(revoked, "node credentials revoked");
-        Ok(Response::new(pb::RevokeNodeCredentialsResponse {
-            revoked: revoked.min(u64::from(u32::MAX)) as u32,
-        }))
+        Ok(Response::new(
+            reconciler_pb::RevokeNodeCredentialsResponse {
+                revoked: revoked.min(u64::from(u32::MAX)) as u32,
+            },
+        ))
     }
 
     async fn list_node_credentials(
         &self,
-        request: Request<pb::ListNodeCredentialsRequest>,
-    ) -> Result<Response<pb::ListNodeCredentialsResponse>, Status> {
+        request: Request<reconciler_pb::ListNodeCredentialsRequest>,
+    ) -> Result<Response<reconciler_pb::ListNodeCredentialsResponse>, Status> {
         let s = &self.shared;
         s.authenticate(&request)?;
         let req = request.get_ref();
@@ -1098,7 +1097,7 @@ impl NodeCredentialService for NodeCredentialApi {
             .store
             .list_node_credentials((!req.node_id.is_empty()).then_some(req.node_id.as_str()))
             .await?;
-        Ok(Response::new(pb::ListNodeCredentialsResponse {
+        Ok(Response::new(reconciler_pb::ListNodeCredentialsResponse {
             credentials: rows.iter().map(node_credential_of).collect(),
         }))
     }

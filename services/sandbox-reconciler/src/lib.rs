@@ -11,14 +11,13 @@
 //! ([`grpc`]). Sandboxes run as processes on this host or on node agents; a Kubernetes
 //! driver does not exist.
 
-pub mod agent;
+pub mod clients;
 pub mod config;
 pub mod domain;
 pub mod drivers;
 pub mod error;
 pub mod grpc;
 pub mod reconcile;
-pub mod session;
 pub mod signals;
 pub mod slots;
 pub mod store;
@@ -43,7 +42,7 @@ pub struct SandboxReconciler {
     tick_interval: Duration,
     state_dir: std::path::PathBuf,
     /// Credential health, whose fleet view caps dispatch; it runs where admission is on.
-    fleet: Option<slots::FleetClient>,
+    fleet: Option<clients::FleetClient>,
     /// Background work; [`SandboxReconciler::register`] hands it to the server's shutdown.
     tasks: runplane_grpc::Tasks,
 }
@@ -134,11 +133,11 @@ impl SandboxReconciler {
     /// background; they stop at the server's shutdown ([`SandboxReconciler::register`]).
     /// Sandboxes go to registered node agents; with none ready, the reconciler runs them
     /// on its own machine with the process driver. Local agents are contained as
-    /// `containment` says ([`drivers::process::Containment::probe`]).
+    /// `containment` says ([`runplane_sandbox::Containment::probe`]).
     pub fn start_rounds(
         &self,
         runplane_binary: std::path::PathBuf,
-        containment: drivers::process::Containment,
+        containment: runplane_sandbox::Containment,
     ) {
         let store = self.shared.store.clone();
         let local =

@@ -9,16 +9,10 @@
 //! waiting reason, and is claimed oldest first when a slot frees; a full fleet is not an
 //! outage, so nothing is refused.
 
-use runplane_grpc::client::{Bearer, TracedChannel};
-use runplane_proto::credentials::v1 as ch;
-use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
-use runplane_proto::runstore::v1 as pb;
-use tonic::service::interceptor::InterceptedService;
+use runplane_proto::credentials::v1 as credentials_pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 
-use crate::reconcile::RunStoreClient;
-
-/// Credential health, asked for the fleet's capacity.
-pub type FleetClient = CredentialHealthServiceClient<InterceptedService<TracedChannel, Bearer>>;
+use crate::clients::{FleetClient, RunStoreClient};
 
 /// Most runs one round claims.
 pub const CLAIM_PER_ROUND: u32 = 100;
@@ -38,10 +32,10 @@ pub async fn runs_to_place(
     run_store: &RunStoreClient,
     fleet: Option<&FleetClient>,
     max_runs: u32,
-) -> Result<Vec<pb::Run>, tonic::Status> {
+) -> Result<Vec<runstore_pb::Run>, tonic::Status> {
     let max_runs = max_runs.clamp(1, CLAIM_PER_ROUND);
     let request = match fleet {
-        None => pb::ClaimSlotsRequest {
+        None => runstore_pb::ClaimSlotsRequest {
             credentials: Vec::new(),
             unlimited: true,
             max_runs,
@@ -49,10 +43,10 @@ pub async fn runs_to_place(
         Some(fleet) => {
             let view = fleet
                 .clone()
-                .get_fleet(ch::GetFleetRequest::default())
+                .get_fleet(credentials_pb::GetFleetRequest::default())
                 .await?
                 .into_inner();
-            pb::ClaimSlotsRequest {
+            runstore_pb::ClaimSlotsRequest {
                 credentials: view.credentials.iter().map(slots_of).collect(),
                 unlimited: false,
                 max_runs,
@@ -67,8 +61,8 @@ pub async fn runs_to_place(
         .claimed;
     let starting = run_store
         .clone()
-        .list_runs(pb::ListRunsRequest {
-            states: vec![pb::RunState::Starting as i32],
+        .list_runs(runstore_pb::ListRunsRequest {
+            states: vec![runstore_pb::RunState::Starting as i32],
             page_size: 500,
             ..Default::default()
         })
@@ -85,7 +79,7 @@ pub async fn runs_to_place(
 }
 
 /// One credential of the fleet view as ClaimSlots fills it.
-fn slots_of(c: &ch::CredentialHealth) -> pb::CredentialSlots {
+fn slots_of(c: &credentials_pb::CredentialHealth) -> runstore_pb::CredentialSlots {
     let unavailable = if c.quarantined_for_seconds > 0 {
         format!(
             "quarantined for {} s (exhausted)",
@@ -99,7 +93,7 @@ fn slots_of(c: &ch::CredentialHealth) -> pb::CredentialSlots {
     } else {
         String::new()
     };
-    pb::CredentialSlots {
+    runstore_pb::CredentialSlots {
         credential_id: c.credential_id.clone(),
         capacity: c.capacity,
         unavailable,
@@ -112,7 +106,7 @@ mod tests {
 
     #[test]
     fn quarantine_and_cool_off_say_why_a_credential_takes_nothing() {
-        let mut c = ch::CredentialHealth {
+        let mut c = credentials_pb::CredentialHealth {
             credential_id: "cred-a".into(),
             capacity: 2,
             ..Default::default()

@@ -7,7 +7,7 @@
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_sandbox_reconciler::grpc::check_publication;
 
 fn cases(default: u32) -> Config {
@@ -49,7 +49,7 @@ proptest! {
         placed in any::<bool>(),
         exit_code in proptest::option::of(any::<i32>()),
     ) {
-        let req = rpb::PublishSandboxStateRequest {
+        let req = reconciler_pb::PublishSandboxStateRequest {
             node_id,
             epoch,
             sandbox_id,

@@ -10,15 +10,15 @@ use std::time::Duration;
 use runplane_clock::{Clock, ManualClock};
 use runplane_config::{Config, Secret};
 use runplane_grpc::{ErrorReason, ServiceSet, error_info};
-use runplane_proto::reconciler::v1 as rpb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
+use runplane_sandbox::Probe;
+use runplane_sandbox::route_token;
 use runplane_sandbox_reconciler::SandboxReconciler;
-use runplane_sandbox_reconciler::domain::loss::Probe;
-use runplane_sandbox_reconciler::domain::route_token;
 use runplane_sandbox_reconciler::drivers::FakeDriver;
 use runplane_sandbox_reconciler::reconcile::{
     ReconcileSettings, Reconciler, RunStoreClient, RunnerEndpoints, deliver_outbox, dispatch,
@@ -216,14 +216,16 @@ impl World {
     }
 
     /// A queued run of org acme, created by request `name`.
-    async fn queued_run(&self, name: &str) -> pb::Run {
+    async fn queued_run(&self, name: &str) -> runstore_pb::Run {
         self.run_store()
             .await
             .create_run(authed(
-                pb::CreateRunRequest {
+                runstore_pb::CreateRunRequest {
                     client_request_id: format!("{name}-request-00000001"),
                     org_id: "acme".into(),
-                    target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+                    target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                        "c".into(),
+                    )),
                     command: "agent".into(),
                     ..Default::default()
                 },
@@ -290,7 +292,7 @@ impl World {
         let sandbox_id = uuid::Uuid::new_v4().to_string();
         let key = op
             .issue_run_key(authed(
-                pb::IssueRunKeyRequest {
+                runstore_pb::IssueRunKeyRequest {
                     run_id: run.id.clone(),
                     sandbox_id: sandbox_id.clone(),
                     sandbox_generation: 1,
@@ -307,7 +309,7 @@ impl World {
             .unwrap();
         runner
             .hello(authed(
-                pb::HelloRequest {
+                runstore_pb::HelloRequest {
                     run_id: run.id.clone(),
                     nonce: "reconciler-test-nonce-1".into(),
                     runner_version: String::new(),
@@ -355,11 +357,11 @@ impl World {
         }
     }
 
-    async fn run_state(&self, run_id: &str) -> pb::Run {
+    async fn run_state(&self, run_id: &str) -> runstore_pb::Run {
         self.run_store()
             .await
             .get_run(authed(
-                pb::GetRunRequest {
+                runstore_pb::GetRunRequest {
                     run_id: run_id.into(),
                 },
                 TOKEN,
@@ -376,11 +378,11 @@ impl World {
             .await
             .unwrap()
             .append_events(authed(
-                pb::AppendEventsRequest {
+                runstore_pb::AppendEventsRequest {
                     run_id: run_id.into(),
                     batch_key: batch.into(),
-                    events: vec![pb::EventInput {
-                        kind: pb::EventKind::Stdout as i32,
+                    events: vec![runstore_pb::EventInput {
+                        kind: runstore_pb::EventKind::Stdout as i32,
                         text: "still here".into(),
                         ..Default::default()
                     }],
@@ -473,7 +475,7 @@ async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace(w: W
         1
     );
     let run = w.run_state(&row.run_id).await;
-    assert_eq!(run.state(), pb::RunState::Failed);
+    assert_eq!(run.state(), runstore_pb::RunState::Failed);
     assert_eq!(run.failure_reason, "sandbox_lost");
     // A sandbox seen alive again before the grace ends clears the stamp instead.
     let (row2, _) = w.running_sandbox("grace-recovers").await;
@@ -520,7 +522,7 @@ async fn a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive(w: Wor
     );
     assert_eq!(
         w.run_state(&row.run_id).await.state(),
-        pb::RunState::Running
+        runstore_pb::RunState::Running
     );
     w.key_works(&row.run_id, &key, "batch-after-the-race-1")
         .await
@@ -592,7 +594,10 @@ async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once(w: World
         1,
         "FailRun called once"
     );
-    assert_eq!(w.run_state(&row.run_id).await.state(), pb::RunState::Failed);
+    assert_eq!(
+        w.run_state(&row.run_id).await.state(),
+        runstore_pb::RunState::Failed
+    );
     let err = w
         .key_works(&row.run_id, &key, "batch-after-failure-1")
         .await
@@ -672,7 +677,7 @@ async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names(w:
         .unwrap();
     let resolve = |id: &str| {
         authed(
-            rpb::ResolveRouteRequest {
+            reconciler_pb::ResolveRouteRequest {
                 sandbox_id: id.into(),
                 session_id: "session-1".into(),
             },
@@ -702,7 +707,7 @@ async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names(w:
         assert_eq!(error_info(&again).unwrap().metadata["wake_id"], wake.id);
         let shown = api
             .get_sandbox(authed(
-                rpb::GetSandboxRequest {
+                reconciler_pb::GetSandboxRequest {
                     sandbox_id: unplaced.id.clone(),
                 },
                 TOKEN,
@@ -770,7 +775,7 @@ mod node_protocol {
         nodes(w)
             .await
             .register_node(authed(
-                rpb::RegisterNodeRequest {
+                reconciler_pb::RegisterNodeRequest {
                     node_id: id.into(),
                     boot_id: format!("{boot}-boot-id-0000000"),
                     endpoint: format!("{id}.local:7443"),
@@ -791,11 +796,11 @@ mod node_protocol {
         epoch: u64,
         row: &sandbox::Model,
         seq: u64,
-        status: rpb::SandboxStatus,
+        status: reconciler_pb::SandboxStatus,
         placed: bool,
-    ) -> tonic::Request<rpb::PublishSandboxStateRequest> {
+    ) -> tonic::Request<reconciler_pb::PublishSandboxStateRequest> {
         authed(
-            rpb::PublishSandboxStateRequest {
+            reconciler_pb::PublishSandboxStateRequest {
                 node_id: node.into(),
                 epoch,
                 sandbox_id: row.id.clone(),
@@ -819,7 +824,10 @@ mod node_protocol {
             w.store.live_sandbox_of(&run.id).await.unwrap().is_none(),
             "no sandbox without a node agent"
         );
-        assert_eq!(w.run_state(&run.id).await.state(), pb::RunState::Queued);
+        assert_eq!(
+            w.run_state(&run.id).await.state(),
+            runstore_pb::RunState::Queued
+        );
 
         register(&w, "node-a", "a").await;
         w.dispatch_once(&w.store).await;
@@ -844,7 +852,7 @@ mod node_protocol {
         let err = nodes(&w)
             .await
             .heartbeat(authed(
-                rpb::HeartbeatRequest {
+                reconciler_pb::HeartbeatRequest {
                     node_id: "node-a".into(),
                     epoch: first,
                     used: 0,
@@ -889,7 +897,7 @@ mod node_protocol {
                 b,
                 &row,
                 10,
-                rpb::SandboxStatus::Exited,
+                reconciler_pb::SandboxStatus::Exited,
                 true,
             ))
             .await
@@ -907,7 +915,7 @@ mod node_protocol {
                 a,
                 &row,
                 10,
-                rpb::SandboxStatus::Suspended,
+                reconciler_pb::SandboxStatus::Suspended,
                 false,
             ))
             .await
@@ -926,7 +934,7 @@ mod node_protocol {
                 a,
                 &row,
                 9,
-                rpb::SandboxStatus::Started,
+                reconciler_pb::SandboxStatus::Started,
                 true,
             ))
             .await
@@ -940,7 +948,7 @@ mod node_protocol {
                     b,
                     &row,
                     11,
-                    rpb::SandboxStatus::Started,
+                    reconciler_pb::SandboxStatus::Started,
                     true
                 ))
                 .await
@@ -954,7 +962,7 @@ mod node_protocol {
                 a,
                 &row,
                 12,
-                rpb::SandboxStatus::Started,
+                reconciler_pb::SandboxStatus::Started,
                 true,
             ))
             .await
@@ -965,7 +973,7 @@ mod node_protocol {
                 a,
                 &row,
                 13,
-                rpb::SandboxStatus::Exited,
+                reconciler_pb::SandboxStatus::Exited,
                 true,
             ))
             .await
@@ -985,7 +993,7 @@ mod node_protocol {
         let mut client = nodes(&w).await;
         let assigned = client
             .list_assigned_sandboxes(authed(
-                rpb::ListAssignedSandboxesRequest {
+                reconciler_pb::ListAssignedSandboxesRequest {
                     node_id: "node-b".into(),
                     epoch: b,
                     known_revision: 0,
@@ -999,7 +1007,7 @@ mod node_protocol {
         let restore = assigned
             .assignments
             .iter()
-            .find(|a| a.intent() == rpb::AssignmentIntent::Restore)
+            .find(|a| a.intent() == reconciler_pb::AssignmentIntent::Restore)
             .expect("a restore assignment");
         assert_eq!(
             (restore.wake_id.as_str(), restore.wake_attempt),
@@ -1008,7 +1016,7 @@ mod node_protocol {
 
         let restored = client
             .report_restored(authed(
-                rpb::ReportRestoredRequest {
+                reconciler_pb::ReportRestoredRequest {
                     node_id: "node-b".into(),
                     epoch: b,
                     wake_id: wake.id.clone(),
@@ -1032,7 +1040,7 @@ mod node_protocol {
         // The same report again finds the wake settled.
         let again = client
             .report_restored(authed(
-                rpb::ReportRestoredRequest {
+                reconciler_pb::ReportRestoredRequest {
                     node_id: "node-b".into(),
                     epoch: b,
                     wake_id: wake.id.clone(),
@@ -1070,7 +1078,7 @@ mod node_protocol {
         let mut client = nodes(&w).await;
         let failed = |epoch: u64, attempt: u32, error: String| {
             authed(
-                rpb::ReportWakeFailedRequest {
+                reconciler_pb::ReportWakeFailedRequest {
                     node_id: "node-b".into(),
                     epoch,
                     wake_id: queued.id.clone(),
@@ -1105,13 +1113,13 @@ mod node_protocol {
 
         let e = client
             .publish_sandbox_state(authed(
-                rpb::PublishSandboxStateRequest {
+                reconciler_pb::PublishSandboxStateRequest {
                     node_id: "node-b".into(),
                     epoch: b,
                     sandbox_id: row.id.clone(),
                     execution_generation: u64::MAX,
                     observation_seq: 1,
-                    status: rpb::SandboxStatus::Started as i32,
+                    status: reconciler_pb::SandboxStatus::Started as i32,
                     placed: true,
                     exit_code: None,
                     observed_at: None,
@@ -1136,7 +1144,7 @@ mod node_protocol {
             .unwrap();
         let e = api
             .destroy_sandbox(authed(
-                rpb::DestroySandboxRequest {
+                reconciler_pb::DestroySandboxRequest {
                     sandbox_id: row.id.clone(),
                     reason: "r".repeat(257),
                 },
@@ -1158,7 +1166,7 @@ mod node_protocol {
             .unwrap();
         let sandboxes = api
             .list_sandboxes(authed(
-                rpb::ListSandboxesRequest {
+                reconciler_pb::ListSandboxesRequest {
                     page_size: 501,
                     ..Default::default()
                 },
@@ -1168,7 +1176,7 @@ mod node_protocol {
             .unwrap_err();
         let nodes = api
             .list_nodes(authed(
-                rpb::ListNodesRequest {
+                reconciler_pb::ListNodesRequest {
                     page_size: 501,
                     ..Default::default()
                 },
@@ -1184,7 +1192,7 @@ mod node_protocol {
         }
         // The boundary is accepted.
         api.list_nodes(authed(
-            rpb::ListNodesRequest {
+            reconciler_pb::ListNodesRequest {
                 page_size: 500,
                 ..Default::default()
             },
@@ -1204,10 +1212,10 @@ mod node_protocol {
             .unwrap();
         let err = api
             .create_sandbox(authed(
-                rpb::CreateSandboxRequest {
+                reconciler_pb::CreateSandboxRequest {
                     client_request_id: "far-off-idle-request".into(),
                     run_id: existing.run_id.clone(),
-                    substrate: rpb::Substrate::Direct as i32,
+                    substrate: reconciler_pb::Substrate::Direct as i32,
                     idle_timeout: Some(prost_types::Duration {
                         seconds: i64::MAX,
                         nanos: 999_999_999,
@@ -1226,9 +1234,9 @@ mod node_protocol {
         let mut api = SandboxServiceClient::connect(w.reconciler_endpoint.clone())
             .await
             .unwrap();
-        let create = |key: &str, substrate: rpb::Substrate| {
+        let create = |key: &str, substrate: reconciler_pb::Substrate| {
             authed(
-                rpb::CreateSandboxRequest {
+                reconciler_pb::CreateSandboxRequest {
                     client_request_id: key.into(),
                     run_id: existing.run_id.clone(),
                     substrate: substrate as i32,
@@ -1239,7 +1247,10 @@ mod node_protocol {
             )
         };
         let err = api
-            .create_sandbox(create("another-request-0001", rpb::Substrate::Direct))
+            .create_sandbox(create(
+                "another-request-0001",
+                reconciler_pb::Substrate::Direct,
+            ))
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::AlreadyExists);
@@ -1248,14 +1259,17 @@ mod node_protocol {
             existing.id
         );
         let err = api
-            .create_sandbox(create("kubernetes-request-01", rpb::Substrate::Kubernetes))
+            .create_sandbox(create(
+                "kubernetes-request-01",
+                reconciler_pb::Substrate::Kubernetes,
+            ))
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
 
         let destroyed = api
             .destroy_sandbox(authed(
-                rpb::DestroySandboxRequest {
+                reconciler_pb::DestroySandboxRequest {
                     sandbox_id: existing.id.clone(),
                     reason: "test".into(),
                 },
@@ -1266,10 +1280,10 @@ mod node_protocol {
             .into_inner()
             .sandbox
             .unwrap();
-        assert_eq!(destroyed.status(), rpb::SandboxStatus::Deleted);
+        assert_eq!(destroyed.status(), reconciler_pb::SandboxStatus::Deleted);
         let err = api
             .resolve_route(authed(
-                rpb::ResolveRouteRequest {
+                reconciler_pb::ResolveRouteRequest {
                     sandbox_id: existing.id.clone(),
                     session_id: String::new(),
                 },
@@ -1284,21 +1298,27 @@ mod node_protocol {
 
         // With the old one gone, a new sandbox for the run can be created, once per key.
         let first = api
-            .create_sandbox(create("replacement-request-1", rpb::Substrate::Direct))
+            .create_sandbox(create(
+                "replacement-request-1",
+                reconciler_pb::Substrate::Direct,
+            ))
             .await
             .unwrap()
             .into_inner()
             .sandbox
             .unwrap();
         let again = api
-            .create_sandbox(create("replacement-request-1", rpb::Substrate::Direct))
+            .create_sandbox(create(
+                "replacement-request-1",
+                reconciler_pb::Substrate::Direct,
+            ))
             .await
             .unwrap()
             .into_inner()
             .sandbox
             .unwrap();
         assert_eq!(first.id, again.id);
-        assert_eq!(first.status(), rpb::SandboxStatus::Creating);
+        assert_eq!(first.status(), reconciler_pb::SandboxStatus::Creating);
     }
 }
 
@@ -1324,7 +1344,7 @@ mod convergence {
             self.run_store()
                 .await
                 .fail_run(authed(
-                    pb::FailRunRequest {
+                    runstore_pb::FailRunRequest {
                         run_id: run_id.into(),
                         reason: "test_ended".into(),
                         message: "ended by the test".into(),
@@ -1381,12 +1401,12 @@ mod convergence {
                 .unwrap()
         }
 
-        async fn status_shown(&self, id: &str) -> rpb::Sandbox {
+        async fn status_shown(&self, id: &str) -> reconciler_pb::Sandbox {
             SandboxServiceClient::connect(self.reconciler_endpoint.clone())
                 .await
                 .unwrap()
                 .get_sandbox(authed(
-                    rpb::GetSandboxRequest {
+                    reconciler_pb::GetSandboxRequest {
                         sandbox_id: id.into(),
                     },
                     TOKEN,
@@ -1403,11 +1423,11 @@ mod convergence {
         uuid::Uuid::new_v4().to_string()
     }
 
-    async fn assigned(w: &World, node: &str, epoch: u64) -> Vec<rpb::Assignment> {
+    async fn assigned(w: &World, node: &str, epoch: u64) -> Vec<reconciler_pb::Assignment> {
         nodes(w)
             .await
             .list_assigned_sandboxes(authed(
-                rpb::ListAssignedSandboxesRequest {
+                reconciler_pb::ListAssignedSandboxesRequest {
                     node_id: node.into(),
                     epoch,
                     known_revision: 0,
@@ -1421,7 +1441,10 @@ mod convergence {
             .assignments
     }
 
-    fn intents(assignments: &[rpb::Assignment], intent: rpb::AssignmentIntent) -> Vec<String> {
+    fn intents(
+        assignments: &[reconciler_pb::Assignment],
+        intent: reconciler_pb::AssignmentIntent,
+    ) -> Vec<String> {
         let mut ids: Vec<String> = assignments
             .iter()
             .filter(|a| a.intent() == intent)
@@ -1436,9 +1459,9 @@ mod convergence {
         epoch: u64,
         wake_id: &str,
         sandbox_id: &str,
-    ) -> tonic::Request<rpb::ReportRestoredRequest> {
+    ) -> tonic::Request<reconciler_pb::ReportRestoredRequest> {
         authed(
-            rpb::ReportRestoredRequest {
+            reconciler_pb::ReportRestoredRequest {
                 node_id: node.into(),
                 epoch,
                 wake_id: wake_id.into(),
@@ -1524,7 +1547,7 @@ mod convergence {
             .await
             .unwrap()
             .list_sandboxes(authed(
-                rpb::ListSandboxesRequest {
+                reconciler_pb::ListSandboxesRequest {
                     run_id: run.clone(),
                     ..Default::default()
                 },
@@ -1536,12 +1559,12 @@ mod convergence {
             .sandboxes;
         assert_eq!(listed.len(), ended.len());
         for s in &listed {
-            assert_eq!(s.status(), rpb::SandboxStatus::Deleted, "{s:?}");
+            assert_eq!(s.status(), reconciler_pb::SandboxStatus::Deleted, "{s:?}");
             assert!(s.pending_wake.is_none());
         }
         assert_eq!(
             w.status_shown(&survivor.id).await.status(),
-            rpb::SandboxStatus::Started,
+            reconciler_pb::SandboxStatus::Started,
             "a running run keeps its sandbox"
         );
         // The deletion settled the wake: no node restores what was destroyed.
@@ -1566,22 +1589,25 @@ mod convergence {
             observed_exit.id.clone(),
         ];
         node_ids.sort();
-        assert_eq!(intents(&list, rpb::AssignmentIntent::Destroy), node_ids);
         assert_eq!(
-            intents(&list, rpb::AssignmentIntent::Run),
+            intents(&list, reconciler_pb::AssignmentIntent::Destroy),
+            node_ids
+        );
+        assert_eq!(
+            intents(&list, reconciler_pb::AssignmentIntent::Run),
             vec![survivor.id.clone()]
         );
         for id in &node_ids {
             let acked = nodes(&w)
                 .await
                 .publish_sandbox_state(authed(
-                    rpb::PublishSandboxStateRequest {
+                    reconciler_pb::PublishSandboxStateRequest {
                         node_id: "node-a".into(),
                         epoch: a,
                         sandbox_id: id.clone(),
                         execution_generation: 1,
                         observation_seq: 100,
-                        status: rpb::SandboxStatus::Deleted as i32,
+                        status: reconciler_pb::SandboxStatus::Deleted as i32,
                         placed: false,
                         exit_code: None,
                         observed_at: None,
@@ -1592,12 +1618,15 @@ mod convergence {
                 .unwrap()
                 .into_inner();
             assert!(acked.applied);
-            assert_eq!(acked.sandbox.unwrap().status(), rpb::SandboxStatus::Deleted);
+            assert_eq!(
+                acked.sandbox.unwrap().status(),
+                reconciler_pb::SandboxStatus::Deleted
+            );
         }
         assert!(
             intents(
                 &assigned(&w, "node-a", a).await,
-                rpb::AssignmentIntent::Destroy
+                reconciler_pb::AssignmentIntent::Destroy
             )
             .is_empty()
         );
@@ -1633,7 +1662,7 @@ mod convergence {
             .unwrap();
         let request_wake = || {
             authed(
-                rpb::RequestWakeRequest {
+                reconciler_pb::RequestWakeRequest {
                     sandbox_id: row.id.clone(),
                     reason: "reattach".into(),
                 },
@@ -1652,7 +1681,7 @@ mod convergence {
         // Destroyed while node-b restores it.
         let destroyed = api
             .destroy_sandbox(authed(
-                rpb::DestroySandboxRequest {
+                reconciler_pb::DestroySandboxRequest {
                     sandbox_id: row.id.clone(),
                     reason: "test".into(),
                 },
@@ -1663,7 +1692,7 @@ mod convergence {
             .into_inner()
             .sandbox
             .unwrap();
-        assert_eq!(destroyed.status(), rpb::SandboxStatus::Deleted);
+        assert_eq!(destroyed.status(), reconciler_pb::SandboxStatus::Deleted);
         assert_eq!(
             w.wake_row(&wake.id).await.state,
             "failed",
@@ -1681,7 +1710,7 @@ mod convergence {
             ErrorReason::SandboxEnded.as_str_name()
         );
         let shown = w.status_shown(&row.id).await;
-        assert_eq!(shown.status(), rpb::SandboxStatus::Deleted);
+        assert_eq!(shown.status(), reconciler_pb::SandboxStatus::Deleted);
         assert!(
             shown.active_node_id.is_empty(),
             "not placed by the late restore"
@@ -1691,7 +1720,7 @@ mod convergence {
         for err in [
             api.request_wake(request_wake()).await.unwrap_err(),
             api.resolve_route(authed(
-                rpb::ResolveRouteRequest {
+                reconciler_pb::ResolveRouteRequest {
                     sandbox_id: row.id.clone(),
                     session_id: "session-1".into(),
                 },
@@ -1764,7 +1793,7 @@ mod convergence {
         assert_eq!(w.wake_row(&wake.id).await.state, "failed");
         assert_eq!(
             w.status_shown(&other.id).await.status(),
-            rpb::SandboxStatus::Deleted,
+            reconciler_pb::SandboxStatus::Deleted,
             "never revived"
         );
     }
@@ -1782,7 +1811,7 @@ mod convergence {
             .await
             .unwrap()
             .request_wake(authed(
-                rpb::RequestWakeRequest {
+                reconciler_pb::RequestWakeRequest {
                     sandbox_id: row.id.clone(),
                     reason: "reattach".into(),
                 },
@@ -1797,7 +1826,7 @@ mod convergence {
         assert!(w.store.open_wake(&row.id).await.unwrap().is_none());
         assert_eq!(
             w.status_shown(&row.id).await.status(),
-            rpb::SandboxStatus::Deleted
+            reconciler_pb::SandboxStatus::Deleted
         );
     }
 
@@ -1850,16 +1879,16 @@ mod convergence {
         let shown = w.status_shown(&row.id).await;
         assert_eq!(
             shown.status(),
-            rpb::SandboxStatus::Deleted,
+            reconciler_pb::SandboxStatus::Deleted,
             "the deletion wins"
         );
         // The node that restored it is the one told to stop it.
         let list = assigned(&w, "node-b", b).await;
         assert_eq!(
-            intents(&list, rpb::AssignmentIntent::Destroy),
+            intents(&list, reconciler_pb::AssignmentIntent::Destroy),
             vec![row.id.clone()]
         );
-        assert!(intents(&list, rpb::AssignmentIntent::Run).is_empty());
+        assert!(intents(&list, reconciler_pb::AssignmentIntent::Run).is_empty());
     }
 
     use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
@@ -1889,7 +1918,7 @@ mod many_hosts {
         nodes(w)
             .await
             .heartbeat(authed(
-                rpb::HeartbeatRequest {
+                reconciler_pb::HeartbeatRequest {
                     node_id: node.into(),
                     epoch,
                     used,
@@ -1900,11 +1929,11 @@ mod many_hosts {
             .unwrap();
     }
 
-    async fn restores_listed(w: &World, node: &str, epoch: u64) -> Vec<rpb::Assignment> {
+    async fn restores_listed(w: &World, node: &str, epoch: u64) -> Vec<reconciler_pb::Assignment> {
         nodes(w)
             .await
             .list_assigned_sandboxes(authed(
-                rpb::ListAssignedSandboxesRequest {
+                reconciler_pb::ListAssignedSandboxesRequest {
                     node_id: node.into(),
                     epoch,
                     known_revision: 0,
@@ -1917,7 +1946,7 @@ mod many_hosts {
             .into_inner()
             .assignments
             .into_iter()
-            .filter(|a| a.intent() == rpb::AssignmentIntent::Restore)
+            .filter(|a| a.intent() == reconciler_pb::AssignmentIntent::Restore)
             .collect()
     }
 
@@ -1943,7 +1972,7 @@ mod many_hosts {
                 epoch,
                 &row,
                 10,
-                rpb::SandboxStatus::Suspended,
+                reconciler_pb::SandboxStatus::Suspended,
                 false,
             ))
             .await
@@ -2056,7 +2085,7 @@ mod many_hosts {
                     .await
                     .unwrap()
                     .report_restored(authed(
-                        rpb::ReportRestoredRequest {
+                        reconciler_pb::ReportRestoredRequest {
                             node_id: "node-b".into(),
                             epoch: b,
                             wake_id,
@@ -2084,7 +2113,7 @@ mod many_hosts {
                         a,
                         &row,
                         20,
-                        rpb::SandboxStatus::Suspended,
+                        reconciler_pb::SandboxStatus::Suspended,
                         false,
                     ))
                     .await
@@ -2165,7 +2194,7 @@ mod many_hosts {
         );
         for row in &on_a {
             let run = w.run_state(&row.run_id).await;
-            assert_eq!(run.state(), pb::RunState::Failed, "{run:?}");
+            assert_eq!(run.state(), runstore_pb::RunState::Failed, "{run:?}");
             assert_eq!(run.verdict.unwrap().reason, "sandbox_lost");
             assert_eq!(w.store.sandbox(&row.id).await.unwrap().status, "lost");
         }
@@ -2177,7 +2206,7 @@ mod many_hosts {
         assert_eq!(settled.state, "failed", "nothing restores a lost sandbox");
         assert_eq!(
             w.run_state(&on_b.run_id).await.state(),
-            pb::RunState::Running,
+            runstore_pb::RunState::Running,
             "a live host's suspended run waits for its wake"
         );
     }
@@ -2191,7 +2220,7 @@ mod many_hosts {
             .unwrap();
         let request_wake = || {
             authed(
-                rpb::RequestWakeRequest {
+                reconciler_pb::RequestWakeRequest {
                     sandbox_id: row.id.clone(),
                     reason: "reattach".into(),
                 },
@@ -2218,7 +2247,7 @@ mod many_hosts {
                 nodes(&w)
                     .await
                     .report_wake_failed(authed(
-                        rpb::ReportWakeFailedRequest {
+                        reconciler_pb::ReportWakeFailedRequest {
                             node_id: "node-a".into(),
                             epoch: a,
                             wake_id: restore.wake_id,
@@ -2247,7 +2276,7 @@ mod many_hosts {
                 a,
                 &row,
                 30,
-                rpb::SandboxStatus::Lost,
+                reconciler_pb::SandboxStatus::Lost,
                 false,
             ))
             .await
@@ -2339,7 +2368,7 @@ mod two_replicas {
             .take(2)
         {
             op.cancel_run(authed(
-                pb::CancelRunRequest {
+                runstore_pb::CancelRunRequest {
                     run_id: row.run_id.clone(),
                     reason: String::new(),
                     idempotency_key: format!("free-{}", row.id),
@@ -2379,7 +2408,7 @@ mod two_replicas {
         for i in 0..5 {
             let (row, _) = w.running_sandbox(&format!("two-sweeps-{i}")).await;
             op.cancel_run(authed(
-                pb::CancelRunRequest {
+                runstore_pb::CancelRunRequest {
                     run_id: row.run_id.clone(),
                     reason: String::new(),
                     idempotency_key: format!("two-sweeps-cancel-{i}"),
@@ -2415,7 +2444,7 @@ mod two_replicas {
             let (row, _) = w.running_sandbox(&format!("two-wakes-{i}")).await;
             w.store.mark_deleted(&row.id, 1).await.unwrap();
             op.steer(authed(
-                pb::SteerRequest {
+                runstore_pb::SteerRequest {
                     run_id: row.run_id.clone(),
                     text: "are you there".into(),
                     idempotency_key: format!("two-wakes-steer-{i}"),
@@ -2488,7 +2517,10 @@ mod two_replicas {
             "FailRun once per loss"
         );
         for row in &rows {
-            assert_eq!(w.run_state(&row.run_id).await.state(), pb::RunState::Failed);
+            assert_eq!(
+                w.run_state(&row.run_id).await.state(),
+                runstore_pb::RunState::Failed
+            );
         }
     }
 }

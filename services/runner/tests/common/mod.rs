@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
-use runplane_proto::runstore::v1 as pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use tonic::transport::Channel;
@@ -97,12 +97,14 @@ pub async fn run_with_key(
     command: &str,
     args: Vec<String>,
     idempotency_key: &str,
-) -> (pb::Run, String) {
+) -> (runstore_pb::Run, String) {
     let run = op
-        .create_run(authed(pb::CreateRunRequest {
+        .create_run(authed(runstore_pb::CreateRunRequest {
             client_request_id: client_request_id.into(),
             org_id: "acme".into(),
-            target: Some(pb::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                "c".into(),
+            )),
             command: command.into(),
             args,
             ..Default::default()
@@ -113,7 +115,7 @@ pub async fn run_with_key(
         .run
         .unwrap();
     let key = op
-        .issue_run_key(authed(pb::IssueRunKeyRequest {
+        .issue_run_key(authed(runstore_pb::IssueRunKeyRequest {
             run_id: run.id.clone(),
             sandbox_id: "sbx".into(),
             sandbox_generation: 1,

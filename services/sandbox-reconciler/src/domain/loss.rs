@@ -7,16 +7,7 @@
 
 use std::time::Duration;
 
-/// What a driver's probe said.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Probe {
-    /// Running (or suspended, or being restored): a live observation.
-    Alive,
-    /// The runner process exited with this status (when known).
-    Exited(Option<i32>),
-    /// The driver cannot find it.
-    Lost,
-}
+use runplane_sandbox::Probe;
 
 /// What the tick does with one observation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,5 @@
 
 pub mod loss;
 pub mod placement;
-pub mod route_token;
-pub mod sandbox;
 pub mod status;
 pub mod wake;

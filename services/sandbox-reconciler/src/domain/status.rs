@@ -1,6 +1,6 @@
 //! A sandbox's status: stored as its name (`started`, …), sent as the proto enum.
 
-use runplane_proto::reconciler::v1 as pb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use sea_orm::entity::prelude::*;
 
 /// Where a sandbox is in its life. `status` is what the reconciler holds true;
@@ -97,7 +97,7 @@ impl PartialEq<&str> for SandboxStatus {
     }
 }
 
-impl From<SandboxStatus> for pb::SandboxStatus {
+impl From<SandboxStatus> for reconciler_pb::SandboxStatus {
     fn from(status: SandboxStatus) -> Self {
         match status {
             SandboxStatus::Creating => Self::Creating,
@@ -111,20 +111,20 @@ impl From<SandboxStatus> for pb::SandboxStatus {
     }
 }
 
-impl TryFrom<pb::SandboxStatus> for SandboxStatus {
+impl TryFrom<reconciler_pb::SandboxStatus> for SandboxStatus {
     /// `SANDBOX_STATUS_UNSPECIFIED`, which is never stored.
-    type Error = pb::SandboxStatus;
+    type Error = reconciler_pb::SandboxStatus;
 
-    fn try_from(status: pb::SandboxStatus) -> Result<Self, Self::Error> {
+    fn try_from(status: reconciler_pb::SandboxStatus) -> Result<Self, Self::Error> {
         Ok(match status {
-            pb::SandboxStatus::Creating => Self::Creating,
-            pb::SandboxStatus::Started => Self::Started,
-            pb::SandboxStatus::Suspended => Self::Suspended,
-            pb::SandboxStatus::Restoring => Self::Restoring,
-            pb::SandboxStatus::Exited => Self::Exited,
-            pb::SandboxStatus::Lost => Self::Lost,
-            pb::SandboxStatus::Deleted => Self::Deleted,
-            pb::SandboxStatus::Unspecified => return Err(status),
+            reconciler_pb::SandboxStatus::Creating => Self::Creating,
+            reconciler_pb::SandboxStatus::Started => Self::Started,
+            reconciler_pb::SandboxStatus::Suspended => Self::Suspended,
+            reconciler_pb::SandboxStatus::Restoring => Self::Restoring,
+            reconciler_pb::SandboxStatus::Exited => Self::Exited,
+            reconciler_pb::SandboxStatus::Lost => Self::Lost,
+            reconciler_pb::SandboxStatus::Deleted => Self::Deleted,
+            reconciler_pb::SandboxStatus::Unspecified => return Err(status),
         })
     }
 }
@@ -139,7 +139,7 @@ mod tests {
     fn names_and_proto_values_round_trip() {
         for status in <SandboxStatus as sea_orm::Iterable>::iter() {
             assert_eq!(status.as_str().parse(), Ok(status));
-            let wire = pb::SandboxStatus::from(status);
+            let wire = reconciler_pb::SandboxStatus::from(status);
             assert_eq!(
                 wire.as_str_name(),
                 format!("SANDBOX_STATUS_{}", status.as_str().to_uppercase())
@@ -147,6 +147,6 @@ mod tests {
             assert_eq!(SandboxStatus::try_from(wire), Ok(status));
         }
         assert!("".parse::<SandboxStatus>().is_err());
-        assert!(SandboxStatus::try_from(pb::SandboxStatus::Unspecified).is_err());
+        assert!(SandboxStatus::try_from(reconciler_pb::SandboxStatus::Unspecified).is_err());
     }
 }

@@ -4,9 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{Driver, DriverError, Launch};
-use crate::domain::loss::Probe;
-use crate::domain::sandbox::SandboxSpec;
+use runplane_sandbox::{Driver, DriverError, Launch, Probe, SandboxSpec};
 
 type Script = dyn Fn(SandboxSpec) -> BoxFuture<'static, Probe> + Send + Sync;
 

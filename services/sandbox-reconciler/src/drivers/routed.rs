@@ -7,10 +7,9 @@
 
 use futures::future::BoxFuture;
 
-use super::{Driver, DriverError, Launch, ProcessDriver};
-use crate::domain::loss::Probe;
+use runplane_sandbox::{Driver, DriverError, Launch, Probe, ProcessDriver, SandboxSpec};
+
 use crate::domain::placement::LOCAL_NODE;
-use crate::domain::sandbox::SandboxSpec;
 use crate::domain::status::SandboxStatus;
 use crate::store::Store;
 

@@ -52,6 +52,20 @@ pub mod sandbox {
             self.observed_status.parse().ok()
         }
     }
+
+    impl From<&Model> for runplane_sandbox::SandboxSpec {
+        fn from(row: &Model) -> Self {
+            Self {
+                id: row.id.clone(),
+                run_id: row.run_id.clone(),
+                execution_generation: row.execution_generation,
+                driver_handle: row.driver_handle.clone(),
+                offline: row.network == "none",
+                active_node_id: row.active_node_id.clone(),
+                idle_timeout_ms: row.idle_timeout_ms,
+            }
+        }
+    }
 }
 
 pub mod route_identity {

@@ -25,15 +25,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use runplane_config::Secret;
-use runplane_proto::reconciler::v1 as pb;
+use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
 use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 
-use crate::domain::loss::Probe;
-use crate::domain::sandbox::SandboxSpec;
-use crate::drivers::process::Containment;
-use crate::drivers::{Driver, Launch, ProcessDriver};
+use runplane_sandbox::{Containment, Driver, Launch, Probe, ProcessDriver, SandboxSpec};
+
+use crate::error::AgentError;
 use crate::session::Sessions;
 
 /// What a node agent needs.
@@ -56,22 +55,6 @@ pub struct AgentConfig {
     pub containment: Containment,
     /// Route tokens expire, and observations are numbered and stamped, on this clock.
     pub clock: runplane_clock::SharedClock,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    #[error("background task {0} failed; the agent stops so a fresh one takes over")]
-    Task(&'static str),
-    #[error(transparent)]
-    Endpoint(#[from] runplane_grpc::client::ClientError),
-    #[error("registering with the reconciler failed: {0}")]
-    Register(String),
-    #[error(
-        "the reconciler refuses this node's credential ({0}); it was revoked or is another node's"
-    )]
-    Refused(String),
-    #[error("cannot listen on {0} for sessions ([node] listen): {1}")]
-    Listen(String, String),
 }
 
 type Client = NodeServiceClient<
@@ -184,7 +167,7 @@ pub async fn run(
 
     let registered = client
         .clone()
-        .register_node(pb::RegisterNodeRequest {
+        .register_node(reconciler_pb::RegisterNodeRequest {
             node_id: config.node_id.clone(),
             boot_id,
             endpoint: config.endpoint.clone(),
@@ -207,7 +190,7 @@ pub async fn run(
     tokio::pin!(shutdown);
     loop {
         let mut poller = client.clone();
-        let request = pb::ListAssignedSandboxesRequest {
+        let request = reconciler_pb::ListAssignedSandboxesRequest {
             node_id: config.node_id.clone(),
             epoch,
             known_revision: revision,
@@ -231,7 +214,7 @@ pub async fn run(
                 let (destroys, assignments): (Vec<_>, Vec<_>) = answer
                     .assignments
                     .into_iter()
-                    .partition(|a| a.intent() == pb::AssignmentIntent::Destroy);
+                    .partition(|a| a.intent() == reconciler_pb::AssignmentIntent::Destroy);
                 // A deleted sandbox is stopped, suspended or not, whether or not this boot
                 // launched it (its pid is in the state directory), then acknowledged.
                 for a in destroys {
@@ -262,7 +245,9 @@ pub async fn run(
                 refusals.keep_listed(&assignments);
                 for a in assignments {
                     let launch = (a.sandbox_id.clone(), a.execution_generation);
-                    if a.intent() == pb::AssignmentIntent::Run && !refusals.may_claim(&launch) {
+                    if a.intent() == reconciler_pb::AssignmentIntent::Run
+                        && !refusals.may_claim(&launch)
+                    {
                         continue;
                     }
                     if let Some(refused) =
@@ -298,7 +283,7 @@ pub async fn run(
             let used = locals.values().filter(|l| !l.suspended).count() as u32;
             if let Err(status) = client
                 .clone()
-                .heartbeat(pb::HeartbeatRequest {
+                .heartbeat(reconciler_pb::HeartbeatRequest {
                     node_id: config.node_id.clone(),
                     epoch,
                     used,
@@ -396,7 +381,7 @@ impl LaunchRefusals {
     }
 
     /// Forgets refusals of assignments no longer listed.
-    fn keep_listed(&mut self, assignments: &[pb::Assignment]) {
+    fn keep_listed(&mut self, assignments: &[reconciler_pb::Assignment]) {
         let listed: std::collections::HashSet<(&str, u64)> = assignments
             .iter()
             .map(|a| (a.sandbox_id.as_str(), a.execution_generation))
@@ -441,7 +426,7 @@ impl Stops {
                     &config,
                     epoch,
                     &row,
-                    pb::SandboxStatus::Deleted,
+                    reconciler_pb::SandboxStatus::Deleted,
                     false,
                     None,
                 )
@@ -502,13 +487,13 @@ async fn publish(
     config: &AgentConfig,
     epoch: u64,
     row: &SandboxSpec,
-    status: pb::SandboxStatus,
+    status: reconciler_pb::SandboxStatus,
     placed: bool,
     exit_code: Option<i32>,
 ) {
     let result = client
         .clone()
-        .publish_sandbox_state(pb::PublishSandboxStateRequest {
+        .publish_sandbox_state(reconciler_pb::PublishSandboxStateRequest {
             node_id: config.node_id.clone(),
             epoch,
             sandbox_id: row.id.clone(),
@@ -526,7 +511,7 @@ async fn publish(
 }
 
 /// The spec of the sandbox `a` assigns, found again by `handle` (empty: not started).
-fn row_of(a: &pb::Assignment, handle: String) -> SandboxSpec {
+fn row_of(a: &reconciler_pb::Assignment, handle: String) -> SandboxSpec {
     SandboxSpec {
         id: a.sandbox_id.clone(),
         run_id: a.run_id.clone(),
@@ -538,11 +523,7 @@ fn row_of(a: &pb::Assignment, handle: String) -> SandboxSpec {
             .map(|d| d.seconds * 1000 + i64::from(d.nanos / 1_000_000))
             .unwrap_or_default(),
         driver_handle: handle,
-        network: if a.no_network {
-            "none".into()
-        } else {
-            String::new()
-        },
+        offline: a.no_network,
     }
 }
 
@@ -561,7 +542,7 @@ async fn take_on(
         config,
         epoch,
         &row,
-        pb::SandboxStatus::Started,
+        reconciler_pb::SandboxStatus::Started,
         true,
         None,
     )
@@ -581,7 +562,7 @@ async fn adopt_or_report_lost(
     epoch: u64,
     driver: &ProcessDriver,
     locals: &mut HashMap<String, Local>,
-    a: &pb::Assignment,
+    a: &reconciler_pb::Assignment,
 ) {
     let row = row_of(a, recorded_handle(config, &a.sandbox_id));
     if !row.driver_handle.is_empty() && driver.status(&row).await == Probe::Alive {
@@ -594,7 +575,7 @@ async fn adopt_or_report_lost(
             config,
             epoch,
             &row,
-            pb::SandboxStatus::Lost,
+            reconciler_pb::SandboxStatus::Lost,
             true,
             None,
         )
@@ -611,13 +592,13 @@ async fn act(
     epoch: u64,
     driver: &ProcessDriver,
     locals: &mut HashMap<String, Local>,
-    a: pb::Assignment,
+    a: reconciler_pb::Assignment,
 ) -> Option<tonic::Status> {
     match a.intent() {
-        pb::AssignmentIntent::Run if !locals.contains_key(&a.sandbox_id) => {
+        reconciler_pb::AssignmentIntent::Run if !locals.contains_key(&a.sandbox_id) => {
             let claim = client
                 .clone()
-                .claim_launch(pb::ClaimLaunchRequest {
+                .claim_launch(reconciler_pb::ClaimLaunchRequest {
                     node_id: config.node_id.clone(),
                     epoch,
                     sandbox_id: a.sandbox_id.clone(),
@@ -662,7 +643,7 @@ async fn act(
                 }
             }
         }
-        pb::AssignmentIntent::Restore => {
+        reconciler_pb::AssignmentIntent::Restore => {
             // The sandbox's process is found by its label wherever this node can see it.
             let row = row_of(&a, recorded_handle(config, &a.sandbox_id));
             let polls = answered_polls(driver, &row);
@@ -672,7 +653,7 @@ async fn act(
                 unpark(client, config, epoch, &row).await;
                 let report = client
                     .clone()
-                    .report_restored(pb::ReportRestoredRequest {
+                    .report_restored(reconciler_pb::ReportRestoredRequest {
                         node_id: config.node_id.clone(),
                         epoch,
                         wake_id: a.wake_id.clone(),
@@ -699,8 +680,8 @@ async fn act(
                 // Its process is gone: say so, so the loss grace ends it instead of wakes
                 // being queued for a sandbox nothing can restore.
                 let gone = match probe {
-                    Probe::Exited(code) => Some((pb::SandboxStatus::Exited, code)),
-                    Probe::Lost => Some((pb::SandboxStatus::Lost, None)),
+                    Probe::Exited(code) => Some((reconciler_pb::SandboxStatus::Exited, code)),
+                    Probe::Lost => Some((reconciler_pb::SandboxStatus::Lost, None)),
                     Probe::Alive => None,
                 };
                 if let Some((status, code)) = gone {
@@ -709,7 +690,7 @@ async fn act(
                 tracing::warn!(sandbox_id = %row.id, probe = ?probe, attempt = a.wake_attempt, "sandbox not restored");
                 if let Err(s) = client
                     .clone()
-                    .report_wake_failed(pb::ReportWakeFailedRequest {
+                    .report_wake_failed(reconciler_pb::ReportWakeFailedRequest {
                         node_id: config.node_id.clone(),
                         epoch,
                         wake_id: a.wake_id.clone(),
@@ -748,7 +729,7 @@ async fn look_after(
                 config,
                 epoch,
                 &local.row,
-                pb::SandboxStatus::Exited,
+                reconciler_pb::SandboxStatus::Exited,
                 true,
                 code,
             )
@@ -769,7 +750,7 @@ async fn look_after(
                 config,
                 epoch,
                 &local.row,
-                pb::SandboxStatus::Suspended,
+                reconciler_pb::SandboxStatus::Suspended,
                 false,
                 None,
             )
@@ -796,7 +777,7 @@ async fn park(client: &Client, config: &AgentConfig, epoch: u64, row: &SandboxSp
         PARK_TIMEOUT,
         client
             .clone()
-            .park_sandbox_stream(pb::ParkSandboxStreamRequest {
+            .park_sandbox_stream(reconciler_pb::ParkSandboxStreamRequest {
                 node_id: config.node_id.clone(),
                 epoch,
                 sandbox_id: row.id.clone(),
@@ -828,7 +809,7 @@ async fn unpark(client: &Client, config: &AgentConfig, epoch: u64, row: &Sandbox
         PARK_TIMEOUT,
         client
             .clone()
-            .unpark_sandbox_stream(pb::UnparkSandboxStreamRequest {
+            .unpark_sandbox_stream(reconciler_pb::UnparkSandboxStreamRequest {
                 node_id: config.node_id.clone(),
                 epoch,
                 sandbox_id: row.id.clone(),

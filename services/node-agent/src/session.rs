@@ -12,12 +12,14 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use runplane_proto::node::v1 as pb;
+use runplane_proto::node::v1 as node_pb;
 use runplane_proto::node::v1::session_service_server::{SessionService, SessionServiceServer};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
-use crate::domain::route_token;
+use runplane_sandbox::route_token;
+
+use crate::error::SessionError;
 
 /// What the session endpoint knows of this node: its id and route key, and the sandboxes
 /// running here (id to execution generation), which the agent's loop keeps current.
@@ -114,7 +116,7 @@ impl Sessions {
 }
 
 fn refused() -> Status {
-    crate::error::ReconcilerError::RouteTokenInvalid.into()
+    SessionError::RouteTokenInvalid.into()
 }
 
 #[tonic::async_trait]
@@ -122,14 +124,14 @@ impl SessionService for Sessions {
     #[tracing::instrument(skip_all, fields(sandbox_id = %request.get_ref().sandbox_id))]
     async fn attach(
         &self,
-        request: Request<pb::AttachRequest>,
-    ) -> Result<Response<pb::AttachResponse>, Status> {
+        request: Request<node_pb::AttachRequest>,
+    ) -> Result<Response<node_pb::AttachResponse>, Status> {
         let token = runplane_grpc::auth::caller(&request)
             .and_then(runplane_grpc::auth::Caller::presented)
             .ok_or_else(refused)?;
         let sandbox_id = &request.get_ref().sandbox_id;
         if sandbox_id.is_empty() || sandbox_id.len() > 128 {
-            return Err(crate::error::ReconcilerError::InvalidField {
+            return Err(SessionError::InvalidField {
                 field: "sandbox_id",
                 reason: "1 to 128 bytes".into(),
             }
@@ -140,7 +142,7 @@ impl SessionService for Sessions {
             tracing::info!("route token refused");
             return Err(refused());
         };
-        Ok(Response::new(pb::AttachResponse {
+        Ok(Response::new(node_pb::AttachResponse {
             sandbox_id: claims.sandbox_id,
             execution_generation: claims.execution_generation,
             session_id: claims.session_id,
@@ -155,7 +157,7 @@ impl SessionService for Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::route_token::{RouteClaims, node_key, sign};
+    use runplane_sandbox::route_token::{RouteClaims, node_key, sign};
 
     fn claims(sandbox: &str, node: &str, generation: u64) -> RouteClaims {
         RouteClaims {

@@ -1,7 +1,7 @@
 //! What a sandbox inherits from its launcher: nothing that is a credential of the
 //! launcher (its TLS client key, its collector's headers) unless the operator opts in.
 
-use runplane_sandbox_reconciler::drivers::process::sandbox_env_from;
+use runplane_sandbox::process::sandbox_env_from;
 
 fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs

@@ -1,0 +1,205 @@
+//! Dispatch: queued runs get sandboxes, on the ready node with the most room or, with
+//! none ready, on this host; and sandboxes decided but not started are launched.
+
+use std::time::Duration;
+
+use runplane_proto::runstore::v1 as runstore_pb;
+use runplane_sandbox::{Driver, Launch, SandboxSpec};
+use tracing::Instrument;
+
+use super::RunStoreClient;
+use crate::domain::placement::{DispatchPlan, LOCAL_NODE, NodeRoom, choose_node, plan_dispatch};
+use crate::error::ReconcilerError;
+use crate::store::Store;
+use crate::store::entities::sandbox;
+
+/// Where a runner reaches the run store and the stream recovery coordinator.
+#[derive(Debug, Clone)]
+pub struct RunnerEndpoints {
+    pub run_store: String,
+    pub stream_recovery: String,
+}
+
+/// Gives queued runs a sandbox and starts sandboxes that were decided but not started.
+///
+/// The run key is asked of the run store per sandbox generation (a replay before the
+/// runner's Hello rotates the never-used secret), handed to the driver for the runner's
+/// environment, and dropped: it is never stored here.
+#[allow(clippy::too_many_arguments)]
+pub async fn dispatch(
+    store: &Store,
+    driver: &dyn Driver,
+    run_store: &RunStoreClient,
+    fleet: Option<&crate::clients::FleetClient>,
+    endpoints: &RunnerEndpoints,
+    idle_timeout: Duration,
+    local_sandboxes: bool,
+    offline_profiles: &std::collections::BTreeSet<String>,
+) -> Result<u64, ReconcilerError> {
+    use runplane_grpc::{ErrorReason, error_info};
+
+    use crate::store::Placed;
+
+    let nodes = store.ready_nodes(store.silent_since()).await?;
+    // What each ready node has room for: its capacity less what is placed on it. Runs go
+    // to nodes only within that room; with no node ready, they run here (when allowed).
+    let mut rooms = if nodes.is_empty() {
+        Vec::new()
+    } else {
+        let ids: Vec<String> = nodes.iter().map(|n| n.id.clone()).collect();
+        let placed = store.placed_per_node(&ids).await?;
+        nodes
+            .iter()
+            .map(|n| {
+                NodeRoom::new(
+                    n.id.clone(),
+                    n.capacity,
+                    placed.get(&n.id).copied().unwrap_or(0),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let max_runs = match plan_dispatch(&rooms, local_sandboxes, crate::slots::CLAIM_PER_ROUND) {
+        DispatchPlan::Local { max_runs } | DispatchPlan::Nodes { max_runs } => Some(max_runs),
+        DispatchPlan::Wait => {
+            tracing::debug!(
+                nodes = nodes.len(),
+                "no node agent has room and local sandboxes are off or unused; runs wait"
+            );
+            None
+        }
+    };
+    let to_place = match max_runs {
+        Some(max_runs) => crate::slots::runs_to_place(run_store, fleet, max_runs)
+            .await
+            .map_err(|status| {
+                tracing::warn!(code = ?status.code(), message = status.message(), "no slots claimed this round; runs wait");
+            })
+            .ok(),
+        None => None,
+    };
+    if let Some(runs) = to_place {
+        for run in runs {
+            let new = |node_id: String| crate::store::NewSandbox {
+                client_request_id: format!("dispatch:{}", run.id),
+                network: crate::domain::placement::network_of(offline_profiles, &run.profile),
+                run_id: run.id.clone(),
+                org_id: run.org_id.clone(),
+                node_id,
+                idle_timeout_ms: idle_timeout.as_millis() as i64,
+                traceparent: run.traceparent.clone(),
+            };
+            if nodes.is_empty() {
+                store.create_placed(new(LOCAL_NODE.to_owned())).await?;
+                continue;
+            }
+            // The node with the most room, within its capacity (checked again under the
+            // node's lock, against every replica's placements). With none left the run
+            // waits STARTING for the next round; only a run claimed before a crash, or
+            // by a replica that placed on the same nodes at once, gets here.
+            loop {
+                let Some(chosen) = choose_node(&rooms) else {
+                    tracing::debug!(run_id = %run.id, "every ready node is full; the run waits");
+                    break;
+                };
+                let room = &mut rooms[chosen];
+                match store
+                    .place_within_capacity(new(room.node_id.clone()), room.capacity)
+                    .await?
+                {
+                    Placed::New(_) => {
+                        room.free -= 1;
+                        break;
+                    }
+                    // A run placed earlier (its launch not claimed yet) is counted where
+                    // it is.
+                    Placed::Existing(_) => break,
+                    Placed::Full => room.free = 0,
+                }
+            }
+        }
+    }
+
+    let mut started = 0;
+    // Node agents launch their own sandboxes (ClaimLaunch); this launches the local ones.
+    for row in store
+        .creating(50)
+        .await?
+        .into_iter()
+        .filter(|r| r.active_node_id.as_deref() == Some(LOCAL_NODE))
+    {
+        // The launch (its key, the runner it starts) is part of the run's trace.
+        let span = tracing::info_span!(
+            "sandbox.launch",
+            run_id = %row.run_id,
+            sandbox_id = %row.id,
+            node_id = LOCAL_NODE,
+            attempt = row.execution_generation,
+        );
+        runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
+        let issued = run_store
+            .clone()
+            .issue_run_key(runstore_pb::IssueRunKeyRequest {
+                run_id: row.run_id.clone(),
+                sandbox_id: row.id.clone(),
+                sandbox_generation: row.execution_generation as u64,
+                idempotency_key: format!("{}:{}", row.id, row.execution_generation),
+            })
+            .instrument(span.clone())
+            .await;
+        let key = match issued {
+            Ok(answer) => Some(answer.into_inner().run_key),
+            Err(status) => {
+                let reason = error_info(&status).map(|i| i.reason).unwrap_or_default();
+                if reason == ErrorReason::RunTerminal.as_str_name() {
+                    store
+                        .mark_deleted(&row.id, row.execution_generation)
+                        .await?;
+                    continue;
+                }
+                if reason != ErrorReason::RunKeyClaimed.as_str_name() {
+                    tracing::warn!(sandbox_id = %row.id, code = ?status.code(), "run key not issued yet");
+                    continue;
+                }
+                // A runner of this generation already said Hello: adopt it, start nothing.
+                None
+            }
+        };
+        let launch = Launch {
+            endpoint: endpoints.run_store.clone(),
+            recovery_endpoint: endpoints.stream_recovery.clone(),
+            run_id: row.run_id.clone(),
+            run_key: runplane_config::Secret::new(key.unwrap_or_default()),
+            traceparent: span
+                .in_scope(runplane_grpc::trace_context::current_traceparent)
+                .unwrap_or_default(),
+        };
+        match driver
+            .create(&SandboxSpec::from(&row), launch)
+            .instrument(span)
+            .await
+        {
+            Ok(handle) => {
+                if store
+                    .mark_started(&row.id, row.execution_generation, &handle)
+                    .await?
+                {
+                    started += 1;
+                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, %handle, "sandbox started");
+                } else {
+                    // Deleted while it started (its stop may already be acknowledged): stop
+                    // what this call started, so nothing of it keeps running.
+                    let started_row = sandbox::Model {
+                        driver_handle: handle,
+                        ..row.clone()
+                    };
+                    if let Err(e) = driver.destroy(&SandboxSpec::from(&started_row)).await {
+                        tracing::warn!(sandbox_id = %row.id, error = %e, "a sandbox deleted while it started was not stopped");
+                    }
+                }
+            }
+            Err(e) => tracing::error!(sandbox_id = %row.id, error = %e, "sandbox not started"),
+        }
+    }
+    Ok(started)
+}

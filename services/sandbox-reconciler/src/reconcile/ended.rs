@@ -1,0 +1,115 @@
+//! The sweep of ended runs: the sandboxes of runs the run store says are terminal are
+//! deleted, and this reconciler's own deleted sandboxes are stopped.
+
+use futures::StreamExt;
+use runplane_proto::runstore::v1 as runstore_pb;
+use runplane_sandbox::{Driver, SandboxSpec};
+
+use super::runs::{RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
+use super::{Reconciler, RunStoreClient};
+use crate::domain::placement::LOCAL_NODE;
+use crate::error::ReconcilerError;
+use crate::store::Store;
+use crate::store::entities::sandbox;
+
+/// The run states after which a run's sandboxes are destroyed.
+pub const TERMINAL_RUN_STATES: [runstore_pb::RunState; 4] = [
+    runstore_pb::RunState::Succeeded,
+    runstore_pb::RunState::Failed,
+    runstore_pb::RunState::Cancelled,
+    runstore_pb::RunState::BackendError,
+];
+
+impl Reconciler {
+    /// Deletes every sandbox whose run has ended, whatever its status (creating, started,
+    /// suspended and unplaced, restoring, or an exit or loss already confirmed). It reads
+    /// this reconciler's not-deleted rows in bounded batches and asks the run store which
+    /// of their runs are terminal (it never reads the run store's tables); each deletion is
+    /// a compare-and-set on the generation it read and settles the sandbox's wakes. What
+    /// stops the processes: [`Reconciler::stop_owed_local`] here, the node agents (a
+    /// DESTROY assignment) for the rest. Returns how many it deleted.
+    pub async fn delete_sandboxes_of_ended_runs(
+        &self,
+        run_store: &RunStoreClient,
+    ) -> Result<u64, ReconcilerError> {
+        let batch = self.settings.batch.clamp(1, RUN_IDS_PER_QUESTION);
+        let mut deleted = 0;
+        let mut cursor: Option<String> = None;
+        loop {
+            let rows = self.store.not_deleted(cursor.as_deref(), batch).await?;
+            let Some(last) = rows.last() else { break };
+            cursor = Some(last.id.clone());
+            let full = rows.len() as u64 == batch;
+            let run_ids = run_ids_of(&rows);
+            let ended = if run_ids.is_empty() {
+                Default::default()
+            } else {
+                ended_runs(run_store, run_ids).await?
+            };
+            for row in rows.iter().filter(|r| ended.contains(&r.run_id)) {
+                if self
+                    .store
+                    .mark_deleted(&row.id, row.execution_generation)
+                    .await?
+                {
+                    deleted += 1;
+                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, status = %row.status, "the run has ended; sandbox destroyed");
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// Stops the processes of this reconciler's own deleted sandboxes that are still owed
+    /// a stop (deleted by the sweep, DestroySandbox or dispatch), and acknowledges each
+    /// stop, so a crash in between only delays it to the next round.
+    pub async fn stop_owed_local(&self) -> Result<u64, ReconcilerError> {
+        let owed = self
+            .store
+            .destroys_owed(LOCAL_NODE, self.settings.batch)
+            .await?;
+        let stopped: Vec<Result<bool, ReconcilerError>> = futures::stream::iter(owed)
+            .map(|row| async move { stop_local(&self.store, self.driver.as_ref(), &row).await })
+            .buffer_unordered(self.settings.probe_concurrency.max(1))
+            .collect()
+            .await;
+        let mut count = 0;
+        for outcome in stopped {
+            count += u64::from(outcome?);
+        }
+        Ok(count)
+    }
+}
+
+/// Which of `run_ids` (at most 500) the run store says are terminal.
+async fn ended_runs(
+    run_store: &RunStoreClient,
+    run_ids: Vec<String>,
+) -> Result<std::collections::HashSet<String>, ReconcilerError> {
+    runs_among(run_store, run_ids, &TERMINAL_RUN_STATES, false).await
+}
+
+/// Stops a deleted local sandbox's process and acknowledges the stop; `false` (logged)
+/// when the driver failed, and the stop stays owed.
+pub async fn stop_local(
+    store: &Store,
+    driver: &dyn Driver,
+    row: &sandbox::Model,
+) -> Result<bool, ReconcilerError> {
+    match driver.destroy(&SandboxSpec::from(row)).await {
+        Ok(()) => {
+            store
+                .acknowledge_destroyed(&row.id, row.execution_generation)
+                .await?;
+            tracing::info!(sandbox_id = %row.id, "deleted sandbox's process stopped");
+            Ok(true)
+        }
+        Err(e) => {
+            tracing::warn!(sandbox_id = %row.id, error = %e, "deleted sandbox not stopped yet; next round retries");
+            Ok(false)
+        }
+    }
+}

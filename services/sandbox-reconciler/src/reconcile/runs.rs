@@ -1,0 +1,65 @@
+//! What the reconciler asks the run store of its sandboxes' runs: which of them are in
+//! which state, a bounded question at a time.
+
+use runplane_proto::runstore::v1 as runstore_pb;
+
+use super::RunStoreClient;
+use crate::error::ReconcilerError;
+use crate::store::entities::sandbox;
+
+/// Most run ids in one `ListRuns` question (the run store's limit).
+pub(super) const RUN_IDS_PER_QUESTION: u64 = 500;
+
+/// The distinct run ids of `rows` that can name a run (a lowercase UUID): the run store
+/// refuses the whole question otherwise, and no run has another id.
+pub(super) fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
+    let mut run_ids: Vec<String> = rows
+        .iter()
+        .map(|r| r.run_id.clone())
+        .filter(|id| {
+            uuid::Uuid::parse_str(id).is_ok() && id.bytes().all(|b| !b.is_ascii_uppercase())
+        })
+        .collect();
+    run_ids.sort();
+    run_ids.dedup();
+    run_ids
+}
+
+/// Which of `run_ids` (at most 500) are in one of `states` (and, with `pending`, have a
+/// message not yet acknowledged), every page of the answer read. The answer is checked
+/// here too (id asked for, state one of those asked for), so a run store that ignored a
+/// filter could make the caller act on no run it should not.
+pub(super) async fn runs_among(
+    run_store: &RunStoreClient,
+    run_ids: Vec<String>,
+    states: &[runstore_pb::RunState],
+    pending: bool,
+) -> Result<std::collections::HashSet<String>, ReconcilerError> {
+    let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
+    let mut found = std::collections::HashSet::new();
+    let mut page_token = String::new();
+    loop {
+        let page = run_store
+            .clone()
+            .list_runs(runstore_pb::ListRunsRequest {
+                run_ids: run_ids.clone(),
+                states: states.iter().map(|s| *s as i32).collect(),
+                with_pending_messages: pending,
+                page_size: RUN_IDS_PER_QUESTION as u32,
+                page_token,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        found.extend(
+            page.runs
+                .into_iter()
+                .filter(|r| states.contains(&r.state()) && asked.contains(&r.id))
+                .map(|r| r.id),
+        );
+        if page.next_page_token.is_empty() {
+            return Ok(found);
+        }
+        page_token = page.next_page_token;
+    }
+}
