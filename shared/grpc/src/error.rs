@@ -1,7 +1,7 @@
 //! Errors on the wire: a gRPC code plus `google.rpc.ErrorInfo` whose `reason` is one of
 //! the stable names in `runplane.errors.v1.Reason`. Clients branch on the reason, never
 //! on the message text. Also the error of building a client ([`ClientError`]), and
-//! [`error_chain`] to show any error with its causes.
+//! `error_chain` to show any error with its causes.
 
 use std::collections::HashMap;
 
