@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
-use runplane_proto::recovery::v1 as pb;
+use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
-use runplane_proto::runstore::v1 as rs;
+use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
@@ -38,7 +38,7 @@ const CONTROLLER_LIFE: Duration = Duration::from_secs(1);
 struct Outcome {
     resumes: usize,
     aborts: usize,
-    state: rs::RunState,
+    state: runstore_pb::RunState,
     reason: String,
     ended_after: Option<Duration>,
     tail_items: usize,
@@ -95,10 +95,12 @@ async fn storm(tails: usize) -> Outcome {
     let mut op =
         RunServiceClient::with_interceptor(channel(&run_store_endpoint).await, Bearer::new(TOKEN));
     let run_id = op
-        .create_run(rs::CreateRunRequest {
+        .create_run(runstore_pb::CreateRunRequest {
             client_request_id: format!("tail-storm-{tails}-request"),
             org_id: "acme".into(),
-            target: Some(rs::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                "c".into(),
+            )),
             command: "agent".into(),
             ..Default::default()
         })
@@ -109,7 +111,7 @@ async fn storm(tails: usize) -> Outcome {
         .unwrap()
         .id;
     let key = op
-        .issue_run_key(rs::IssueRunKeyRequest {
+        .issue_run_key(runstore_pb::IssueRunKeyRequest {
             run_id: run_id.clone(),
             sandbox_id: "sbx".into(),
             sandbox_generation: 1,
@@ -123,7 +125,7 @@ async fn storm(tails: usize) -> Outcome {
         channel(&run_store_endpoint).await,
         Bearer::new(key.clone()),
     )
-    .hello(rs::HelloRequest {
+    .hello(runstore_pb::HelloRequest {
         run_id: run_id.clone(),
         nonce: "tail-storm-runner-nonce".into(),
         runner_version: String::new(),
@@ -137,7 +139,7 @@ async fn storm(tails: usize) -> Outcome {
         Bearer::new(key),
     );
     let first = runner
-        .acquire_lease(pb::AcquireLeaseRequest {
+        .acquire_lease(recovery_pb::AcquireLeaseRequest {
             run_id: run_id.clone(),
             controller_id: "first-controller".into(),
             ttl: None,
@@ -147,11 +149,11 @@ async fn storm(tails: usize) -> Outcome {
         .into_inner()
         .controller_token;
     runner
-        .append_frames(pb::AppendFramesRequest {
+        .append_frames(recovery_pb::AppendFramesRequest {
             run_id: run_id.clone(),
             controller_token: first.clone(),
             frames: (1..=3)
-                .map(|s| pb::FrameInput {
+                .map(|s| recovery_pb::FrameInput {
                     sequence: s,
                     data: format!("frame {s}").into_bytes(),
                 })
@@ -161,7 +163,7 @@ async fn storm(tails: usize) -> Outcome {
         .await
         .unwrap();
     runner
-        .release_lease(pb::ReleaseLeaseRequest {
+        .release_lease(recovery_pb::ReleaseLeaseRequest {
             run_id: run_id.clone(),
             controller_token: first,
         })
@@ -180,7 +182,7 @@ async fn storm(tails: usize) -> Outcome {
                 channel(&endpoint).await,
                 Bearer::new(TOKEN),
             )
-            .tail(pb::TailRequest {
+            .tail(recovery_pb::TailRequest {
                 run_id,
                 from_sequence: 1,
                 follow: true,
@@ -191,7 +193,7 @@ async fn storm(tails: usize) -> Outcome {
             .into_inner();
             while let Ok(Some(item)) = tail.message().await {
                 items.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if matches!(item.item, Some(pb::tail_response::Item::Ended(_))) {
+                if matches!(item.item, Some(recovery_pb::tail_response::Item::Ended(_))) {
                     return;
                 }
             }
@@ -209,7 +211,7 @@ async fn storm(tails: usize) -> Outcome {
             .pending_messages(&run_id, 100)
             .await
             .unwrap();
-        let messages: Vec<rs::SteeringMessage> = messages
+        let messages: Vec<runstore_pb::SteeringMessage> = messages
             .iter()
             .map(runplane_run_store::convert::message)
             .collect();
@@ -217,10 +219,11 @@ async fn storm(tails: usize) -> Outcome {
         aborts = 0;
         for m in &messages {
             match m.kind() {
-                rs::SteeringKind::Abort => aborts += 1,
-                rs::SteeringKind::ResumeStream => {
+                runstore_pb::SteeringKind::Abort => aborts += 1,
+                runstore_pb::SteeringKind::ResumeStream => {
                     resumes += 1;
-                    if let Some(rs::steering_message::Payload::ResumeStream(p)) = &m.payload
+                    if let Some(runstore_pb::steering_message::Payload::ResumeStream(p)) =
+                        &m.payload
                         && seen.insert(p.controller_token.clone())
                     {
                         let mut runner = runner.clone();
@@ -228,7 +231,7 @@ async fn storm(tails: usize) -> Outcome {
                         tokio::spawn(async move {
                             tokio::time::sleep(CONTROLLER_LIFE).await;
                             let _ = runner
-                                .release_lease(pb::ReleaseLeaseRequest {
+                                .release_lease(recovery_pb::ReleaseLeaseRequest {
                                     run_id,
                                     controller_token: token,
                                 })
@@ -240,7 +243,7 @@ async fn storm(tails: usize) -> Outcome {
             }
         }
         let run = op
-            .get_run(rs::GetRunRequest {
+            .get_run(runstore_pb::GetRunRequest {
                 run_id: run_id.clone(),
             })
             .await
@@ -261,7 +264,7 @@ async fn storm(tails: usize) -> Outcome {
         reader.abort();
     }
     let run = op
-        .get_run(rs::GetRunRequest {
+        .get_run(runstore_pb::GetRunRequest {
             run_id: run_id.clone(),
         })
         .await
