@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod changes;
+pub mod clients;
 pub mod config;
 pub mod convert;
 pub mod domain;
@@ -32,7 +33,7 @@ pub use error::RunStoreError;
 /// A started run store, ready to be registered on a server.
 #[derive(Debug, Clone)]
 pub struct RunStore {
-    shared: Arc<grpc::Shared>,
+    state: Arc<grpc::ServiceState>,
     /// Background work; [`RunStore::register`] hands it to the server's shutdown.
     tasks: runplane_grpc::Tasks,
 }
@@ -100,7 +101,7 @@ impl RunStore {
         });
         Ok(Self {
             tasks,
-            shared: Arc::new(grpc::Shared {
+            state: Arc::new(grpc::ServiceState {
                 store,
                 settings,
                 tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
@@ -123,7 +124,7 @@ impl RunStore {
     async fn rounds(self, cancelled: runplane_grpc::Cancelled) {
         let shutdown = cancelled.cancelled();
         tokio::pin!(shutdown);
-        let mut sweep = tokio::time::interval(self.shared.settings.deadline_sweep_interval);
+        let mut sweep = tokio::time::interval(self.state.settings.deadline_sweep_interval);
         let mut deliver = tokio::time::interval(outbox::EVERY);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         deliver.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -135,7 +136,7 @@ impl RunStore {
                         tracing::warn!(error = %e, "deadline sweep failed; next round retries");
                     }
                 }
-                _ = deliver.tick(), if self.shared.credential_health.is_some() => {
+                _ = deliver.tick(), if self.state.credential_health.is_some() => {
                     if let Err(e) = self.deliver_outbox().await {
                         tracing::warn!(error = %e, "outbox delivery failed; next round retries");
                     }
@@ -148,7 +149,7 @@ impl RunStore {
     /// the due runs, then each is ended under its own lock, so replicas sweeping at the
     /// same time end each run once. Returns how many this call ended.
     pub async fn sweep_deadlines(&self) -> Result<u64, RunStoreError> {
-        let s = &self.shared;
+        let s = &self.state;
         let mut ended = 0;
         for run_id in s.store.past_deadline(DEADLINE_SWEEP_BATCH).await? {
             if let Some(run) = s.store.expire(&run_id, &s.settings.signer).await? {
@@ -163,14 +164,14 @@ impl RunStore {
     /// Delivers due outbox rows once (tests drive delivery by hand with this). Each row is
     /// claimed before its call, so replicas delivering at the same time send it once.
     pub async fn deliver_outbox(&self) -> Result<u64, RunStoreError> {
-        match &self.shared.credential_health {
+        match &self.state.credential_health {
             Some(client) => outbox::deliver(self.store(), client, 100).await,
             None => Ok(0),
         }
     }
 
     pub fn store(&self) -> &store::Store {
-        &self.shared.store
+        &self.state.store
     }
 
     /// The two tonic services, for callers that wrap them (tests cut responses).
@@ -182,17 +183,17 @@ impl RunStore {
     ) {
         (
             RunnerServiceServer::new(grpc::RunnerApi {
-                shared: self.shared.clone(),
+                state: self.state.clone(),
             }),
             RunServiceServer::new(grpc::RunApi {
-                shared: self.shared.clone(),
+                state: self.state.clone(),
             }),
         )
     }
 
     /// The public key receipts are signed with.
     pub fn receipt_public_key(&self) -> [u8; 32] {
-        self.shared.settings.signer.public_key()
+        self.state.settings.signer.public_key()
     }
 
     /// Adds the run store's gRPC services to `services`.
@@ -200,7 +201,7 @@ impl RunStore {
         let (runner, run) = self.services();
         let store = self.clone();
         services
-            .authenticate(self.shared.tokens.clone())
+            .authenticate(self.state.tokens.clone())
             .add(runner)
             .add(run)
             .background(&self.tasks)
@@ -210,6 +211,6 @@ impl RunStore {
     /// Ends long polls and watches now instead of letting them hold the shutdown up:
     /// polls answer with what is pending, watches end so their clients resume elsewhere.
     pub fn begin_shutdown(&self) {
-        self.shared.changes.close();
+        self.state.changes.close();
     }
 }

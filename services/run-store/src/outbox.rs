@@ -9,8 +9,8 @@ use runplane_grpc::trace_context::outbox_span;
 use runplane_proto::credentials::v1 as credentials_pb;
 use tracing::Instrument;
 
+use crate::clients::CredentialHealthClient;
 use crate::error::RunStoreError;
-use crate::grpc::CredentialHealthClient;
 use crate::store::Store;
 
 /// How often due rows are looked for.

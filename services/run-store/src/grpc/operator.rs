@@ -1,6 +1,42 @@
 //! RunService: what operators and services call.
 
-use super::*;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use futures::Stream;
+use prost::Message;
+use runplane_grpc::proto_duration as duration;
+use runplane_proto::runstore::v1 as runstore_pb;
+use runplane_proto::runstore::v1::run_service_server::RunService;
+use runplane_telemetry::metrics;
+use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
+
+use super::fields::from_duration;
+use super::service_state::ServiceState;
+use super::watch;
+use crate::convert;
+use crate::domain::ids::{self, digest_hex, hex};
+use crate::domain::state::RunState;
+use crate::domain::validate;
+use crate::error::RunStoreError;
+use crate::store::{FailRequest, NewRun, RunFilter};
+
+type Result<T> = std::result::Result<T, RunStoreError>;
+
+/// Most ids one ListRuns may name (`run_ids`).
+const MAX_LISTED_RUN_IDS: usize = 500;
+
+/// Most bytes of a CancelRun reason.
+const MAX_CANCEL_REASON_BYTES: usize = 256;
+
+/// `runplane.runstore.v1.RunService`: calls from operators and other services.
+#[derive(Debug, Clone)]
+pub struct RunApi {
+    pub state: Arc<ServiceState>,
+}
 
 /// What CreateRun's checks made of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,7 +143,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::CreateRunRequest>,
     ) -> std::result::Result<Response<runstore_pb::CreateRunResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
         let CheckedCreateRun {
@@ -186,7 +222,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::GetRunRequest>,
     ) -> std::result::Result<Response<runstore_pb::GetRunResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let operator = s.operator(&request)?;
         let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
         Ok(Response::new(runstore_pb::GetRunResponse {
@@ -198,7 +234,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::ListRunsRequest>,
     ) -> std::result::Result<Response<runstore_pb::ListRunsResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
         let org_id = operator.org_filter(&req.org_id)?;
@@ -253,7 +289,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::CountActiveRunsRequest>,
     ) -> std::result::Result<Response<runstore_pb::CountActiveRunsResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let req = request.get_ref();
         if req.credential_ids.len() > 10_000 || req.profiles.len() > 10_000 {
@@ -291,7 +327,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::WaitForRunsRequest>,
     ) -> std::result::Result<Response<runstore_pb::WaitForRunsResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let wait = from_duration("wait", request.get_ref().wait.as_ref())?
             .unwrap_or_default()
@@ -310,7 +346,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::ClaimSlotsRequest>,
     ) -> std::result::Result<Response<runstore_pb::ClaimSlotsResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let req = request.get_ref();
         if req.credentials.len() > 10_000 {
@@ -350,7 +386,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::WatchRunRequest>,
     ) -> std::result::Result<Response<WatchStream>, Status> {
-        let s = self.shared.clone();
+        let s = self.state.clone();
         let operator = s.operator(&request)?;
         let req = request.into_inner();
         validate::int64("after_sequence", req.after_sequence)?;
@@ -373,7 +409,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::IssueRunKeyRequest>,
     ) -> std::result::Result<Response<runstore_pb::IssueRunKeyResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let req = request.get_ref();
         validate::run_id(&req.run_id)?;
@@ -404,7 +440,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::CheckRunKeyRequest>,
     ) -> std::result::Result<Response<runstore_pb::CheckRunKeyResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let req = request.get_ref();
         validate::run_id(&req.run_id)?;
@@ -428,7 +464,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::SteerRequest>,
     ) -> std::result::Result<Response<runstore_pb::SteerResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
         s.visible_run(&operator, &req.run_id).await?;
@@ -462,7 +498,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::InterruptRequest>,
     ) -> std::result::Result<Response<runstore_pb::InterruptResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
         let run = s.visible_run(&operator, &req.run_id).await?;
@@ -513,7 +549,7 @@ impl RunService for RunApi {
         request: Request<runstore_pb::EnqueueControlRequest>,
     ) -> std::result::Result<Response<runstore_pb::EnqueueControlResponse>, Status> {
         use runstore_pb::enqueue_control_request::Control;
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let req = request.get_ref();
         validate::run_id(&req.run_id)?;
@@ -565,7 +601,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::CancelRunRequest>,
     ) -> std::result::Result<Response<runstore_pb::CancelRunResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let operator = s.operator(&request)?;
         let req = request.get_ref();
         validate::bounded("reason", &req.reason, 0, MAX_CANCEL_REASON_BYTES)?;
@@ -612,7 +648,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::FailRunRequest>,
     ) -> std::result::Result<Response<runstore_pb::FailRunResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let req = request.get_ref();
         validate::run_id(&req.run_id)?;
@@ -675,7 +711,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::MarkBackendErrorRequest>,
     ) -> std::result::Result<Response<runstore_pb::MarkBackendErrorResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.service(&request)?;
         let req = request.get_ref();
         validate::run_id(&req.run_id)?;
@@ -733,7 +769,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::GetReceiptRequest>,
     ) -> std::result::Result<Response<runstore_pb::GetReceiptResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let operator = s.operator(&request)?;
         let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
         let receipt = s
@@ -750,7 +786,7 @@ impl RunService for RunApi {
         &self,
         request: Request<runstore_pb::GetReceiptPublicKeyRequest>,
     ) -> std::result::Result<Response<runstore_pb::GetReceiptPublicKeyResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         s.operator(&request)?;
         let key_id = &request.get_ref().key_id;
         let signer = &s.settings.signer;

@@ -1,6 +1,28 @@
 //! RunnerService: what a sandbox's runner calls with its run key.
 
-use super::*;
+use std::sync::Arc;
+
+use runplane_proto::runstore::v1 as runstore_pb;
+use runplane_proto::runstore::v1::runner_service_server::RunnerService;
+use runplane_telemetry::metrics;
+use tonic::{Request, Response, Status};
+
+use super::fields::from_duration;
+use super::service_state::ServiceState;
+use crate::auth::presented;
+use crate::convert;
+use crate::domain::verdict::Verdict;
+use crate::domain::{ids, validate};
+use crate::error::RunStoreError;
+use crate::store::Ack;
+
+type Result<T> = std::result::Result<T, RunStoreError>;
+
+/// `runplane.runstore.v1.RunnerService`: calls from the runner inside a sandbox.
+#[derive(Debug, Clone)]
+pub struct RunnerApi {
+    pub state: Arc<ServiceState>,
+}
 
 #[tonic::async_trait]
 impl RunnerService for RunnerApi {
@@ -9,7 +31,7 @@ impl RunnerService for RunnerApi {
         &self,
         request: Request<runstore_pb::HelloRequest>,
     ) -> std::result::Result<Response<runstore_pb::HelloResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let req = request.get_ref();
         let auth = s.runner(&request, &req.run_id, false).await?;
         validate::client_key("nonce", &req.nonce)?;
@@ -32,7 +54,7 @@ impl RunnerService for RunnerApi {
         &self,
         request: Request<runstore_pb::AppendEventsRequest>,
     ) -> std::result::Result<Response<runstore_pb::AppendEventsResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let req = request.get_ref();
         let key = presented(&request)?;
         validate::run_id(&req.run_id)?;
@@ -66,7 +88,7 @@ impl RunnerService for RunnerApi {
         &self,
         request: Request<runstore_pb::PollSteeringRequest>,
     ) -> std::result::Result<Response<runstore_pb::PollSteeringResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let req = request.get_ref();
         // A terminal run's key still polls: the runner learns the run ended (and gets an
         // abort enqueued as it ended) from the answer instead of an error.
@@ -115,7 +137,7 @@ impl RunnerService for RunnerApi {
         &self,
         request: Request<runstore_pb::SubmitResultRequest>,
     ) -> std::result::Result<Response<runstore_pb::SubmitResultResponse>, Status> {
-        let s = &self.shared;
+        let s = &self.state;
         let req = request.get_ref();
         s.runner(&request, &req.run_id, true).await?;
         let verdict = req

@@ -1,11 +1,17 @@
 //! WatchRun's stream.
 
-use super::*;
+use std::time::Duration;
+
+use runplane_proto::runstore::v1 as runstore_pb;
+use tonic::Status;
+
+use super::service_state::ServiceState;
+use crate::convert;
 
 /// Streams a run's snapshot, its events after the asked sequence and a new snapshot at
 /// each state change, until the run is terminal and every event was sent.
 pub(super) async fn watch(
-    s: &Shared,
+    s: &ServiceState,
     first: crate::store::entities::run::Model,
     req: &runstore_pb::WatchRunRequest,
     heartbeat: Duration,
