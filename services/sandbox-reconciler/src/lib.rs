@@ -36,7 +36,7 @@ pub use error::ReconcilerError;
 /// A started reconciler, ready to be registered on a server.
 #[derive(Debug, Clone)]
 pub struct SandboxReconciler {
-    shared: Arc<grpc::Shared>,
+    state: Arc<grpc::ReconcilerState>,
     settings: reconcile::ReconcileSettings,
     run_store_endpoint: String,
     tick_interval: Duration,
@@ -108,7 +108,7 @@ impl SandboxReconciler {
         let signals = signals::Signals::new(&db);
         Ok(Self {
             fleet,
-            shared: Arc::new(grpc::Shared {
+            state: Arc::new(grpc::ReconcilerState {
                 signals,
                 store: store::Store::new(db, clock),
                 run_store,
@@ -139,7 +139,7 @@ impl SandboxReconciler {
         runplane_binary: std::path::PathBuf,
         containment: runplane_sandbox::Containment,
     ) {
-        let store = self.shared.store.clone();
+        let store = self.state.store.clone();
         let local =
             drivers::ProcessDriver::new(&self.state_dir, runplane_binary).contained(containment);
         let driver = Arc::new(drivers::RoutedDriver::new(local, store.clone()));
@@ -150,34 +150,34 @@ impl SandboxReconciler {
                     .with_fleet(this.fleet.clone());
             reconcile::run_loop(
                 reconciler,
-                this.shared.run_store.clone(),
+                this.state.run_store.clone(),
                 reconcile::RunnerEndpoints {
                     run_store: this.run_store_endpoint.clone(),
-                    stream_recovery: this.shared.recovery_endpoint.clone(),
+                    stream_recovery: this.state.recovery_endpoint.clone(),
                 },
                 this.tick_interval,
-                this.shared.signals.clone(),
+                this.state.signals.clone(),
                 cancelled.cancelled(),
             )
         });
     }
 
     pub fn store(&self) -> &store::Store {
-        &self.shared.store
+        &self.state.store
     }
 
     /// Adds the reconciler's gRPC services to `services`.
     pub fn register(&self, services: &mut ServiceSet) {
         services
-            .authenticate(self.shared.tokens.clone())
+            .authenticate(self.state.tokens.clone())
             .add(SandboxServiceServer::new(grpc::SandboxApi {
-                shared: self.shared.clone(),
+                state: self.state.clone(),
             }))
             .add(NodeServiceServer::new(grpc::NodeApi {
-                shared: self.shared.clone(),
+                state: self.state.clone(),
             }))
             .add(NodeCredentialServiceServer::new(grpc::NodeCredentialApi {
-                shared: self.shared.clone(),
+                state: self.state.clone(),
             }))
             .background(&self.tasks);
     }

@@ -1,0 +1,68 @@
+//! `runplane.reconciler.v1.NodeCredentialService`: operators make and revoke node
+//! agents' own credentials.
+
+use runplane_proto::reconciler::v1 as reconciler_pb;
+use runplane_proto::reconciler::v1::node_credential_service_server::NodeCredentialService;
+use tonic::{Request, Response, Status};
+
+use super::NodeCredentialApi;
+use super::convert::node_credential_of;
+use super::validate::node_name;
+
+#[tonic::async_trait]
+impl NodeCredentialService for NodeCredentialApi {
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
+    async fn create_node_credential(
+        &self,
+        request: Request<reconciler_pb::CreateNodeCredentialRequest>,
+    ) -> Result<Response<reconciler_pb::CreateNodeCredentialResponse>, Status> {
+        let s = &self.state;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        let (row, token) = s.store.create_node_credential(&req.node_id).await?;
+        // The secret is in the answer only, never in a log line.
+        tracing::info!(credential_id = %row.id, "node credential created");
+        Ok(Response::new(reconciler_pb::CreateNodeCredentialResponse {
+            credential: Some(node_credential_of(&row)),
+            token,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id))]
+    async fn revoke_node_credentials(
+        &self,
+        request: Request<reconciler_pb::RevokeNodeCredentialsRequest>,
+    ) -> Result<Response<reconciler_pb::RevokeNodeCredentialsResponse>, Status> {
+        let s = &self.state;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        node_name("node_id", &req.node_id)?;
+        let revoked = s.store.revoke_node_credentials(&req.node_id).await?;
+        tracing::info!(revoked, "node credentials revoked");
+        Ok(Response::new(
+            reconciler_pb::RevokeNodeCredentialsResponse {
+                revoked: revoked.min(u64::from(u32::MAX)) as u32,
+            },
+        ))
+    }
+
+    async fn list_node_credentials(
+        &self,
+        request: Request<reconciler_pb::ListNodeCredentialsRequest>,
+    ) -> Result<Response<reconciler_pb::ListNodeCredentialsResponse>, Status> {
+        let s = &self.state;
+        s.authenticate(&request)?;
+        let req = request.get_ref();
+        if !req.node_id.is_empty() {
+            node_name("node_id", &req.node_id)?;
+        }
+        let rows = s
+            .store
+            .list_node_credentials((!req.node_id.is_empty()).then_some(req.node_id.as_str()))
+            .await?;
+        Ok(Response::new(reconciler_pb::ListNodeCredentialsResponse {
+            credentials: rows.iter().map(node_credential_of).collect(),
+        }))
+    }
+}
