@@ -32,11 +32,14 @@
 //! Run: `cargo bench -p runplane-credential-health --bench policy` (needs the local
 //! Postgres). Start-up timings are printed first; the whole run takes under 2 minutes.
 
+mod measure;
+mod workload;
+
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use measure::{Stats, drive, ms, stats};
 use runplane_config::{Config, ProfileConfig, Secret};
 use runplane_credential_health::CredentialHealth;
 use runplane_credential_health::domain::policy::{CredentialState, ErrorEffect, PolicyConfig};
@@ -56,198 +59,15 @@ use sea_orm::{
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
+use workload::{CREDENTIALS, Kind, Tails, credential_of, kind_of, report_request, splitmix};
 
 const TOKEN: &str = "bench-service-token-0123456789abcdef0123";
-const CREDENTIALS: usize = 10_000;
 /// (callers, reports) for the classification + policy table.
 const REPORT_ROUNDS: [(usize, usize); 3] = [(1, 2_000), (16, 10_000), (64, 20_000)];
 const ADMISSION_CALLS: usize = 5_000;
 const ADMISSION_CALLERS: [usize; 2] = [1, 16];
 
 type HealthClient = CredentialHealthServiceClient<InterceptedService<Channel, Bearer>>;
-
-// --- workload -------------------------------------------------------------------------
-
-fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// The credential report `n` failed on: spread over the fleet, not round-robin.
-fn credential_of(n: usize) -> usize {
-    (splitmix(n as u64) % CREDENTIALS as u64) as usize
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Outage,
-    Other,
-    Spent,
-}
-
-/// 78% outage, 20% member problems, 2% exhaustion.
-fn kind_of(n: usize) -> Kind {
-    if n % 50 == 7 {
-        Kind::Spent
-    } else if n % 5 == 1 {
-        Kind::Other
-    } else {
-        Kind::Outage
-    }
-}
-
-/// Agent output of typical shape; no line matches either default pattern.
-const BODY: &[&str] = &[
-    "⏺ I'll check how the totals are rounded before the tax step is applied.",
-    "⏺ Read(services/billing/src/invoice.rs)",
-    "  ⎿  Read 214 lines (ctrl+r to expand)",
-    "⏺ Search(pattern: \"fn round_half_even\", path: \"services/billing\")",
-    "  ⎿  Found 3 files (ctrl+r to expand)",
-    "✻ Thinking…",
-    "⏺ Update(services/billing/src/invoice.rs)",
-    "  ⎿  Updated services/billing/src/invoice.rs with 6 additions and 2 removals",
-    "⏺ Bash(cargo test -p billing -- invoice::rounding)",
-    "  ⎿     Compiling billing v0.3.1 (/workspace/services/billing)",
-    "         Finished `test` profile [unoptimized + debuginfo] target(s) in 7.92s",
-    "          Running unittests src/lib.rs (target/debug/deps/billing-5f1c0a7e2b9d4c11)",
-    "     running 12 tests",
-    "     test invoice::rounding::half_even ... ok",
-    "     test invoice::rounding::negative_totals ... ok",
-    "     test invoice::rounding::zero_rated_lines ... ok",
-    "     test result: ok. 12 passed; 0 failed; 0 ignored; 0 measured; finished in 0.41s",
-    "⏺ The rounding now happens once, after the tax lines are summed. Next, the export.",
-    "⏺ Read(services/billing/src/export/csv.rs)",
-    "  ⎿  Read 96 lines (ctrl+r to expand)",
-];
-
-const OTHER_ENDINGS: &[&str] = &[
-    "error[E0308]: mismatched types: expected `Decimal`, found `f64`",
-    "Error: process exited with code 1",
-    "test result: FAILED. 11 passed; 1 failed; 0 ignored; 0 measured",
-];
-
-/// A ~2 KiB tail ending in `last`; `variant` rotates the body.
-fn tail(variant: usize, last: &str) -> String {
-    let mut out = String::with_capacity(2200);
-    let mut i = variant;
-    while out.len() + last.len() < 2000 {
-        out.push_str(BODY[i % BODY.len()]);
-        out.push('\n');
-        i += 1;
-    }
-    out.push_str(last);
-    out.push('\n');
-    out
-}
-
-struct Tails {
-    outage: Vec<String>,
-    other: Vec<String>,
-    spent: Vec<String>,
-}
-
-impl Tails {
-    fn new() -> Self {
-        Self {
-            outage: (0..8)
-                .map(|v| tail(v, "API Error: No response from API"))
-                .collect(),
-            other: (0..8)
-                .map(|v| tail(v, OTHER_ENDINGS[v % OTHER_ENDINGS.len()]))
-                .collect(),
-            spent: (0..8)
-                .map(|v| {
-                    tail(
-                        v,
-                        "Error: Your credit balance is too low to access the API. Add credits to continue.",
-                    )
-                })
-                .collect(),
-        }
-    }
-
-    fn of(&self, n: usize) -> &str {
-        let v = (n / 7) % 8;
-        match kind_of(n) {
-            Kind::Outage => &self.outage[v],
-            Kind::Other => &self.other[v],
-            Kind::Spent => &self.spent[v],
-        }
-    }
-}
-
-fn report_request(n: usize, tails: &Tails) -> credentials_pb::ReportTurnFailureRequest {
-    credentials_pb::ReportTurnFailureRequest {
-        turn_id: format!("run-{n:08}:result"),
-        run_id: format!("run-{n:08}"),
-        org_id: "acme".into(),
-        lead_id: format!("lead-{}", n % 100),
-        credential_id: format!("cred-{}", credential_of(n)),
-        profile: String::new(),
-        failure_tail: tails.of(n).to_owned(),
-        failed_at: None,
-    }
-}
-
-// --- measurement ----------------------------------------------------------------------
-
-struct Stats {
-    rate: f64,
-    p50: Duration,
-    p99: Duration,
-    max: Duration,
-}
-
-fn stats(mut latencies: Vec<Duration>, elapsed: Duration) -> Stats {
-    latencies.sort();
-    let at = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
-    Stats {
-        rate: latencies.len() as f64 / elapsed.as_secs_f64(),
-        p50: at(0.50),
-        p99: at(0.99),
-        max: *latencies.last().expect("at least one call"),
-    }
-}
-
-/// Calls `f(i)` for `i` in `0..ops` from `callers` tasks (each its own share, in order);
-/// returns the latency of every call, its result, and the wall time.
-async fn drive<T, F, Fut>(ops: usize, callers: usize, f: F) -> (Stats, Vec<(Duration, T)>)
-where
-    T: Send + 'static,
-    F: Fn(usize) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = T> + Send,
-{
-    let f = Arc::new(f);
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for c in 0..callers {
-        let f = f.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut out = Vec::with_capacity(ops / callers + 1);
-            for i in (c..ops).step_by(callers) {
-                let t = Instant::now();
-                let result = f(i).await;
-                out.push((t.elapsed(), result));
-            }
-            out
-        }));
-    }
-    let mut results = Vec::with_capacity(ops);
-    for t in tasks {
-        results.extend(t.await.unwrap());
-    }
-    let elapsed = started.elapsed();
-    (
-        stats(results.iter().map(|(d, _)| *d).collect(), elapsed),
-        results,
-    )
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.2}", d.as_secs_f64() * 1000.0)
-}
 
 // --- setup ----------------------------------------------------------------------------
 
