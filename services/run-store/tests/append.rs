@@ -22,22 +22,6 @@ runplane_testkit::on_both_backends!(
     an_append_after_an_acknowledgements_event_extends_the_chain,
 );
 
-async fn append(
-    runner: &mut RunnerClient,
-    run_id: &str,
-    batch_key: &str,
-    events: Vec<runstore_pb::EventInput>,
-) -> Result<runstore_pb::AppendEventsResponse, tonic::Status> {
-    runner
-        .append_events(runstore_pb::AppendEventsRequest {
-            run_id: run_id.into(),
-            batch_key: batch_key.into(),
-            events,
-        })
-        .await
-        .map(|r| r.into_inner())
-}
-
 /// The run's events are 1..n without gaps and each extends the chain from genesis.
 async fn assert_one_chain(h: &Harness, run_id: &str, expected: usize) {
     let events = h

@@ -395,3 +395,84 @@ pub fn assert_chain_from_genesis(
         assert_eq!(head, e.digest, "event {} extends the chain", e.sequence);
     }
 }
+
+/// A CancelRun request.
+pub fn cancel(run_id: &str, reason: &str, key: &str) -> runstore_pb::CancelRunRequest {
+    runstore_pb::CancelRunRequest {
+        run_id: run_id.into(),
+        reason: reason.into(),
+        idempotency_key: key.into(),
+    }
+}
+/// AppendEvents with `events` under `batch_key`.
+pub async fn append(
+    runner: &mut RunnerClient,
+    run_id: &str,
+    batch_key: &str,
+    events: Vec<runstore_pb::EventInput>,
+) -> Result<runstore_pb::AppendEventsResponse, tonic::Status> {
+    runner
+        .append_events(runstore_pb::AppendEventsRequest {
+            run_id: run_id.into(),
+            batch_key: batch_key.into(),
+            events,
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+/// A PollSteering that answers at once, acknowledging `acks`.
+pub async fn poll(
+    runner: &mut RunnerClient,
+    run_id: &str,
+    acks: Vec<runstore_pb::SteeringAck>,
+) -> Result<runstore_pb::PollSteeringResponse, tonic::Status> {
+    runner
+        .poll_steering(runstore_pb::PollSteeringRequest {
+            run_id: run_id.into(),
+            acks,
+            wait: None,
+            max_messages: 0,
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+/// An acknowledgement that message `id` was applied.
+pub fn applied(id: &str) -> runstore_pb::SteeringAck {
+    runstore_pb::SteeringAck {
+        message_id: id.into(),
+        outcome: runstore_pb::AckOutcome::Applied as i32,
+        attempts: 1,
+        error: String::new(),
+    }
+}
+/// SubmitResult with `verdict` and no final batch.
+pub async fn submit(
+    runner: &mut RunnerClient,
+    run_id: &str,
+    verdict: runstore_pb::Verdict,
+) -> Result<runstore_pb::SubmitResultResponse, tonic::Status> {
+    runner
+        .submit_result(runstore_pb::SubmitResultRequest {
+            run_id: run_id.into(),
+            verdict: Some(verdict),
+            ..Default::default()
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+/// The run's receipt body, verified against the store's public key.
+pub async fn receipt(h: &Harness, run_id: &str) -> runstore_pb::ReceiptBody {
+    let receipt = h
+        .operator()
+        .await
+        .get_receipt(runstore_pb::GetReceiptRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .receipt
+        .unwrap();
+    runplane_run_store::domain::receipt::verify(&receipt, &h.store.receipt_public_key())
+        .expect("receipt verifies")
+}
