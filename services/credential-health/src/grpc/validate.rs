@@ -2,8 +2,8 @@
 
 use crate::error::CredentialHealthError;
 
-/// `value` as a name runplane accepts (`runplane_config::is_name`); empty only when not
-/// `required`.
+/// Refuses `value` unless it is a name runplane accepts (`runplane_config::is_name`), or
+/// empty where the field is not `required`.
 pub(super) fn name(
     field: &'static str,
     value: &str,

@@ -5,7 +5,8 @@
 //!   compare-and-set on `version`, so replicas sharing the database agree;
 //! - `incidents.rs`: every outage incident, open or closed;
 //! - `turn_failures.rs`: each reported turn, classified once, with the answer a replay
-//!   gets; recording one is the one transaction that writes everything else here;
+//!   gets; recording one is the transaction that also changes the credential's state and
+//!   writes the incident, notices and outbox row that follow from it;
 //! - `notices.rs` (`notices` and `counters`): lead notices in commit order, per (org,
 //!   lead) (see `entities::notice`);
 //! - `outbox.rs`: the MarkBackendError calls owed to the run store.
