@@ -2,5 +2,6 @@
 
 pub mod loss;
 pub mod placement;
+pub mod sandbox;
 pub mod status;
 pub mod wake;

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
+use crate::domain::sandbox::{NO_NETWORK, RouteIdentity, SandboxPlacement, Substrate};
 use crate::domain::status::SandboxStatus;
-use crate::store::entities::{route_identity, sandbox};
 
 /// Where the reconciler runs sandboxes itself (single-machine mode and `runplane dev`):
 /// every sandbox is direct, placed on this node.
@@ -21,14 +21,11 @@ pub const NODE_SILENCE: Duration = Duration::from_secs(10);
 pub const ENDED: [SandboxStatus; 3] = SandboxStatus::ENDED;
 
 /// The node serving `sandbox`, if it is placed.
-pub fn serving_node(
-    sandbox: &sandbox::Model,
-    route: Option<&route_identity::Model>,
-) -> Option<String> {
-    let active = sandbox.active_node_id.as_ref()?;
-    match (sandbox.substrate.as_str(), route) {
-        ("direct", Some(route)) => Some(route.current_node_id.clone()),
-        _ => Some(active.clone()),
+pub fn serving_node(sandbox: &SandboxPlacement, route: Option<RouteIdentity>) -> Option<String> {
+    let active = sandbox.active_node_id?;
+    match (sandbox.substrate, route) {
+        (Substrate::Direct, Some(route)) => Some(route.current_node_id.to_owned()),
+        _ => Some(active.to_owned()),
     }
 }
 
@@ -36,14 +33,10 @@ pub fn serving_node(
 /// the network away, empty (the deployment's) otherwise.
 pub fn network_of(offline_profiles: &std::collections::BTreeSet<String>, profile: &str) -> String {
     if offline_profiles.contains(profile) {
-        "none".to_owned()
+        NO_NETWORK.to_owned()
     } else {
         String::new()
     }
-}
-
-pub fn is_ended(sandbox: &sandbox::Model) -> bool {
-    sandbox.status.is_ended()
 }
 
 /// A ready node's room as dispatch counts it: its capacity, and what of it is free

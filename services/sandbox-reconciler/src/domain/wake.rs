@@ -11,8 +11,8 @@
 
 use std::time::Duration;
 
+use crate::domain::sandbox::{RouteIdentity, SandboxPlacement, Substrate};
 use crate::domain::status::SandboxStatus;
-use crate::store::entities::{route_identity, sandbox};
 
 /// Where a pending wake may go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,23 +30,23 @@ pub enum WakeTarget<'a> {
 /// route identity of another generation names a node that ran an older execution and
 /// holds nothing of this one.
 pub fn holder<'a>(
-    sandbox: &'a sandbox::Model,
-    route: Option<&'a route_identity::Model>,
+    sandbox: &SandboxPlacement<'a>,
+    route: Option<RouteIdentity<'a>>,
 ) -> Option<&'a str> {
-    sandbox.active_node_id.as_deref().or_else(|| {
+    sandbox.active_node_id.or_else(|| {
         route
             .filter(|r| {
                 r.sandbox_id == sandbox.id && r.execution_generation == sandbox.execution_generation
             })
-            .map(|r| r.current_node_id.as_str())
+            .map(|r| r.current_node_id)
     })
 }
 
 pub fn wake_target<'a>(
-    sandbox: &'a sandbox::Model,
-    route: Option<&'a route_identity::Model>,
+    sandbox: &SandboxPlacement<'a>,
+    route: Option<RouteIdentity<'a>>,
 ) -> WakeTarget<'a> {
-    if sandbox.substrate != "direct" {
+    if sandbox.substrate != Substrate::Direct {
         return WakeTarget::AnyNode;
     }
     holder(sandbox, route).map_or(WakeTarget::Nobody, WakeTarget::Holder)
@@ -58,8 +58,8 @@ pub fn wake_target<'a>(
 pub const GONE: [SandboxStatus; 2] = [SandboxStatus::Exited, SandboxStatus::Lost];
 
 /// Whether `sandbox`'s holder reported it gone while it was suspended.
-pub fn gone_on_holder(sandbox: &sandbox::Model) -> bool {
-    sandbox.active_node_id.is_none() && sandbox.observed().is_some_and(|seen| GONE.contains(&seen))
+pub fn gone_on_holder(sandbox: &SandboxPlacement) -> bool {
+    sandbox.active_node_id.is_none() && sandbox.observed.is_some_and(|seen| GONE.contains(&seen))
 }
 
 /// The longest a failed restore waits before the next attempt, and what a new wake

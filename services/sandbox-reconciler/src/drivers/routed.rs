@@ -10,6 +10,7 @@ use futures::future::BoxFuture;
 use runplane_sandbox::{Driver, DriverError, Launch, Probe, ProcessDriver, SandboxSpec};
 
 use crate::domain::placement::LOCAL_NODE;
+use crate::domain::sandbox::Substrate;
 use crate::domain::status::SandboxStatus;
 use crate::store::Store;
 
@@ -67,7 +68,7 @@ impl Driver for RoutedDriver {
             let node_id = match store.holder_of(&row).await {
                 Ok(Some(node_id)) => node_id,
                 // No node holds a direct execution: nothing can ever restore it.
-                Ok(None) if row.substrate == "direct" => return Probe::Lost,
+                Ok(None) if row.substrate == Substrate::DIRECT => return Probe::Lost,
                 // Restorable by any node: it waits for a wake.
                 Ok(None) => return Probe::Alive,
                 // The database is what failed; that says nothing about the sandbox.

@@ -3,6 +3,7 @@
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use sha2::{Digest, Sha256};
 
+use crate::domain::sandbox::NO_NETWORK;
 use crate::store::Placement;
 use crate::store::entities::{node, sandbox, wake};
 use crate::store::nodes::Assigned;
@@ -38,7 +39,7 @@ pub(super) fn assignment_of(a: &Assigned) -> reconciler_pb::Assignment {
             seconds: row.idle_timeout_ms / 1000,
             nanos: ((row.idle_timeout_ms % 1000) * 1_000_000) as i32,
         }),
-        no_network: row.network == "none",
+        no_network: row.network == NO_NETWORK,
     }
 }
 

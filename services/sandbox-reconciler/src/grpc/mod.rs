@@ -16,8 +16,8 @@ use std::time::Duration;
 use tonic::Request;
 
 pub use crate::clients::RecoveryClient;
-use crate::domain::placement;
 use crate::error::ReconcilerError;
+use crate::store::entities::route_identity;
 use crate::store::entities::sandbox;
 use crate::store::{Placement, Store};
 pub use convert::sandbox_of;
@@ -104,7 +104,7 @@ impl ReconcilerState {
     /// The placement of a sandbox that has not ended (SANDBOX_ENDED otherwise).
     async fn live_placement(&self, id: &str) -> Result<Placement, ReconcilerError> {
         let p = self.store.placement(id).await?;
-        if placement::is_ended(&p.sandbox) {
+        if p.sandbox.status.is_ended() {
             return Err(ReconcilerError::SandboxEnded {
                 id: p.sandbox.id.clone(),
                 status: p.sandbox.status,
@@ -129,7 +129,10 @@ impl ReconcilerState {
             .node_at_epoch(node_id, int64("epoch", epoch)?)
             .await?;
         let p = self.live_placement(sandbox_id).await?;
-        let holds = crate::domain::wake::holder(&p.sandbox, p.route.as_ref()) == Some(node_id)
+        let holds = crate::domain::wake::holder(
+            &p.sandbox.placement(),
+            p.route.as_ref().map(route_identity::Model::identity),
+        ) == Some(node_id)
             && p.sandbox.execution_generation == int64("execution_generation", generation)?;
         if !holds {
             return Err(ReconcilerError::NodeNotOwner {

@@ -10,7 +10,6 @@ use tonic::{Request, Response, Status};
 use super::convert::{assignment_of, node_of, revision, sandbox_of, wake_of};
 use super::validate::{at_most, check_publication, int32, int64, node_name, sandbox_id};
 use super::{HEARTBEAT_EVERY, NodeApi};
-use crate::domain::placement;
 use crate::error::ReconcilerError;
 use crate::store::nodes::MAX_WAKE_ERROR_BYTES;
 use runplane_sandbox::route_token::{self};
@@ -145,7 +144,7 @@ impl NodeService for NodeApi {
             .node_at_epoch(&req.node_id, int64("epoch", req.epoch)?)
             .await?;
         let row = s.store.sandbox(&req.sandbox_id).await?;
-        if placement::is_ended(&row) {
+        if row.status.is_ended() {
             return Err(ReconcilerError::SandboxEnded {
                 id: row.id,
                 status: row.status,

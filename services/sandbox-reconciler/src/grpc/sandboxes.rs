@@ -11,6 +11,7 @@ use super::{RETRY_AFTER, SandboxApi};
 use crate::domain::placement;
 use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;
+use crate::store::entities::route_identity;
 use runplane_sandbox::route_token::{self, RouteClaims};
 
 #[tonic::async_trait]
@@ -256,7 +257,10 @@ impl SandboxService for SandboxApi {
             .into());
         }
         let p = s.live_placement(&req.sandbox_id).await?;
-        let Some(node_id) = placement::serving_node(&p.sandbox, p.route.as_ref()) else {
+        let Some(node_id) = placement::serving_node(
+            &p.sandbox.placement(),
+            p.route.as_ref().map(route_identity::Model::identity),
+        ) else {
             s.refuse_wake_of_ended_run(&p.sandbox).await?;
             let wake = s
                 .store
@@ -310,7 +314,12 @@ impl SandboxService for SandboxApi {
         sandbox_id(&req.sandbox_id)?;
         at_most("reason", &req.reason, MAX_REASON_BYTES)?;
         let p = s.live_placement(&req.sandbox_id).await?;
-        if placement::serving_node(&p.sandbox, p.route.as_ref()).is_some() {
+        if placement::serving_node(
+            &p.sandbox.placement(),
+            p.route.as_ref().map(route_identity::Model::identity),
+        )
+        .is_some()
+        {
             return Ok(Response::new(reconciler_pb::RequestWakeResponse {
                 placed: true,
                 wake: None,

@@ -3,6 +3,7 @@
 pub mod sandbox {
     use sea_orm::entity::prelude::*;
 
+    use crate::domain::sandbox::{SandboxPlacement, Substrate};
     pub use crate::domain::status::SandboxStatus;
 
     #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
@@ -51,6 +52,17 @@ pub mod sandbox {
         pub fn observed(&self) -> Option<SandboxStatus> {
             self.observed_status.parse().ok()
         }
+
+        /// What placement and wakes read of this sandbox.
+        pub fn placement(&self) -> SandboxPlacement<'_> {
+            SandboxPlacement {
+                id: &self.id,
+                substrate: Substrate::named(&self.substrate),
+                active_node_id: self.active_node_id.as_deref(),
+                execution_generation: self.execution_generation,
+                observed: self.observed(),
+            }
+        }
     }
 
     impl From<&Model> for runplane_sandbox::SandboxSpec {
@@ -60,7 +72,7 @@ pub mod sandbox {
                 run_id: row.run_id.clone(),
                 execution_generation: row.execution_generation,
                 driver_handle: row.driver_handle.clone(),
-                offline: row.network == "none",
+                offline: row.network == crate::domain::sandbox::NO_NETWORK,
                 active_node_id: row.active_node_id.clone(),
                 idle_timeout_ms: row.idle_timeout_ms,
             }
@@ -85,6 +97,17 @@ pub mod route_identity {
     pub enum Relation {}
 
     impl ActiveModelBehavior for ActiveModel {}
+
+    impl Model {
+        /// This route identity as placement and wakes read it.
+        pub fn identity(&self) -> crate::domain::sandbox::RouteIdentity<'_> {
+            crate::domain::sandbox::RouteIdentity {
+                sandbox_id: &self.sandbox_id,
+                execution_generation: self.execution_generation,
+                current_node_id: &self.current_node_id,
+            }
+        }
+    }
 }
 
 pub mod node {

@@ -30,6 +30,7 @@ use sea_orm::{
 
 pub use migration::Migrator;
 
+use crate::domain::sandbox::Substrate;
 use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;
 use entities::{node, outbox, route_identity, sandbox, wake};
@@ -91,7 +92,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         client_request_id,
         run_id,
         org_id,
-        substrate: "direct".into(),
+        substrate: Substrate::DIRECT.into(),
         status: SandboxStatus::Creating,
         active_node_id: Some(node_id),
         execution_generation: 1,
@@ -311,15 +312,18 @@ impl Store {
     /// The one placement query every placement read goes through.
     pub async fn placement(&self, id: &str) -> Result<Placement> {
         let sandbox = self.sandbox(id).await?;
-        let route = match (&sandbox.active_node_id, sandbox.substrate.as_str()) {
-            (Some(_), "direct") => {
+        let route = match (&sandbox.active_node_id, sandbox.placement().substrate) {
+            (Some(_), Substrate::Direct) => {
                 route_identity::Entity::find_by_id(id.to_owned())
                     .one(&self.db)
                     .await?
             }
             _ => None,
         };
-        let node = match crate::domain::placement::serving_node(&sandbox, route.as_ref()) {
+        let node = match crate::domain::placement::serving_node(
+            &sandbox.placement(),
+            route.as_ref().map(route_identity::Model::identity),
+        ) {
             Some(node_id) => node::Entity::find_by_id(node_id).one(&self.db).await?,
             None => None,
         };

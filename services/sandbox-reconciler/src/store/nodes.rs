@@ -204,7 +204,7 @@ impl Store {
                 .one(&self.db)
                 .await?
                 // An ended sandbox is never restored (its deletion settles its wakes).
-                .filter(|s| !crate::domain::placement::is_ended(s))
+                .filter(|s| !s.status.is_ended())
             {
                 out.push(Assigned::Restore(s, w));
             }
@@ -337,7 +337,11 @@ impl Store {
     /// The node holding `row`'s execution (see [`crate::domain::wake::holder`]).
     pub async fn holder_of(&self, row: &sandbox::Model) -> Result<Option<String>> {
         let route = self.route_of(&row.id).await?;
-        Ok(crate::domain::wake::holder(row, route.as_ref()).map(str::to_owned))
+        Ok(crate::domain::wake::holder(
+            &row.placement(),
+            route.as_ref().map(route_identity::Model::identity),
+        )
+        .map(str::to_owned))
     }
 
     /// Gives pending wakes that are due to the nodes that can restore them; returns how
@@ -371,17 +375,20 @@ impl Store {
                 .await?;
             // A wake of a sandbox that ended is settled, never assigned (a deletion
             // settles its wakes; this catches one queued as the deletion committed).
-            let Some(row) = row.filter(|s| !crate::domain::placement::is_ended(s)) else {
+            let Some(row) = row.filter(|s| !s.status.is_ended()) else {
                 Store::settle_wakes_of_ended(&self.db, &w.sandbox_id, now).await?;
                 continue;
             };
-            if gone_on_holder(&row) {
+            if gone_on_holder(&row.placement()) {
                 self.settle_wake_failed(w, super::WAKE_GONE_ON_HOLDER)
                     .await?;
                 continue;
             }
             let route = self.route_of(&row.id).await?;
-            let node_id = match wake_target(&row, route.as_ref()) {
+            let node_id = match wake_target(
+                &row.placement(),
+                route.as_ref().map(route_identity::Model::identity),
+            ) {
                 WakeTarget::Holder(holder) => match nodes.iter().find(|n| n.id == holder) {
                     Some(node) => node.id.clone(),
                     None => continue,
@@ -451,7 +458,7 @@ impl Store {
             .ok_or_else(|| ReconcilerError::SandboxNotFound {
                 id: wake.sandbox_id.clone(),
             })?;
-        let placed = if crate::domain::placement::is_ended(&row) {
+        let placed = if row.status.is_ended() {
             0
         } else {
             sandbox::Entity::update_many()
