@@ -5,6 +5,9 @@
 //! suite runs in parallel. When a server is unreachable the fixture panics with the
 //! command that starts it: these tests never skip.
 //!
+//! Beside them: [`authed`] requests, the [`config`]s tests start services with, and, with
+//! the `run-store` feature, a run store served in process ([`run_store`]).
+//!
 //! Overrides: `RUNPLANE_TEST_POSTGRES_URL` (an admin URL, default
 //! `postgres://postgres@127.0.0.1:5432/postgres`), `RUNPLANE_TEST_REDIS_URL` (default
 //! `redis://127.0.0.1:6379`) and `RUNPLANE_TEST_REDIS_CLUSTER_URL` (default the local
@@ -17,7 +20,13 @@ use std::time::Duration;
 
 use sea_orm::{ConnectOptions, ConnectionTrait, Database};
 
+mod auth;
+pub mod config;
 pub mod pki;
+#[cfg(feature = "run-store")]
+pub mod run_store;
+
+pub use auth::authed;
 
 /// The service token (`auth.service_token`) of in-process test harnesses: what their
 /// services call each other with, and what their fakes of a service must accept.
