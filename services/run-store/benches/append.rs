@@ -11,30 +11,18 @@
 
 use std::time::{Duration, Instant};
 
-use runplane_config::{Config, Secret};
-use runplane_grpc::ServiceSet;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
-use runplane_run_store::RunStore;
 use runplane_run_store::store::entities::event;
-use runplane_testkit::TestDatabase;
+use runplane_testkit::run_store::InProcessRunStore;
+use runplane_testkit::{TestDatabase, authed};
 use sea_orm::{EntityTrait, IntoActiveModel};
-use tonic::metadata::MetadataValue;
 
 const TOKEN: &str = "bench-service-token-0123456789abcdef0123";
 
 /// The throughput AppendEvents should keep of a plain insert of the same rows.
 const GOAL_RATIO: f64 = 0.5;
-
-fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
-}
 
 struct Stats {
     events_per_second: f64,
@@ -200,27 +188,9 @@ fn ms(d: Duration) -> String {
 #[tokio::main]
 async fn main() {
     let db = TestDatabase::new().await;
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
-    config.run_store.database_url = db.url().to_owned();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    // Not about admission: runs are created on the credential they name.
-    config.run_store.admission = false;
-    let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
-        .await
-        .expect("run store");
-    let mut services = ServiceSet::new();
-    store.register(&mut services);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(runplane_grpc::serve(
-        listener,
-        services,
-        std::future::pending(),
-        Duration::from_secs(1),
-    ));
+    let server =
+        InProcessRunStore::start(&runplane_testkit::config::run_store(TOKEN, db.url())).await;
+    let endpoint = server.endpoint();
     let baseline_db = runplane_db::connect(db.url()).await.unwrap();
 
     println!(
@@ -243,7 +213,7 @@ async fn main() {
     let mut missed = 0;
     for (round, runners) in [1usize, 16, 128].into_iter().enumerate() {
         for batch in [1usize, 10, 100] {
-            let ours = bench_run_store(&endpoint, runners, batch, round).await;
+            let ours = bench_run_store(endpoint, runners, batch, round).await;
             let base = bench_baseline(&baseline_db, runners, batch, round).await;
             let ratio = ours.events_per_second / base.events_per_second;
             let goal = if ratio >= GOAL_RATIO {

@@ -18,15 +18,12 @@
 
 use std::time::{Duration, Instant};
 
-use runplane_config::{Config, Secret};
-use runplane_grpc::ServiceSet;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
-use runplane_run_store::RunStore;
-use runplane_testkit::TestDatabase;
+use runplane_testkit::run_store::InProcessRunStore;
+use runplane_testkit::{TestDatabase, authed};
 use sea_orm::{ConnectionTrait, Statement};
-use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 
 const TOKEN: &str = "bench-service-token-0123456789abcdef0123";
@@ -36,38 +33,9 @@ const STREAMS_PER_CONNECTION: usize = 100;
 const MEASURE: Duration = Duration::from_secs(65);
 const APPENDS: usize = 200;
 
-fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
-}
-
-/// Serves one replica on the bench database; returns its address.
-async fn replica(db: &TestDatabase) -> String {
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
-    config.run_store.database_url = db.url().to_owned();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    config.run_store.admission = false;
-    let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
-        .await
-        .expect("run store");
-    let mut services = ServiceSet::new();
-    store.register(&mut services);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(runplane_grpc::serve(
-        listener,
-        services,
-        std::future::pending(),
-        Duration::from_secs(1),
-    ));
-    endpoint
+/// Serves one replica on the bench database.
+async fn replica(db: &TestDatabase) -> InProcessRunStore {
+    InProcessRunStore::start(&runplane_testkit::config::run_store(TOKEN, db.url())).await
 }
 
 async fn connect(endpoint: &str) -> Channel {
@@ -218,8 +186,8 @@ async fn main() {
         .await
         .unwrap();
     let (a, b) = (replica(&db).await, replica(&db).await);
-    let channels_a: Vec<Channel> = channels_to(&a).await;
-    let channels_b: Vec<Channel> = channels_to(&b).await;
+    let channels_a: Vec<Channel> = channels_to(a.endpoint()).await;
+    let channels_b: Vec<Channel> = channels_to(b.endpoint()).await;
 
     println!("Idle watchers: database transactions per second, two replicas on one Postgres");
     println!("{:>9} | {:>12} | {:>7}", "watchers", "queries/s", "goal");
