@@ -28,17 +28,16 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use runplane_config::{Config, Secret};
+use runplane_config::Config;
 use runplane_grpc::{ServerLimits, ServiceSet};
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
-use runplane_testkit::TestDatabase;
+use runplane_testkit::{TestDatabase, authed};
 use runplane_transport::{RetryConfig, RetryLayer, RetryStats};
 use tokio::time::Instant;
 use tonic::body::Body;
-use tonic::metadata::MetadataValue;
 use tonic::server::NamedService;
 use tower_service::Service;
 
@@ -150,15 +149,6 @@ fn start_server(
         .await;
     });
     Server { runtime, listening }
-}
-
-fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
-    );
-    request
 }
 
 struct Row {
@@ -434,14 +424,7 @@ async fn table(config: &Config, addr: &str, capacity: Option<usize>) {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let db = TestDatabase::new().await;
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
-    config.run_store.database_url = db.url().to_owned();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    // Not about admission: runs are created on the credential they name.
-    config.run_store.admission = false;
+    let config = runplane_testkit::config::run_store(TOKEN, db.url());
     let addr = runplane_testkit::free_local_addr().to_string();
     println!(
         "{RUNNERS} runners, one append per {}s each, run store down {}s then back on the same port; lag from the port reopening",

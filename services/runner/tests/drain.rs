@@ -6,21 +6,22 @@ mod common;
 
 use std::time::Duration;
 
-use common::serve;
+use common::TOKEN;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
 use runplane_runner::{Bearer, events};
+use runplane_testkit::run_store::serve_on_own_runtime;
 use runplane_transport::{RetryConfig, RetryLayer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in_one_marker() {
     let sqlite = runplane_testkit::TestSqlite::new();
-    let config = common::fresh_config(&sqlite.url());
+    let config = runplane_testkit::config::run_store(TOKEN, &sqlite.url());
     let addr = runplane_testkit::free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
-    let server = serve(&config, addr.clone());
+    let server = serve_on_own_runtime(&config, addr.clone());
 
     let mut op = RunServiceClient::new(common::connected(&endpoint).await);
     let (run, key) = common::run_with_key(
@@ -77,7 +78,7 @@ async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in
 
     // The control plane returns; the held batch and the rest follow, and the last line
     // lands once everything before it has.
-    let server = serve(&config, addr);
+    let server = serve_on_own_runtime(&config, addr);
     tx.send(line(produced)).await.unwrap();
     let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
         .await
@@ -135,12 +136,12 @@ async fn a_drain_held_up_by_an_outage_keeps_the_newest_and_counts_the_dropped_in
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_respect_a_small_server_limit_and_an_oversized_event_is_cut_with_a_marker() {
     let sqlite = runplane_testkit::TestSqlite::new();
-    let mut config = common::fresh_config(&sqlite.url());
+    let mut config = runplane_testkit::config::run_store(TOKEN, &sqlite.url());
     config.run_store.max_batch_bytes = 1024;
     config.run_store.max_batch_events = 5;
     let addr = runplane_testkit::free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
-    let server = serve(&config, addr.clone());
+    let server = serve_on_own_runtime(&config, addr.clone());
     let mut op = RunServiceClient::new(common::connected(&endpoint).await);
     let (run, key) = common::run_with_key(
         &mut op,

@@ -8,15 +8,15 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{config, connected};
+use common::{TOKEN, connected};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use runplane_grpc::ServiceSet;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_run_store::RunStore;
 use runplane_runner::Bearer;
+use runplane_testkit::run_store::serve_at;
 use runplane_transport::{RetryConfig, RetryLayer};
 
 const ENV_ADDR: &str = "RUNPLANE_TEST_REPLICA_ADDR";
@@ -39,21 +39,10 @@ fn replica_process() {
         .enable_all()
         .build()
         .unwrap();
-    runtime.block_on(async move {
-        let store = RunStore::open(&config(&db, &seed), runplane_clock::SystemClock::shared())
-            .await
-            .unwrap();
-        let mut services = ServiceSet::new();
-        store.register(&mut services);
-        let listener = tokio::net::TcpListener::bind(&addr).await.unwrap();
-        let _ = runplane_grpc::serve(
-            listener,
-            services,
-            std::future::pending(),
-            Duration::from_secs(1),
-        )
-        .await;
-    });
+    runtime.block_on(serve_at(
+        &runplane_testkit::config::run_store_signing_with(TOKEN, &db, &seed),
+        &addr,
+    ));
 }
 
 /// A replica process, killed (and woken first, if stopped) when dropped.
@@ -94,7 +83,7 @@ impl Drop for Replica {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_stopped_mid_call_is_left_behind_and_nothing_is_applied_twice() {
     let db = runplane_testkit::TestDatabase::new().await;
-    let seed = runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex();
+    let seed = runplane_testkit::config::fresh_receipt_seed();
     let a = runplane_testkit::free_local_addr().to_string();
     let b = runplane_testkit::free_local_addr().to_string();
     // One after the other: replicas migrating the same database at once collide.
@@ -170,7 +159,7 @@ async fn a_replica_stopped_mid_call_is_left_behind_and_nothing_is_applied_twice(
     assert!(upstream.replacements() >= 1, "left the frozen replica");
 
     let store = RunStore::open(
-        &config(db.url(), &seed),
+        &runplane_testkit::config::run_store_signing_with(TOKEN, db.url(), &seed),
         runplane_clock::SystemClock::shared(),
     )
     .await

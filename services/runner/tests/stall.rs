@@ -30,12 +30,13 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::serve;
+use common::TOKEN;
 use runplane_config::Secret;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_run_store::RunStore;
 use runplane_runner::RunnerEnv;
+use runplane_testkit::run_store::serve_on_own_runtime;
 use runplane_transport::RetryConfig;
 
 const ENV_OUTAGE: &str = "RUNPLANE_STALL_OUTAGE_SECS";
@@ -127,10 +128,10 @@ async fn a_long_run_store_outage_never_stalls_the_agent_and_every_kept_line_arri
     let stop = scratch.path("stop");
 
     let sqlite = runplane_testkit::TestSqlite::new();
-    let config = common::fresh_config(&sqlite.url());
+    let config = runplane_testkit::config::run_store(TOKEN, &sqlite.url());
     let addr = runplane_testkit::free_local_addr().to_string();
     let endpoint = format!("http://{addr}");
-    let server = serve(&config, addr.clone());
+    let server = serve_on_own_runtime(&config, addr.clone());
 
     let mut op = RunServiceClient::new(common::connected(&endpoint).await);
     let (run, key) = common::run_with_key(
@@ -173,7 +174,7 @@ async fn a_long_run_store_outage_never_stalls_the_agent_and_every_kept_line_arri
     server.shutdown_background();
     eprintln!("run store down for {} s", outage.as_secs());
     tokio::time::sleep(outage).await;
-    let server = serve(&config, addr);
+    let server = serve_on_own_runtime(&config, addr);
     eprintln!("run store back");
     tokio::time::sleep(Duration::from_secs(5)).await;
     std::fs::write(&stop, "").unwrap();
