@@ -46,6 +46,7 @@ async fn coordinator(redis: &TestRedis, run_store: &str, clock: &ManualClock) ->
         StreamRecovery::with_store(Arc::new(store), &config, Arc::new(clock.clone())).unwrap();
     let mut services = ServiceSet::new();
     coordinator.register(&mut services);
+    coordinator.start();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(runplane_grpc::serve(

@@ -88,6 +88,7 @@ impl World {
                 .with_limits(limits);
         let mut services = ServiceSet::new();
         coordinator.register(&mut services);
+        coordinator.start();
         let coordinator_endpoint = serve(services).await;
         Self {
             clock,

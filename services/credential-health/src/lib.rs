@@ -60,6 +60,12 @@ const ROUNDS_TASK: runplane_grpc::Task = runplane_grpc::Task {
     on_panic: runplane_grpc::OnPanic::Restart,
 };
 
+/// The notice relay's tasks ([`runplane_db::notify::RelayTasks`]).
+const RELAY_TASKS: runplane_db::notify::RelayTasks = runplane_db::notify::RelayTasks {
+    publish: "credential-health.relay.publish",
+    listen: "credential-health.relay.listen",
+};
+
 impl CredentialHealth {
     /// Compiles the profiles' patterns (an invalid one stops here, naming the profile),
     /// then opens and migrates the database (`[credential_health].database_url`).
@@ -88,10 +94,13 @@ impl CredentialHealth {
             channel,
             runplane_grpc::client::Bearer::new(token.expose()),
         );
+        let tasks = runplane_grpc::Tasks::new();
         // On Postgres every replica's notices wake every replica's watchers.
         let notices = runplane_grpc::wake::Wakeups::new();
         let notice_relay = (db.get_database_backend() == sea_orm::DbBackend::Postgres).then(|| {
             runplane_db::notify::Relay::start(
+                &tasks,
+                RELAY_TASKS,
                 db.get_postgres_connection_pool().clone(),
                 grpc::NOTICE_CHANNEL,
                 notices.clone(),
@@ -99,7 +108,6 @@ impl CredentialHealth {
         });
         let store = store::Store::new(db, clock, domain::policy::PolicyConfig::from_config(config));
         // The watchers' safety net: one query per re-check for every watched lead.
-        let tasks = runplane_grpc::Tasks::new();
         tasks.spawn(RECHECK_TASK, {
             let (notices, store) = (notices.clone(), store.clone());
             move |_| {
@@ -161,7 +169,7 @@ impl CredentialHealth {
     /// Starts outbox delivery (MarkBackendError to the run store) and the pruning of
     /// notices past retention in the background; they stop at the server's shutdown
     /// ([`CredentialHealth::register`]).
-    pub fn start_rounds(&self) {
+    pub fn start(&self) {
         let this = self.clone();
         self.tasks
             .spawn(ROUNDS_TASK, move |cancelled| this.clone().rounds(cancelled));

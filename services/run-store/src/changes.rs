@@ -20,7 +20,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use runplane_db::notify::Relay;
+use runplane_db::notify::{Relay, RelayTasks};
 use runplane_grpc::wake::Wakeups;
 use runplane_telemetry::metrics;
 use sea_orm::sqlx;
@@ -57,6 +57,12 @@ pub struct Changes {
 
 pub type Subscription = runplane_grpc::wake::Subscription<Version>;
 
+/// The run-change relay's tasks ([`RelayTasks`]).
+pub const RELAY_TASKS: RelayTasks = RelayTasks {
+    publish: "run-store.relay.publish",
+    listen: "run-store.relay.listen",
+};
+
 impl Default for Changes {
     fn default() -> Self {
         Self::new()
@@ -72,12 +78,19 @@ impl Changes {
         }
     }
 
-    /// Wake-ups across every replica on the Postgres database `pool` belongs to. Spawns
-    /// the publisher and the listener; both stop when the server closes.
-    pub fn across_replicas(pool: sqlx::PgPool) -> Self {
+    /// Wake-ups across every replica on the Postgres database `pool` belongs to. The
+    /// publisher and the listener are declared tasks of `tasks` ([`RELAY_TASKS`]); both
+    /// stop when the server closes.
+    pub fn across_replicas(tasks: &runplane_grpc::Tasks, pool: sqlx::PgPool) -> Self {
         let waiters = Wakeups::new();
         Self {
-            relay: Some(Relay::start(pool, CHANNEL, waiters.clone())),
+            relay: Some(Relay::start(
+                tasks,
+                RELAY_TASKS,
+                pool,
+                CHANNEL,
+                waiters.clone(),
+            )),
             waiters,
         }
     }

@@ -76,15 +76,17 @@ impl RunStore {
         } else {
             None
         };
+        let tasks = runplane_grpc::Tasks::new();
         // On Postgres every replica's changes wake every replica's waiters.
         let changes = if db.get_database_backend() == sea_orm::DbBackend::Postgres {
-            changes::Changes::across_replicas(db.get_postgres_connection_pool().clone())
+            changes::Changes::across_replicas(&tasks, db.get_postgres_connection_pool().clone())
         } else {
             changes::Changes::new()
         };
-        let store = store::Store::new(db, clock).with_failure_reports(config.run_store.admission);
+        let store = store::Store::new(db, clock)
+            .with_failure_reports(config.run_store.admission)
+            .with_tasks(tasks.clone());
         // The watchers' safety net: one query per re-check for every watched run.
-        let tasks = runplane_grpc::Tasks::new();
         tasks.spawn(RECHECK_TASK, {
             let (changes, store) = (changes.clone(), store.clone());
             move |_| {
@@ -115,7 +117,7 @@ impl RunStore {
     /// `[run_store] deadline_sweep_interval_ms`, and (with admission) the outbox of
     /// failed turns owed to credential health. A round that fails is retried by the next;
     /// they stop at the server's shutdown ([`RunStore::register`]).
-    pub fn start_rounds(&self) {
+    pub fn start(&self) {
         let this = self.clone();
         self.tasks
             .spawn(ROUNDS_TASK, move |cancelled| this.clone().rounds(cancelled));

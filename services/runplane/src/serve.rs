@@ -122,13 +122,9 @@ pub async fn open(
             .context("starting the run store")?;
         run_store.register(&mut services);
         // Runs past their deadline end; failed turns go to credential health.
-        run_store.start_rounds();
+        run_store.start();
     }
     if selection.sandbox_reconciler {
-        let reconciler = SandboxReconciler::open(config, runplane_clock::SystemClock::shared())
-            .await
-            .context("starting the sandbox reconciler")?;
-        reconciler.register(&mut services);
         // Sandboxes go to registered node agents, or run here when none is ready.
         let binary =
             std::env::current_exe().context("locating the runplane binary for sandboxes")?;
@@ -136,7 +132,12 @@ pub async fn open(
             Some(containment) => containment,
             None => local_containment(config).await?,
         };
-        reconciler.start_rounds(binary, containment);
+        let reconciler = SandboxReconciler::open(config, runplane_clock::SystemClock::shared())
+            .await
+            .context("starting the sandbox reconciler")?
+            .with_local_sandboxes(binary, containment);
+        reconciler.register(&mut services);
+        reconciler.start();
     }
     if selection.stream_recovery {
         let coordinator = if config.stream_recovery.redis_url == EMBEDDED_STORE {
@@ -147,6 +148,8 @@ pub async fn open(
                 .context("starting the stream recovery coordinator")?
         };
         coordinator.register(&mut services);
+        // Orphaned streams' leases and buffers are swept.
+        coordinator.start();
     }
     if selection.credential_health {
         let health = CredentialHealth::open(config, runplane_clock::SystemClock::shared())
@@ -154,7 +157,7 @@ pub async fn open(
             .context("starting credential health")?;
         health.register(&mut services);
         // Backend-error outcomes go to the run store; old notices are pruned.
-        health.start_rounds();
+        health.start();
     }
     Ok(services)
 }

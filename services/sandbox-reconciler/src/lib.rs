@@ -45,6 +45,8 @@ pub struct SandboxReconciler {
     fleet: Option<clients::FleetClient>,
     /// Background work; [`SandboxReconciler::register`] hands it to the server's shutdown.
     tasks: runplane_grpc::Tasks,
+    /// The driver of this host's own sandboxes, once given.
+    local: Option<drivers::ProcessDriver>,
 }
 
 /// The reconcile round. It finishes the round in hand at shutdown. A panic stops the
@@ -105,7 +107,8 @@ impl SandboxReconciler {
             })?,
             runplane_grpc::client::Bearer::new(token.expose()),
         );
-        let signals = signals::Signals::new(&db);
+        let tasks = runplane_grpc::Tasks::new();
+        let signals = signals::Signals::new(&tasks, &db);
         Ok(Self {
             fleet,
             state: Arc::new(grpc::ReconcilerState {
@@ -125,28 +128,48 @@ impl SandboxReconciler {
             run_store_endpoint: config.run_store.endpoint.clone(),
             tick_interval: config::tick_interval(config),
             state_dir: config.sandbox_reconciler.state_dir.clone().into(),
-            tasks: runplane_grpc::Tasks::new(),
+            tasks,
+            local: None,
         })
+    }
+
+    /// Where this reconciler's own sandboxes run when no node agent is ready: the
+    /// `runplane` binary their runners start from, and how their agents are contained
+    /// ([`runplane_sandbox::Containment::probe`]). Without it, runs wait for a node agent.
+    pub fn with_local_sandboxes(
+        mut self,
+        runplane_binary: std::path::PathBuf,
+        containment: runplane_sandbox::Containment,
+    ) -> Self {
+        self.local = Some(
+            drivers::ProcessDriver::new(&self.state_dir, runplane_binary).contained(containment),
+        );
+        self
     }
 
     /// Starts dispatch, wake assignment, the reconcile tick and outbox delivery in the
     /// background; they stop at the server's shutdown ([`SandboxReconciler::register`]).
     /// Sandboxes go to registered node agents; with none ready, the reconciler runs them
-    /// on its own machine with the process driver. Local agents are contained as
-    /// `containment` says ([`runplane_sandbox::Containment::probe`]).
-    pub fn start_rounds(
-        &self,
-        runplane_binary: std::path::PathBuf,
-        containment: runplane_sandbox::Containment,
-    ) {
+    /// on its own machine with the process driver, if it was given one
+    /// ([`SandboxReconciler::with_local_sandboxes`]).
+    pub fn start(&self) {
         let store = self.state.store.clone();
-        let local =
-            drivers::ProcessDriver::new(&self.state_dir, runplane_binary).contained(containment);
+        let mut settings = self.settings.clone();
+        let local = match &self.local {
+            Some(local) => local.clone(),
+            None => {
+                if settings.local_sandboxes {
+                    tracing::warn!("no local sandbox driver was given; runs wait for a node agent");
+                }
+                settings.local_sandboxes = false;
+                drivers::ProcessDriver::new(&self.state_dir, "runplane")
+            }
+        };
         let driver = Arc::new(drivers::RoutedDriver::new(local, store.clone()));
         let this = self.clone();
         self.tasks.spawn(ROUNDS_TASK, move |cancelled| {
             let reconciler =
-                reconcile::Reconciler::new(store.clone(), driver.clone(), this.settings.clone())
+                reconcile::Reconciler::new(store.clone(), driver.clone(), settings.clone())
                     .with_fleet(this.fleet.clone());
             reconcile::run_loop(
                 reconciler,

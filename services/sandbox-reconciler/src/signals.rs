@@ -11,13 +11,19 @@
 
 use std::sync::Arc;
 
-use runplane_db::notify::Relay;
+use runplane_db::notify::{Relay, RelayTasks};
 use runplane_grpc::wake::{Subscription, Wakeups};
 use sea_orm::DatabaseConnection;
 use tokio::sync::Notify;
 
 /// The Postgres channel reconciler replicas signal assignment changes on.
 pub const CHANNEL: &str = "runplane_node_assignments";
+
+/// The node-notification relay's tasks ([`RelayTasks`]).
+const RELAY_TASKS: RelayTasks = RelayTasks {
+    publish: "sandbox-reconciler.relay.publish",
+    listen: "sandbox-reconciler.relay.listen",
+};
 
 /// The one key node long polls wait on: a round may change any node's assignments.
 const ASSIGNMENTS: &str = "assignments";
@@ -30,11 +36,14 @@ pub struct Signals {
 }
 
 impl Signals {
-    /// Across every replica on `db` when it is Postgres, within this process otherwise.
-    pub fn new(db: &DatabaseConnection) -> Self {
+    /// Across every replica on `db` when it is Postgres (the relay's tasks declared in
+    /// `tasks`), within this process otherwise.
+    pub fn new(tasks: &runplane_grpc::Tasks, db: &DatabaseConnection) -> Self {
         let nodes = Wakeups::new();
         let relay = (db.get_database_backend() == sea_orm::DbBackend::Postgres).then(|| {
             Relay::start(
+                tasks,
+                RELAY_TASKS,
                 db.get_postgres_connection_pool().clone(),
                 CHANNEL,
                 nodes.clone(),

@@ -90,6 +90,7 @@ async fn storm(tails: usize) -> Outcome {
     let coordinator = StreamRecovery::with_store(Arc::new(store), &config, clock).unwrap();
     let mut services = ServiceSet::new();
     coordinator.register(&mut services);
+    coordinator.start();
     let coordinator_endpoint = serve(services).await;
 
     let mut op =

@@ -40,6 +40,8 @@ const SWEEP_TASK: runplane_grpc::Task = runplane_grpc::Task {
 pub struct StreamRecovery {
     state: Arc<grpc::CoordinatorState>,
     sweep_every: Duration,
+    /// Background work; [`StreamRecovery::register`] hands it to the server's shutdown.
+    tasks: runplane_grpc::Tasks,
 }
 
 impl StreamRecovery {
@@ -86,6 +88,7 @@ impl StreamRecovery {
                 tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
             }),
             sweep_every: domain::policy::SWEEP_EVERY,
+            tasks: runplane_grpc::Tasks::new(),
         })
     }
 
@@ -103,19 +106,22 @@ impl StreamRecovery {
         self
     }
 
-    /// Adds the coordinator's gRPC service to `services` and starts its orphan sweep,
-    /// which stops when the server begins shutting down. Call inside a tokio runtime.
+    /// Adds the coordinator's gRPC service to `services`; its background work stops when
+    /// the server begins shutting down.
     pub fn register(&self, services: &mut ServiceSet) {
-        let tasks = runplane_grpc::Tasks::new();
-        let (state, every) = (self.state.clone(), self.sweep_every);
-        tasks.spawn(SWEEP_TASK, move |_| {
-            grpc::sweep_forever(state.clone(), every, domain::policy::SWEEP_BATCH)
-        });
         services
             .authenticate(self.state.tokens.clone())
             .add(StreamRecoveryServiceServer::new(grpc::StreamRecoveryApi {
                 state: self.state.clone(),
             }))
-            .background(&tasks);
+            .background(&self.tasks);
+    }
+
+    /// Starts the orphan sweep in the background. Call inside a tokio runtime.
+    pub fn start(&self) {
+        let (state, every) = (self.state.clone(), self.sweep_every);
+        self.tasks.spawn(SWEEP_TASK, move |_| {
+            grpc::sweep_forever(state.clone(), every, domain::policy::SWEEP_BATCH)
+        });
     }
 }

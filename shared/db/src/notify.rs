@@ -6,14 +6,15 @@
 //! payload is `<replica>:<key>`; a replica skips its own echoes. NOTIFY is delivered at
 //! commit to every listener, and the replicas already share the database, so they need
 //! not know each other. A listener that lost its connection wakes every waiter once it
-//! is back, since notifications sent meanwhile are gone. Both tasks stop when the
-//! waiters are closed.
+//! is back, since notifications sent meanwhile are gone. Both are declared tasks of the
+//! service that runs the relay ([`RelayTasks`]); they stop when the waiters are closed.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use runplane_grpc::wake::Wakeups;
+use runplane_grpc::{OnCancel, OnPanic, Task, Tasks};
 use sea_orm::sqlx;
 use tokio::sync::Notify;
 
@@ -32,22 +33,65 @@ struct Outgoing {
     kick: Notify,
 }
 
+/// The names of a relay's two declared tasks, given by the service that runs it.
+#[derive(Debug, Clone, Copy)]
+pub struct RelayTasks {
+    /// Publishes this replica's keys (`<service>.relay.publish`).
+    pub publish: &'static str,
+    /// Listens for the other replicas' keys (`<service>.relay.listen`).
+    pub listen: &'static str,
+}
+
+impl RelayTasks {
+    /// Both are aborted at shutdown: a notification is not durable, and a replica that
+    /// starts again re-reads everything. A panic is logged and the task restarts after
+    /// the pause ([`runplane_grpc::OnPanic::Restart`]): a relay that died in silence would
+    /// leave this replica's waiters deaf to the others until the next re-check. A
+    /// restarted listener wakes every waiter, since what was sent meanwhile is gone.
+    fn task(name: &'static str) -> Task {
+        Task {
+            name,
+            on_cancel: OnCancel::Abort,
+            on_panic: OnPanic::Restart,
+        }
+    }
+}
+
 impl Relay {
-    /// Publishes to and listens on `channel` for `waiters`; spawns both tasks.
-    pub fn start<V>(pool: sqlx::PgPool, channel: &'static str, waiters: Wakeups<V>) -> Self
+    /// Publishes to and listens on `channel` for `waiters`, as two declared tasks of
+    /// `tasks` named by `names`.
+    pub fn start<V>(
+        tasks: &Tasks,
+        names: RelayTasks,
+        pool: sqlx::PgPool,
+        channel: &'static str,
+        waiters: Wakeups<V>,
+    ) -> Self
     where
-        V: Clone + Send + 'static,
+        V: Clone + Send + Sync + 'static,
     {
         let outgoing = Arc::new(Outgoing::default());
         let replica = uuid::Uuid::new_v4().simple().to_string();
-        tokio::spawn(publish(
-            pool.clone(),
-            channel,
-            outgoing.clone(),
-            replica.clone(),
-            waiters.clone(),
-        ));
-        tokio::spawn(listen(pool, channel, replica, waiters));
+        tasks.spawn(RelayTasks::task(names.publish), {
+            let (pool, outgoing, replica, waiters) = (
+                pool.clone(),
+                outgoing.clone(),
+                replica.clone(),
+                waiters.clone(),
+            );
+            move |_| {
+                publish(
+                    pool.clone(),
+                    channel,
+                    outgoing.clone(),
+                    replica.clone(),
+                    waiters.clone(),
+                )
+            }
+        });
+        tasks.spawn(RelayTasks::task(names.listen), move |_| {
+            listen(pool.clone(), channel, replica.clone(), waiters.clone())
+        });
         Self { outgoing }
     }
 

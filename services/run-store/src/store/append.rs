@@ -134,12 +134,35 @@ impl std::fmt::Debug for AppendGroups {
     }
 }
 
+/// The writer of append groups. Aborted at shutdown: what it has queued is answered
+/// `false` and takes the checked path, as a failed group does. A panic is logged and the
+/// writer restarts on the same queue; while it is down, appends take the checked path,
+/// slower but answered exactly alike.
+pub const APPEND_GROUPS_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "run-store.append-groups",
+    on_cancel: runplane_grpc::OnCancel::Abort,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
+
 impl AppendGroups {
-    /// Starts the task that forms and writes the groups; it ends when the store (the
-    /// last sender) is dropped.
-    pub fn start(pool: PgPool, now_us: impl Fn() -> i64 + Send + 'static) -> Self {
+    /// Starts the declared task that forms and writes the groups ([`APPEND_GROUPS_TASK`]);
+    /// it ends when the store (the last sender) is dropped.
+    pub fn start(
+        tasks: &runplane_grpc::Tasks,
+        pool: PgPool,
+        now_us: impl Fn() -> i64 + Send + Sync + 'static,
+    ) -> Self {
         let (queue, pending) = mpsc::unbounded_channel();
-        tokio::spawn(write_groups(pool, pending, now_us));
+        // Behind a lock so that a restarted writer takes the queue up again.
+        let pending = Arc::new(tokio::sync::Mutex::new(pending));
+        let now_us = Arc::new(now_us);
+        tasks.spawn(APPEND_GROUPS_TASK, move |_| {
+            let (pool, pending, now_us) = (pool.clone(), pending.clone(), now_us.clone());
+            async move {
+                let mut pending = pending.lock().await;
+                write_groups(pool, &mut pending, move || now_us()).await;
+            }
+        });
         Self { queue }
     }
 
@@ -157,7 +180,7 @@ impl AppendGroups {
 /// Takes what is queued into a group whenever a slot is free and writes it.
 async fn write_groups(
     pool: PgPool,
-    mut pending: mpsc::UnboundedReceiver<Pending>,
+    pending: &mut mpsc::UnboundedReceiver<Pending>,
     now_us: impl Fn() -> i64,
 ) {
     let slots = Arc::new(Semaphore::new(GROUPS_IN_FLIGHT));

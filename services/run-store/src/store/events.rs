@@ -77,7 +77,7 @@ impl Store {
     pub(super) fn append_groups(&self, pool: &sea_orm::sqlx::PgPool) -> &append::AppendGroups {
         self.groups.get_or_init(|| {
             let clock = self.clock.clone();
-            append::AppendGroups::start(pool.clone(), move || clock.now_us())
+            append::AppendGroups::start(&self.tasks, pool.clone(), move || clock.now_us())
         })
     }
 

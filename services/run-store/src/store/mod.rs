@@ -71,6 +71,9 @@ pub struct Store {
     tips: Arc<append::ChainTips>,
     /// Writes one-statement appends in groups (Postgres), started at the first.
     groups: Arc<std::sync::OnceLock<append::AppendGroups>>,
+    /// Where the group writer runs as a declared task: the service's group once the run
+    /// store joins it ([`Store::with_tasks`]), a group of its own otherwise.
+    tasks: runplane_grpc::Tasks,
 }
 
 /// `run_store → credential_health.report_turn_failure`.
@@ -226,7 +229,15 @@ impl Store {
             report_failures: false,
             tips: Arc::default(),
             groups: Arc::default(),
+            tasks: runplane_grpc::Tasks::new(),
         }
+    }
+
+    /// Runs the store's own background work (the append-group writer) in `tasks`, the
+    /// service's group, so it is declared, cancelled at shutdown and restarted on a panic.
+    pub fn with_tasks(mut self, tasks: runplane_grpc::Tasks) -> Self {
+        self.tasks = tasks;
+        self
     }
 
     /// Writes a ReportTurnFailure for credential health into the outbox with every failed

@@ -190,6 +190,7 @@ impl World {
         .with_sweep_every(sweep_every);
         let mut services = ServiceSet::new();
         coordinator.register(&mut services);
+        coordinator.start();
         let coordinator_endpoint = serve(services).await;
         Self {
             clock,
@@ -220,6 +221,7 @@ impl World {
                 .unwrap();
         let mut services = ServiceSet::new();
         coordinator.register(&mut services);
+        coordinator.start();
         Some(serve(services).await)
     }
 

@@ -8,7 +8,6 @@ use std::time::Instant;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
-use runplane_grpc::tasks::AbortOnDrop;
 use runplane_grpc::wake::Wakeups;
 
 /// The Redis-backed store; cheap to clone (one multiplexed, reconnecting connection, or
@@ -20,9 +19,19 @@ pub struct RedisStore {
     /// When this process last wrote each run into the index (see `remember`).
     pub(super) indexed: Arc<Mutex<HashMap<String, Instant>>>,
     pub(super) wakeups: Wakeups,
-    /// The subscriber relaying every replica's changes to `wakeups`; stops with the
-    /// last clone of the store.
-    pub(super) _listener: Arc<AbortOnDrop<()>>,
+    /// The group of the subscriber relaying every replica's changes to `wakeups`;
+    /// cancelled with the last clone of the store.
+    pub(super) _relay: Arc<CancelOnDrop>,
+}
+
+/// Cancels the store's own tasks when the last clone of the store is dropped.
+#[derive(Debug)]
+pub(super) struct CancelOnDrop(pub(super) runplane_grpc::Tasks);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
 }
 
 /// One server or a cluster. Every script's keys share the run's (or org's) hash tag, so

@@ -35,7 +35,6 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use redis::aio::ConnectionManager;
 use runplane_config::RedisTarget;
-use runplane_grpc::tasks::AbortOnDrop;
 use runplane_grpc::wake::Wakeups;
 
 use crate::domain::policy::BufferLimits;
@@ -43,8 +42,18 @@ use crate::store::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
     StoreError,
 };
-use connection::Conn;
+use connection::{CancelOnDrop, Conn};
 use relay::relay_changes;
+
+/// The relay of the other replicas' changes (`relay::relay_changes`). Aborted when the
+/// store is dropped; a panic is logged and the relay starts again after the pause,
+/// waking every follower once it is subscribed, since what was published meanwhile is
+/// gone. Its followers' heartbeats re-read in the meantime.
+const RELAY_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "stream-recovery.relay",
+    on_cancel: runplane_grpc::OnCancel::Abort,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
 
 impl RedisStore {
     /// Connects to `url`, in any form `[stream_recovery].redis_url` takes (one server, or
@@ -77,17 +86,18 @@ impl RedisStore {
             RedisTarget::Memory => Vec::new(),
         };
         let wakeups = Wakeups::new();
-        let listener = tokio::spawn(relay_changes(
-            servers,
-            format!("{prefix}changes"),
-            wakeups.clone(),
-        ));
+        let relay = runplane_grpc::Tasks::new();
+        let channel = format!("{prefix}changes");
+        relay.spawn(RELAY_TASK, {
+            let wakeups = wakeups.clone();
+            move |_| relay_changes(servers.clone(), channel.clone(), wakeups.clone())
+        });
         Ok(Self {
             conn,
             prefix: prefix.to_owned(),
             indexed: Arc::default(),
             wakeups,
-            _listener: Arc::new(AbortOnDrop(listener)),
+            _relay: Arc::new(CancelOnDrop(relay)),
         })
     }
 }
