@@ -96,7 +96,7 @@ impl CredentialHealth {
         );
         let tasks = runplane_grpc::Tasks::new();
         // On Postgres every replica's notices wake every replica's watchers.
-        let notices = runplane_grpc::wake::Wakeups::new();
+        let notices = runplane_grpc::notifier::Notifier::new();
         let notice_relay = (db.get_database_backend() == sea_orm::DbBackend::Postgres).then(|| {
             runplane_db::notify::Relay::start(
                 &tasks,

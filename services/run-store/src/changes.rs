@@ -21,7 +21,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use runplane_db::notify::{Relay, RelayTasks};
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 use runplane_telemetry::metrics;
 use sea_orm::sqlx;
 
@@ -50,12 +50,12 @@ pub struct Version {
 
 #[derive(Debug, Clone)]
 pub struct Changes {
-    waiters: Wakeups<Version>,
+    waiters: Notifier<Version>,
     /// Publishes the runs changed here to the other replicas (Postgres only).
     relay: Option<Relay>,
 }
 
-pub type Subscription = runplane_grpc::wake::Subscription<Version>;
+pub type Subscription = runplane_grpc::notifier::Subscription<Version>;
 
 /// The run-change relay's tasks ([`RelayTasks`]).
 pub const RELAY_TASKS: RelayTasks = RelayTasks {
@@ -73,7 +73,7 @@ impl Changes {
     /// Wake-ups within this process only (SQLite: `runplane dev`, one process).
     pub fn new() -> Self {
         Self {
-            waiters: Wakeups::new(),
+            waiters: Notifier::new(),
             relay: None,
         }
     }
@@ -82,7 +82,7 @@ impl Changes {
     /// publisher and the listener are declared tasks of `tasks` ([`RELAY_TASKS`]); both
     /// stop when the server closes.
     pub fn across_replicas(tasks: &runplane_grpc::Tasks, pool: sqlx::PgPool) -> Self {
-        let waiters = Wakeups::new();
+        let waiters = Notifier::new();
         Self {
             relay: Some(Relay::start(
                 tasks,
@@ -119,7 +119,7 @@ impl Changes {
     /// Wakes whoever waits on `run_id`, in this process at once and on the other
     /// replicas at the next publish.
     pub fn notify(&self, run_id: &str) {
-        self.waiters.wake(run_id);
+        self.waiters.notify(run_id);
         if let Some(relay) = &self.relay {
             relay.publish(run_id);
         }

@@ -1,4 +1,5 @@
-//! Wake-ups that hand work to node agents at once instead of at their next poll.
+//! Node notification: signals that hand work to node agents at once instead of at their
+//! next poll (a sandbox *wake*, the restore of a suspended sandbox, is another thing).
 //!
 //! A node agent long-polls ListAssignedSandboxes; it answers when the node's assignments
 //! change. Whatever may change them ends in a reconcile round (dispatch, wake assignment,
@@ -12,7 +13,7 @@
 use std::sync::Arc;
 
 use runplane_db::notify::{Relay, RelayTasks};
-use runplane_grpc::wake::{Subscription, Wakeups};
+use runplane_grpc::notifier::{Notifier, Subscription};
 use sea_orm::DatabaseConnection;
 use tokio::sync::Notify;
 
@@ -30,7 +31,7 @@ const ASSIGNMENTS: &str = "assignments";
 
 #[derive(Debug, Clone)]
 pub struct Signals {
-    nodes: Wakeups,
+    nodes: Notifier,
     relay: Option<Relay>,
     round: Arc<Notify>,
 }
@@ -39,7 +40,7 @@ impl Signals {
     /// Across every replica on `db` when it is Postgres (the relay's tasks declared in
     /// `tasks`), within this process otherwise.
     pub fn new(tasks: &runplane_grpc::Tasks, db: &DatabaseConnection) -> Self {
-        let nodes = Wakeups::new();
+        let nodes = Notifier::new();
         let relay = (db.get_database_backend() == sea_orm::DbBackend::Postgres).then(|| {
             Relay::start(
                 tasks,
@@ -58,7 +59,7 @@ impl Signals {
 
     /// Node assignments may have changed: every node long poll re-reads.
     pub fn assignments_changed(&self) {
-        self.nodes.wake(ASSIGNMENTS);
+        self.nodes.notify(ASSIGNMENTS);
         if let Some(relay) = &self.relay {
             relay.publish(ASSIGNMENTS);
         }

@@ -1,4 +1,5 @@
-//! Wake-ups across replicas through Postgres `LISTEN/NOTIFY`.
+//! In-process notification ([`runplane_grpc::notifier`]) carried across replicas through
+//! Postgres `LISTEN/NOTIFY`.
 //!
 //! Each replica publishes the keys it changed on one channel (coalesced into one
 //! `pg_notify` statement per burst, off the request path, retried a second later when it
@@ -13,7 +14,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 use runplane_grpc::{OnCancel, OnPanic, Task, Tasks};
 use sea_orm::sqlx;
 use tokio::sync::Notify;
@@ -65,7 +66,7 @@ impl Relay {
         names: RelayTasks,
         pool: sqlx::PgPool,
         channel: &'static str,
-        waiters: Wakeups<V>,
+        waiters: Notifier<V>,
     ) -> Self
     where
         V: Clone + Send + Sync + 'static,
@@ -111,7 +112,7 @@ async fn publish<V: Clone>(
     channel: &'static str,
     out: Arc<Outgoing>,
     replica: String,
-    waiters: Wakeups<V>,
+    waiters: Notifier<V>,
 ) {
     loop {
         tokio::select! {
@@ -157,7 +158,7 @@ async fn listen<V: Clone>(
     pool: sqlx::PgPool,
     channel: &'static str,
     replica: String,
-    waiters: Wakeups<V>,
+    waiters: Notifier<V>,
 ) {
     let own = format!("{replica}:");
     'connect: loop {
@@ -179,7 +180,7 @@ async fn listen<V: Clone>(
             }
         };
         // Whatever was sent while nobody listened is gone: everyone re-reads.
-        waiters.wake_all();
+        waiters.notify_all();
         loop {
             let next = tokio::select! {
                 () = waiters.closed() => return,
@@ -190,12 +191,12 @@ async fn listen<V: Clone>(
                     if let Some(key) = n.payload().split_once(':').map(|(_, k)| k)
                         && !n.payload().starts_with(&own)
                     {
-                        waiters.wake(key);
+                        waiters.notify(key);
                     }
                 }
                 // The connection dropped; try_recv reconnects on the next call, and the
                 // gap may have lost notifications.
-                Ok(None) => waiters.wake_all(),
+                Ok(None) => waiters.notify_all(),
                 Err(e) => {
                     tracing::debug!(error = %e, channel, "listening for changes failed; reconnecting");
                     tokio::time::sleep(Duration::from_secs(1)).await;

@@ -27,12 +27,12 @@ pub mod error;
 pub mod guard;
 pub mod heartbeat;
 mod method;
+pub mod notifier;
 pub mod server;
 pub mod shed;
 pub mod tasks;
 pub mod tls;
 pub mod trace_context;
-pub mod wake;
 
 pub use error::{ErrorReason, ServiceError, error_info, into_status, status_with_reason};
 pub use server::{ServerLimits, ServiceSet, Stopped, serve, serve_with_tls};

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use runplane_db::notify::Relay;
 use runplane_grpc::client::{Bearer, TracedChannel};
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tokio::sync::watch;
@@ -33,7 +33,7 @@ pub struct HealthServiceState {
     pub tokens: runplane_grpc::auth::Tokens,
     /// Notice watchers, by lead ([`crate::store::notices::notice_key`]); what each last sent is its
     /// lead's notice sequence.
-    pub notices: Wakeups<i64>,
+    pub notices: Notifier<i64>,
     /// Tells the other replicas which leads got notices (Postgres only).
     pub notice_relay: Option<Relay>,
     /// Bumped when this process owes the run store a call.

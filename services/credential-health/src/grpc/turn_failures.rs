@@ -100,7 +100,7 @@ pub(super) async fn report_turn_failure(
         metrics::credential_quarantines().add(1, &[]);
     }
     for lead in &changes.notified_leads {
-        service.notices.wake(lead);
+        service.notices.notify(lead);
         if let Some(relay) = &service.notice_relay {
             relay.publish(lead);
         }

@@ -66,7 +66,7 @@ async fn serve(
         }
     };
     // Subscribe before the first read, so a frame appended in between wakes this tail.
-    let mut changes = s.store.wakeups().subscribe(&req.run_id);
+    let mut changes = s.store.notifier().subscribe(&req.run_id);
     let mut next = req.from_sequence.max(1);
     let first = s
         .store

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 use runplane_clock::{SharedClock, SystemClock};
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 
 use super::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
@@ -142,7 +142,7 @@ pub struct MemoryStore {
     runs: Mutex<HashMap<String, Run>>,
     org_hours: Mutex<HashMap<(String, i64), OrgHour>>,
     clock: SharedClock,
-    wakeups: Wakeups,
+    notifier: Notifier,
 }
 
 impl Default for MemoryStore {
@@ -163,13 +163,13 @@ impl MemoryStore {
             runs: Mutex::default(),
             org_hours: Mutex::default(),
             clock,
-            wakeups: Wakeups::new(),
+            notifier: Notifier::new(),
         }
     }
 
     /// `out`, after waking whoever follows `run` (what it changed is there to read).
     fn woke<T>(&self, run: &str, out: T) -> T {
-        self.wakeups.wake(run);
+        self.notifier.notify(run);
         out
     }
 
@@ -195,8 +195,8 @@ impl MemoryStore {
 
 #[async_trait]
 impl RecoveryStore for MemoryStore {
-    fn wakeups(&self) -> &Wakeups {
-        &self.wakeups
+    fn notifier(&self) -> &Notifier {
+        &self.notifier
     }
 
     async fn acquire(

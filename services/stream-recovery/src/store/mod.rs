@@ -11,7 +11,7 @@ pub mod memory;
 pub mod redis;
 
 use async_trait::async_trait;
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 
 use crate::domain::policy::BufferLimits;
 
@@ -127,7 +127,7 @@ pub trait RecoveryStore: Send + Sync + 'static {
     /// Who follows which run. Every change the store makes to a run (a frame appended, a
     /// lease granted, released, claimed, parked or unparked) wakes the run's followers;
     /// on Redis, so does every other replica's.
-    fn wakeups(&self) -> &Wakeups;
+    fn notifier(&self) -> &Notifier;
     /// Grants the lease to a run's first controller; the same controller again gets its
     /// token back (and a fresh expiry).
     async fn acquire(

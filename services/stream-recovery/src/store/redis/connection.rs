@@ -8,7 +8,7 @@ use std::time::Instant;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 
 /// The Redis-backed store; cheap to clone (one multiplexed, reconnecting connection, or
 /// the cluster client's connections, one per master, routed by each script's first key).
@@ -18,8 +18,8 @@ pub struct RedisStore {
     pub(super) prefix: String,
     /// When this process last wrote each run into the index (see `remember`).
     pub(super) indexed: Arc<Mutex<HashMap<String, Instant>>>,
-    pub(super) wakeups: Wakeups,
-    /// The group of the subscriber relaying every replica's changes to `wakeups`;
+    pub(super) notifier: Notifier,
+    /// The group of the subscriber relaying every replica's changes to `notifier`;
     /// cancelled with the last clone of the store.
     pub(super) _relay: Arc<CancelOnDrop>,
 }

@@ -60,7 +60,7 @@ pub(super) async fn append(
     match text(&out[0]).as_str() {
         "ok" => {
             // The script published the frames to the other replicas.
-            store.wakeups.wake(run);
+            store.notifier.notify(run);
             Ok(Appended {
                 next_sequence: int(&out[1]) as u64,
                 stored: int(&out[2]) as u32,

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use redis::aio::ConnectionManager;
 use runplane_config::RedisTarget;
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 
 use crate::domain::policy::BufferLimits;
 use crate::store::{
@@ -85,18 +85,18 @@ impl RedisStore {
             RedisTarget::Cluster(seeds) => seeds.clone(),
             RedisTarget::Memory => Vec::new(),
         };
-        let wakeups = Wakeups::new();
+        let notifier = Notifier::new();
         let relay = runplane_grpc::Tasks::new();
         let channel = format!("{prefix}changes");
         relay.spawn(RELAY_TASK, {
-            let wakeups = wakeups.clone();
-            move |_| relay_changes(servers.clone(), channel.clone(), wakeups.clone())
+            let notifier = notifier.clone();
+            move |_| relay_changes(servers.clone(), channel.clone(), notifier.clone())
         });
         Ok(Self {
             conn,
             prefix: prefix.to_owned(),
             indexed: Arc::default(),
-            wakeups,
+            notifier,
             _relay: Arc::new(CancelOnDrop(relay)),
         })
     }
@@ -104,8 +104,8 @@ impl RedisStore {
 
 #[async_trait]
 impl RecoveryStore for RedisStore {
-    fn wakeups(&self) -> &Wakeups {
-        &self.wakeups
+    fn notifier(&self) -> &Notifier {
+        &self.notifier
     }
 
     async fn acquire(

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use runplane_grpc::wake::Wakeups;
+use runplane_grpc::notifier::Notifier;
 
 use super::connection::RedisStore;
 
@@ -11,7 +11,7 @@ use super::connection::RedisStore;
 /// this process's followers. Subscribes on one server (in a cluster any node hears every
 /// node's PUBLISH), moving to the next seed when it fails; after a reconnect everyone is
 /// woken, since what was published meanwhile is gone.
-pub(super) async fn relay_changes(servers: Vec<String>, channel: String, wakeups: Wakeups) {
+pub(super) async fn relay_changes(servers: Vec<String>, channel: String, notifier: Notifier) {
     use futures::StreamExt;
     for server in servers.iter().cycle() {
         let subscribed = async {
@@ -23,11 +23,11 @@ pub(super) async fn relay_changes(servers: Vec<String>, channel: String, wakeups
         };
         match subscribed.await {
             Ok(mut pubsub) => {
-                wakeups.wake_all();
+                notifier.notify_all();
                 let mut messages = pubsub.on_message();
                 while let Some(message) = messages.next().await {
                     if let Ok(run) = message.get_payload::<String>() {
-                        wakeups.wake(&run);
+                        notifier.notify(&run);
                     }
                 }
                 tracing::debug!(server = %runplane_config::redact_url(server), "stream changes subscription ended; resubscribing");
@@ -36,7 +36,7 @@ pub(super) async fn relay_changes(servers: Vec<String>, channel: String, wakeups
                 tracing::debug!(server = %runplane_config::redact_url(server), error = %e, "cannot subscribe to stream changes; trying the next server in 1 s");
             }
         }
-        wakeups.wake_all();
+        notifier.notify_all();
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
@@ -45,7 +45,7 @@ impl RedisStore {
     /// Wakes this process's followers of `run` at once and tells the other replicas. A
     /// publish that fails is only logged: their tails still re-read on their heartbeat.
     pub(super) async fn changed(&self, run: &str) {
-        self.wakeups.wake(run);
+        self.notifier.notify(run);
         let mut conn = self.conn.clone();
         let published: redis::RedisResult<i64> = redis::cmd("PUBLISH")
             .arg(self.channel())

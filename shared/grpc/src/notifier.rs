@@ -1,4 +1,5 @@
-//! Keyed wake-ups for long polls and watch streams.
+//! Keyed in-process notification for long polls and watch streams (a sandbox *wake* is
+//! something else: the restore of a suspended sandbox).
 //!
 //! A waiter subscribes to the one key it waits on (a run id, say) before it reads, so a
 //! change between its read and its wait is not lost. Waking a key wakes that key's
@@ -18,7 +19,7 @@ use tokio::time::Instant;
 
 /// Who waits on which key. Cheap to clone; clones share the waiters.
 #[derive(Debug, Clone)]
-pub struct Wakeups<V = ()> {
+pub struct Notifier<V = ()> {
     inner: Arc<Inner<V>>,
     closing: watch::Sender<bool>,
 }
@@ -31,13 +32,13 @@ struct Inner<V> {
 
 #[derive(Debug)]
 struct Key<V> {
-    /// Bumped at every wake; each subscriber waits for it to move.
-    wake: watch::Sender<u64>,
+    /// Bumped at every notification; each subscriber waits for it to move.
+    notified: watch::Sender<u64>,
     /// Subscriber id → what it last read (none until it says).
     seen: HashMap<u64, Option<V>>,
 }
 
-impl<V> Default for Wakeups<V> {
+impl<V> Default for Notifier<V> {
     fn default() -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -49,22 +50,22 @@ impl<V> Default for Wakeups<V> {
     }
 }
 
-impl<V: Clone> Wakeups<V> {
+impl<V: Clone> Notifier<V> {
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Wakes whoever waits on `key`.
-    pub fn wake(&self, key: &str) {
-        if let Some(k) = self.inner.keys.lock().expect("wakeups").get(key) {
-            k.wake.send_modify(|n| *n = n.wrapping_add(1));
+    pub fn notify(&self, key: &str) {
+        if let Some(k) = self.inner.keys.lock().expect("notifier").get(key) {
+            k.notified.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
 
     /// Wakes every waiter (what they waited for may have been missed).
-    pub fn wake_all(&self) {
-        for k in self.inner.keys.lock().expect("wakeups").values() {
-            k.wake.send_modify(|n| *n = n.wrapping_add(1));
+    pub fn notify_all(&self) {
+        for k in self.inner.keys.lock().expect("notifier").values() {
+            k.notified.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
 
@@ -73,7 +74,7 @@ impl<V: Clone> Wakeups<V> {
         self.inner
             .keys
             .lock()
-            .expect("wakeups")
+            .expect("notifier")
             .iter()
             .filter_map(|(key, k)| {
                 let seen: Vec<V> = k.seen.values().flatten().cloned().collect();
@@ -113,7 +114,7 @@ impl<V: Clone> Wakeups<V> {
                         .get(&key)
                         .is_some_and(|s| s.iter().any(|v| *v != value))
                     {
-                        self.wake(&key);
+                        self.notify(&key);
                     }
                 }
             }
@@ -138,9 +139,9 @@ impl<V: Clone> Wakeups<V> {
     /// the wait is not lost.
     pub fn subscribe(&self, key: &str) -> Subscription<V> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut keys = self.inner.keys.lock().expect("wakeups");
+        let mut keys = self.inner.keys.lock().expect("notifier");
         let k = keys.entry(key.to_owned()).or_insert_with(|| Key {
-            wake: watch::channel(0).0,
+            notified: watch::channel(0).0,
             seen: HashMap::new(),
         });
         k.seen.insert(id, None);
@@ -148,7 +149,7 @@ impl<V: Clone> Wakeups<V> {
             inner: self.inner.clone(),
             key: key.to_owned(),
             id,
-            wake: k.wake.subscribe(),
+            notified: k.notified.subscribe(),
             closing: self.closing.subscribe(),
         }
     }
@@ -160,14 +161,14 @@ pub struct Subscription<V = ()> {
     inner: Arc<Inner<V>>,
     key: String,
     id: u64,
-    wake: watch::Receiver<u64>,
+    notified: watch::Receiver<u64>,
     closing: watch::Receiver<bool>,
 }
 
 impl<V> Subscription<V> {
     /// Records what the holder just read, for a re-check to compare with.
     pub fn seen(&self, value: V) {
-        if let Some(k) = self.inner.keys.lock().expect("wakeups").get_mut(&self.key) {
+        if let Some(k) = self.inner.keys.lock().expect("notifier").get_mut(&self.key) {
             k.seen.insert(self.id, Some(value));
         }
     }
@@ -179,11 +180,11 @@ impl<V> Subscription<V> {
             return false;
         }
         let closing = &mut self.closing;
-        let wake = &mut self.wake;
+        let notified = &mut self.notified;
         tokio::time::timeout_at(deadline, async {
             tokio::select! {
                 _ = closing.wait_for(|c| *c) => false,
-                changed = wake.changed() => changed.is_ok(),
+                changed = notified.changed() => changed.is_ok(),
             }
         })
         .await
@@ -193,7 +194,7 @@ impl<V> Subscription<V> {
 
 impl<V> Drop for Subscription<V> {
     fn drop(&mut self) {
-        let mut keys = self.inner.keys.lock().expect("wakeups");
+        let mut keys = self.inner.keys.lock().expect("notifier");
         if let Some(k) = keys.get_mut(&self.key) {
             k.seen.remove(&self.id);
             if k.seen.is_empty() {
@@ -215,10 +216,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_wake_reaches_its_key_only() {
-        let w = Wakeups::<()>::new();
+        let w = Notifier::<()>::new();
         let mut a = w.subscribe("a");
         let mut b = w.subscribe("b");
-        w.wake("a");
+        w.notify("a");
         assert!(a.changed(soon()).await);
         assert!(!b.changed(soon()).await);
         // Consumed: the same wake is not seen twice.
@@ -227,16 +228,16 @@ mod tests {
 
     #[tokio::test]
     async fn a_wake_before_the_wait_is_kept() {
-        let w = Wakeups::<()>::new();
+        let w = Notifier::<()>::new();
         let mut a = w.subscribe("a");
-        w.wake("a");
-        w.wake_all();
+        w.notify("a");
+        w.notify_all();
         assert!(a.changed(soon()).await);
     }
 
     #[tokio::test]
     async fn what_was_seen_is_listed_until_unsubscribed() {
-        let w = Wakeups::<u32>::new();
+        let w = Notifier::<u32>::new();
         let a = w.subscribe("a");
         let _quiet = w.subscribe("b");
         a.seen(7);
@@ -248,7 +249,7 @@ mod tests {
 
     #[tokio::test]
     async fn closing_ends_every_wait() {
-        let w = Wakeups::<()>::new();
+        let w = Notifier::<()>::new();
         let mut a = w.subscribe("a");
         w.close();
         assert!(!a.changed(Instant::now() + Duration::from_secs(60)).await);
