@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use runplane_clock::ManualClock;
-use runplane_config::{Config, ProfileConfig, Secret};
+use runplane_config::{ProfileConfig, Secret};
 use runplane_credential_health::CredentialHealth;
 use runplane_credential_health::store::outbox::OUTBOX_MARK_BACKEND_ERROR;
 use runplane_db::outbox::CLAIM_TIMEOUT;
@@ -104,9 +104,8 @@ impl Replicas {
     async fn start() -> Self {
         let db = TestDatabase::new().await;
         let receiver = Receiver::new();
-        let mut config = Config::default();
-        config.auth.operator_token = Secret::new("service-token-0123456789abcdef0123456789");
-        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
+        let mut config =
+            runplane_testkit::config::with_operator("service-token-0123456789abcdef0123456789");
         config.run_store.endpoint = receiver.serve().await;
         config.credential_health.database_url = db.url().to_owned();
         config.credential_health.profiles = vec![ProfileConfig {

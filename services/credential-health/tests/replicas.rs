@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use runplane_clock::ManualClock;
-use runplane_config::{Config, Secret};
+use runplane_config::Secret;
 use runplane_credential_health::CredentialHealth;
 use runplane_grpc::client::Bearer;
 use runplane_grpc::{ErrorReason, ServiceSet};
@@ -26,9 +26,7 @@ async fn replicas_sharing_the_database_open_exactly_one_incident() {
     // gate's own), each reporting failures of distinct runs at the same moment: the
     // compare-and-set on the credential's row makes them agree on one incident.
     let gate = Gate::start(Backend::postgres().await).await;
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
+    let mut config = runplane_testkit::config::with_operator(TOKEN);
     config.credential_health.database_url = gate._dbs.1.url().to_owned();
     config.credential_health.profiles = vec![profile("sonnet", "cred-a")];
     let clock: runplane_clock::SharedClock = Arc::new(gate.clock.clone());
@@ -116,13 +114,11 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
     let health_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let health_addr = health_listener.local_addr().unwrap();
     drop(health_listener); // start_health binds it, again after the restart
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
+    let mut config = runplane_testkit::config::with_operator(TOKEN);
     config.run_store.database_url = run_db.url().to_owned();
     config.run_store.endpoint = format!("http://{}", run_listener.local_addr().unwrap());
     config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+        Secret::new(runplane_testkit::config::fresh_receipt_seed());
     config.credential_health.database_url = health_db.url().to_owned();
     config.credential_health.endpoint = format!("http://{health_addr}");
     config.credential_health.profiles = vec![profile("sonnet", "cred-a")];

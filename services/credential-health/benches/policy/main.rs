@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use measure::{Stats, drive, ms, stats};
-use runplane_config::{Config, ProfileConfig, Secret};
+use runplane_config::{Config, ProfileConfig};
 use runplane_credential_health::CredentialHealth;
 use runplane_credential_health::domain::policy::{CredentialState, ErrorEffect, PolicyConfig};
 use runplane_credential_health::domain::profiles::Profiles;
@@ -95,14 +95,8 @@ async fn start() -> Bench {
     let (run_db, health_db) = (TestDatabase::new().await, TestDatabase::new().await);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
-    config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
-    config.run_store.database_url = run_db.url().to_owned();
+    let mut config = runplane_testkit::config::run_store(TOKEN, run_db.url());
     config.run_store.endpoint = endpoint.clone();
-    config.run_store.receipt_signing_key =
-        Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-    config.run_store.admission = false;
     config.credential_health.database_url = health_db.url().to_owned();
     config.credential_health.endpoint = endpoint.clone();
     config.credential_health.profiles = fleet();

@@ -89,13 +89,11 @@ impl Gate {
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
-        let mut config = Config::default();
-        config.auth.operator_token = Secret::new(TOKEN);
-        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
+        let mut config = runplane_testkit::config::with_operator(TOKEN);
         config.run_store.database_url = run_db.url();
         config.run_store.endpoint = endpoint.clone();
         config.run_store.receipt_signing_key =
-            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
+            Secret::new(runplane_testkit::config::fresh_receipt_seed());
         config.credential_health.database_url = health_db.url();
         config.credential_health.endpoint = endpoint.clone();
         config.credential_health.profiles = profiles;
