@@ -37,11 +37,12 @@ use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use runplane_integration_tests::split::{self, Split};
-use runplane_integration_tests::{Process, authed, channel, start_dev_with_env};
+use runplane_integration_tests::{Process, channel, start_dev_with_env};
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 use tonic::transport::Channel;
 
 const RUNS: usize = 200;
@@ -159,7 +160,9 @@ impl Target {
                 runstore_pb::CreateRunRequest {
                     client_request_id: request_id,
                     org_id: self.org_id.into(),
-                    target: Some(runstore_pb::create_run_request::Target::Profile("default".into())),
+                    target: Some(runstore_pb::create_run_request::Target::Profile(
+                        "default".into(),
+                    )),
                     command: "true".into(),
                     ..Default::default()
                 },

@@ -23,6 +23,7 @@ use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 use tonic::transport::Channel;
 
 const TOKEN: &str = "wake-bench-operator-token-0123456789abcde";
@@ -31,17 +32,16 @@ const ROUNDS: usize = 10;
 const PER_ROUND: usize = 8;
 const POLL: Duration = Duration::from_millis(5);
 
-fn authed<T>(message: T) -> tonic::Request<T> {
-    runplane_integration_tests::authed(message, TOKEN)
-}
-
 /// From the first reattach to a routed answer.
 async fn reattach(api: &SandboxServiceClient<Channel>, sandbox_id: &str) -> Duration {
     let resolve = || {
-        authed(reconciler_pb::ResolveRouteRequest {
-            sandbox_id: sandbox_id.to_owned(),
-            session_id: "bench-session".into(),
-        })
+        authed(
+            reconciler_pb::ResolveRouteRequest {
+                sandbox_id: sandbox_id.to_owned(),
+                session_id: "bench-session".into(),
+            },
+            TOKEN,
+        )
     };
     let started = Instant::now();
     loop {
@@ -112,11 +112,14 @@ async fn main() {
             latencies.push(reattach(&api, sandbox_id).await);
         }
         for run_id in &round_runs {
-            runs.cancel_run(authed(runstore_pb::CancelRunRequest {
-                run_id: run_id.clone(),
-                reason: "wake bench round over".into(),
-                idempotency_key: format!("wake-bench-cancel-{run_id}"),
-            }))
+            runs.cancel_run(authed(
+                runstore_pb::CancelRunRequest {
+                    run_id: run_id.clone(),
+                    reason: "wake bench round over".into(),
+                    idempotency_key: format!("wake-bench-cancel-{run_id}"),
+                },
+                TOKEN,
+            ))
             .await
             .unwrap();
         }
@@ -128,7 +131,10 @@ async fn main() {
                 let sandbox_id = sandbox_id.clone();
                 async move {
                     match api
-                        .get_sandbox(authed(reconciler_pb::GetSandboxRequest { sandbox_id }))
+                        .get_sandbox(authed(
+                            reconciler_pb::GetSandboxRequest { sandbox_id },
+                            TOKEN,
+                        ))
                         .await
                     {
                         Err(status) if status.code() == tonic::Code::NotFound => Some(()),

@@ -241,16 +241,6 @@ pub async fn channel(endpoint: &str) -> tonic::transport::Channel {
         .unwrap_or_else(|e| panic!("connect to {endpoint}: {e}"))
 }
 
-/// `message` with `authorization: Bearer <secret>`, as every runplane client sends it.
-pub fn authed<T>(message: T, secret: &str) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {secret}").parse().expect("a header value"),
-    );
-    request
-}
-
 /// Whether `pid` is a process that has not exited (a zombie has, in all but name).
 pub fn process_alive(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))

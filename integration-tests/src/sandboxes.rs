@@ -94,11 +94,13 @@ impl ControlPlane {
     ) -> runplane_proto::runstore::v1::Run {
         use runplane_proto::runstore::v1 as runstore_pb;
         runstore_pb::run_service_client::RunServiceClient::new(crate::channel(&self.endpoint).await)
-            .create_run(crate::authed(
+            .create_run(runplane_testkit::authed(
                 runstore_pb::CreateRunRequest {
                     client_request_id: request_id.to_owned(),
                     org_id: "acme".into(),
-                    target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
+                    target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                        "c".into(),
+                    )),
                     command: "sh".into(),
                     args: vec!["-c".into(), script.to_owned()],
                     ..Default::default()
@@ -309,7 +311,7 @@ pub async fn sandbox_where(
 ) -> reconciler_pb::Sandbox {
     eventually(limit, what, || {
         let mut api = api.clone();
-        let request = crate::authed(
+        let request = runplane_testkit::authed(
             reconciler_pb::ListSandboxesRequest {
                 run_id: run_id.to_owned(),
                 ..Default::default()
@@ -335,7 +337,7 @@ pub async fn sandbox_where(
 pub async fn node_ready(api: &SandboxServiceClient<Channel>, token: &str, id: &str) {
     eventually(Duration::from_secs(30), "the node ready", || {
         let mut api = api.clone();
-        let request = crate::authed(reconciler_pb::ListNodesRequest::default(), token);
+        let request = runplane_testkit::authed(reconciler_pb::ListNodesRequest::default(), token);
         async move {
             api.list_nodes(request)
                 .await

@@ -13,9 +13,10 @@ use runplane_integration_tests::sandboxes::{
     ReapSession, eventually, process_state, session_members, start_node,
 };
 use runplane_integration_tests::split::{Split, TOKEN as SPLIT_TOKEN};
-use runplane_integration_tests::{authed, channel, runplane_bin, start_dev};
+use runplane_integration_tests::{channel, runplane_bin, start_dev};
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// What the agent tries, in order, once the test steers it on (a line on its stdin).
@@ -116,7 +117,9 @@ async fn adversary_finds_nothing(target: Target) {
                 client_request_id: format!("victim-run-{:0>16}", std::process::id()),
                 org_id: "acme".into(),
                 lead_id: "lead-1".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "local".into(),
+                )),
                 command: "sh".into(),
                 args: vec!["-c".into(), "exec sleep 300".into()],
                 ..Default::default()

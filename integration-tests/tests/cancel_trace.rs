@@ -6,9 +6,10 @@
 use std::time::Duration;
 
 use runplane_integration_tests::otlp::start_receiver;
-use runplane_integration_tests::{authed, channel, start_dev_with_env};
+use runplane_integration_tests::{channel, start_dev_with_env};
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -38,7 +39,9 @@ async fn a_cancel_joins_the_runs_trace_and_is_counted() {
             runstore_pb::CreateRunRequest {
                 client_request_id: "cancel-trace-run-0001".into(),
                 org_id: "acme".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "local".into(),
+                )),
                 command: "true".into(),
                 ..Default::default()
             },

@@ -5,11 +5,12 @@
 use std::path::Path;
 use std::time::Duration;
 
-use runplane_integration_tests::{authed, channel, process_alive, start_dev_with_env, wait_for};
+use runplane_integration_tests::{channel, process_alive, start_dev_with_env, wait_for};
 use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 
 fn agent(pid_file: &Path) -> Vec<String> {
     vec![
@@ -60,7 +61,9 @@ exhausted_pattern = "quota exceeded"
                     client_request_id: format!("capacity-run-{i:0>8}"),
                     org_id: "acme".into(),
                     lead_id: "lead-1".into(),
-                    target: Some(runstore_pb::create_run_request::Target::Profile("small".into())),
+                    target: Some(runstore_pb::create_run_request::Target::Profile(
+                        "small".into(),
+                    )),
                     command: "sh".into(),
                     args: agent(&pid_file),
                     ..Default::default()
@@ -83,12 +86,15 @@ exhausted_pattern = "quota exceeded"
         }
     }
     let get = async |op: &mut RunServiceClient<tonic::transport::Channel>, id: &str| {
-        op.get_run(authed(runstore_pb::GetRunRequest { run_id: id.into() }, &token))
-            .await
-            .unwrap()
-            .into_inner()
-            .run
-            .unwrap()
+        op.get_run(authed(
+            runstore_pb::GetRunRequest { run_id: id.into() },
+            &token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap()
     };
     let third = runs[2].0.clone();
     wait_for(

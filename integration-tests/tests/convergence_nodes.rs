@@ -13,17 +13,11 @@ use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 use runplane_testkit::{TestDatabase, free_local_addr};
 
 const TOKEN: &str = "convergence-test-operator-token-0123456789";
 const RECEIPT_KEY: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
-
-fn authed<T>(message: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.metadata_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    r
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_stopped() {
@@ -92,15 +86,20 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs
-        .create_run(authed(runstore_pb::CreateRunRequest {
-            client_request_id: "convergence-request-0001".into(),
-            org_id: "acme".into(),
-            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
-            command: "sh".into(),
-            // Waiting for a line nobody sends: parked, so the node may suspend it.
-            args: vec!["-c".into(), "read line; exec sleep 120".into()],
-            ..Default::default()
-        }))
+        .create_run(authed(
+            runstore_pb::CreateRunRequest {
+                client_request_id: "convergence-request-0001".into(),
+                org_id: "acme".into(),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "c".into(),
+                )),
+                command: "sh".into(),
+                // Waiting for a line nobody sends: parked, so the node may suspend it.
+                args: vec!["-c".into(), "read line; exec sleep 120".into()],
+                ..Default::default()
+            },
+            TOKEN,
+        ))
         .await
         .unwrap()
         .into_inner()
@@ -125,21 +124,27 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
     // The run ends (an operator's cancel, or a service's FailRun where cancel is not
     // served), while its sandbox is suspended and unplaced.
     let cancelled = runs
-        .cancel_run(authed(runstore_pb::CancelRunRequest {
-            run_id: run.id.clone(),
-            reason: "convergence test".into(),
-            idempotency_key: "convergence-cancel-0001".into(),
-        }))
+        .cancel_run(authed(
+            runstore_pb::CancelRunRequest {
+                run_id: run.id.clone(),
+                reason: "convergence test".into(),
+                idempotency_key: "convergence-cancel-0001".into(),
+            },
+            TOKEN,
+        ))
         .await;
     if let Err(status) = cancelled {
         assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
-        runs.fail_run(authed(runstore_pb::FailRunRequest {
-            run_id: run.id.clone(),
-            reason: "ended_by_test".into(),
-            message: "ended while its sandbox was suspended".into(),
-            idempotency_key: "convergence-fail-0001".into(),
-            ..Default::default()
-        }))
+        runs.fail_run(authed(
+            runstore_pb::FailRunRequest {
+                run_id: run.id.clone(),
+                reason: "ended_by_test".into(),
+                message: "ended while its sandbox was suspended".into(),
+                idempotency_key: "convergence-fail-0001".into(),
+                ..Default::default()
+            },
+            TOKEN,
+        ))
         .await
         .unwrap();
     }
@@ -150,7 +155,10 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
         let id = sandbox.id.clone();
         async move {
             let s = api
-                .get_sandbox(authed(reconciler_pb::GetSandboxRequest { sandbox_id: id }))
+                .get_sandbox(authed(
+                    reconciler_pb::GetSandboxRequest { sandbox_id: id },
+                    TOKEN,
+                ))
                 .await
                 .ok()?
                 .into_inner()
@@ -177,9 +185,12 @@ async fn an_idle_suspended_sandbox_of_an_ended_run_is_deleted_and_its_processes_
     .await;
     assert!(left.is_empty());
     let run = runs
-        .get_run(authed(runstore_pb::GetRunRequest {
-            run_id: run.id.clone(),
-        }))
+        .get_run(authed(
+            runstore_pb::GetRunRequest {
+                run_id: run.id.clone(),
+            },
+            TOKEN,
+        ))
         .await
         .unwrap()
         .into_inner()

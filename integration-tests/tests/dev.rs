@@ -146,9 +146,10 @@ async fn dev_reports_the_fleet_of_its_embedded_default_profile() {
     let data = tempfile::tempdir().unwrap();
     let dev = start_dev(data.path()).await;
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
-    let mut client = credentials_pb::credential_health_service_client::CredentialHealthServiceClient::new(
-        channel(&dev.endpoint()).await,
-    );
+    let mut client =
+        credentials_pb::credential_health_service_client::CredentialHealthServiceClient::new(
+            channel(&dev.endpoint()).await,
+        );
     let mut request = tonic::Request::new(credentials_pb::GetFleetRequest::default());
     request.metadata_mut().insert(
         "authorization",
@@ -224,26 +225,22 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
     use runplane_proto::runstore::v1 as runstore_pb;
     use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
     use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+    use runplane_testkit::authed;
 
     let data = tempfile::tempdir().unwrap();
     let mut dev =
         runplane_integration_tests::start_dev_with_env(data.path(), &[("RUST_LOG", "trace")]).await;
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
     let token = token.trim().to_owned();
-    fn authed<T>(message: T, secret: &str) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(message);
-        request
-            .metadata_mut()
-            .insert("authorization", format!("Bearer {secret}").parse().unwrap());
-        request
-    }
     let mut op = RunServiceClient::new(channel(&dev.endpoint()).await);
     let run = op
         .create_run(authed(
             runstore_pb::CreateRunRequest {
                 client_request_id: "log-scan-request-0001".into(),
                 org_id: "acme".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "local".into(),
+                )),
                 command: "true".into(),
                 ..Default::default()
             },

@@ -6,9 +6,10 @@
 use std::time::Duration;
 
 use runplane_integration_tests::split::{Split, TOKEN};
-use runplane_integration_tests::{authed, channel, wait_for};
+use runplane_integration_tests::{channel, wait_for};
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 
 /// Far below the one-minute round: only a dispatch on creation ends the runs this soon.
 const WITHIN: Duration = Duration::from_secs(20);
@@ -44,7 +45,9 @@ exhausted_pattern = "quota exceeded"
                 runstore_pb::CreateRunRequest {
                     client_request_id: format!("dispatch-on-create-{i}"),
                     org_id: "acme".into(),
-                    target: Some(runstore_pb::create_run_request::Target::Profile("default".into())),
+                    target: Some(runstore_pb::create_run_request::Target::Profile(
+                        "default".into(),
+                    )),
                     command: "true".into(),
                     ..Default::default()
                 },

@@ -82,11 +82,13 @@ async fn a_name_with_several_addresses_is_every_replica_and_the_cli_moves_off_fa
     let run = runstore_pb::run_service_client::RunServiceClient::new(
         runplane_integration_tests::channel(&replicas[2].endpoint()).await,
     )
-    .create_run(runplane_integration_tests::authed(
+    .create_run(runplane_testkit::authed(
         runstore_pb::CreateRunRequest {
             client_request_id: "dns-name-run-000000001".into(),
             org_id: "acme".into(),
-            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                "c".into(),
+            )),
             command: "agent".into(),
             ..Default::default()
         },

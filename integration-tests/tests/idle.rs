@@ -16,19 +16,13 @@ use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 use tokio_stream::StreamExt as _;
 
 const TOKEN: &str = "idle-test-operator-token-0123456789abcdefgh";
 const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 /// What a node's log says each time it suspends a sandbox for idleness.
 const SUSPENDED: &str = "idle: suspended";
-
-fn authed<T>(message: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.metadata_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    r
-}
 
 /// A control plane with a 3 s idle timeout and one node agent, `node-i`, which holds
 /// every sandbox; the agent's log is kept to count its suspends.
@@ -93,10 +87,13 @@ impl Cluster {
             let mut api = self.api.clone();
             let run_id = run_id.to_owned();
             async move {
-                api.list_sandboxes(authed(reconciler_pb::ListSandboxesRequest {
-                    run_id,
-                    ..Default::default()
-                }))
+                api.list_sandboxes(authed(
+                    reconciler_pb::ListSandboxesRequest {
+                        run_id,
+                        ..Default::default()
+                    },
+                    TOKEN,
+                ))
                 .await
                 .ok()?
                 .into_inner()
@@ -124,11 +121,14 @@ impl Cluster {
     async fn steer_go(&self, run_id: &str, key: &str) {
         self.runs
             .clone()
-            .steer(authed(runstore_pb::SteerRequest {
-                run_id: run_id.to_owned(),
-                text: "go".into(),
-                idempotency_key: key.into(),
-            }))
+            .steer(authed(
+                runstore_pb::SteerRequest {
+                    run_id: run_id.to_owned(),
+                    text: "go".into(),
+                    idempotency_key: key.into(),
+                },
+                TOKEN,
+            ))
             .await
             .unwrap();
     }
@@ -139,7 +139,7 @@ impl Cluster {
             let run_id = run_id.to_owned();
             async move {
                 let run = runs
-                    .get_run(authed(runstore_pb::GetRunRequest { run_id }))
+                    .get_run(authed(runstore_pb::GetRunRequest { run_id }, TOKEN))
                     .await
                     .ok()?
                     .into_inner()
@@ -175,14 +175,17 @@ impl Cluster {
         let mut watch = self
             .runs
             .clone()
-            .watch_run(authed(runstore_pb::WatchRunRequest {
-                run_id: run_id.into(),
-                heartbeat_interval: Some(prost_types::Duration {
-                    seconds: 1,
-                    nanos: 0,
-                }),
-                ..Default::default()
-            }))
+            .watch_run(authed(
+                runstore_pb::WatchRunRequest {
+                    run_id: run_id.into(),
+                    heartbeat_interval: Some(prost_types::Duration {
+                        seconds: 1,
+                        nanos: 0,
+                    }),
+                    ..Default::default()
+                },
+                TOKEN,
+            ))
             .await
             .unwrap()
             .into_inner();
@@ -254,10 +257,13 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
 
     // The reattach: not placed, a wake is queued, and the node holding it restores it.
     let resolve = || {
-        authed(reconciler_pb::ResolveRouteRequest {
-            sandbox_id: sandbox.id.clone(),
-            session_id: "session-1".into(),
-        })
+        authed(
+            reconciler_pb::ResolveRouteRequest {
+                sandbox_id: sandbox.id.clone(),
+                session_id: "session-1".into(),
+            },
+            TOKEN,
+        )
     };
     let mut api = cluster.api.clone();
     let refused = api.resolve_route(resolve()).await.unwrap_err();
@@ -315,12 +321,15 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     assert_eq!(cluster.stdout(&steered.id).await, ["got-go"]);
 
     // An interrupt alone: woken, the runner applies it, and the agent it stops ends the run.
-    runs.interrupt(authed(runstore_pb::InterruptRequest {
-        run_id: interrupted.id.clone(),
-        reason: "enough".into(),
-        idempotency_key: "parked-interrupt-key-01".into(),
-        grace: None,
-    }))
+    runs.interrupt(authed(
+        runstore_pb::InterruptRequest {
+            run_id: interrupted.id.clone(),
+            reason: "enough".into(),
+            idempotency_key: "parked-interrupt-key-01".into(),
+            grace: None,
+        },
+        TOKEN,
+    ))
     .await
     .unwrap();
     let ended = cluster.ended(&interrupted.id).await;
@@ -333,7 +342,7 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
         runplane_integration_tests::channel(&cluster.control_plane.endpoint).await,
     );
     service
-        .enqueue_control(runplane_integration_tests::authed(
+        .enqueue_control(runplane_testkit::authed(
             runstore_pb::EnqueueControlRequest {
                 run_id: resumed.id.clone(),
                 idempotency_key: "parked-resume-key-00001".into(),
@@ -363,11 +372,14 @@ async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     .await;
 
     // A cancel: the run ends at once, and its frozen agent is destroyed with its sandbox.
-    runs.cancel_run(authed(runstore_pb::CancelRunRequest {
-        run_id: cancelled.id.clone(),
-        reason: "not needed".into(),
-        idempotency_key: "parked-cancel-key-00001".into(),
-    }))
+    runs.cancel_run(authed(
+        runstore_pb::CancelRunRequest {
+            run_id: cancelled.id.clone(),
+            reason: "not needed".into(),
+            idempotency_key: "parked-cancel-key-00001".into(),
+        },
+        TOKEN,
+    ))
     .await
     .unwrap();
     let leader = reaps[3].0;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use runplane_integration_tests::sandboxes::{eventually, start_node_with_credential};
 use runplane_integration_tests::split::{Split, TOKEN};
-use runplane_integration_tests::{authed, channel, runplane_bin};
+use runplane_integration_tests::{channel, runplane_bin};
 use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_proto::reconciler::v1 as reconciler_pb;
@@ -21,6 +21,7 @@ use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecovery
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
+use runplane_testkit::authed;
 
 const PROFILES: &str = r#"
 [[credential_health.profiles]]
@@ -524,7 +525,9 @@ async fn a_node_agent_with_only_its_own_credential_runs_a_sandbox_to_the_end() {
                 client_request_id: "node-credential-e2e-0001".into(),
                 org_id: "acme".into(),
                 lead_id: "lead-1".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "local".into(),
+                )),
                 command: "sh".into(),
                 // Runs until the test has seen where it runs; fails if the node's
                 // credential reached it.

@@ -14,15 +14,9 @@ use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 
 const TOKEN: &str = "node-test-operator-token-0123456789abcdefg";
-
-fn authed<T>(message: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.metadata_mut()
-        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
-    r
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_finishes() {
@@ -64,7 +58,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         let mut api = api.clone();
         async move {
             let nodes = api
-                .list_nodes(authed(reconciler_pb::ListNodesRequest::default()))
+                .list_nodes(authed(reconciler_pb::ListNodesRequest::default(), TOKEN))
                 .await
                 .ok()?
                 .into_inner()
@@ -78,10 +72,13 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
 
     // The reattach: not placed, a wake is queued.
     let resolve = || {
-        authed(reconciler_pb::ResolveRouteRequest {
-            sandbox_id: sandbox.id.clone(),
-            session_id: "session-1".into(),
-        })
+        authed(
+            reconciler_pb::ResolveRouteRequest {
+                sandbox_id: sandbox.id.clone(),
+                session_id: "session-1".into(),
+            },
+            TOKEN,
+        )
     };
     let refused = api.resolve_route(resolve()).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
@@ -97,7 +94,10 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         let id = sandbox.id.clone();
         async move {
             let s = api
-                .get_sandbox(authed(reconciler_pb::GetSandboxRequest { sandbox_id: id }))
+                .get_sandbox(authed(
+                    reconciler_pb::GetSandboxRequest { sandbox_id: id },
+                    TOKEN,
+                ))
                 .await
                 .ok()?
                 .into_inner()
@@ -119,11 +119,14 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
     );
 
     // Thawed, the agent is given its line, finishes and so does the run.
-    runs.steer(authed(runstore_pb::SteerRequest {
-        run_id: run.id.clone(),
-        text: "go".into(),
-        idempotency_key: "idle-wake-steer-00001".into(),
-    }))
+    runs.steer(authed(
+        runstore_pb::SteerRequest {
+            run_id: run.id.clone(),
+            text: "go".into(),
+            idempotency_key: "idle-wake-steer-00001".into(),
+        },
+        TOKEN,
+    ))
     .await
     .unwrap();
     let ended = eventually(Duration::from_secs(30), "the run to finish", || {
@@ -131,7 +134,7 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
         let run_id = run.id.clone();
         async move {
             let run = runs
-                .get_run(authed(runstore_pb::GetRunRequest { run_id }))
+                .get_run(authed(runstore_pb::GetRunRequest { run_id }, TOKEN))
                 .await
                 .ok()?
                 .into_inner()
@@ -172,14 +175,19 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs
-        .create_run(authed(runstore_pb::CreateRunRequest {
-            client_request_id: "agent-restart-request-01".into(),
-            org_id: "acme".into(),
-            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
-            command: "sh".into(),
-            args: vec!["-c".into(), "echo started; exec sleep 60".into()],
-            ..Default::default()
-        }))
+        .create_run(authed(
+            runstore_pb::CreateRunRequest {
+                client_request_id: "agent-restart-request-01".into(),
+                org_id: "acme".into(),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "c".into(),
+                )),
+                command: "sh".into(),
+                args: vec!["-c".into(), "echo started; exec sleep 60".into()],
+                ..Default::default()
+            },
+            TOKEN,
+        ))
         .await
         .unwrap()
         .into_inner()
@@ -191,7 +199,7 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         let run_id = run_id.clone();
         async move {
             let run = runs
-                .get_run(authed(runstore_pb::GetRunRequest { run_id }))
+                .get_run(authed(runstore_pb::GetRunRequest { run_id }, TOKEN))
                 .await
                 .ok()?
                 .into_inner()
@@ -210,10 +218,13 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
     drop(agent);
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
     let sandbox = api
-        .list_sandboxes(authed(reconciler_pb::ListSandboxesRequest {
-            run_id: run.id.clone(),
-            ..Default::default()
-        }))
+        .list_sandboxes(authed(
+            reconciler_pb::ListSandboxesRequest {
+                run_id: run.id.clone(),
+                ..Default::default()
+            },
+            TOKEN,
+        ))
         .await
         .unwrap()
         .into_inner()
@@ -250,7 +261,7 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         let run_id = run.id.clone();
         async move {
             let run = runs
-                .get_run(authed(runstore_pb::GetRunRequest { run_id }))
+                .get_run(authed(runstore_pb::GetRunRequest { run_id }, TOKEN))
                 .await
                 .ok()?
                 .into_inner()
@@ -301,24 +312,32 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     let run = runs
-        .create_run(authed(runstore_pb::CreateRunRequest {
-            client_request_id: "refused-launch-request-1".into(),
-            org_id: "acme".into(),
-            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
-            command: "true".into(),
-            ..Default::default()
-        }))
+        .create_run(authed(
+            runstore_pb::CreateRunRequest {
+                client_request_id: "refused-launch-request-1".into(),
+                org_id: "acme".into(),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "c".into(),
+                )),
+                command: "true".into(),
+                ..Default::default()
+            },
+            TOKEN,
+        ))
         .await
         .unwrap()
         .into_inner()
         .run
         .unwrap();
-    runs.issue_run_key(authed(runstore_pb::IssueRunKeyRequest {
-        run_id: run.id.clone(),
-        sandbox_id: "0b0e5c1a-7d3e-4f60-9a2b-5c6d7e8f9a0b".into(),
-        sandbox_generation: 5,
-        idempotency_key: "a-newer-generation-0001".into(),
-    }))
+    runs.issue_run_key(authed(
+        runstore_pb::IssueRunKeyRequest {
+            run_id: run.id.clone(),
+            sandbox_id: "0b0e5c1a-7d3e-4f60-9a2b-5c6d7e8f9a0b".into(),
+            sandbox_generation: 5,
+            idempotency_key: "a-newer-generation-0001".into(),
+        },
+        TOKEN,
+    ))
     .await
     .unwrap();
     let mut api = SandboxServiceClient::new(channel(&endpoint).await);
@@ -326,7 +345,7 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
         let mut api = api.clone();
         async move {
             let nodes = api
-                .list_nodes(authed(reconciler_pb::ListNodesRequest::default()))
+                .list_nodes(authed(reconciler_pb::ListNodesRequest::default(), TOKEN))
                 .await
                 .ok()?
                 .into_inner()
@@ -335,13 +354,16 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
         }
     })
     .await;
-    api.create_sandbox(authed(reconciler_pb::CreateSandboxRequest {
-        client_request_id: "refused-launch-sandbox-1".into(),
-        run_id: run.id.clone(),
-        substrate: reconciler_pb::Substrate::Direct as i32,
-        idle_timeout: None,
-        node_id: "node-q".into(),
-    }))
+    api.create_sandbox(authed(
+        reconciler_pb::CreateSandboxRequest {
+            client_request_id: "refused-launch-sandbox-1".into(),
+            run_id: run.id.clone(),
+            substrate: reconciler_pb::Substrate::Direct as i32,
+            idle_timeout: None,
+            node_id: "node-q".into(),
+        },
+        TOKEN,
+    ))
     .await
     .unwrap();
 
@@ -360,7 +382,7 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
     let heartbeat_of = |api: &SandboxServiceClient<_>| {
         let mut api = api.clone();
         async move {
-            api.list_nodes(authed(reconciler_pb::ListNodesRequest::default()))
+            api.list_nodes(authed(reconciler_pb::ListNodesRequest::default(), TOKEN))
                 .await
                 .ok()?
                 .into_inner()

@@ -38,7 +38,7 @@ async fn attach(
     sandbox_id: &str,
 ) -> Result<node_pb::AttachResponse, String> {
     let mut node = SessionServiceClient::new(channel(&format!("http://{endpoint}")).await);
-    node.attach(runplane_integration_tests::authed(
+    node.attach(runplane_testkit::authed(
         node_pb::AttachRequest {
             sandbox_id: sandbox_id.to_owned(),
         },
@@ -80,7 +80,7 @@ async fn a_node_accepts_only_the_route_token_signed_for_its_own_sandbox() {
     // node-a's heartbeat has counted its sandbox, so node-b is the less used.
     eventually(Duration::from_secs(30), "node-a counted as used", || {
         let mut api = api.clone();
-        let request = runplane_integration_tests::authed(reconciler_pb::ListNodesRequest::default(), TOKEN);
+        let request = runplane_testkit::authed(reconciler_pb::ListNodesRequest::default(), TOKEN);
         async move {
             let nodes = api.list_nodes(request).await.ok()?.into_inner().nodes;
             nodes
@@ -116,7 +116,7 @@ async fn a_node_accepts_only_the_route_token_signed_for_its_own_sandbox() {
 
     let route = |sandbox: &reconciler_pb::Sandbox| {
         let mut api = api.clone();
-        let request = runplane_integration_tests::authed(
+        let request = runplane_testkit::authed(
             reconciler_pb::ResolveRouteRequest {
                 sandbox_id: sandbox.id.clone(),
                 session_id: "session-1".into(),

@@ -8,10 +8,11 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use runplane_integration_tests::{
-    Process, authed, channel, process_alive as alive, runplane_bin, start_dev_with_env,
+    Process, channel, process_alive as alive, runplane_bin, start_dev_with_env,
 };
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
@@ -61,7 +62,9 @@ impl Dev {
                     client_request_id: format!("run-end-{name:0>16}"),
                     org_id: "acme".into(),
                     lead_id: "lead-1".into(),
-                    target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
+                    target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                        "local".into(),
+                    )),
                     command: "sh".into(),
                     args: vec![
                         "-c".into(),
@@ -189,7 +192,11 @@ async fn assert_gone(pid: i32, what: &str) {
 }
 
 /// A running run with its runner and its agent's pid.
-async fn running(dev: &Dev, name: &str, max_duration: Option<Duration>) -> (runstore_pb::Run, Runner, i32) {
+async fn running(
+    dev: &Dev,
+    name: &str,
+    max_duration: Option<Duration>,
+) -> (runstore_pb::Run, Runner, i32) {
     let run = dev.create(name, max_duration).await;
     let runner = dev.start_runner(&run, name).await;
     let pid = runner.agent_pid().await;
@@ -291,7 +298,11 @@ async fn runs_failed_by_a_service_or_a_backend_error_have_their_agents_stopped()
     assert_gone(backend_pid, "MarkBackendError").await;
     for (runner, run_id, state) in [
         (lost_runner, &lost.id, runstore_pb::RunState::Failed),
-        (backend_runner, &backend.id, runstore_pb::RunState::BackendError),
+        (
+            backend_runner,
+            &backend.id,
+            runstore_pb::RunState::BackendError,
+        ),
     ] {
         let (status, logs) = runner.finish().await;
         assert_runner_stopped_quietly(status, &logs);

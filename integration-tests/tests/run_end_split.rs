@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use runplane_integration_tests::split::{Split, TOKEN};
-use runplane_integration_tests::{authed, channel, process_alive as alive, wait_for};
+use runplane_integration_tests::{channel, process_alive as alive, wait_for};
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 
 const GONE_WITHIN: Duration = Duration::from_secs(15);
 
@@ -192,7 +193,10 @@ async fn a_cancelled_run_in_the_split_topology_leaves_no_agent_and_no_sandbox() 
         .unwrap();
     assert_eq!(cancelled.state(), runstore_pb::RunState::Cancelled);
     assert_converged(&w, &run.id, pid, "CancelRun").await;
-    assert_eq!(w.run(&run.id).await.state(), runstore_pb::RunState::Cancelled);
+    assert_eq!(
+        w.run(&run.id).await.state(),
+        runstore_pb::RunState::Cancelled
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,12 +10,9 @@ use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 
 const TOKEN: &str = "wake-now-operator-token-0123456789abcdefgh";
-
-fn authed<T>(message: T) -> tonic::Request<T> {
-    runplane_integration_tests::authed(message, TOKEN)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reattach_is_routable_long_before_the_next_round() {
@@ -46,10 +43,13 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
     let _reap = ReapSession(pid);
 
     let resolve = || {
-        authed(reconciler_pb::ResolveRouteRequest {
-            sandbox_id: sandbox.id.clone(),
-            session_id: "session-1".into(),
-        })
+        authed(
+            reconciler_pb::ResolveRouteRequest {
+                sandbox_id: sandbox.id.clone(),
+                session_id: "session-1".into(),
+            },
+            TOKEN,
+        )
     };
     let refused = api.resolve_route(resolve()).await.unwrap_err();
     assert_eq!(
@@ -66,11 +66,14 @@ async fn a_reattach_is_routable_long_before_the_next_round() {
     .into_inner();
     assert_eq!(route.node_id, "node-a");
 
-    runs.cancel_run(authed(runstore_pb::CancelRunRequest {
-        run_id: run.id.clone(),
-        reason: "test over".into(),
-        idempotency_key: "wake-now-cancel-0001".into(),
-    }))
+    runs.cancel_run(authed(
+        runstore_pb::CancelRunRequest {
+            run_id: run.id.clone(),
+            reason: "test over".into(),
+            idempotency_key: "wake-now-cancel-0001".into(),
+        },
+        TOKEN,
+    ))
     .await
     .unwrap();
 }

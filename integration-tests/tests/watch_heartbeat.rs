@@ -13,13 +13,14 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use runplane_integration_tests::wedge::WedgeProxy;
-use runplane_integration_tests::{authed, channel, runplane_bin, start_dev};
+use runplane_integration_tests::{channel, runplane_bin, start_dev};
 use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+use runplane_testkit::authed;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
@@ -219,7 +220,9 @@ async fn idle_watches_send_heartbeats_with_their_cursor() {
                 client_request_id: format!("watch-heartbeat-{marker}"),
                 org_id: "dev".into(),
                 lead_id: "cli".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("local".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "local".into(),
+                )),
                 command: "sh".into(),
                 args: vec!["-c".into(), format!("echo started; sleep 60; : {marker}")],
                 ..Default::default()

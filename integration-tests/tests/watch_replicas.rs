@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
-use runplane_integration_tests::{authed, channel, start_serve};
+use runplane_integration_tests::{channel, start_serve};
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_testkit::TestDatabase;
+use runplane_testkit::authed;
 
 const TOKEN: &str = "watch-replicas-operator-token-0123456789ab";
 const RECEIPT_KEY: &str = "0303030303030303030303030303030303030303030303030303030303030303";
@@ -36,7 +37,9 @@ async fn a_watcher_on_one_serve_process_sees_an_append_made_through_another() {
                 client_request_id: "watch-replicas-run-0001".into(),
                 org_id: "org".into(),
                 lead_id: "lead".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "c".into(),
+                )),
                 command: "agent".into(),
                 ..Default::default()
             },
