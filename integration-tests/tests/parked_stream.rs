@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use runplane_clock::ManualClock;
-use runplane_config::{Config, Secret};
+use runplane_config::Secret;
 use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
 use runplane_integration_tests::sandboxes::{ReapSession, eventually, start_node};
@@ -35,8 +35,7 @@ type Sandboxes = SandboxServiceClient<InterceptedService<Channel, Bearer>>;
 /// The coordinator in this process, on a clock the test moves, so five leases pass in
 /// no time; it reaches the run store over gRPC.
 async fn coordinator(redis: &TestRedis, run_store: &str, clock: &ManualClock) -> String {
-    let mut config = Config::default();
-    config.auth.operator_token = Secret::new(TOKEN);
+    let mut config = runplane_testkit::config::with_operator(TOKEN);
     config.auth.service_token = Secret::new(runplane_integration_tests::SERVICE_TOKEN);
     config.run_store.endpoint = run_store.to_owned();
     let store = RedisStore::connect(redis.url(), redis.prefix())
@@ -107,7 +106,9 @@ fn lines(items: &[recovery_pb::tail_response::Item]) -> Vec<String> {
     items
         .iter()
         .filter_map(|i| match i {
-            recovery_pb::tail_response::Item::Frame(f) => Some(String::from_utf8(f.data.clone()).unwrap()),
+            recovery_pb::tail_response::Item::Frame(f) => {
+                Some(String::from_utf8(f.data.clone()).unwrap())
+            }
             _ => None,
         })
         .collect()
@@ -188,7 +189,9 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         .create_run(runstore_pb::CreateRunRequest {
             client_request_id: "parked-stream-request-0001".into(),
             org_id: "acme".into(),
-            target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
+            target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                "c".into(),
+            )),
             command: "sh".into(),
             args: vec!["-c".into(), script],
             ..Default::default()
@@ -243,7 +246,11 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(plan.decision(), recovery_pb::RecoveryDecision::LeaseHeld, "{plan:?}");
+        assert_eq!(
+            plan.decision(),
+            recovery_pb::RecoveryDecision::LeaseHeld,
+            "{plan:?}"
+        );
         let items = tail(&recovery, &run_id).await;
         assert_eq!(lines(&items).len(), 10);
         assert!(
@@ -286,7 +293,11 @@ async fn a_suspended_run_is_never_taken_over_and_finishes_after_its_restore() {
         }
     })
     .await;
-    assert_eq!(status.state(), runstore_pb::RunState::Succeeded, "{status:?}");
+    assert_eq!(
+        status.state(),
+        runstore_pb::RunState::Succeeded,
+        "{status:?}"
+    );
 
     let items = tail(&recovery, &run_id).await;
     let expected: Vec<String> = (1..=20).map(|i| format!("line {i}")).collect();

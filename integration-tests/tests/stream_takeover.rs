@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use runplane_clock::ManualClock;
-use runplane_config::{Config, Secret};
+use runplane_config::Secret;
 use runplane_grpc::ServiceSet;
 use runplane_grpc::client::Bearer;
 use runplane_integration_tests::runplane_bin;
@@ -15,11 +15,11 @@ use runplane_proto::recovery::v1 as recovery_pb;
 use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
-use runplane_run_store::RunStore;
 use runplane_stream_recovery::StreamRecovery;
 use runplane_stream_recovery::domain::policy::BufferLimits;
 use runplane_stream_recovery::store::RecoveryStore;
 use runplane_stream_recovery::store::redis::RedisStore;
+use runplane_testkit::run_store::InProcessRunStore;
 use runplane_testkit::{TestDatabase, TestRedis};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -51,9 +51,8 @@ async fn channel(endpoint: &str) -> Channel {
 
 struct World {
     clock: ManualClock,
-    run_store_endpoint: String,
     coordinator_endpoint: String,
-    run_store: RunStore,
+    run_store: InProcessRunStore,
     _db: TestDatabase,
 }
 
@@ -64,21 +63,10 @@ impl World {
 
     async fn with_limits(redis_url: &str, prefix: &str, limits: BufferLimits) -> Self {
         let db = TestDatabase::new().await;
-        let mut config = Config::default();
-        config.auth.operator_token = Secret::new(TOKEN);
+        let mut config = runplane_testkit::config::run_store(TOKEN, db.url());
         config.auth.service_token = Secret::new(runplane_integration_tests::SERVICE_TOKEN);
-        config.run_store.database_url = db.url().to_owned();
-        config.run_store.receipt_signing_key =
-            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
-        // Not about admission: runs are created on the credential they name.
-        config.run_store.admission = false;
-        let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
-            .await
-            .unwrap();
-        let mut services = ServiceSet::new();
-        run_store.register(&mut services);
-        let run_store_endpoint = serve(services).await;
-        config.run_store.endpoint = run_store_endpoint.clone();
+        let run_store = InProcessRunStore::start(&config).await;
+        config.run_store.endpoint = run_store.endpoint().to_owned();
 
         let clock = ManualClock::new(chrono::Utc::now());
         let store = RedisStore::connect(redis_url, prefix).await.unwrap();
@@ -92,7 +80,6 @@ impl World {
         let coordinator_endpoint = serve(services).await;
         Self {
             clock,
-            run_store_endpoint,
             coordinator_endpoint,
             run_store,
             _db: db,
@@ -109,14 +96,16 @@ impl World {
     /// A run of the two-part script and its real runner process.
     async fn start_run(&self) -> (String, tokio::process::Child) {
         let mut op = RunServiceClient::with_interceptor(
-            channel(&self.run_store_endpoint).await,
+            channel(self.run_store.endpoint()).await,
             Bearer::new(TOKEN),
         );
         let run = op
             .create_run(runstore_pb::CreateRunRequest {
                 client_request_id: "takeover-request-000001".into(),
                 org_id: "acme".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("c".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "c".into(),
+                )),
                 command: "sh".into(),
                 args: vec!["-c".into(), SCRIPT.into()],
                 ..Default::default()
@@ -139,7 +128,7 @@ impl World {
             .run_key;
         let runner = tokio::process::Command::new(runplane_bin())
             .arg("runner")
-            .env("RUNPLANE_ENDPOINT", &self.run_store_endpoint)
+            .env("RUNPLANE_ENDPOINT", self.run_store.endpoint())
             .env("RUNPLANE_RECOVERY_ENDPOINT", &self.coordinator_endpoint)
             .env("RUNPLANE_RUN_ID", &run.id)
             .env("RUNPLANE_RUN_KEY", &key)
@@ -423,6 +412,7 @@ async fn a_budget_refusal_ends_the_stream_turn_and_the_run_goes_on() {
     let events = w
         .run_store
         .store()
+        .store()
         .events_after(&run_id, 0, 1000)
         .await
         .unwrap();
@@ -460,7 +450,7 @@ async fn a_budget_refusal_ends_the_stream_turn_and_the_run_goes_on() {
 impl World {
     async fn run_state(&self, run_id: &str) -> runstore_pb::Run {
         RunServiceClient::with_interceptor(
-            channel(&self.run_store_endpoint).await,
+            channel(self.run_store.endpoint()).await,
             Bearer::new(TOKEN),
         )
         .get_run(runstore_pb::GetRunRequest {
