@@ -13,7 +13,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use runplane_clock::{Clock, ManualClock};
-use runplane_config::{Config, Secret};
 use runplane_grpc::ServiceSet;
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_service_client::NodeServiceClient;
@@ -30,6 +29,7 @@ use runplane_sandbox_reconciler::reconcile::{
 use runplane_sandbox_reconciler::store::Store;
 use runplane_sandbox_reconciler::store::entities::{route_identity, sandbox};
 use runplane_testkit::Backend;
+pub use runplane_testkit::authed;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tower_service::Service;
@@ -111,13 +111,6 @@ pub fn node_token(id: &str) -> String {
     format!("rpnode_reconcile-test-credential-of-{id}")
 }
 
-pub fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.metadata_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    r
-}
-
 async fn serve(services: ServiceSet) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
@@ -138,14 +131,12 @@ impl World {
             Backend::Sqlite(_) => Backend::sqlite().await,
             _ => Backend::postgres().await,
         };
-        let mut config = Config::default();
-        config.auth.operator_token = Secret::new(TOKEN);
-        config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
-        config.run_store.database_url = run_db.url();
-        config.run_store.receipt_signing_key =
-            Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
         // Not about admission: runs are created on the credential they name.
-        config.run_store.admission = false;
+        let mut config = runplane_testkit::config::run_store_signing_with(
+            TOKEN,
+            &run_db.url(),
+            &runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex(),
+        );
         config.sandbox_reconciler.database_url = reconciler_db.url();
 
         let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
