@@ -88,12 +88,12 @@ impl CredentialHealth {
         )
         .await?;
         let token = &config.auth.service_token;
-        let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
-            .map_err(|e| CredentialHealthError::invalid("run_store.endpoint", e.to_string()))?;
-        let run_store = runstore_pb::run_service_client::RunServiceClient::with_interceptor(
-            channel,
-            runplane_grpc::client::Bearer::new(token.expose()),
-        );
+        let run_store = runplane_grpc::client::service_client(
+            &config.run_store.endpoint,
+            token,
+            runstore_pb::run_service_client::RunServiceClient::with_interceptor,
+        )
+        .map_err(|e| CredentialHealthError::invalid("run_store.endpoint", e.to_string()))?;
         let tasks = runplane_grpc::Tasks::new();
         // On Postgres every replica's notices wake every replica's watchers.
         let notices = runplane_grpc::notifier::Notifier::new();

@@ -64,15 +64,17 @@ impl RunStore {
         let db =
             runplane_db::connect_and_migrate::<store::Migrator>(&settings.database_url).await?;
         let credential_health = if config.run_store.admission {
-            let channel = runplane_grpc::client::connect_lazy(&config.credential_health.endpoint)
+            Some(
+                runplane_grpc::client::service_client(
+                    &config.credential_health.endpoint,
+                    &config.auth.service_token,
+                    CredentialHealthServiceClient::with_interceptor,
+                )
                 .map_err(|e| RunStoreError::InvalidField {
-                field: "credential_health.endpoint".into(),
-                reason: e.to_string(),
-            })?;
-            Some(CredentialHealthServiceClient::with_interceptor(
-                channel,
-                runplane_grpc::client::Bearer::new(config.auth.service_token.expose()),
-            ))
+                    field: "credential_health.endpoint".into(),
+                    reason: e.to_string(),
+                })?,
+            )
         } else {
             None
         };

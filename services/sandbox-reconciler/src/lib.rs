@@ -27,9 +27,12 @@ use std::time::Duration;
 
 use runplane_clock::SharedClock;
 use runplane_grpc::ServiceSet;
+use runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient;
 use runplane_proto::reconciler::v1::node_credential_service_server::NodeCredentialServiceServer;
 use runplane_proto::reconciler::v1::node_service_server::NodeServiceServer;
 use runplane_proto::reconciler::v1::sandbox_service_server::SandboxServiceServer;
+use runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient;
+use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 
 pub use error::ReconcilerError;
 
@@ -71,42 +74,39 @@ impl SandboxReconciler {
         .await?;
         let token = &config.auth.service_token;
         let route_key = config::route_key(config);
-        let channel =
-            runplane_grpc::client::connect_lazy(&config.run_store.endpoint).map_err(|e| {
-                ReconcilerError::InvalidField {
-                    field: "run_store.endpoint",
-                    reason: e.to_string(),
-                }
-            })?;
-        let run_store =
-            runplane_proto::runstore::v1::run_service_client::RunServiceClient::with_interceptor(
-                channel,
-                runplane_grpc::client::Bearer::new(token.expose()),
-            );
+        // The other services, each called with the service token.
+        let invalid = |field: &'static str| {
+            move |e: runplane_grpc::client::ClientError| ReconcilerError::InvalidField {
+                field,
+                reason: e.to_string(),
+            }
+        };
+        let run_store = runplane_grpc::client::service_client(
+            &config.run_store.endpoint,
+            token,
+            RunServiceClient::with_interceptor,
+        )
+        .map_err(invalid("run_store.endpoint"))?;
         // Capacity comes from credential health, which exists exactly where the run store
         // asks it for admission (`[run_store] admission`).
         let fleet = if config.run_store.admission {
-            let channel = runplane_grpc::client::connect_lazy(&config.credential_health.endpoint)
-                .map_err(|e| ReconcilerError::InvalidField {
-                field: "credential_health.endpoint",
-                reason: e.to_string(),
-            })?;
-            Some(runplane_proto::credentials::v1::credential_health_service_client::CredentialHealthServiceClient::with_interceptor(
-                channel,
-                runplane_grpc::client::Bearer::new(token.expose()),
-            ))
+            Some(
+                runplane_grpc::client::service_client(
+                    &config.credential_health.endpoint,
+                    token,
+                    CredentialHealthServiceClient::with_interceptor,
+                )
+                .map_err(invalid("credential_health.endpoint"))?,
+            )
         } else {
             None
         };
-        let recovery = runplane_proto::recovery::v1::stream_recovery_service_client::StreamRecoveryServiceClient::with_interceptor(
-            runplane_grpc::client::connect_lazy(&config.stream_recovery.endpoint).map_err(|e| {
-                ReconcilerError::InvalidField {
-                    field: "stream_recovery.endpoint",
-                    reason: e.to_string(),
-                }
-            })?,
-            runplane_grpc::client::Bearer::new(token.expose()),
-        );
+        let recovery = runplane_grpc::client::service_client(
+            &config.stream_recovery.endpoint,
+            token,
+            StreamRecoveryServiceClient::with_interceptor,
+        )
+        .map_err(invalid("stream_recovery.endpoint"))?;
         let tasks = runplane_grpc::Tasks::new();
         let signals = signals::Signals::new(&tasks, &db);
         Ok(Self {

@@ -73,12 +73,12 @@ impl StreamRecovery {
         clock: SharedClock,
     ) -> Result<Self, RecoveryError> {
         let token = &config.auth.service_token;
-        let channel = runplane_grpc::client::connect_lazy(&config.run_store.endpoint)
-            .map_err(|e| RecoveryError::Endpoint(e.to_string()))?;
-        let run_store = runstore_pb::run_service_client::RunServiceClient::with_interceptor(
-            channel,
-            runplane_grpc::client::Bearer::new(token.expose()),
-        );
+        let run_store = runplane_grpc::client::service_client(
+            &config.run_store.endpoint,
+            token,
+            runstore_pb::run_service_client::RunServiceClient::with_interceptor,
+        )
+        .map_err(|e| RecoveryError::Endpoint(e.to_string()))?;
         Ok(Self {
             state: Arc::new(grpc::CoordinatorState {
                 store,

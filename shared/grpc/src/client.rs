@@ -69,3 +69,17 @@ pub async fn connect(endpoints: &str) -> Result<TracedChannel, ClientError> {
 pub fn connect_lazy(endpoints: &str) -> Result<TracedChannel, ClientError> {
     Ok(ClientTraceLayer.layer(Balanced::lazy(EndpointList::parse(endpoints)?)))
 }
+
+/// A client of another runplane service at `endpoints` (as [`connect_lazy`]), calling
+/// with `token` as its bearer: the one way the services build their clients of each
+/// other, e.g. `service_client(endpoint, token, RunServiceClient::with_interceptor)`.
+pub fn service_client<C>(
+    endpoints: &str,
+    token: &runplane_config::Secret,
+    client: impl FnOnce(TracedChannel, Bearer) -> C,
+) -> Result<C, ClientError> {
+    Ok(client(
+        connect_lazy(endpoints)?,
+        Bearer::new(token.expose()),
+    ))
+}
