@@ -7,11 +7,15 @@ use std::time::Duration;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::runner_service_client::RunnerServiceClient;
 use runplane_proto::runstore::v1::runner_service_server::RunnerServiceServer;
+use runplane_testkit::authed;
 use runplane_transport::{Jitter, RetryConfig, RetryLayer};
-use tonic::{Code, Request};
+use tonic::Code;
 
 mod common;
 use common::*;
+
+/// What the calls present; these servers authenticate no one.
+const TOKEN: &str = "test-token";
 
 #[tokio::test]
 async fn pushback_is_honoured_when_large_and_floored_at_the_backoff_when_zero() {
@@ -239,7 +243,7 @@ async fn a_call_over_the_limit_waits_for_a_slot_within_the_queue_window() {
         let mut first = RunnerServiceClient::new(channel.clone());
         let holding = tokio::spawn(async move {
             first
-                .append_events(authed_request(runstore_pb::AppendEventsRequest::default()))
+                .append_events(authed(runstore_pb::AppendEventsRequest::default(), TOKEN))
                 .await
         });
         // The first call is in the handler (holding the slot) before the second is sent.
@@ -247,7 +251,7 @@ async fn a_call_over_the_limit_waits_for_a_slot_within_the_queue_window() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let second = RunnerServiceClient::new(channel)
-            .append_events(authed_request(runstore_pb::AppendEventsRequest::default()))
+            .append_events(authed(runstore_pb::AppendEventsRequest::default(), TOKEN))
             .await;
         holding.await.unwrap().unwrap();
         second.map(|_| ()).map_err(|s| s.code())
@@ -265,14 +269,6 @@ async fn a_call_over_the_limit_waits_for_a_slot_within_the_queue_window() {
         Err(Code::ResourceExhausted),
         "shed once the window passed"
     );
-}
-
-fn authed_request<T>(message: T) -> Request<T> {
-    let mut request = Request::new(message);
-    request
-        .metadata_mut()
-        .insert("authorization", "Bearer test-token".parse().unwrap());
-    request
 }
 
 /// A server over its concurrency limit sheds with pushback, and the transport waits it
@@ -297,20 +293,11 @@ async fn a_shedding_server_paces_calls_with_pushback_and_they_complete() {
         Duration::from_secs(1),
     ));
 
-    fn authed(
-        request: runstore_pb::AppendEventsRequest,
-    ) -> Request<runstore_pb::AppendEventsRequest> {
-        let mut request = Request::new(request);
-        request
-            .metadata_mut()
-            .insert("authorization", "Bearer test-token".parse().unwrap());
-        request
-    }
     let layer = RetryLayer::new(fast());
     let mut holder = client(&addr, &layer);
     let holding = tokio::spawn(async move {
         holder
-            .append_events(authed(runstore_pb::AppendEventsRequest::default()))
+            .append_events(authed(runstore_pb::AppendEventsRequest::default(), TOKEN))
             .await
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -322,7 +309,7 @@ async fn a_shedding_server_paces_calls_with_pushback_and_they_complete() {
         .await
         .unwrap();
     let refused = RunnerServiceClient::new(channel)
-        .append_events(authed(runstore_pb::AppendEventsRequest::default()))
+        .append_events(authed(runstore_pb::AppendEventsRequest::default(), TOKEN))
         .await
         .expect_err("shed while the slot is held");
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
@@ -349,7 +336,7 @@ async fn a_shedding_server_paces_calls_with_pushback_and_they_complete() {
     // Through the transport: paced by the pushback, then served.
     let shed_layer = RetryLayer::new(fast());
     client(&addr, &shed_layer)
-        .append_events(authed(runstore_pb::AppendEventsRequest::default()))
+        .append_events(authed(runstore_pb::AppendEventsRequest::default(), TOKEN))
         .await
         .expect("served once the slot frees");
     assert!(shed_layer.stats().rate_limited.load(Ordering::SeqCst) >= 1);
