@@ -24,6 +24,17 @@ pub fn policy_for(path: &str) -> Option<&'static MethodPolicy> {
 /// `ErrorInfo.domain` of every error runplane returns.
 pub const ERROR_DOMAIN: &str = "runplane.dev";
 
+/// Limits of the API that two services hold to, one checking what the other sends: both
+/// read them here, so they cannot drift apart. The protos state them in their comments.
+pub mod limits {
+    /// Most bytes of a failed turn's tail that ReportTurnFailure accepts (8 KiB): the
+    /// run store reports the tail's end, cut to this.
+    pub const MAX_FAILURE_TAIL_BYTES: usize = 8 << 10;
+    /// Most ids in `ListRunsRequest.run_ids` (500): the reconciler asks about its
+    /// sandboxes' runs at most this many at a time.
+    pub const MAX_LIST_RUNS_RUN_IDS: usize = 500;
+}
+
 /// Generated code is checked by the proto build, not by clippy.
 macro_rules! package {
     ($module:ident, $package:literal) => {
