@@ -6,13 +6,10 @@ use std::ops::RangeInclusive;
 
 use crate::error::ConfigError;
 
-/// The rule for ids of orgs, leads, credentials and profiles, everywhere runplane takes
-/// one: 1–128 bytes of `[A-Za-z0-9._:-]`.
+/// Whether `value` is an id of an org, lead, credential or profile: a
+/// [`runplane_ids::Name`], the one rule for them everywhere runplane takes one.
 pub fn is_name(value: &str) -> bool {
-    (1..=128).contains(&value.len())
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
+    runplane_ids::Name::parse(value).is_ok()
 }
 
 /// `Ok` when `value` lies in `range`; otherwise `field` is invalid and "must be between"

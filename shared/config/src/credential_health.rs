@@ -3,9 +3,10 @@
 
 use std::collections::BTreeSet;
 
+use runplane_ids::Name;
 use serde::Deserialize;
 
-use crate::checks::{in_range, is_name};
+use crate::checks::in_range;
 use crate::error::ConfigError;
 use crate::sandbox_reconciler::SandboxNetwork;
 use crate::server::default_endpoint;
@@ -127,18 +128,20 @@ impl CredentialHealthConfig {
         for (i, p) in self.profiles.iter().enumerate() {
             let field = format!("credential_health.profiles[{i}]");
             for (what, value) in [("name", &p.name), ("credential_id", &p.credential_id)] {
-                if !is_name(value) {
+                if let Err(e) = Name::parse(value) {
                     return Err(ConfigError::invalid(
                         format!("{field}.{what}"),
-                        "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                        e.to_string(),
                     ));
                 }
             }
-            if let Some(j) = p.orgs.iter().position(|org| !is_name(org)) {
-                return Err(ConfigError::invalid(
-                    format!("{field}.orgs[{j}]"),
-                    "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
-                ));
+            for (j, org) in p.orgs.iter().enumerate() {
+                if let Err(e) = Name::parse(org) {
+                    return Err(ConfigError::invalid(
+                        format!("{field}.orgs[{j}]"),
+                        e.to_string(),
+                    ));
+                }
             }
             in_range(format!("{field}.capacity"), p.capacity, 1..=100_000)?;
             if !seen.insert((p.name.as_str(), p.credential_id.as_str())) {
