@@ -95,7 +95,10 @@ fn seconds(s: u32) -> String {
 }
 
 /// The fleet as two aligned tables.
-pub fn write_fleet(fleet: &credentials_pb::GetFleetResponse, out: &mut impl Write) -> std::io::Result<()> {
+pub fn write_fleet(
+    fleet: &credentials_pb::GetFleetResponse,
+    out: &mut impl Write,
+) -> std::io::Result<()> {
     let mut rows = vec![
         [
             "CREDENTIAL",

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use runplane_config::{Config, Secret};
+use runplane_node_agent::{AgentConfig, run as run_agent};
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_credential_service_client::NodeCredentialServiceClient;
-use runplane_node_agent::{AgentConfig, run as run_agent};
 use runplane_sandbox::Containment;
 
 #[derive(Debug, clap::Args)]
@@ -174,7 +174,9 @@ async fn token(
     match command {
         TokenCommand::Create { node, .. } => {
             let answer = client
-                .create_node_credential(reconciler_pb::CreateNodeCredentialRequest { node_id: node })
+                .create_node_credential(reconciler_pb::CreateNodeCredentialRequest {
+                    node_id: node,
+                })
                 .await
                 .map_err(crate::connect::rpc)?
                 .into_inner();

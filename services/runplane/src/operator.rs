@@ -254,7 +254,11 @@ pub async fn get(
 }
 
 /// One run, a field a line; `now` says how long ago and how soon.
-pub fn write_run(run: &runstore_pb::Run, now: DateTime<Utc>, out: &mut impl Write) -> std::io::Result<()> {
+pub fn write_run(
+    run: &runstore_pb::Run,
+    now: DateTime<Utc>,
+    out: &mut impl Write,
+) -> std::io::Result<()> {
     let when = |t: &Option<prost_types::Timestamp>| -> String {
         let Some(t) = t else { return "-".into() };
         match output::time(t) {

@@ -7,8 +7,8 @@ use runplane_config::Config;
 use runplane_credential_health::CredentialHealth;
 use runplane_grpc::ServiceSet;
 use runplane_run_store::RunStore;
-use runplane_sandbox_reconciler::SandboxReconciler;
 use runplane_sandbox::Containment;
+use runplane_sandbox_reconciler::SandboxReconciler;
 use runplane_stream_recovery::StreamRecovery;
 use tokio::net::TcpListener;
 
