@@ -4,6 +4,7 @@
 //! never logged.
 
 use runplane_grpc::auth::Caller;
+use runplane_ids::OrgScope;
 use tonic::Request;
 
 use crate::error::RunStoreError;
@@ -16,47 +17,13 @@ pub fn presented<T>(request: &Request<T>) -> Result<&str, RunStoreError> {
         .ok_or(RunStoreError::Unauthenticated)
 }
 
-/// An authenticated operator or service.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Operator {
-    /// The service token: any org.
-    AnyOrg,
-    /// An org-scoped token.
-    Org(String),
-}
-
-impl Operator {
-    /// Refuses a call about `org` from a token scoped to another org.
-    pub fn may_act_in(&self, org: &str) -> Result<(), RunStoreError> {
-        match self {
-            Operator::AnyOrg => Ok(()),
-            Operator::Org(own) if own == org => Ok(()),
-            Operator::Org(_) => Err(RunStoreError::OrgDenied {
-                org: org.to_owned(),
-            }),
-        }
-    }
-
-    /// The org a listing is confined to: an org token's own, whatever was asked.
-    pub fn org_filter(&self, asked: &str) -> Result<Option<String>, RunStoreError> {
-        match self {
-            Operator::AnyOrg => Ok((!asked.is_empty()).then(|| asked.to_owned())),
-            Operator::Org(own) if asked.is_empty() || asked == own => Ok(Some(own.clone())),
-            Operator::Org(_) => Err(RunStoreError::OrgDenied {
-                org: asked.to_owned(),
-            }),
-        }
-    }
-}
-
-impl Operator {
-    /// The operator a call comes from; a run key (or no caller) is no operator.
-    pub fn of<T>(request: &Request<T>) -> Result<Self, RunStoreError> {
-        match runplane_grpc::auth::caller(request) {
-            Some(Caller::Operator | Caller::Service) => Ok(Operator::AnyOrg),
-            Some(Caller::Org(org)) => Ok(Operator::Org(org.clone())),
-            Some(Caller::Presented(_)) | None => Err(RunStoreError::Unauthenticated),
-        }
+/// The orgs the operator, service or org token a call comes from may act in; a run key
+/// (or no caller) acts in none.
+pub fn org_scope<T>(request: &Request<T>) -> Result<OrgScope, RunStoreError> {
+    match runplane_grpc::auth::caller(request) {
+        Some(Caller::Operator | Caller::Service) => Ok(OrgScope::Any),
+        Some(Caller::Org(org)) => Ok(OrgScope::Only(org.clone())),
+        Some(Caller::Presented(_)) | None => Err(RunStoreError::Unauthenticated),
     }
 }
 
@@ -65,21 +32,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_org_token_acts_only_in_its_org() {
-        let acme = Operator::Org("acme".into());
-        assert!(acme.may_act_in("acme").is_ok());
-        assert!(acme.may_act_in("globex").is_err());
-        assert_eq!(acme.org_filter("").unwrap(), Some("acme".into()));
-        assert!(acme.org_filter("globex").is_err());
-        assert!(Operator::AnyOrg.may_act_in("globex").is_ok());
-        assert_eq!(Operator::AnyOrg.org_filter("").unwrap(), None);
+    fn an_org_token_is_scoped_to_its_org() {
+        let mut acme = Request::new(());
+        acme.extensions_mut().insert(Caller::Org("acme".into()));
+        assert_eq!(org_scope(&acme).unwrap(), OrgScope::Only("acme".into()));
     }
 
     #[test]
     fn a_call_without_an_operator_caller_is_unauthenticated() {
         let bare = Request::new(());
         assert!(matches!(
-            Operator::of(&bare),
+            org_scope(&bare),
             Err(RunStoreError::Unauthenticated)
         ));
         assert!(matches!(
@@ -88,7 +51,7 @@ mod tests {
         ));
         let mut service = Request::new(());
         service.extensions_mut().insert(Caller::Service);
-        assert_eq!(Operator::of(&service).unwrap(), Operator::AnyOrg);
+        assert_eq!(org_scope(&service).unwrap(), OrgScope::Any);
         assert!(matches!(
             presented(&service),
             Err(RunStoreError::Unauthenticated)

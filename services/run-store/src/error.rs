@@ -71,6 +71,12 @@ pub enum RunStoreError {
     VerdictConflict(String),
 }
 
+impl From<runplane_ids::OrgDenied> for RunStoreError {
+    fn from(denied: runplane_ids::OrgDenied) -> Self {
+        Self::OrgDenied { org: denied.org }
+    }
+}
+
 impl RunStoreError {
     pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
         RunStoreError::InvalidField {

@@ -4,14 +4,10 @@ use base64::Engine;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 
-/// A run id: a UUID v7, so ids sort by creation time.
+/// A run id: a UUID v7, so ids sort by creation time, in the form
+/// [`runplane_ids::RunId`] accepts back.
 pub fn new_run_id() -> String {
     uuid::Uuid::now_v7().to_string()
-}
-
-/// True when `id` is a lowercase hyphenated UUID.
-pub fn is_run_id(id: &str) -> bool {
-    id.len() == 36 && uuid::Uuid::parse_str(id).is_ok_and(|u| u.hyphenated().to_string() == id)
 }
 
 const MESSAGE_PREFIX: &str = "msg_";
@@ -95,10 +91,7 @@ mod tests {
     }
 
     #[test]
-    fn run_ids_are_canonical_uuids() {
-        let id = new_run_id();
-        assert!(is_run_id(&id));
-        assert!(!is_run_id(&id.to_uppercase()));
-        assert!(!is_run_id("not-a-run"));
+    fn minted_run_ids_are_run_ids() {
+        assert!(runplane_ids::RunId::parse(&new_run_id()).is_ok());
     }
 }

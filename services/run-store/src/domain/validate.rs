@@ -2,6 +2,7 @@
 //! request that fails any check writes nothing.
 
 use prost_types::value::Kind;
+use runplane_ids::{Name, RunId};
 use runplane_proto::runstore::v1::{EventInput, EventKind};
 
 use crate::domain::limits::Limits;
@@ -39,16 +40,11 @@ pub fn bounded(
     Ok(())
 }
 
-/// Ids of orgs, leads, credentials, profiles: 1–128 bytes of `[A-Za-z0-9._:-]`.
+/// Ids of orgs, leads, credentials, profiles: a [`Name`].
 pub fn name(field: &'static str, value: &str) -> Result<(), RunStoreError> {
-    bounded(field, value, 1, 128)?;
-    if !runplane_config::is_name(value) {
-        return Err(RunStoreError::invalid(
-            field,
-            "may contain only letters, digits, '.', '_', ':' and '-'",
-        ));
-    }
-    Ok(())
+    Name::parse(value)
+        .map(|_| ())
+        .map_err(|e| RunStoreError::invalid(field, e.to_string()))
 }
 
 /// A client's unsigned number as the signed column it is compared with or stored in:
@@ -58,14 +54,11 @@ pub fn int64(field: &'static str, value: u64) -> Result<i64, RunStoreError> {
         .map_err(|_| RunStoreError::invalid(field, format!("must be at most {}", i64::MAX)))
 }
 
+/// A [`RunId`], in the field `run_id`.
 pub fn run_id(value: &str) -> Result<(), RunStoreError> {
-    if !crate::domain::ids::is_run_id(value) {
-        return Err(RunStoreError::invalid(
-            "run_id",
-            "must be a run id (a lowercase UUID)",
-        ));
-    }
-    Ok(())
+    RunId::parse(value)
+        .map(|_| ())
+        .map_err(|e| RunStoreError::invalid("run_id", e.to_string()))
 }
 
 /// Stable snake_case reasons (verdicts, failures, aborts): 1–64 bytes of `[a-z0-9_]`.

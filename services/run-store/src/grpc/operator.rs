@@ -8,6 +8,8 @@ use base64::Engine;
 use futures::Stream;
 use prost::Message;
 use runplane_grpc::proto_duration as duration;
+use runplane_ids::RunId;
+use runplane_proto::limits::MAX_LIST_RUNS_RUN_IDS;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_server::RunService;
 use runplane_telemetry::metrics;
@@ -18,16 +20,13 @@ use super::fields::from_duration;
 use super::service_state::ServiceState;
 use super::watch;
 use crate::convert;
-use crate::domain::ids::{self, digest_hex, hex};
+use crate::domain::ids::{digest_hex, hex};
 use crate::domain::state::RunState;
 use crate::domain::validate;
 use crate::error::RunStoreError;
 use crate::store::{FailRequest, NewRun, RunFilter};
 
 type Result<T> = std::result::Result<T, RunStoreError>;
-
-/// Most ids one ListRuns may name (`run_ids`).
-const MAX_LISTED_RUN_IDS: usize = 500;
 
 /// Most bytes of a CancelRun reason.
 const MAX_CANCEL_REASON_BYTES: usize = 256;
@@ -144,7 +143,7 @@ impl RunService for RunApi {
         request: Request<runstore_pb::CreateRunRequest>,
     ) -> std::result::Result<Response<runstore_pb::CreateRunResponse>, Status> {
         let s = &self.state;
-        let operator = s.operator(&request)?;
+        let scope = s.org_scope(&request)?;
         let req = request.get_ref();
         let CheckedCreateRun {
             profile,
@@ -152,7 +151,7 @@ impl RunService for RunApi {
             labels,
             max_duration,
         } = check_create_run(req, s.settings.max_run_duration_seconds)?;
-        operator.may_act_in(&req.org_id)?;
+        scope.org_for(&req.org_id).map_err(RunStoreError::from)?;
         let mut body = serde_json::to_value((
             &req.org_id,
             &req.lead_id,
@@ -223,8 +222,8 @@ impl RunService for RunApi {
         request: Request<runstore_pb::GetRunRequest>,
     ) -> std::result::Result<Response<runstore_pb::GetRunResponse>, Status> {
         let s = &self.state;
-        let operator = s.operator(&request)?;
-        let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
+        let scope = s.org_scope(&request)?;
+        let run = s.visible_run(&scope, &request.get_ref().run_id).await?;
         Ok(Response::new(runstore_pb::GetRunResponse {
             run: Some(convert::run(&run)),
         }))
@@ -235,9 +234,12 @@ impl RunService for RunApi {
         request: Request<runstore_pb::ListRunsRequest>,
     ) -> std::result::Result<Response<runstore_pb::ListRunsResponse>, Status> {
         let s = &self.state;
-        let operator = s.operator(&request)?;
+        let scope = s.org_scope(&request)?;
         let req = request.get_ref();
-        let org_id = operator.org_filter(&req.org_id)?;
+        let org_id = scope
+            .org_for(&req.org_id)
+            .map_err(RunStoreError::from)?
+            .map(str::to_owned);
         let mut states = Vec::new();
         for st in &req.states {
             let st = runstore_pb::RunState::try_from(*st)
@@ -248,8 +250,12 @@ impl RunService for RunApi {
                 })?;
             states.push(st);
         }
-        if req.run_ids.len() > MAX_LISTED_RUN_IDS {
-            return Err(RunStoreError::invalid("run_ids", "at most 500 ids").into());
+        if req.run_ids.len() > MAX_LIST_RUNS_RUN_IDS {
+            return Err(RunStoreError::invalid(
+                "run_ids",
+                format!("at most {MAX_LIST_RUNS_RUN_IDS} ids"),
+            )
+            .into());
         }
         for id in &req.run_ids {
             validate::run_id(id)?;
@@ -387,12 +393,12 @@ impl RunService for RunApi {
         request: Request<runstore_pb::WatchRunRequest>,
     ) -> std::result::Result<Response<WatchStream>, Status> {
         let s = self.state.clone();
-        let operator = s.operator(&request)?;
+        let scope = s.org_scope(&request)?;
         let req = request.into_inner();
         validate::int64("after_sequence", req.after_sequence)?;
         let heartbeat = runplane_grpc::heartbeat::interval(req.heartbeat_interval.as_ref())
             .map_err(|why| RunStoreError::invalid("heartbeat_interval", why))?;
-        let first = s.visible_run(&operator, &req.run_id).await?;
+        let first = s.visible_run(&scope, &req.run_id).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
             if let Err(status) = watch::watch(&s, first, &req, heartbeat, &tx).await {
@@ -465,9 +471,9 @@ impl RunService for RunApi {
         request: Request<runstore_pb::SteerRequest>,
     ) -> std::result::Result<Response<runstore_pb::SteerResponse>, Status> {
         let s = &self.state;
-        let operator = s.operator(&request)?;
+        let scope = s.org_scope(&request)?;
         let req = request.get_ref();
-        s.visible_run(&operator, &req.run_id).await?;
+        s.visible_run(&scope, &req.run_id).await?;
         validate::bounded("text", &req.text, 1, 8192)?;
         if req.text.contains('\n') {
             return Err(RunStoreError::invalid("text", "must be one line (no newline)").into());
@@ -499,9 +505,9 @@ impl RunService for RunApi {
         request: Request<runstore_pb::InterruptRequest>,
     ) -> std::result::Result<Response<runstore_pb::InterruptResponse>, Status> {
         let s = &self.state;
-        let operator = s.operator(&request)?;
+        let scope = s.org_scope(&request)?;
         let req = request.get_ref();
-        let run = s.visible_run(&operator, &req.run_id).await?;
+        let run = s.visible_run(&scope, &req.run_id).await?;
         validate::bounded("reason", &req.reason, 0, 512)?;
         validate::client_key("idempotency_key", &req.idempotency_key)?;
         let grace = from_duration("grace", req.grace.as_ref())?.unwrap_or(Duration::from_secs(10));
@@ -602,7 +608,7 @@ impl RunService for RunApi {
         request: Request<runstore_pb::CancelRunRequest>,
     ) -> std::result::Result<Response<runstore_pb::CancelRunResponse>, Status> {
         let s = &self.state;
-        let operator = s.operator(&request)?;
+        let scope = s.org_scope(&request)?;
         let req = request.get_ref();
         validate::bounded("reason", &req.reason, 0, MAX_CANCEL_REASON_BYTES)?;
         if req.reason.chars().any(char::is_control) {
@@ -611,7 +617,7 @@ impl RunService for RunApi {
             );
         }
         validate::client_key("idempotency_key", &req.idempotency_key)?;
-        let run = s.visible_run(&operator, &req.run_id).await?;
+        let run = s.visible_run(&scope, &req.run_id).await?;
         // The cancel is part of the run's story: it joins the run's trace.
         let span = tracing::info_span!("run.cancel", run_id = %run.id);
         runplane_grpc::trace_context::continue_trace(&span, &run.traceparent);
@@ -770,8 +776,8 @@ impl RunService for RunApi {
         request: Request<runstore_pb::GetReceiptRequest>,
     ) -> std::result::Result<Response<runstore_pb::GetReceiptResponse>, Status> {
         let s = &self.state;
-        let operator = s.operator(&request)?;
-        let run = s.visible_run(&operator, &request.get_ref().run_id).await?;
+        let scope = s.org_scope(&request)?;
+        let run = s.visible_run(&scope, &request.get_ref().run_id).await?;
         let receipt = s
             .store
             .receipt(&run.id)
@@ -787,7 +793,7 @@ impl RunService for RunApi {
         request: Request<runstore_pb::GetReceiptPublicKeyRequest>,
     ) -> std::result::Result<Response<runstore_pb::GetReceiptPublicKeyResponse>, Status> {
         let s = &self.state;
-        s.operator(&request)?;
+        s.org_scope(&request)?;
         let key_id = &request.get_ref().key_id;
         let signer = &s.settings.signer;
         if key_id != signer.key_id() {
@@ -836,7 +842,7 @@ pub(super) fn decode_page_token(token: &str, filter_digest: &str) -> Result<(i64
     match (parts.next(), parts.next(), parts.next(), parts.next()) {
         (Some("v1"), Some(digest), Some(created), Some(id)) if digest == filter_digest => {
             let created = created.parse().map_err(|_| invalid())?;
-            if !ids::is_run_id(id) {
+            if RunId::parse(id).is_err() {
                 return Err(invalid());
             }
             Ok((created, id.to_owned()))

@@ -4,11 +4,12 @@
 use std::time::Duration;
 
 use runplane_grpc::proto_duration as duration;
+use runplane_ids::OrgScope;
 use runplane_proto::credentials::v1 as credentials_pb;
 use runplane_proto::runstore::v1 as runstore_pb;
 use tonic::{Request, Status};
 
-use crate::auth::{Operator, presented};
+use crate::auth::{org_scope, presented};
 use crate::changes::Changes;
 use crate::clients::CredentialHealthClient;
 use crate::config::RunStoreSettings;
@@ -110,15 +111,16 @@ impl ServiceState {
             .into()),
         }
     }
-    pub(super) fn operator<T>(&self, request: &Request<T>) -> Result<Operator> {
-        Operator::of(request)
+    /// The orgs the calling operator, service or org token may act in.
+    pub(super) fn org_scope<T>(&self, request: &Request<T>) -> Result<OrgScope> {
+        org_scope(request)
     }
 
     /// Calls only runplane's own services may make.
     pub(super) fn service<T>(&self, request: &Request<T>) -> Result<()> {
-        match self.operator(request)? {
-            Operator::AnyOrg => Ok(()),
-            Operator::Org(org) => Err(RunStoreError::OrgDenied { org }),
+        match self.org_scope(request)? {
+            OrgScope::Any => Ok(()),
+            OrgScope::Only(org) => Err(RunStoreError::OrgDenied { org }),
         }
     }
 
@@ -135,16 +137,12 @@ impl ServiceState {
             .await
     }
 
-    /// The run, if the operator may see it. A run of another org is reported as not
+    /// The run, if the caller may see it. A run of another org is reported as not
     /// found, so org tokens cannot probe for ids.
-    pub(super) async fn visible_run(
-        &self,
-        operator: &Operator,
-        run_id: &str,
-    ) -> Result<run::Model> {
+    pub(super) async fn visible_run(&self, scope: &OrgScope, run_id: &str) -> Result<run::Model> {
         validate::run_id(run_id)?;
         let run = self.store.get_run(run_id).await?;
-        if operator.may_act_in(&run.org_id).is_err() {
+        if scope.org_for(&run.org_id).is_err() {
             return Err(RunStoreError::RunNotFound {
                 run_id: run_id.to_owned(),
             });

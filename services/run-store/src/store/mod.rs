@@ -30,6 +30,8 @@ use std::sync::Arc;
 
 use prost::Message;
 use runplane_clock::SharedClock;
+use runplane_proto::credentials::v1 as credentials_pb;
+use runplane_proto::limits::MAX_FAILURE_TAIL_BYTES;
 use runplane_proto::runstore::v1 as runstore_pb;
 use sea_orm::sea_query::{Expr, Order};
 use sea_orm::{
@@ -78,10 +80,6 @@ pub struct Store {
 
 /// `run_store → credential_health.report_turn_failure`.
 pub const OUTBOX_REPORT_TURN_FAILURE: &str = "credential_health.report_turn_failure";
-
-/// Credential health reads at most this much of a failure tail: its end, where the
-/// agent's last words are.
-const MAX_REPORTED_TAIL_BYTES: usize = 8 << 10;
 
 /// The last `max` bytes of `s`, cut at a character boundary.
 fn tail_end(s: &str, max: usize) -> &str {
@@ -260,14 +258,16 @@ impl Store {
             return Ok(());
         }
         let now = self.now_us();
-        let request = runplane_proto::credentials::v1::ReportTurnFailureRequest {
+        let request = credentials_pb::ReportTurnFailureRequest {
             turn_id: turn_id.clone(),
             run_id: run.id.clone(),
             org_id: run.org_id.clone(),
             lead_id: run.lead_id.clone(),
             credential_id: run.credential_id.clone(),
             profile: run.profile.clone(),
-            failure_tail: tail_end(failure_tail, MAX_REPORTED_TAIL_BYTES).to_owned(),
+            // Credential health reads at most this much of a failure tail: its end,
+            // where the agent's last words are.
+            failure_tail: tail_end(failure_tail, MAX_FAILURE_TAIL_BYTES).to_owned(),
             failed_at: Some(runplane_clock::to_timestamp(now)),
         };
         let mut row = runplane_db::outbox::row(
