@@ -150,11 +150,8 @@ async fn dev_reports_the_fleet_of_its_embedded_default_profile() {
         credentials_pb::credential_health_service_client::CredentialHealthServiceClient::new(
             channel(&dev.endpoint()).await,
         );
-    let mut request = tonic::Request::new(credentials_pb::GetFleetRequest::default());
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {}", token.trim()).parse().unwrap(),
-    );
+    let request =
+        runplane_testkit::authed(credentials_pb::GetFleetRequest::default(), token.trim());
     let fleet = client.get_fleet(request).await.unwrap().into_inner();
     assert_eq!(fleet.profiles.len(), 1, "{fleet:?}");
     let profile = &fleet.profiles[0];

@@ -543,12 +543,12 @@ async fn receipt_key_id(dev: &Dev, id: &str) -> String {
 
 /// GetReceiptPublicKey's key, as hex, asked without the CLI.
 async fn public_key(endpoint: &str, token: &str, key_id: &str) -> String {
-    let mut request = tonic::Request::new(runstore_pb::GetReceiptPublicKeyRequest {
-        key_id: key_id.to_owned(),
-    });
-    request
-        .metadata_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let request = runplane_testkit::authed(
+        runstore_pb::GetReceiptPublicKeyRequest {
+            key_id: key_id.to_owned(),
+        },
+        token,
+    );
     let key = RunServiceClient::new(channel(endpoint).await)
         .get_receipt_public_key(request)
         .await

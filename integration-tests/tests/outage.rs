@@ -119,13 +119,12 @@ async fn two_runs_dying_on_a_backend_error_cool_the_credential_off_for_the_third
     assert!(stdout.contains("credential local cooling off"), "{stdout}");
 
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
-    let mut request = tonic::Request::new(runstore_pb::ListRunsRequest {
-        lead_id: "lead-7".into(),
-        ..Default::default()
-    });
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {}", token.trim()).parse().unwrap(),
+    let request = runplane_testkit::authed(
+        runstore_pb::ListRunsRequest {
+            lead_id: "lead-7".into(),
+            ..Default::default()
+        },
+        token.trim(),
     );
     let runs = RunServiceClient::new(channel(&endpoint).await)
         .list_runs(request)

@@ -68,11 +68,8 @@ async fn a_run_prints_live_survives_a_dev_restart_and_ends_succeeded() {
     // no loss is stamped.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
-    let mut request = tonic::Request::new(reconciler_pb::ListSandboxesRequest::default());
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {}", token.trim()).parse().unwrap(),
-    );
+    let request =
+        runplane_testkit::authed(reconciler_pb::ListSandboxesRequest::default(), token.trim());
     let sandboxes = SandboxServiceClient::new(channel(&format!("http://{addr}")).await)
         .list_sandboxes(request)
         .await
