@@ -55,6 +55,12 @@ pub enum CredentialHealthError {
     Unauthenticated,
 }
 
+impl From<runplane_ids::OrgDenied> for CredentialHealthError {
+    fn from(denied: runplane_ids::OrgDenied) -> Self {
+        Self::OrgDenied { org: denied.org }
+    }
+}
+
 impl CredentialHealthError {
     pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         Self::Invalid {

@@ -19,7 +19,6 @@ mod validate;
 
 pub use notices::{NOTICE_CHANNEL, NOTICE_RECHECK};
 pub use state::{HealthServiceState, RunStoreClient};
-pub use turn_failures::MAX_FAILURE_TAIL_BYTES;
 
 use std::sync::Arc;
 

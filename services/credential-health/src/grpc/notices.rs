@@ -4,11 +4,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use runplane_ids::OrgScope;
 use runplane_proto::credentials::v1 as credentials_pb;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use super::state::{Caller, HealthServiceState};
+use super::state::HealthServiceState;
 use super::validate::name;
 use crate::error::CredentialHealthError;
 use crate::view::timestamp;
@@ -27,23 +28,24 @@ pub(super) async fn watch_notices(
     service: Arc<HealthServiceState>,
     request: Request<credentials_pb::WatchNoticesRequest>,
 ) -> Result<Response<NoticeStream>, Status> {
-    let caller = service.caller(&request)?;
+    let scope = service.caller(&request)?;
     let req = request.into_inner();
     if req.lead_id.is_empty() || req.lead_id.len() > 128 {
         return Err(CredentialHealthError::invalid("lead_id", "must be 1-128 bytes").into());
     }
     // Notices are keyed by (org, lead): the org comes from an org token, or is named
     // by an operator, never guessed.
-    let org = match caller {
-        Caller::Org(own) if req.org_id.is_empty() || req.org_id == own => own,
-        Caller::Org(_) => {
-            return Err(CredentialHealthError::OrgDenied { org: req.org_id }.into());
-        }
-        Caller::AnyOrg => {
-            name("org_id", &req.org_id, true)?;
-            req.org_id.clone()
-        }
+    let org = match scope
+        .org_for(&req.org_id)
+        .map_err(CredentialHealthError::from)?
+    {
+        Some(org) => org.to_owned(),
+        // An operator acts in every org, but watches one org's lead.
+        None => return Err(CredentialHealthError::invalid("org_id", "is required").into()),
     };
+    if scope == OrgScope::Any {
+        name("org_id", &org, true)?;
+    }
     let heartbeat = runplane_grpc::heartbeat::interval(req.heartbeat_interval.as_ref())
         .map_err(|why| CredentialHealthError::invalid("heartbeat_interval", why))?;
     let mut cursor = match req.after_cursor.as_str() {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use runplane_db::notify::Relay;
 use runplane_grpc::client::{Bearer, TracedChannel};
 use runplane_grpc::notifier::Notifier;
+use runplane_ids::OrgScope;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use tokio::sync::watch;
@@ -48,15 +49,6 @@ impl std::fmt::Debug for HealthServiceState {
     }
 }
 
-/// Who is calling.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Caller {
-    /// The operator or service token: any org.
-    AnyOrg,
-    /// An org token: only its org.
-    Org(String),
-}
-
 impl HealthServiceState {
     /// Calls only runplane's services and operators make: an org token is refused.
     pub(super) fn authenticate<T>(
@@ -64,19 +56,22 @@ impl HealthServiceState {
         request: &Request<T>,
     ) -> Result<(), CredentialHealthError> {
         match self.caller(request)? {
-            Caller::AnyOrg => Ok(()),
-            Caller::Org(org) => Err(CredentialHealthError::OrgDenied { org }),
+            OrgScope::Any => Ok(()),
+            OrgScope::Only(org) => Err(CredentialHealthError::OrgDenied { org }),
         }
     }
 
-    /// The caller the server's authentication layer found; only WatchNotices takes an
-    /// org token, and the layer refuses one on every other method.
-    pub(super) fn caller<T>(&self, request: &Request<T>) -> Result<Caller, CredentialHealthError> {
+    /// The orgs the caller the server's authentication layer found may act in; only
+    /// WatchNotices takes an org token, and the layer refuses one on every other method.
+    pub(super) fn caller<T>(
+        &self,
+        request: &Request<T>,
+    ) -> Result<OrgScope, CredentialHealthError> {
         match runplane_grpc::auth::caller(request) {
             Some(runplane_grpc::auth::Caller::Operator | runplane_grpc::auth::Caller::Service) => {
-                Ok(Caller::AnyOrg)
+                Ok(OrgScope::Any)
             }
-            Some(runplane_grpc::auth::Caller::Org(org)) => Ok(Caller::Org(org.clone())),
+            Some(runplane_grpc::auth::Caller::Org(org)) => Ok(OrgScope::Only(org.clone())),
             Some(runplane_grpc::auth::Caller::Presented(_)) | None => {
                 Err(CredentialHealthError::Unauthenticated)
             }

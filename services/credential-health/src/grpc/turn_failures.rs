@@ -1,6 +1,7 @@
 //! ReportTurnFailure: classify a failed turn once and record what it changes.
 
 use runplane_proto::credentials::v1 as credentials_pb;
+use runplane_proto::limits::MAX_FAILURE_TAIL_BYTES;
 use runplane_telemetry::metrics;
 use sha2::{Digest, Sha256};
 use tonic::{Request, Response, Status};
@@ -9,9 +10,6 @@ use super::state::HealthServiceState;
 use super::validate::name;
 use crate::error::CredentialHealthError;
 use crate::store::Report;
-
-/// Longest failure tail accepted (the run store bounds it the same).
-pub const MAX_FAILURE_TAIL_BYTES: usize = 8 << 10;
 
 pub(super) async fn report_turn_failure(
     service: &HealthServiceState,

@@ -2,7 +2,7 @@
 
 use crate::error::CredentialHealthError;
 
-/// Refuses `value` unless it is a name runplane accepts (`runplane_config::is_name`), or
+/// Refuses `value` unless it is a name runplane accepts ([`runplane_ids::Name`]), or
 /// empty where the field is not `required`.
 pub(super) fn name(
     field: &'static str,
@@ -16,12 +16,7 @@ pub(super) fn name(
             Ok(())
         };
     }
-    if runplane_config::is_name(value) {
-        Ok(())
-    } else {
-        Err(CredentialHealthError::invalid(
-            field,
-            "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
-        ))
-    }
+    runplane_ids::Name::parse(value)
+        .map(|_| ())
+        .map_err(|e| CredentialHealthError::invalid(field, e.to_string()))
 }
