@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use runplane_ids::RunId;
 use runplane_proto::recovery::v1 as recovery_pb;
 
 use crate::domain::policy::DEFAULT_LEASE_TTL;
@@ -19,19 +20,12 @@ fn invalid(field: &str, why: &str) -> RecoveryError {
     }
 }
 
-/// A run id is a lowercase UUID, as the run store mints them; anything else is refused
-/// before any key is read or written.
+/// A [`RunId`], as the run store mints them; anything else is refused before any key is
+/// read or written.
 pub fn run_id(id: &str) -> Result<(), RecoveryError> {
-    let b = id.as_bytes();
-    let well_formed = b.len() == 36
-        && b.iter().enumerate().all(|(i, c)| match i {
-            8 | 13 | 18 | 23 => *c == b'-',
-            _ => c.is_ascii_digit() || (b'a'..=b'f').contains(c),
-        });
-    if !well_formed {
-        return Err(invalid("run_id", "must be a run id (a lowercase UUID)"));
-    }
-    Ok(())
+    RunId::parse(id)
+        .map(|_| ())
+        .map_err(|e| invalid("run_id", &e.to_string()))
 }
 
 /// An AcquireLease controller id: 16 to 128 printable ASCII bytes.
