@@ -1,6 +1,7 @@
 //! The reconciler's checks of client input, before anything is read or written. Pure,
 //! so the fuzz tests call them directly (`tests/fuzz.rs`).
 
+use runplane_ids::{IdError, Name, SandboxId};
 use runplane_proto::reconciler::v1 as reconciler_pb;
 
 use crate::domain::status::SandboxStatus;
@@ -53,19 +54,11 @@ pub fn check_publication(
     ))
 }
 
+/// A node id: a [`Name`].
 pub(super) fn node_name(field: &'static str, value: &str) -> Result<(), ReconcilerError> {
-    if value.is_empty()
-        || value.len() > 128
-        || !value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
-    {
-        return Err(ReconcilerError::InvalidField {
-            field,
-            reason: "1 to 128 bytes of letters, digits, '.', '_', ':' and '-'".into(),
-        });
-    }
-    Ok(())
+    Name::parse(value)
+        .map(|_| ())
+        .map_err(|e| invalid(field, e))
 }
 
 /// Longest `reason` of DestroySandbox and RequestWake, as their protos document.
@@ -99,12 +92,16 @@ pub(super) fn int32(field: &'static str, value: u32) -> Result<i32, ReconcilerEr
     })
 }
 
+/// A [`SandboxId`], in the field `sandbox_id`.
 pub(super) fn sandbox_id(id: &str) -> Result<(), ReconcilerError> {
-    if uuid::Uuid::parse_str(id).is_err() {
-        return Err(ReconcilerError::InvalidField {
-            field: "sandbox_id",
-            reason: "must be a sandbox id (a UUID)".into(),
-        });
+    SandboxId::parse(id)
+        .map(|_| ())
+        .map_err(|e| invalid("sandbox_id", e))
+}
+
+fn invalid(field: &'static str, e: IdError) -> ReconcilerError {
+    ReconcilerError::InvalidField {
+        field,
+        reason: e.to_string(),
     }
-    Ok(())
 }

@@ -1,6 +1,8 @@
 //! What the reconciler asks the run store of its sandboxes' runs: which of them are in
 //! which state, a bounded question at a time.
 
+use runplane_ids::RunId;
+use runplane_proto::limits::MAX_LIST_RUNS_RUN_IDS;
 use runplane_proto::runstore::v1 as runstore_pb;
 
 use super::RunStoreClient;
@@ -8,24 +10,22 @@ use crate::error::ReconcilerError;
 use crate::store::entities::sandbox;
 
 /// Most run ids in one `ListRuns` question (the run store's limit).
-pub(super) const RUN_IDS_PER_QUESTION: u64 = 500;
+pub(super) const RUN_IDS_PER_QUESTION: u64 = MAX_LIST_RUNS_RUN_IDS as u64;
 
-/// The distinct run ids of `rows` that can name a run (a lowercase UUID): the run store
+/// The distinct run ids of `rows` that can name a run (a [`RunId`]): the run store
 /// refuses the whole question otherwise, and no run has another id.
 pub(super) fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
     let mut run_ids: Vec<String> = rows
         .iter()
-        .map(|r| r.run_id.clone())
-        .filter(|id| {
-            uuid::Uuid::parse_str(id).is_ok() && id.bytes().all(|b| !b.is_ascii_uppercase())
-        })
+        .filter_map(|r| RunId::parse(&r.run_id).ok())
+        .map(String::from)
         .collect();
     run_ids.sort();
     run_ids.dedup();
     run_ids
 }
 
-/// Which of `run_ids` (at most 500) are in one of `states` (and, with `pending`, have a
+/// Which of `run_ids` (at most [`RUN_IDS_PER_QUESTION`]) are in one of `states` (and, with `pending`, have a
 /// message not yet acknowledged), every page of the answer read. The answer is checked
 /// here too (id asked for, state one of those asked for), so a run store that ignored a
 /// filter could make the caller act on no run it should not.
