@@ -5,6 +5,7 @@ mod connect;
 mod credentials;
 mod dev;
 mod duration;
+mod exit_status;
 mod node;
 mod operator;
 mod output;

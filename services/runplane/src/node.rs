@@ -16,6 +16,8 @@ use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_credential_service_client::NodeCredentialServiceClient;
 use runplane_sandbox::Containment;
 
+use crate::exit_status::EXIT_STATUS;
+
 #[derive(Debug, clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct NodeArgs {
@@ -46,7 +48,7 @@ enum NodeCommand {
 enum TokenCommand {
     /// Make a credential for node NODE and print it once (it is stored only as a hash).
     /// Give it to that node's `runplane node` as RUNPLANE_NODE_TOKEN or --token-file.
-    #[command(after_help = crate::cli::EXIT_STATUS)]
+    #[command(after_help = EXIT_STATUS)]
     Create {
         /// The node id ([node].id of the node that will use it).
         node: String,
@@ -54,14 +56,14 @@ enum TokenCommand {
         connect: Connect,
     },
     /// Revoke every credential of node NODE: its agent is refused from now on and stops.
-    #[command(after_help = crate::cli::EXIT_STATUS)]
+    #[command(after_help = EXIT_STATUS)]
     Revoke {
         node: String,
         #[command(flatten)]
         connect: Connect,
     },
     /// List credentials (of NODE, or all): id, node, created, revoked; never secrets.
-    #[command(after_help = crate::cli::EXIT_STATUS)]
+    #[command(after_help = EXIT_STATUS)]
     List {
         node: Option<String>,
         #[command(flatten)]
