@@ -25,10 +25,11 @@ const FLAG_ACK: u8 = 0x1;
 /// The proxy; its listener and every connection's tasks stop when it is dropped.
 pub struct WedgeProxy {
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    state: Arc<ProxyState>,
 }
 
-struct Shared {
+/// What the proxy's listener and connections share: where they forward and what they counted.
+struct ProxyState {
     backends: Vec<String>,
     next_backend: AtomicUsize,
     /// Connections numbered below this are wedged.
@@ -50,7 +51,7 @@ impl WedgeProxy {
             .await
             .expect("bind the proxy");
         let addr = listener.local_addr().expect("proxy address");
-        let shared = Arc::new(Shared {
+        let state = Arc::new(ProxyState {
             backends: backends.to_vec(),
             next_backend: AtomicUsize::new(0),
             wedged_below: AtomicU64::new(0),
@@ -60,19 +61,19 @@ impl WedgeProxy {
             tasks: Mutex::new(Vec::new()),
         });
         let accept = {
-            let shared = shared.clone();
+            let state = state.clone();
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
-                    let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
-                    let i = shared.next_backend.fetch_add(1, Ordering::SeqCst);
-                    let backend = shared.backends[i % shared.backends.len()].clone();
-                    let task = tokio::spawn(connection(shared.clone(), id, client, backend));
-                    shared.tasks.lock().unwrap().push(task.abort_handle());
+                    let id = state.accepted.fetch_add(1, Ordering::SeqCst);
+                    let i = state.next_backend.fetch_add(1, Ordering::SeqCst);
+                    let backend = state.backends[i % state.backends.len()].clone();
+                    let task = tokio::spawn(connection(state.clone(), id, client, backend));
+                    state.tasks.lock().unwrap().push(task.abort_handle());
                 }
             })
         };
-        shared.tasks.lock().unwrap().push(accept.abort_handle());
-        Self { addr, shared }
+        state.tasks.lock().unwrap().push(accept.abort_handle());
+        Self { addr, state }
     }
 
     /// `http://ADDR`, for clients.
@@ -83,36 +84,36 @@ impl WedgeProxy {
     /// Every connection open now stops forwarding at its next frame boundary, both ways,
     /// and is never closed by the proxy; it answers the client's PINGs from now on.
     pub fn wedge_open_connections(&self) {
-        let accepted = self.shared.accepted.load(Ordering::SeqCst);
-        self.shared.wedged_below.store(accepted, Ordering::SeqCst);
+        let accepted = self.state.accepted.load(Ordering::SeqCst);
+        self.state.wedged_below.store(accepted, Ordering::SeqCst);
     }
 
     /// Connections accepted so far.
     pub fn connections(&self) -> u64 {
-        self.shared.accepted.load(Ordering::SeqCst)
+        self.state.accepted.load(Ordering::SeqCst)
     }
 
     /// PINGs the proxy answered itself on wedged connections.
     pub fn pings_answered(&self) -> u64 {
-        self.shared.pings_answered.load(Ordering::SeqCst)
+        self.state.pings_answered.load(Ordering::SeqCst)
     }
 
     /// HEADERS frames forwarded from the servers: a server stream's response headers
     /// come as soon as it is open, so this says a watch is open before anything is on it.
     pub fn headers_forwarded(&self) -> u64 {
-        self.shared.headers_forwarded.load(Ordering::SeqCst)
+        self.state.headers_forwarded.load(Ordering::SeqCst)
     }
 }
 
 impl Drop for WedgeProxy {
     fn drop(&mut self) {
-        for task in self.shared.tasks.lock().unwrap().drain(..) {
+        for task in self.state.tasks.lock().unwrap().drain(..) {
             task.abort();
         }
     }
 }
 
-async fn connection(shared: Arc<Shared>, id: u64, client: TcpStream, backend: String) {
+async fn connection(state: Arc<ProxyState>, id: u64, client: TcpStream, backend: String) {
     let Ok(server) = TcpStream::connect(&backend).await else {
         return;
     };
@@ -122,17 +123,17 @@ async fn connection(shared: Arc<Shared>, id: u64, client: TcpStream, backend: St
     let (server_read, server_write) = server.into_split();
     let client_write = Arc::new(tokio::sync::Mutex::new(client_write));
     let wedged = {
-        let shared = shared.clone();
-        move || id < shared.wedged_below.load(Ordering::SeqCst)
+        let state = state.clone();
+        move || id < state.wedged_below.load(Ordering::SeqCst)
     };
     let up = upstream(
-        shared.clone(),
+        state.clone(),
         client_read,
         server_write,
         client_write.clone(),
         wedged.clone(),
     );
-    let down = downstream(shared.clone(), server_read, client_write, wedged);
+    let down = downstream(state.clone(), server_read, client_write, wedged);
     // Either direction ending (a close) ends the connection; a wedged one never ends.
     tokio::select! {
         () = up => {}
@@ -154,7 +155,7 @@ async fn frame(from: &mut OwnedReadHalf) -> Option<Vec<u8>> {
 /// Client to server: the preface, then frames; once wedged, the client's PINGs are
 /// answered here and everything else is dropped.
 async fn upstream(
-    shared: Arc<Shared>,
+    state: Arc<ProxyState>,
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     client: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
@@ -176,14 +177,14 @@ async fn upstream(
             if client.lock().await.write_all(&frame).await.is_err() {
                 return;
             }
-            shared.pings_answered.fetch_add(1, Ordering::SeqCst);
+            state.pings_answered.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
 
 /// Server to client, whole frames; once wedged, nothing more is read or forwarded.
 async fn downstream(
-    shared: Arc<Shared>,
+    state: Arc<ProxyState>,
     mut from: OwnedReadHalf,
     client: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     wedged: impl Fn() -> bool,
@@ -197,7 +198,7 @@ async fn downstream(
             return;
         }
         if frame[3] == FRAME_HEADERS {
-            shared.headers_forwarded.fetch_add(1, Ordering::SeqCst);
+            state.headers_forwarded.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
