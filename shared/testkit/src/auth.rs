@@ -12,3 +12,17 @@ pub fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
     );
     request
 }
+
+#[cfg(test)]
+mod tests {
+    use super::authed;
+
+    #[test]
+    fn the_token_goes_in_a_bearer_authorization_header() {
+        let request = authed((), "tok-123");
+        assert_eq!(
+            request.metadata().get("authorization").unwrap(),
+            "Bearer tok-123"
+        );
+    }
+}
