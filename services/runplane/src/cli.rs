@@ -2,9 +2,10 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 
 use crate::exit_status::{ALL_EXIT_STATUS, EXIT_STATUS, RUN_EXIT_STATUS};
+use crate::serve::ServiceName;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -130,17 +131,6 @@ pub enum ReceiptCommand {
         #[arg(long, value_name = "KEY")]
         public_key: String,
     },
-}
-
-/// A runplane service that `runplane serve` can host.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ServiceName {
-    RunStore,
-    SandboxReconciler,
-    StreamRecovery,
-    CredentialHealth,
-    /// All four.
-    All,
 }
 
 impl Command {

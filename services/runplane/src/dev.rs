@@ -10,7 +10,9 @@ use rand::RngCore;
 use runplane_config::{Config, Secret};
 use runplane_run_store::domain::receipt::ReceiptSigner;
 
-use crate::serve::{Selection, bind, init_telemetry, local_containment, open, run_until};
+use crate::startup::{
+    EMBEDDED_STORE, Selection, bind, init_telemetry, local_containment, open, run_until,
+};
 
 const TOKEN_FILE: &str = "operator-token";
 const SERVICE_TOKEN_FILE: &str = "service-token";
@@ -60,7 +62,7 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     config.sandbox_reconciler.state_dir = data_dir.join("sandboxes").display().to_string();
     config.sandbox_reconciler.tick_interval_ms = 500;
     config.stream_recovery.endpoint = endpoint.clone();
-    config.stream_recovery.redis_url = crate::serve::EMBEDDED_STORE.to_owned();
+    config.stream_recovery.redis_url = EMBEDDED_STORE.to_owned();
     config.credential_health.database_url = sqlite("credential-health.sqlite");
     config.credential_health.endpoint = endpoint;
     config.validate()?;

@@ -16,6 +16,7 @@ mod recovery;
 mod run;
 mod runner;
 mod serve;
+mod startup;
 mod watch;
 
 use std::process::ExitCode;

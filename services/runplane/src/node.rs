@@ -125,7 +125,7 @@ async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::R
             }
         );
     };
-    let _telemetry = crate::serve::init_telemetry(&config, "runplane-node")?;
+    let _telemetry = crate::startup::init_telemetry(&config, "runplane-node")?;
     runplane_grpc::tls::install(&config.tls)?;
     let shutdown = runplane_grpc::shutdown_signal();
     // Refused at start when the host cannot contain agents as configured.

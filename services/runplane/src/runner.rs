@@ -10,7 +10,7 @@ use tracing::Instrument;
 
 pub async fn run(config_file: Option<&Path>) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
-    let _telemetry = crate::serve::init_telemetry(&config, "runplane-runner")?;
+    let _telemetry = crate::startup::init_telemetry(&config, "runplane-runner")?;
     // From RUNPLANE_TLS__*: the sandbox driver passes its own client side on.
     runplane_grpc::tls::install(&config.tls)?;
     let env = RunnerEnv::from_env()?;
