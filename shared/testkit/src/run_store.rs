@@ -15,7 +15,12 @@ const GRACE: Duration = Duration::from_secs(1);
 
 /// A run store served on a loopback port of its own, until [`shutdown`] or drop.
 ///
+/// Opened and registered, not started: its rounds (the deadline sweep, the outbox) run
+/// only when a test drives them through [`store`], so what they do happens at a step the
+/// test chose.
+///
 /// [`shutdown`]: InProcessRunStore::shutdown
+/// [`store`]: InProcessRunStore::store
 pub struct InProcessRunStore {
     store: RunStore,
     endpoint: String,
@@ -75,7 +80,7 @@ impl InProcessRunStore {
     }
 }
 
-/// Opens a fresh run store (its own pool) on `config` and serves it on `addr`, waiting
+/// Opens a fresh run store (its own pool, its rounds not started) on `config` and serves it on `addr`, waiting
 /// for the address to be free (a restart on the same port); runs until dropped or the
 /// server fails.
 pub async fn serve_at(config: &Config, addr: &str) {
