@@ -20,11 +20,9 @@ pub fn presented<T>(request: &Request<T>) -> Result<&str, RunStoreError> {
 /// The orgs the operator, service or org token a call comes from may act in; a run key
 /// (or no caller) acts in none.
 pub fn org_scope<T>(request: &Request<T>) -> Result<OrgScope, RunStoreError> {
-    match runplane_grpc::auth::caller(request) {
-        Some(Caller::Operator | Caller::Service) => Ok(OrgScope::Any),
-        Some(Caller::Org(org)) => Ok(OrgScope::Only(org.clone())),
-        Some(Caller::Presented(_)) | None => Err(RunStoreError::Unauthenticated),
-    }
+    runplane_grpc::auth::caller(request)
+        .and_then(Caller::org_scope)
+        .ok_or(RunStoreError::Unauthenticated)
 }
 
 #[cfg(test)]

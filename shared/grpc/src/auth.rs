@@ -85,9 +85,16 @@ pub enum Caller {
 }
 
 impl Caller {
-    /// Whether the caller acts in every org (the operator and service tokens).
-    pub fn is_any_org(&self) -> bool {
-        matches!(self, Caller::Operator | Caller::Service)
+    /// The orgs the caller may act in: every org for the operator and service tokens,
+    /// its own for an org token; `None` for a presented token (a run key, a node
+    /// credential, a route token), which acts in no org. The one answer every service
+    /// asks of a caller's org.
+    pub fn org_scope(&self) -> Option<runplane_ids::OrgScope> {
+        match self {
+            Caller::Operator | Caller::Service => Some(runplane_ids::OrgScope::Any),
+            Caller::Org(org) => Some(runplane_ids::OrgScope::Only(org.clone())),
+            Caller::Presented(_) => None,
+        }
     }
 
     /// The org an org token is confined to.

@@ -67,15 +67,9 @@ impl HealthServiceState {
         &self,
         request: &Request<T>,
     ) -> Result<OrgScope, CredentialHealthError> {
-        match runplane_grpc::auth::caller(request) {
-            Some(runplane_grpc::auth::Caller::Operator | runplane_grpc::auth::Caller::Service) => {
-                Ok(OrgScope::Any)
-            }
-            Some(runplane_grpc::auth::Caller::Org(org)) => Ok(OrgScope::Only(org.clone())),
-            Some(runplane_grpc::auth::Caller::Presented(_)) | None => {
-                Err(CredentialHealthError::Unauthenticated)
-            }
-        }
+        runplane_grpc::auth::caller(request)
+            .and_then(runplane_grpc::auth::Caller::org_scope)
+            .ok_or(CredentialHealthError::Unauthenticated)
     }
 
     /// Active runs per credential and per `profile/credential`, from the run store.

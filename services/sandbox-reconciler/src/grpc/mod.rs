@@ -147,7 +147,7 @@ impl ReconcilerState {
     /// method but NodeService's (the layer admits only the callers each method names).
     fn authenticate<T>(&self, request: &Request<T>) -> Result<(), ReconcilerError> {
         match runplane_grpc::auth::caller(request) {
-            Some(c) if c.is_any_org() => Ok(()),
+            Some(c) if c.org_scope() == Some(runplane_ids::OrgScope::Any) => Ok(()),
             _ => Err(ReconcilerError::Unauthenticated),
         }
     }

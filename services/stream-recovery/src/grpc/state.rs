@@ -81,7 +81,7 @@ impl CoordinatorState {
     /// The operator or a service, as the server's authentication layer found.
     pub(super) fn operator<T>(&self, request: &Request<T>) -> Result<(), Status> {
         match runplane_grpc::auth::caller(request) {
-            Some(c) if c.is_any_org() => Ok(()),
+            Some(c) if c.org_scope() == Some(runplane_ids::OrgScope::Any) => Ok(()),
             _ => Err(unauthenticated()),
         }
     }
