@@ -33,7 +33,10 @@ fn list(replicas: &[Process]) -> String {
     endpoints.join(",")
 }
 
-fn create_run(request_id: &str, target: runstore_pb::create_run_request::Target) -> runstore_pb::CreateRunRequest {
+fn create_run(
+    request_id: &str,
+    target: runstore_pb::create_run_request::Target,
+) -> runstore_pb::CreateRunRequest {
     runstore_pb::CreateRunRequest {
         client_request_id: request_id.into(),
         org_id: "acme".into(),

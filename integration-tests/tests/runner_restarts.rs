@@ -78,7 +78,9 @@ impl ControlPlane {
             .create_run(runstore_pb::CreateRunRequest {
                 client_request_id: format!("{name}-request-0000001"),
                 org_id: "acme".into(),
-                target: Some(runstore_pb::create_run_request::Target::CredentialId("cred".into())),
+                target: Some(runstore_pb::create_run_request::Target::CredentialId(
+                    "cred".into(),
+                )),
                 command: "sh".into(),
                 args: vec!["-c".into(), script.into()],
                 ..Default::default()
