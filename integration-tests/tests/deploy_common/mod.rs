@@ -112,12 +112,12 @@ pub fn scalar(value: &Value) -> String {
 /// spells in kebab case; `All` names no single service.
 #[allow(dead_code)]
 pub fn serve_names() -> Vec<String> {
-    let cli = read(&repo().join("services/runplane/src/cli.rs"));
-    let body = cli
+    let serve = read(&repo().join("services/runplane/src/serve.rs"));
+    let body = serve
         .split("pub enum ServiceName {")
         .nth(1)
         .and_then(|rest| rest.split('}').next())
-        .expect("services/runplane/src/cli.rs defines `pub enum ServiceName { ... }`");
+        .expect("services/runplane/src/serve.rs defines `pub enum ServiceName { ... }`");
     let names: Vec<String> = body
         .lines()
         .map(str::trim)
