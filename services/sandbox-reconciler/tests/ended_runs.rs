@@ -31,6 +31,7 @@ mod convergence {
         a_late_wake_or_restore_of_a_destroyed_sandbox_is_refused_and_settles_the_wake,
         a_wake_of_a_sandbox_whose_run_ended_is_refused_and_deletes_it,
         a_restore_that_races_the_sweep_loses_and_its_node_stops_the_sandbox,
+        a_run_id_the_run_store_does_not_take_does_not_stop_the_sweep_of_the_others,
     );
 
     impl World {
@@ -584,5 +585,32 @@ mod convergence {
             vec![row.id.clone()]
         );
         assert!(intents(&list, reconciler_pb::AssignmentIntent::Run).is_empty());
+    }
+
+    /// A sandbox row that names its run in a spelling the run store does not take (a UUID
+    /// without hyphens, say, written by hand or by an older version) is left out of the
+    /// question: the run store refuses a whole ListRuns question for one such id, which
+    /// stopped the sweep of every other sandbox in the batch with it.
+    async fn a_run_id_the_run_store_does_not_take_does_not_stop_the_sweep_of_the_others(
+        w: World,
+    ) {
+        let (ended, _) = w.running_sandbox("ended-beside-odd-id").await;
+        let odd_run = uuid::Uuid::new_v4().simple().to_string();
+        let odd = w
+            .insert(
+                w.row(&new_id(), &odd_run, "direct", "started", Some("local")),
+                None,
+            )
+            .await;
+        w.end_run(&ended.run_id).await;
+
+        let deleted = w
+            .sweeper(FakeDriver::always(Probe::Alive))
+            .delete_sandboxes_of_ended_runs(&w.outbox_client().await)
+            .await
+            .expect("the sweep asks about the run ids the run store takes");
+        assert_eq!(deleted, 1);
+        assert!(w.store.sandbox(&ended.id).await.unwrap().status.is_ended());
+        assert!(!w.store.sandbox(&odd.id).await.unwrap().status.is_ended());
     }
 }

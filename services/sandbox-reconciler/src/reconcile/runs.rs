@@ -25,8 +25,8 @@ pub(super) fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
     run_ids
 }
 
-/// Which of `run_ids` (at most [`RUN_IDS_PER_QUESTION`]) are in one of `states` (and, with `pending`, have a
-/// message not yet acknowledged), every page of the answer read. The answer is checked
+/// Which of `run_ids` (at most [`RUN_IDS_PER_QUESTION`]) are in one of `states` (and,
+/// with `pending`, have a message not yet acknowledged), every page of the answer read. The answer is checked
 /// here too (id asked for, state one of those asked for), so a run store that ignored a
 /// filter could make the caller act on no run it should not.
 pub(super) async fn runs_among(
