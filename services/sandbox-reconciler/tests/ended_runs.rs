@@ -591,9 +591,7 @@ mod convergence {
     /// without hyphens, say, written by hand or by an older version) is left out of the
     /// question: the run store refuses a whole ListRuns question for one such id, which
     /// stopped the sweep of every other sandbox in the batch with it.
-    async fn a_run_id_the_run_store_does_not_take_does_not_stop_the_sweep_of_the_others(
-        w: World,
-    ) {
+    async fn a_run_id_the_run_store_does_not_take_does_not_stop_the_sweep_of_the_others(w: World) {
         let (ended, _) = w.running_sandbox("ended-beside-odd-id").await;
         let odd_run = uuid::Uuid::new_v4().simple().to_string();
         let odd = w
