@@ -9,7 +9,7 @@
 //!   cool-off, quarantine), pure, with its numbers and the reasons for them;
 //! - [`store`] keeps that state in the database under compare-and-set, with incidents,
 //!   notices and the outbox of MarkBackendError calls owed to the run store;
-//! - [`grpc`] is the service; [`start_rounds`](CredentialHealth::start_rounds) delivers the
+//! - [`grpc`] is the service; [`start`](CredentialHealth::start) delivers the
 //!   outbox and prunes old notices.
 
 pub mod config;

@@ -5,7 +5,7 @@
 //! reconciler's route-signing key and N's id. The reconciler hands N that key at
 //! registration and no other, so a node verifies the tokens naming it and cannot mint one
 //! that another node would accept. The verifier is the node agent's session endpoint
-//! (`agent::session`), which also refuses a token for another sandbox, node or
+//! (`runplane_node_agent::session`), which also refuses a token for another sandbox, node or
 //! generation.
 
 use base64::Engine;
