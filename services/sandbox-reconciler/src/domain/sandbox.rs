@@ -9,20 +9,24 @@ use crate::domain::status::SandboxStatus;
 pub enum Substrate {
     /// Processes on one node agent's host, which only that host can suspend and restore.
     Direct,
-    /// Any other substrate, whose sandboxes any node can restore.
+    /// Pods, whose sandboxes any node can restore (no driver creates them yet).
+    Kubernetes,
+    /// A name this version does not know.
     Other,
 }
 
 impl Substrate {
     /// `sandboxes.substrate` of a direct sandbox.
     pub const DIRECT: &'static str = "direct";
+    /// `sandboxes.substrate` of a Kubernetes sandbox.
+    pub const KUBERNETES: &'static str = "kubernetes";
 
     /// The substrate a stored name says.
     pub fn named(name: &str) -> Self {
-        if name == Self::DIRECT {
-            Self::Direct
-        } else {
-            Self::Other
+        match name {
+            Self::DIRECT => Self::Direct,
+            Self::KUBERNETES => Self::Kubernetes,
+            _ => Self::Other,
         }
     }
 }

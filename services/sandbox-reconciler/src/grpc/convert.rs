@@ -3,7 +3,7 @@
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use sha2::{Digest, Sha256};
 
-use crate::domain::sandbox::NO_NETWORK;
+use crate::domain::sandbox::{NO_NETWORK, Substrate};
 use crate::store::Placement;
 use crate::store::entities::{node, sandbox, wake};
 use crate::store::nodes::Assigned;
@@ -82,10 +82,10 @@ pub fn sandbox_of(p: &Placement, pending_wake: Option<&wake::Model>) -> reconcil
         id: s.id.clone(),
         run_id: s.run_id.clone(),
         org_id: s.org_id.clone(),
-        substrate: match s.substrate.as_str() {
-            "kubernetes" => reconciler_pb::Substrate::Kubernetes,
-            "direct" => reconciler_pb::Substrate::Direct,
-            _ => reconciler_pb::Substrate::Unspecified,
+        substrate: match Substrate::named(&s.substrate) {
+            Substrate::Direct => reconciler_pb::Substrate::Direct,
+            Substrate::Kubernetes => reconciler_pb::Substrate::Kubernetes,
+            Substrate::Other => reconciler_pb::Substrate::Unspecified,
         } as i32,
         status: reconciler_pb::SandboxStatus::from(s.status) as i32,
         active_node_id: s.active_node_id.clone().unwrap_or_default(),
