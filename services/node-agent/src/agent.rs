@@ -137,7 +137,7 @@ pub async fn run(
     // Cancelled when the agent returns, for whatever reason; an endpoint that fails while
     // the agent runs is an error, one cut short by the agent's own exit is not.
     let tasks = runplane_grpc::Tasks::new();
-    let _stop_sessions_on_return = CancelOnDrop(tasks.clone());
+    let _stop_sessions_on_return = runplane_grpc::tasks::CancelOnDrop(tasks.clone());
     let listener = std::sync::Mutex::new(Some(listener));
     let service = sessions.service();
     tasks.spawn(SESSIONS_TASK, move |cancelled| {
@@ -307,15 +307,6 @@ const SESSIONS_TASK: runplane_grpc::Task = runplane_grpc::Task {
     on_cancel: runplane_grpc::OnCancel::Finish,
     on_panic: runplane_grpc::OnPanic::Stop,
 };
-
-/// Cancels the agent's tasks when it returns, however it returns.
-struct CancelOnDrop(runplane_grpc::Tasks);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        self.0.cancel();
-    }
-}
 
 /// A sandbox generation whose launch the reconciler refused.
 struct Refusal {

@@ -162,6 +162,8 @@ impl SandboxReconciler {
                     tracing::warn!("no local sandbox driver was given; runs wait for a node agent");
                 }
                 settings.local_sandboxes = false;
+                // Starts nothing (local sandboxes are off now), but still probes and stops
+                // the sandboxes this host started before, which its state directory holds.
                 drivers::ProcessDriver::new(&self.state_dir, "runplane")
             }
         };

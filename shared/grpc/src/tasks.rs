@@ -279,6 +279,17 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
+/// A task group that is cancelled (without waiting) when dropped: for a group whose
+/// owner's end is its end, where nothing awaits a shutdown.
+#[derive(Debug)]
+pub struct CancelOnDrop(pub Tasks);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};

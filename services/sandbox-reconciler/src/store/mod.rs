@@ -312,7 +312,10 @@ impl Store {
     /// The one placement query every placement read goes through.
     pub async fn placement(&self, id: &str) -> Result<Placement> {
         let sandbox = self.sandbox(id).await?;
-        let route = match (&sandbox.active_node_id, sandbox.placement().substrate) {
+        let route = match (
+            &sandbox.active_node_id,
+            Substrate::named(&sandbox.substrate),
+        ) {
             (Some(_), Substrate::Direct) => {
                 route_identity::Entity::find_by_id(id.to_owned())
                     .one(&self.db)

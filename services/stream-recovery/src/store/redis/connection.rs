@@ -21,17 +21,7 @@ pub struct RedisStore {
     pub(super) notifier: Notifier,
     /// The group of the subscriber relaying every replica's changes to `notifier`;
     /// cancelled with the last clone of the store.
-    pub(super) _relay: Arc<CancelOnDrop>,
-}
-
-/// Cancels the store's own tasks when the last clone of the store is dropped.
-#[derive(Debug)]
-pub(super) struct CancelOnDrop(pub(super) runplane_grpc::Tasks);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        self.0.cancel();
-    }
+    pub(super) _relay: Arc<runplane_grpc::tasks::CancelOnDrop>,
 }
 
 /// One server or a cluster. Every script's keys share the run's (or org's) hash tag, so

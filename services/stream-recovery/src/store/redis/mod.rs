@@ -42,7 +42,7 @@ use crate::store::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
     StoreError,
 };
-use connection::{CancelOnDrop, Conn};
+use connection::Conn;
 use relay::relay_changes;
 
 /// The relay of the other replicas' changes (`relay::relay_changes`). Aborted when the
@@ -97,7 +97,7 @@ impl RedisStore {
             prefix: prefix.to_owned(),
             indexed: Arc::default(),
             notifier,
-            _relay: Arc::new(CancelOnDrop(relay)),
+            _relay: Arc::new(runplane_grpc::tasks::CancelOnDrop(relay)),
         })
     }
 }
