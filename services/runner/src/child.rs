@@ -9,7 +9,7 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use runplane_proto::runstore::v1 as runstore_pb;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -262,22 +262,22 @@ async fn read_lines(
     let mut reader = BufReader::new(pipe);
     let mut buf = Vec::new();
     loop {
-        buf.clear();
-        match reader.read_until(b'\n', &mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        if buf.last() == Some(&b'\n') {
-            buf.pop();
-        }
+        let Ok(Some(line_bytes)) = read_bounded_line(&mut reader, &mut buf, MAX_LINE_BYTES).await
+        else {
+            return;
+        };
         let mut text = String::from_utf8_lossy(&buf).into_owned();
         if text.len() > MAX_LINE_BYTES {
+            // Invalid UTF-8 replaced grows the text: cut it back on a character boundary.
             let mut cut = MAX_LINE_BYTES;
             while !text.is_char_boundary(cut) {
                 cut -= 1;
             }
             text.truncate(cut);
         }
+        // A cut line says so in its data, which only the runner writes: the agent's text
+        // could imitate a marker, not this.
+        let data = (line_bytes > buf.len()).then(|| line_cut(line_bytes));
         {
             let mut tail = tail.lock().expect("tail poisoned");
             tail.push_back(text.clone());
@@ -294,6 +294,7 @@ async fn read_lines(
         let event = runstore_pb::EventInput {
             kind: kind as i32,
             text,
+            data,
             observed_at: Some(crate::events::observed_at(clock.as_ref())),
             ..Default::default()
         };
@@ -302,5 +303,102 @@ async fn read_lines(
         // means the run is over; keep reading so the agent is never blocked on a full
         // pipe.
         let _ = events.send(event).await;
+    }
+}
+
+/// Reads one line of `reader` into `buf` (without its line break), keeping at most `max`
+/// bytes of it and reading past the rest, so one endless line costs `max` bytes of
+/// memory, not its length. Returns the line's whole length, or `None` at the end.
+pub async fn read_bounded_line(
+    reader: &mut (impl AsyncBufRead + Unpin),
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<Option<usize>> {
+    buf.clear();
+    let mut length = 0usize;
+    loop {
+        let available = reader.fill_buf().await?;
+        if available.is_empty() {
+            return Ok((length > 0).then_some(length));
+        }
+        let (chunk, ended) = match available.iter().position(|&b| b == b'\n') {
+            Some(at) => (&available[..at], Some(at + 1)),
+            None => (available, None),
+        };
+        let room = max.saturating_sub(buf.len());
+        buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        length = length.saturating_add(chunk.len());
+        match ended {
+            Some(used) => {
+                reader.consume(used);
+                return Ok(Some(length));
+            }
+            None => {
+                let used = chunk.len();
+                reader.consume(used);
+            }
+        }
+    }
+}
+
+/// The data of an event whose line was cut: how long the whole line was.
+fn line_cut(line_bytes: usize) -> prost_types::Struct {
+    use prost_types::value::Kind;
+    let value = |kind| prost_types::Value { kind: Some(kind) };
+    prost_types::Struct {
+        fields: [
+            ("line_cut".to_owned(), value(Kind::BoolValue(true))),
+            (
+                "line_bytes".to_owned(),
+                value(Kind::NumberValue(line_bytes as f64)),
+            ),
+        ]
+        .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// One endless line costs the reader its limit, not its length; the next line is whole.
+    #[tokio::test]
+    async fn an_endless_line_is_cut_not_buffered() {
+        let long = 64usize << 20;
+        let mut reader = BufReader::new(
+            tokio::io::repeat(b'x')
+                .take(long as u64)
+                .chain(&b"\nnext\nlast"[..]),
+        );
+        let mut buf = Vec::new();
+        let whole = read_bounded_line(&mut reader, &mut buf, MAX_LINE_BYTES)
+            .await
+            .unwrap();
+        assert_eq!(whole, Some(long));
+        assert_eq!(buf.len(), MAX_LINE_BYTES);
+        assert!(
+            buf.capacity() <= 2 * MAX_LINE_BYTES,
+            "the reader held {} bytes for a line cut at {MAX_LINE_BYTES}",
+            buf.capacity()
+        );
+        let next = read_bounded_line(&mut reader, &mut buf, MAX_LINE_BYTES).await;
+        assert_eq!((next.unwrap(), &buf[..]), (Some(4), &b"next"[..]));
+        let last = read_bounded_line(&mut reader, &mut buf, MAX_LINE_BYTES).await;
+        assert_eq!((last.unwrap(), &buf[..]), (Some(4), &b"last"[..]));
+        let end = read_bounded_line(&mut reader, &mut buf, MAX_LINE_BYTES).await;
+        assert_eq!(end.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn an_empty_line_is_a_line() {
+        let mut reader = BufReader::new(&b"\n\nx"[..]);
+        let mut buf = Vec::new();
+        for want in [Some(0), Some(0), Some(1), None] {
+            assert_eq!(
+                read_bounded_line(&mut reader, &mut buf, 8).await.unwrap(),
+                want
+            );
+        }
     }
 }
