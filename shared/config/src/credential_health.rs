@@ -1,14 +1,14 @@
 //! `[credential_health]`: outage detection, cool-off and quarantine, and the profiles
 //! runs are admitted through.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use runplane_ids::Name;
 use serde::Deserialize;
 
 use crate::checks::in_range;
 use crate::error::ConfigError;
-use crate::sandbox_reconciler::SandboxNetwork;
+use crate::sandbox_reconciler::{SandboxLimits, SandboxNetwork};
 use crate::server::default_endpoint;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -81,6 +81,37 @@ pub struct ProfileConfig {
     /// profile cannot give one to sandboxes of a deployment whose network is `none`.
     #[serde(default)]
     pub network: Option<SandboxNetwork>,
+    /// What this profile's sandboxes may use, where it differs from
+    /// `[sandbox_reconciler.limits]`: each limit given here replaces that one.
+    #[serde(default)]
+    pub limits: ProfileLimits,
+}
+
+/// A profile's own limits; an unset one is the deployment's.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProfileLimits {
+    pub cpus: Option<f64>,
+    pub memory_mib: Option<u64>,
+    pub pids: Option<u32>,
+    pub disk_mib: Option<u64>,
+}
+
+impl ProfileLimits {
+    /// Whether the profile sets any limit of its own.
+    pub fn is_set(&self) -> bool {
+        *self != Self::default()
+    }
+
+    /// `base` with this profile's limits put over it.
+    pub fn over(&self, base: &SandboxLimits) -> SandboxLimits {
+        SandboxLimits {
+            cpus: self.cpus.unwrap_or(base.cpus),
+            memory_mib: self.memory_mib.unwrap_or(base.memory_mib),
+            pids: self.pids.unwrap_or(base.pids),
+            disk_mib: self.disk_mib.unwrap_or(base.disk_mib),
+        }
+    }
 }
 
 impl CredentialHealthConfig {
@@ -90,6 +121,16 @@ impl CredentialHealthConfig {
             .iter()
             .filter(|p| p.network == Some(SandboxNetwork::None))
             .map(|p| p.name.clone())
+            .collect()
+    }
+
+    /// The limits of the sandboxes of each profile that sets its own, over `base` (the
+    /// deployment's `[sandbox_reconciler.limits]`).
+    pub fn profile_limits(&self, base: &SandboxLimits) -> BTreeMap<String, SandboxLimits> {
+        self.profiles
+            .iter()
+            .filter(|p| p.limits.is_set())
+            .map(|p| (p.name.clone(), p.limits.over(base)))
             .collect()
     }
 
@@ -153,6 +194,23 @@ impl CredentialHealthConfig {
                     ),
                 ));
             }
+            // Every limit it sets is checked against the same bounds as the deployment's.
+            p.limits
+                .over(&SandboxLimits::default())
+                .validate(&format!("{field}.limits"))?;
+            if let Some(other) = self
+                .profiles
+                .iter()
+                .find(|o| o.name == p.name && o.limits != p.limits)
+            {
+                return Err(ConfigError::invalid(
+                    format!("{field}.limits"),
+                    format!(
+                        "profile `{}` gives its sandboxes two sets of limits (on credentials `{}` and `{}`); say them once, the same on every entry",
+                        p.name, other.credential_id, p.credential_id
+                    ),
+                ));
+            }
             // A profile's sandboxes have one network, whichever credential carries them.
             if let Some(other) = self
                 .profiles
@@ -185,6 +243,7 @@ impl Default for ProfileConfig {
             max_run_seconds: 0,
             orgs: Vec::new(),
             network: None,
+            limits: ProfileLimits::default(),
         }
     }
 }

@@ -28,11 +28,13 @@ use serde::Deserialize;
 pub use auth::AuthConfig;
 pub use checks::is_name;
 use checks::{validate_database_url, validate_endpoint_list};
-pub use credential_health::{CredentialHealthConfig, ProfileConfig};
+pub use credential_health::{CredentialHealthConfig, ProfileConfig, ProfileLimits};
 pub use error::ConfigError;
 pub use node::NodeConfig;
 pub use run_store::RunStoreConfig;
-pub use sandbox_reconciler::{Isolation, SandboxNetwork, SandboxReconcilerConfig};
+pub use sandbox_reconciler::{
+    Isolation, Limit, SandboxLimits, SandboxNetwork, SandboxReconcilerConfig,
+};
 pub use secret::Secret;
 pub use server::{DEFAULT_LISTEN, ServerConfig};
 pub use stream_recovery::{RedisTarget, StreamRecoveryConfig, redact_url};

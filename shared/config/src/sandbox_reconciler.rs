@@ -38,13 +38,94 @@ pub struct SandboxReconcilerConfig {
     /// the default, refuses to start where bubblewrap cannot create namespaces; `none`
     /// must be chosen explicitly.
     pub isolation: Isolation,
-    /// Whether a contained agent has the host's network (`host`, the default: agents call
-    /// model APIs) or none at all (`none`).
+    /// A contained agent's network: `outbound` (the default: out to the world, never to
+    /// the host or the control plane), `none` (loopback only) or `host` (the host's own,
+    /// loopback included: an explicit choice, logged at start).
     pub network: SandboxNetwork,
     /// The uids sandboxes run as when the driver runs as root: each live sandbox gets its
     /// own from `[sandbox_uid_base, sandbox_uid_base + sandbox_uid_count)`.
     pub sandbox_uid_base: u32,
     pub sandbox_uid_count: u32,
+    /// What each sandbox may use when its profile says nothing (`[sandbox_reconciler.limits]`).
+    pub limits: SandboxLimits,
+    /// Limits this host may leave unenforced (`"cpu"`, `"memory"`, `"pids"`, `"disk"`).
+    /// Empty, the default: a driver that cannot enforce one refuses to start, naming it.
+    pub unenforced_limits: Vec<Limit>,
+}
+
+/// What one sandbox may use: CPU, memory, processes and workspace disk.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxLimits {
+    /// CPUs' worth of time per period, as `docker run --cpus` takes it (1.5: one and a half).
+    pub cpus: f64,
+    /// Memory, swap included; an agent past it is killed and its run ends `out_of_memory`.
+    pub memory_mib: u64,
+    /// Processes and threads at once.
+    pub pids: u32,
+    /// The workspace's size.
+    pub disk_mib: u64,
+}
+
+impl Default for SandboxLimits {
+    fn default() -> Self {
+        Self {
+            cpus: 2.0,
+            memory_mib: 4096,
+            pids: 512,
+            disk_mib: 10 * 1024,
+        }
+    }
+}
+
+/// The bounds every limit is checked against, wherever it is set.
+pub const LIMIT_CPUS: std::ops::RangeInclusive<f64> = 0.01..=1024.0;
+pub const LIMIT_MEMORY_MIB: std::ops::RangeInclusive<u64> = 16..=(1 << 30);
+pub const LIMIT_PIDS: std::ops::RangeInclusive<u32> = 1..=4_194_304;
+pub const LIMIT_DISK_MIB: std::ops::RangeInclusive<u64> = 16..=(1 << 30);
+
+impl SandboxLimits {
+    /// Checks every limit against its bounds, naming `field.<limit>` when one is out.
+    pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        in_range(format!("{field}.cpus"), self.cpus, LIMIT_CPUS)?;
+        in_range(
+            format!("{field}.memory_mib"),
+            self.memory_mib,
+            LIMIT_MEMORY_MIB,
+        )?;
+        in_range(format!("{field}.pids"), self.pids, LIMIT_PIDS)?;
+        in_range(format!("{field}.disk_mib"), self.disk_mib, LIMIT_DISK_MIB)?;
+        Ok(())
+    }
+}
+
+/// One kind of limit, as `unenforced_limits` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Limit {
+    Cpu,
+    Memory,
+    Pids,
+    Disk,
+}
+
+impl Limit {
+    pub const ALL: [Limit; 4] = [Limit::Cpu, Limit::Memory, Limit::Pids, Limit::Disk];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Limit::Cpu => "cpu",
+            Limit::Memory => "memory",
+            Limit::Pids => "pids",
+            Limit::Disk => "disk",
+        }
+    }
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// `sandbox_reconciler.isolation`.
@@ -63,8 +144,14 @@ pub enum Isolation {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SandboxNetwork {
+    /// A network namespace of the sandbox's own with user-mode networking (slirp4netns):
+    /// outbound connections work; the host's loopback, the host's own addresses and the
+    /// control plane's are refused.
     #[default]
+    Outbound,
+    /// The host's network, loopback included: an agent reaches whatever the host does.
     Host,
+    /// Loopback only.
     None,
 }
 
@@ -83,9 +170,11 @@ impl Default for SandboxReconcilerConfig {
             dispatch: true,
             local_sandboxes: true,
             isolation: Isolation::Bwrap,
-            network: SandboxNetwork::Host,
+            network: SandboxNetwork::Outbound,
             sandbox_uid_base: 200_000,
             sandbox_uid_count: 65_536,
+            limits: SandboxLimits::default(),
+            unenforced_limits: Vec::new(),
         }
     }
 }
@@ -120,6 +209,7 @@ impl SandboxReconcilerConfig {
             self.route_token_ttl_seconds,
             1..=3600,
         )?;
+        self.limits.validate("sandbox_reconciler.limits")?;
         Ok(())
     }
 }

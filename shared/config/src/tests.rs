@@ -241,7 +241,7 @@ fn an_endpoint_list_is_checked_entry_by_entry_without_echoing_secrets() {
 fn isolation_is_bwrap_unless_none_is_chosen_and_a_bad_uid_range_is_refused() {
     let default = load_with("", &[]).unwrap().sandbox_reconciler;
     assert_eq!(default.isolation, Isolation::Bwrap);
-    assert_eq!(default.network, SandboxNetwork::Host);
+    assert_eq!(default.network, SandboxNetwork::Outbound);
     let chosen = load_with(
         "[sandbox_reconciler]\nisolation = \"none\"\nnetwork = \"none\"\n",
         &[],
@@ -288,4 +288,77 @@ fn a_missing_file_is_named() {
         err.to_string(),
         "config file /nonexistent/runplane.toml does not exist"
     );
+}
+
+#[test]
+fn sandbox_limits_default_to_bounds_and_out_of_range_ones_are_refused_by_name() {
+    let default = load_with("", &[]).unwrap().sandbox_reconciler;
+    assert_eq!(default.limits.memory_mib, 4096);
+    assert_eq!(default.limits.pids, 512);
+    assert!(default.unenforced_limits.is_empty());
+    let chosen = load_with(
+        "[sandbox_reconciler]\nunenforced_limits = [\"disk\"]\n[sandbox_reconciler.limits]\nmemory_mib = 64\n",
+        &[("RUNPLANE_SANDBOX_RECONCILER__LIMITS__PIDS", "32")],
+    )
+    .unwrap()
+    .sandbox_reconciler;
+    assert_eq!(
+        (
+            chosen.limits.memory_mib,
+            chosen.limits.pids,
+            chosen.limits.cpus
+        ),
+        (64, 32, 2.0)
+    );
+    assert_eq!(chosen.unenforced_limits, vec![Limit::Disk]);
+    for (bad, field) in [
+        ("memory_mib = 15", "sandbox_reconciler.limits.memory_mib"),
+        ("pids = 0", "sandbox_reconciler.limits.pids"),
+        ("cpus = 0.0", "sandbox_reconciler.limits.cpus"),
+        ("disk_mib = 1", "sandbox_reconciler.limits.disk_mib"),
+    ] {
+        let err = load_with(&format!("[sandbox_reconciler.limits]\n{bad}\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(field), "{bad}: {err}");
+    }
+    let unknown = load_with("[sandbox_reconciler]\nunenforced_limits = [\"gpu\"]\n", &[]);
+    assert!(unknown.is_err(), "{unknown:?}");
+}
+
+#[test]
+fn a_profile_sets_its_own_limits_over_the_deployments_once_and_in_bounds() {
+    let entry = |credential: &str, limits: &str| {
+        format!(
+            "[[credential_health.profiles]]\nname = \"p\"\ncredential_id = \"{credential}\"\ncapacity = 1\nerror_pattern = \"e\"\nexhausted_pattern = \"x\"\n{limits}\n"
+        )
+    };
+    let config = load_with(
+        &(entry("a", "limits = { memory_mib = 64 }") + "[sandbox_reconciler.limits]\npids = 100\n"),
+        &[],
+    )
+    .unwrap();
+    let limits = config
+        .credential_health
+        .profile_limits(&config.sandbox_reconciler.limits);
+    assert_eq!(
+        limits.get("p").map(|l| (l.memory_mib, l.pids, l.disk_mib)),
+        Some((64, 100, 10 * 1024))
+    );
+    let bad = load_with(&entry("a", "limits = { pids = 0 }"), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        bad.contains("credential_health.profiles[0].limits.pids"),
+        "{bad}"
+    );
+    let twice = load_with(
+        &(entry("a", "limits = { memory_mib = 64 }") + &entry("b", "limits = { memory_mib = 65 }")),
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(twice.contains("two sets of limits"), "{twice}");
+    let unknown = load_with(&entry("a", "limits = { gpus = 1 }"), &[]);
+    assert!(unknown.is_err(), "{unknown:?}");
 }

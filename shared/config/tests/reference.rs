@@ -29,6 +29,10 @@ const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
     ("node.listen", "`\"\"`"),
     // An `Option`: unset has no TOML value to write.
     ("credential_health.profiles[].network", "unset"),
+    ("credential_health.profiles[].limits.cpus", "unset"),
+    ("credential_health.profiles[].limits.memory_mib", "unset"),
+    ("credential_health.profiles[].limits.pids", "unset"),
+    ("credential_health.profiles[].limits.disk_mib", "unset"),
 ];
 
 fn repo_file(relative: &str) -> PathBuf {
