@@ -515,6 +515,23 @@ fn row_of(a: &reconciler_pb::Assignment, handle: String) -> SandboxSpec {
             .unwrap_or_default(),
         driver_handle: handle,
         offline: a.no_network,
+        limits: a.limits.as_ref().and_then(|l| {
+            let limits = runplane_config::SandboxLimits {
+                cpus: l.cpus,
+                memory_mib: l.memory_mib,
+                pids: l.pids,
+                disk_mib: l.disk_mib,
+            };
+            // Out of bounds is the reconciler's mistake, never a reason to write a
+            // cgroup a value that kills every agent: the node's own limits hold.
+            match limits.validate("assignment.limits") {
+                Ok(()) => Some(limits),
+                Err(e) => {
+                    tracing::warn!(sandbox_id = %a.sandbox_id, error = %e, "assignment limits out of bounds; this node's own apply");
+                    None
+                }
+            }
+        }),
     }
 }
 

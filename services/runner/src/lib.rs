@@ -19,6 +19,7 @@ pub mod redact;
 pub mod steering;
 pub mod verdict;
 
+use std::os::unix::process::ExitStatusExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,12 +32,16 @@ use tracing::Instrument as _;
 
 // The environment the runner reads is the sandbox contract's (`runplane_sandbox::contract`),
 // where the drivers that set it read the same names; the run key is never taken from argv.
-use runplane_sandbox::contract::{ENV_ENDPOINT, ENV_RECOVERY_ENDPOINT, ENV_RUN_ID, ENV_RUN_KEY};
+use runplane_sandbox::contract::{
+    ENV_ENDPOINT, ENV_RECOVERY_ENDPOINT, ENV_RUN_ID, ENV_RUN_KEY, ENV_RUN_KEY_ON_STDIN,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {
     #[error("{0} is not set")]
     MissingEnv(&'static str),
+    #[error("{ENV_RUN_KEY_ON_STDIN} is set, but stdin held no run key")]
+    NoKeyOnStdin,
     #[error(transparent)]
     Endpoint(#[from] runplane_grpc::client::ClientError),
     #[error("hello failed: {0}")]
@@ -69,9 +74,27 @@ impl RunnerEnv {
             recovery_endpoint: get(ENV_RECOVERY_ENDPOINT).unwrap_or_else(|_| endpoint.clone()),
             endpoint,
             run_id: get(ENV_RUN_ID)?,
-            run_key: Secret::new(get(ENV_RUN_KEY)?),
+            run_key: Secret::new(match std::env::var(ENV_RUN_KEY_ON_STDIN).as_deref() {
+                Ok("1") => key_from_stdin()?,
+                _ => get(ENV_RUN_KEY)?,
+            }),
         })
     }
+}
+
+/// The run key a driver wrote down this process's stdin ([`ENV_RUN_KEY_ON_STDIN`]): read
+/// once, to its end; the agent gets stdin of its own.
+fn key_from_stdin() -> Result<String, RunnerError> {
+    use std::io::Read;
+    let mut key = String::new();
+    let _ = std::io::stdin()
+        .take(runplane_sandbox::contract::MAX_RUN_KEY_BYTES)
+        .read_to_string(&mut key);
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(RunnerError::NoKeyOnStdin);
+    }
+    Ok(key.to_owned())
 }
 
 pub use runplane_grpc::client::Bearer;
@@ -90,6 +113,14 @@ pub struct Outcome {
     /// The run ended in the control plane (cancel, deadline, a service's failure) and
     /// the agent was stopped; nothing was submitted, `verdict` is the agent's exit.
     pub ended_elsewhere: bool,
+}
+
+/// Whether the sandbox's memory cgroup says its agent was killed at the limit
+/// ([`runplane_sandbox::contract::ENV_MEMORY_EVENTS`]).
+fn memory_limit_killed() -> bool {
+    std::env::var_os(runplane_sandbox::contract::ENV_MEMORY_EVENTS)
+        .filter(|path| !path.is_empty())
+        .is_some_and(|path| runplane_sandbox::process::limits::oom_killed(path.as_ref()))
 }
 
 /// How long a stopped agent gets between SIGTERM and SIGKILL.
@@ -230,6 +261,12 @@ pub async fn run(
 
     let verdict = match &stop {
         Some(ending::Stop::Abort(reason)) => verdict::aborted(status, reason),
+        // Killed by the kernel at the sandbox's memory limit, not a plain signal death.
+        None if status.signal() == Some(nix::sys::signal::Signal::SIGKILL as i32)
+            && memory_limit_killed() =>
+        {
+            verdict::out_of_memory(status)
+        }
         _ => verdict::of(status, interrupted.as_deref()),
     };
     // The events are the agent's output and what steering did; the exit is in the verdict.

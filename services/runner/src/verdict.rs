@@ -55,6 +55,18 @@ pub fn not_started(command: &str, error: &str) -> runstore_pb::Verdict {
     }
 }
 
+/// The verdict of an agent the kernel killed at its sandbox's memory limit: failed,
+/// `out_of_memory`, which an infrastructure failure or a plain crash is not.
+pub fn out_of_memory(status: ExitStatus) -> runstore_pb::Verdict {
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Failed as i32,
+        reason: "out_of_memory".into(),
+        exit_code: None,
+        signal: status.signal(),
+        message: "killed at the sandbox's memory limit".into(),
+    }
+}
+
 /// The longest verdict message the run store takes.
 const MAX_MESSAGE_BYTES: usize = 512;
 

@@ -83,6 +83,7 @@ async fn main() {
                 updated_at_us: now,
                 traceparent: String::new(),
                 network: String::new(),
+                limits: String::new(),
             })
             .collect();
         for chunk in rows.chunks(1000) {

@@ -16,7 +16,7 @@ impl ReconcileSettings {
             idle_timeout: Duration::from_secs(r.idle_timeout_seconds.into()),
             dispatch: r.dispatch,
             local_sandboxes: r.local_sandboxes,
-            offline_profiles: config.credential_health.offline_profiles(),
+            profiles: crate::domain::placement::ProfileSandboxes::from_config(config),
             ..Self::default()
         }
     }

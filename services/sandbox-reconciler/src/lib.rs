@@ -122,7 +122,7 @@ impl SandboxReconciler {
                 tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
                 route_key,
                 route_ttl: config::route_ttl(config),
-                offline_profiles: config.credential_health.offline_profiles(),
+                profiles: crate::domain::placement::ProfileSandboxes::from_config(config),
             }),
             settings: reconcile::ReconcileSettings::from_config(config),
             run_store_endpoint: config.run_store.endpoint.clone(),

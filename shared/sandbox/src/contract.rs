@@ -11,8 +11,14 @@ pub const ENV_ENDPOINT: &str = "RUNPLANE_ENDPOINT";
 pub const ENV_RECOVERY_ENDPOINT: &str = "RUNPLANE_RECOVERY_ENDPOINT";
 /// The run the runner runs.
 pub const ENV_RUN_ID: &str = "RUNPLANE_RUN_ID";
-/// The run key: only ever in the runner's environment, never in argv, a file or a log.
+/// The run key, for a runner started by hand. A driver never puts it there: it sets
+/// [`ENV_RUN_KEY_ON_STDIN`] and writes the key down the runner's stdin, a pipe read once
+/// and closed, so it is in no environment, argv, file or log.
 pub const ENV_RUN_KEY: &str = "RUNPLANE_RUN_KEY";
+/// `1`: the run key is the runner's stdin, to its end (at most [`MAX_RUN_KEY_BYTES`]).
+pub const ENV_RUN_KEY_ON_STDIN: &str = "RUNPLANE_RUN_KEY_ON_STDIN";
+/// The most of its stdin a runner reads for its key.
+pub const MAX_RUN_KEY_BYTES: u64 = 4096;
 /// The arguments the driver's containment puts before the agent's command, one a line
 /// (bubblewrap; see [`crate::process::Containment::wrapper`]). Unset or empty: the agent
 /// runs as is.
@@ -25,6 +31,10 @@ pub const ENV_BIN: &str = "RUNPLANE_BIN";
 /// The W3C traceparent the runner continues (OpenTelemetry's convention for handing a
 /// trace to a child process); empty when untraced.
 pub const ENV_TRACEPARENT: &str = "TRACEPARENT";
+/// The file the runner reads, once its agent was killed, to tell whether the kernel
+/// killed it at the sandbox's memory limit: the memory cgroup's events (`oom_kill N`).
+/// Unset or empty: no memory limit is enforced.
+pub const ENV_MEMORY_EVENTS: &str = "RUNPLANE_MEMORY_EVENTS";
 /// Where a contained agent may leave its [`PARK_MARK`], as the agent sees it.
 pub const ENV_PARK: &str = "RUNPLANE_PARK";
 

@@ -8,7 +8,7 @@ use runplane_config::Secret;
 /// Which sandbox, which execution of it, how its process is found again and how it is
 /// contained. The reconciler makes one from its row; a node agent, which has no
 /// database, from its assignment.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SandboxSpec {
     pub id: String,
     pub run_id: String,
@@ -24,6 +24,9 @@ pub struct SandboxSpec {
     pub active_node_id: Option<String>,
     /// How long it may sit idle before its node suspends it; zero: never.
     pub idle_timeout_ms: i64,
+    /// What it may use, when its run's profile says; `None`: the driver's own
+    /// (`[sandbox_reconciler.limits]` where it runs).
+    pub limits: Option<runplane_config::SandboxLimits>,
 }
 
 /// What a driver's probe said.

@@ -29,13 +29,43 @@ pub fn serving_node(sandbox: &SandboxPlacement, route: Option<RouteIdentity>) ->
     }
 }
 
-/// The `network` of a new sandbox of a run on `profile`: `none` when the profile takes
-/// the network away, empty (the deployment's) otherwise.
-pub fn network_of(offline_profiles: &std::collections::BTreeSet<String>, profile: &str) -> String {
-    if offline_profiles.contains(profile) {
-        NO_NETWORK.to_owned()
-    } else {
-        String::new()
+/// What each profile's sandboxes get that differs from the deployment's: no network, and
+/// limits of their own.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProfileSandboxes {
+    /// Profiles whose sandboxes get no network (`network = "none"`).
+    pub offline: std::collections::BTreeSet<String>,
+    /// Profiles with limits of their own, over the deployment's.
+    pub limits: std::collections::BTreeMap<String, runplane_config::SandboxLimits>,
+}
+
+impl ProfileSandboxes {
+    pub fn from_config(config: &runplane_config::Config) -> Self {
+        Self {
+            offline: config.credential_health.offline_profiles(),
+            limits: config
+                .credential_health
+                .profile_limits(&config.sandbox_reconciler.limits),
+        }
+    }
+
+    /// The `network` of a new sandbox of a run on `profile`: `none` when the profile
+    /// takes the network away, empty (the deployment's) otherwise.
+    pub fn network_of(&self, profile: &str) -> String {
+        if self.offline.contains(profile) {
+            NO_NETWORK.to_owned()
+        } else {
+            String::new()
+        }
+    }
+
+    /// The `limits` of a new sandbox of a run on `profile`: the profile's own, written
+    /// as [`crate::domain::sandbox::encode_limits`] does; empty for the deployment's.
+    pub fn limits_of(&self, profile: &str) -> String {
+        self.limits
+            .get(profile)
+            .map(crate::domain::sandbox::encode_limits)
+            .unwrap_or_default()
     }
 }
 

@@ -40,6 +40,14 @@ pub(super) fn assignment_of(a: &Assigned) -> reconciler_pb::Assignment {
             nanos: ((row.idle_timeout_ms % 1000) * 1_000_000) as i32,
         }),
         no_network: row.network == NO_NETWORK,
+        limits: crate::domain::sandbox::decode_limits(&row.limits).map(|l| {
+            reconciler_pb::SandboxLimits {
+                cpus: l.cpus,
+                memory_mib: l.memory_mib,
+                pids: l.pids,
+                disk_mib: l.disk_mib,
+            }
+        }),
     }
 }
 

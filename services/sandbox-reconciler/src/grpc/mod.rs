@@ -45,8 +45,8 @@ pub struct ReconcilerState {
     pub tokens: runplane_grpc::auth::Tokens,
     pub route_key: Vec<u8>,
     pub route_ttl: Duration,
-    /// Profiles whose sandboxes get no network (`network = "none"`).
-    pub offline_profiles: std::collections::BTreeSet<String>,
+    /// What each profile's sandboxes get that differs from the deployment's.
+    pub profiles: crate::domain::placement::ProfileSandboxes,
 }
 
 impl std::fmt::Debug for ReconcilerState {

@@ -90,7 +90,8 @@ impl SandboxService for SandboxApi {
             .store
             .create_placed(crate::store::NewSandbox {
                 client_request_id: req.client_request_id.clone(),
-                network: crate::domain::placement::network_of(&s.offline_profiles, &run.profile),
+                network: s.profiles.network_of(&run.profile),
+                limits: s.profiles.limits_of(&run.profile),
                 // The sandbox's work joins the run's trace (this call's, if untraced).
                 traceparent: if run.traceparent.is_empty() {
                     runplane_grpc::trace_context::current_traceparent().unwrap_or_default()

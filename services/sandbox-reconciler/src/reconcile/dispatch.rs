@@ -34,7 +34,7 @@ pub async fn dispatch(
     endpoints: &RunnerEndpoints,
     idle_timeout: Duration,
     local_sandboxes: bool,
-    offline_profiles: &std::collections::BTreeSet<String>,
+    profiles: &crate::domain::placement::ProfileSandboxes,
 ) -> Result<u64, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
@@ -82,7 +82,8 @@ pub async fn dispatch(
         for run in runs {
             let new = |node_id: String| crate::store::NewSandbox {
                 client_request_id: format!("dispatch:{}", run.id),
-                network: crate::domain::placement::network_of(offline_profiles, &run.profile),
+                network: profiles.network_of(&run.profile),
+                limits: profiles.limits_of(&run.profile),
                 run_id: run.id.clone(),
                 org_id: run.org_id.clone(),
                 node_id,

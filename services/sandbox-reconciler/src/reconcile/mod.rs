@@ -47,8 +47,8 @@ pub struct ReconcileSettings {
     pub dispatch: bool,
     /// Whether a run may get a local sandbox when no node agent is ready.
     pub local_sandboxes: bool,
-    /// Profiles whose sandboxes get no network (`network = "none"`).
-    pub offline_profiles: std::collections::BTreeSet<String>,
+    /// What each profile's sandboxes get that differs from the deployment's.
+    pub profiles: crate::domain::placement::ProfileSandboxes,
 }
 
 impl Default for ReconcileSettings {
@@ -60,7 +60,7 @@ impl Default for ReconcileSettings {
             idle_timeout: Duration::ZERO,
             dispatch: true,
             local_sandboxes: true,
-            offline_profiles: Default::default(),
+            profiles: Default::default(),
         }
     }
 }

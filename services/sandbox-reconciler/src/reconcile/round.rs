@@ -27,7 +27,7 @@ impl Reconciler {
                 endpoints,
                 self.settings.idle_timeout,
                 self.settings.local_sandboxes,
-                &self.settings.offline_profiles,
+                &self.settings.profiles,
             )
             .await
         {

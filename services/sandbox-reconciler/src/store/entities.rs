@@ -40,6 +40,9 @@ pub mod sandbox {
         /// `none`: its agent has no network (its run's profile says `network = "none"`).
         /// Empty: the deployment's `sandbox_reconciler.network`.
         pub network: String,
+        /// The limits its run's profile sets ([`crate::domain::sandbox::encode_limits`]);
+        /// empty: the deployment's.
+        pub limits: String,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -73,6 +76,7 @@ pub mod sandbox {
                 execution_generation: row.execution_generation,
                 driver_handle: row.driver_handle.clone(),
                 offline: row.network == crate::domain::sandbox::NO_NETWORK,
+                limits: crate::domain::sandbox::decode_limits(&row.limits),
                 active_node_id: row.active_node_id.clone(),
                 idle_timeout_ms: row.idle_timeout_ms,
             }

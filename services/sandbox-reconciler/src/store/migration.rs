@@ -27,6 +27,12 @@ impl MigratorTrait for Migrator {
                 table: "sandboxes",
                 column: "network",
             }),
+            // A profile's own limits for its sandboxes (`sandboxes.limits`).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0006_sandbox_limits",
+                table: "sandboxes",
+                column: "limits",
+            }),
         ]
     }
 }

@@ -85,6 +85,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         node_id,
         idle_timeout_ms,
         network,
+        limits,
         traceparent,
     } = new;
     sandbox::Model {
@@ -106,6 +107,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         updated_at_us: now,
         traceparent,
         network,
+        limits,
     }
 }
 
@@ -153,6 +155,8 @@ pub struct NewSandbox {
     pub idle_timeout_ms: i64,
     /// `none` for no network, empty for the deployment's ([`sandbox::Model::network`]).
     pub network: String,
+    /// The profile's own limits, empty for the deployment's ([`sandbox::Model::limits`]).
+    pub limits: String,
     /// The run's trace.
     pub traceparent: String,
 }

@@ -348,6 +348,7 @@ impl World {
             updated_at_us: now,
             traceparent: String::new(),
             network: String::new(),
+            limits: String::new(),
         }
     }
 

@@ -3,9 +3,10 @@
 use std::path::Path;
 use std::process::Stdio;
 
-use runplane_config::{Isolation, SandboxNetwork, SandboxReconcilerConfig};
+use runplane_config::{Isolation, SandboxLimits, SandboxNetwork, SandboxReconcilerConfig};
 
 use super::env::sandbox_env;
+use super::limits::{Applied, Enforcer, LimitsUnavailable};
 use crate::contract::{ENV_PARK, PARK_MARK, WORKSPACE};
 
 /// How agents are contained: `sandbox_reconciler.isolation`, checked against the host.
@@ -16,17 +17,51 @@ use crate::contract::{ENV_PARK, PARK_MARK, WORKSPACE};
 /// (mounts before the pivot, `/proc` of the new pid namespace, a reaping pid 1,
 /// `PR_SET_NO_NEW_PRIVS` always, death with its parent), and it keeps `unsafe` fork/exec
 /// code out of this crate, which forbids `unsafe`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Containment {
     /// The agent runs as the driver's user with its runner (`isolation = "none"`).
     None,
     Bwrap {
-        /// `--unshare-net`: no network at all.
-        no_network: bool,
+        /// The agent's network, unless its profile takes it away.
+        network: SandboxNetwork,
         /// The uid range sandboxes get one uid each from; `None` when the driver does not
         /// run as root and so cannot give a sandbox a uid of its own (the agent then runs
         /// as the driver's uid, in a user namespace, contained by the namespaces alone).
         uids: Option<(u32, u32)>,
+        /// What every sandbox may use, and how this host holds it to that.
+        limits: SandboxLimits,
+        enforcer: Enforcer,
+    },
+}
+
+/// Why the host cannot contain agents as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum ContainmentError {
+    #[error(transparent)]
+    Isolation(#[from] IsolationUnavailable),
+    #[error(transparent)]
+    Limits(#[from] LimitsUnavailable),
+    #[error(
+        "sandbox network: this host cannot give agents their own outbound network ({0}); \
+         install slirp4netns and nftables and run as root, or set \
+         sandbox_reconciler.network = \"none\" (loopback only) or \"host\" (the host's \
+         network: agents reach its loopback, its databases and the control plane)"
+    )]
+    Network(String),
+}
+
+/// What network one sandbox's agent gets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Net {
+    /// The host's.
+    Host,
+    /// Loopback only (`--unshare-net`).
+    None,
+    /// Its own namespace, made by [`super::network::up`]; the agent is started in it, with
+    /// `resolv_conf` as its resolver.
+    Own {
+        netns: std::path::PathBuf,
+        resolv_conf: std::path::PathBuf,
     },
 }
 
@@ -41,17 +76,45 @@ pub struct IsolationUnavailable(pub String);
 
 impl Containment {
     /// The containment `config` asks for, once a probe sandbox has shown that this host
-    /// can give it.
-    pub async fn probe(config: &SandboxReconcilerConfig) -> Result<Self, IsolationUnavailable> {
-        let containment = match config.isolation {
-            Isolation::None => return Ok(Containment::None),
-            Isolation::Bwrap => Containment::Bwrap {
-                no_network: config.network == SandboxNetwork::None,
-                uids: nix::unistd::geteuid()
-                    .is_root()
-                    .then_some((config.sandbox_uid_base, config.sandbox_uid_count)),
-            },
+    /// can give it, with every limit enforced or allowed to go without
+    /// (`sandbox_reconciler.unenforced_limits`).
+    pub async fn probe(config: &SandboxReconcilerConfig) -> Result<Self, ContainmentError> {
+        if config.isolation == Isolation::None {
+            return Ok(Containment::None);
+        }
+        let uids = nix::unistd::geteuid()
+            .is_root()
+            .then_some((config.sandbox_uid_base, config.sandbox_uid_count));
+        // bubblewrap first: without it, limits and a network are moot.
+        let mut containment = Containment::Bwrap {
+            network: config.network,
+            uids,
+            limits: config.limits,
+            enforcer: Enforcer::default(),
         };
+        containment.probe_sandbox().await?;
+        let enforcer = Enforcer::probe(uids.is_some()).await;
+        enforcer.require(&config.unenforced_limits)?;
+        if config.network == SandboxNetwork::Outbound {
+            super::network::probe()
+                .await
+                .map_err(ContainmentError::Network)?;
+        }
+        if config.network == SandboxNetwork::Host {
+            tracing::warn!(
+                "sandbox_reconciler.network = \"host\": agents share this host's network and \
+                 reach its loopback, its databases and the control plane"
+            );
+        }
+        if let Containment::Bwrap { enforcer: e, .. } = &mut containment {
+            *e = enforcer;
+        }
+        Ok(containment)
+    }
+
+    /// Runs a probe sandbox: `Ok` when bwrap made it and the agent wrote its workspace.
+    async fn probe_sandbox(&self) -> Result<(), IsolationUnavailable> {
+        let containment = self;
         let workspace = std::env::temp_dir().join(format!(
             "runplane-isolation-probe-{}",
             uuid::Uuid::new_v4().simple()
@@ -62,7 +125,7 @@ impl Containment {
         if let Some(uid) = uid {
             let _ = std::os::unix::fs::chown(&workspace, Some(uid), Some(uid));
         }
-        let mut argv = containment.wrapper(&workspace, uid, false);
+        let mut argv = containment.wrapper(&workspace, uid, &Net::None, &Default::default());
         argv.extend(["sh".into(), "-c".into(), format!("touch {WORKSPACE}/probe")]);
         let probed = tokio::process::Command::new(&argv[0])
             .args(&argv[1..])
@@ -80,7 +143,25 @@ impl Containment {
                 "a probe sandbox failed: {}",
                 String::from_utf8_lossy(&out.stderr).trim()
             ))),
-            Ok(_) => Ok(containment),
+            Ok(_) => Ok(()),
+        }
+    }
+
+    /// The limits of every sandbox and how they are held, when agents are contained.
+    pub fn limits(&self) -> Option<(&SandboxLimits, &Enforcer)> {
+        match self {
+            Containment::Bwrap {
+                limits, enforcer, ..
+            } => Some((limits, enforcer)),
+            Containment::None => None,
+        }
+    }
+
+    /// The network of agents (before a profile takes it away); `Host` uncontained.
+    pub fn network(&self) -> SandboxNetwork {
+        match self {
+            Containment::Bwrap { network, .. } => *network,
+            Containment::None => SandboxNetwork::Host,
         }
     }
 
@@ -97,20 +178,29 @@ impl Containment {
             Containment::None => "none: agents run as this user and see what it sees \
                                   (sandbox_reconciler.isolation = \"none\")"
                 .to_owned(),
-            Containment::Bwrap { no_network, uids } => format!(
+            Containment::Bwrap {
+                network,
+                uids,
+                limits,
+                enforcer,
+            } => format!(
                 "bwrap: own pid, mount, ipc and uts namespaces, system read-only, \
-                 {WORKSPACE} writable, {}, {}",
+                 {WORKSPACE} writable, {}, {}; limits: {}",
                 match uids {
                     Some((base, count)) => {
                         format!("a uid of its own from {base}..{}", base + (count - 1))
                     }
                     None => "this user's uid (not root: no uid of its own)".to_owned(),
                 },
-                if *no_network {
-                    "no network"
-                } else {
-                    "host network"
-                }
+                match network {
+                    SandboxNetwork::Outbound => {
+                        "outbound network (its own namespace through slirp4netns; the host \
+                         and the control plane refused)"
+                    }
+                    SandboxNetwork::None => "no network (loopback only)",
+                    SandboxNetwork::Host => "the HOST's network (its loopback included)",
+                },
+                enforcer.describe(limits),
             ),
         }
     }
@@ -134,55 +224,84 @@ impl Containment {
     ///   then drops to the sandbox's own host uid with no capabilities, so the agent is an
     ///   unprivileged user of the host, not root of a user namespace (whose files would be
     ///   root's). Not as root, `--unshare-user` keeps the driver's uid.
-    pub fn wrapper(&self, workspace: &Path, uid: Option<u32>, offline: bool) -> Vec<String> {
-        let Containment::Bwrap { no_network, .. } = self else {
+    pub fn wrapper(
+        &self,
+        workspace: &Path,
+        uid: Option<u32>,
+        net: &Net,
+        applied: &Applied,
+    ) -> Vec<String> {
+        let Containment::Bwrap { .. } = self else {
             return Vec::new();
         };
-        // The deployment's network, unless the sandbox's profile takes it away.
-        let no_network = *no_network || offline;
-        let mut argv: Vec<String> = [
-            "sh",
-            "-c",
-            r#"trap "" INT TERM HUP QUIT; exec "$0" "$@""#,
-            "bwrap",
-            "--die-with-parent",
-            "--unshare-pid",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-            "--hostname",
-            "runplane-sandbox",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            // Private and, like the host's, writable by everyone (sticky): the agent's uid
-            // is not the one that mounts them.
-            "--perms",
-            "1777",
-            "--tmpfs",
-            "/tmp",
-            "--perms",
-            "1777",
-            "--tmpfs",
-            "/var/tmp",
-            "--perms",
-            "1777",
-            "--tmpfs",
-            "/dev/shm",
-            "--ro-bind",
-            "/usr",
-            "/usr",
-            "--ro-bind-try",
-            "/opt",
-            "/opt",
-        ]
-        .map(str::to_owned)
-        .into();
+        // The shell joins the sandbox's cgroups before it becomes bwrap, so the agent and
+        // all it starts are counted there, and never the runner.
+        let joins: String = applied
+            .join
+            .iter()
+            .map(|procs| {
+                format!(
+                    "echo $$ > '{}' || {{ echo 'runplane: could not join the sandbox cgroup {}' >&2; exit 125; }}; ",
+                    procs.display(),
+                    procs.display()
+                )
+            })
+            .collect();
+        let mut argv: Vec<String> = vec![
+            "sh".to_owned(),
+            "-c".to_owned(),
+            format!(r#"trap "" INT TERM HUP QUIT; {joins}exec "$0" "$@""#),
+        ];
+        // Into the sandbox's own network namespace (as the runner's user, root) before
+        // bwrap makes the others.
+        if let Net::Own { netns, .. } = net {
+            argv.extend([
+                "nsenter".to_owned(),
+                format!("--net={}", netns.display()),
+                "--".to_owned(),
+            ]);
+        }
+        argv.extend(
+            [
+                "bwrap",
+                "--die-with-parent",
+                "--unshare-pid",
+                "--unshare-ipc",
+                "--unshare-uts",
+                "--unshare-cgroup-try",
+                "--hostname",
+                "runplane-sandbox",
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                // Private and, like the host's, writable by everyone (sticky): the agent's uid
+                // is not the one that mounts them.
+                "--perms",
+                "1777",
+                "--tmpfs",
+                "/tmp",
+                "--perms",
+                "1777",
+                "--tmpfs",
+                "/var/tmp",
+                "--perms",
+                "1777",
+                "--tmpfs",
+                "/dev/shm",
+                "--ro-bind",
+                "/usr",
+                "/usr",
+                "--ro-bind-try",
+                "/opt",
+                "/opt",
+            ]
+            .map(str::to_owned),
+        );
         if uid.is_none() {
             argv.push("--unshare-user".into());
         }
-        if no_network {
+        if *net == Net::None {
             argv.push("--unshare-net".into());
         }
         // Merged-/usr systems link these into /usr; older ones have them as directories.
@@ -204,9 +323,25 @@ impl Containment {
         }
         // Of /etc only what programs need to run, resolve names and trust servers: the
         // rest may hold the host's own credentials (a deployment's TLS keys, for one).
+        // bwrap makes the directories above a bound file 0700, root's: /etc must be
+        // readable, or an agent with a uid of its own resolves no name and trusts no
+        // server.
+        argv.extend([
+            "--perms".into(),
+            "0755".into(),
+            "--dir".into(),
+            "/etc".into(),
+        ]);
         for etc in ETC {
             let path = format!("/etc/{etc}");
             argv.extend(["--ro-bind-try".into(), path.clone(), path]);
+        }
+        if let Net::Own { resolv_conf, .. } = net {
+            argv.extend([
+                "--ro-bind".into(),
+                resolv_conf.display().to_string(),
+                "/etc/resolv.conf".into(),
+            ]);
         }
         argv.extend([
             "--ro-bind-try".into(),
@@ -231,6 +366,15 @@ impl Containment {
             "--default-signal=INT,TERM,HUP,QUIT".into(),
         ]);
         if let Some(uid) = uid {
+            // Processes also by the sandbox's own uid: the kernel counts them at fork, so
+            // the bound holds even where the pids cgroup is missing.
+            if let Some(nproc) = applied.nproc {
+                argv.extend([
+                    "prlimit".to_owned(),
+                    format!("--nproc={nproc}:{nproc}"),
+                    "--".to_owned(),
+                ]);
+            }
             argv.extend([
                 "setpriv".to_owned(),
                 format!("--reuid={uid}"),

@@ -34,7 +34,10 @@
 pub mod containment;
 pub mod env;
 pub mod idle;
+pub mod limits;
+pub mod network;
 mod procfs;
+mod tools;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -43,9 +46,12 @@ use futures::future::BoxFuture;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
-pub use containment::{Containment, IsolationUnavailable};
+pub use containment::{Containment, ContainmentError, IsolationUnavailable, Net};
 pub use env::{ENV_SANDBOX_INHERIT, sandbox_env, sandbox_env_from};
 pub use idle::agent_waits_for_input;
+pub use limits::{Enforcer, LimitsUnavailable};
+
+use runplane_config::SandboxNetwork;
 
 use crate::contract::{self, RunnerPolls};
 use crate::driver::{Driver, DriverError, Launch, Probe, SandboxSpec};
@@ -109,14 +115,17 @@ impl ProcessDriver {
             .unwrap_or(base + start as u32)
     }
 
-    /// The workspace of the sandbox in `dir`, made writable by its agent, and the
-    /// wrapper its runner starts the agent under.
-    fn prepare_agent(
+    /// The workspace of the sandbox in `dir`, made writable by its agent and bounded by
+    /// its limits, the wrapper its runner starts the agent under, and where the runner
+    /// reads whether the agent was killed at its memory limit.
+    async fn prepare_agent(
         &self,
         dir: &Path,
         id: &str,
         offline: bool,
-    ) -> Result<Vec<String>, DriverError> {
+        limits: Option<runplane_config::SandboxLimits>,
+        launch: &Launch,
+    ) -> Result<(Vec<String>, Option<PathBuf>), DriverError> {
         if self.containment == Containment::None {
             // Uncontained, the agent has the host's network; a profile that takes it away
             // cannot be honoured, so the sandbox is not started at all.
@@ -128,11 +137,21 @@ impl ProcessDriver {
                         .into(),
                 ));
             }
-            return Ok(Vec::new());
+            return Ok((Vec::new(), None));
         }
         let start = |e: std::io::Error| DriverError::Start(e.to_string());
         let workspace = dir.join(contract::WORKSPACE_DIR);
         std::fs::create_dir_all(&workspace).map_err(start)?;
+        let applied = match self.containment.limits() {
+            Some((defaults, enforcer)) => {
+                let limits = limits.unwrap_or(*defaults);
+                enforcer
+                    .mount_workspace(dir, &workspace, limits.disk_mib)
+                    .await?;
+                enforcer.apply(id, &limits)?
+            }
+            None => limits::Applied::default(),
+        };
         let uid = match self.containment.uid_range() {
             Some(range) => {
                 let uid = self.sandbox_uid(dir, id, range);
@@ -147,14 +166,39 @@ impl ProcessDriver {
             std::fs::set_permissions(&workspace, std::fs::Permissions::from_mode(0o700))
                 .map_err(start)?;
         }
-        let wrapper = self.containment.wrapper(&workspace, uid, offline);
+        if applied
+            .join
+            .iter()
+            .any(|p| p.to_string_lossy().contains(['\'', '\n']))
+        {
+            return Err(DriverError::Start(
+                "a cgroup path of this host holds a quote or a line break".into(),
+            ));
+        }
+        // The deployment's network, unless the sandbox's profile takes it away.
+        let net = match (self.containment.network(), offline) {
+            (SandboxNetwork::None, _) | (_, true) => Net::None,
+            (SandboxNetwork::Host, false) => Net::Host,
+            (SandboxNetwork::Outbound, false) => {
+                // The control plane's addresses are refused wherever it runs, not only on
+                // this host.
+                let mut refused = network::endpoint_addresses(&launch.endpoint).await;
+                refused.extend(network::endpoint_addresses(&launch.recovery_endpoint).await);
+                network::up(dir, id, &refused).await?;
+                Net::Own {
+                    netns: network::netns_path(id),
+                    resolv_conf: dir.join(network::RESOLV_CONF),
+                }
+            }
+        };
+        let wrapper = self.containment.wrapper(&workspace, uid, &net, &applied);
         if wrapper.iter().any(|arg| arg.contains('\n')) {
             return Err(DriverError::Start(format!(
                 "the sandbox path {} holds a line break",
                 workspace.display()
             )));
         }
-        Ok(wrapper)
+        Ok((wrapper, applied.memory_events))
     }
 
     fn dir(&self, sandbox_id: &str) -> PathBuf {
@@ -257,6 +301,7 @@ impl Driver for ProcessDriver {
         let id = sandbox.id.clone();
         let existing = sandbox.driver_handle.clone();
         let offline = sandbox.offline;
+        let limits = sandbox.limits;
         let this = self.clone();
         Box::pin(async move {
             // Idempotent: a sandbox whose process lives is adopted, not started twice.
@@ -272,7 +317,9 @@ impl Driver for ProcessDriver {
             std::fs::create_dir_all(&dir).map_err(|e| DriverError::Start(e.to_string()))?;
             // A previous runner's polls say nothing about the one started now.
             let _ = std::fs::remove_file(dir.join(contract::STEERING_MARK));
-            let wrapper = this.prepare_agent(&dir, &id, offline)?;
+            let (wrapper, memory_events) = this
+                .prepare_agent(&dir, &id, offline, limits, &launch)
+                .await?;
             let log = std::fs::File::create(dir.join("runner.log"))
                 .map_err(|e| DriverError::Start(e.to_string()))?;
             let log_err = log
@@ -310,11 +357,17 @@ impl Driver for ProcessDriver {
                 .env(contract::ENV_ENDPOINT, &launch.endpoint)
                 .env(contract::ENV_RECOVERY_ENDPOINT, &launch.recovery_endpoint)
                 .env(contract::ENV_RUN_ID, &launch.run_id)
-                .env(contract::ENV_RUN_KEY, launch.run_key.expose())
+                .env(contract::ENV_RUN_KEY_ON_STDIN, "1")
                 .env(contract::ENV_AGENT_WRAPPER, wrapper.join("\n"))
+                .env(
+                    contract::ENV_MEMORY_EVENTS,
+                    memory_events.unwrap_or_default(),
+                )
                 // The OpenTelemetry convention for handing a trace to a child process.
                 .env(contract::ENV_TRACEPARENT, &launch.traceparent)
-                .stdin(Stdio::null())
+                // The run key goes down this pipe, read once by the runner: in no
+                // environment a process of the host (or the agent) could read.
+                .stdin(Stdio::piped())
                 .stdout(log)
                 .stderr(log_err)
                 .kill_on_drop(false)
@@ -323,6 +376,14 @@ impl Driver for ProcessDriver {
             let pid = child
                 .id()
                 .ok_or_else(|| DriverError::Start("the sandbox exited at once".into()))?;
+            if let Some(mut stdin) = child.stdin.take() {
+                use tokio::io::AsyncWriteExt;
+                // A key is far below a pipe's buffer: this never waits on the runner.
+                stdin
+                    .write_all(launch.run_key.expose().as_bytes())
+                    .await
+                    .map_err(|e| DriverError::Start(format!("handing the runner its key: {e}")))?;
+            }
             std::fs::write(dir.join("pid"), pid.to_string())
                 .map_err(|e| DriverError::Start(e.to_string()))?;
             // Reap it when it ends, while this process lives; after a restart init does.
@@ -369,12 +430,38 @@ impl Driver for ProcessDriver {
             .strip_prefix("pid:")
             .and_then(|p| p.parse().ok());
         let dir = self.dir(&sandbox.id);
+        let id = sandbox.id.clone();
+        let this = self.clone();
         Box::pin(async move {
+            let stopped = this.stop(leader, recorded, &dir).await;
+            // Nothing of the sandbox runs now: its cgroups, workspace image and network
+            // can go.
+            if stopped.is_ok()
+                && let Some((_, enforcer)) = this.containment.limits()
+            {
+                enforcer.release(&id, &dir).await;
+                network::down(&dir, &id).await;
+            }
+            stopped
+        })
+    }
+}
+
+impl ProcessDriver {
+    /// Stops every process of the sandbox led by `leader` (or, when that is gone, what
+    /// its session `recorded` left).
+    async fn stop(
+        &self,
+        leader: Option<i32>,
+        recorded: Option<i32>,
+        dir: &Path,
+    ) -> Result<(), DriverError> {
+        {
             let Some(leader) = leader else {
                 // The shell and runner are gone (never started, a crash, an OOM kill), but
                 // what they started may live on in their session: stop those too.
                 return match recorded {
-                    Some(sid) => stop_orphans(sid, &dir).await,
+                    Some(sid) => stop_orphans(sid, dir).await,
                     None => Ok(()),
                 };
             };
@@ -398,6 +485,6 @@ impl Driver for ProcessDriver {
             Err(DriverError::Signal(format!(
                 "sandbox process {leader} still runs after SIGKILL"
             )))
-        })
+        }
     }
 }
