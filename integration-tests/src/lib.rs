@@ -44,6 +44,9 @@ pub struct Process {
     pub address: String,
     pub stdout_lines: Vec<String>,
     stderr: Option<tokio::task::JoinHandle<String>>,
+    /// The data directory of a `runplane dev`, whose sandboxes' host resources (workspace
+    /// mounts, cgroups) go when the test does.
+    data_dir: Option<std::path::PathBuf>,
 }
 
 /// Reads the process's stderr as it comes, so a chatty log level never fills the pipe
@@ -116,6 +119,38 @@ impl Process {
 impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.start_kill();
+        if let Some(dir) = &self.data_dir {
+            release_sandboxes(dir);
+        }
+    }
+}
+
+/// Unmounts every sandbox workspace under `dir` and removes the sandboxes' emptied
+/// cgroups: what a test leaves of sandboxes its control plane had no time to destroy
+/// (their processes end with their runs; a mount and a cgroup would stay for ever).
+pub fn release_sandboxes(dir: &Path) {
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let prefix = dir.to_string_lossy().into_owned();
+    for mount_point in mountinfo.lines().filter_map(|l| l.split(' ').nth(4)) {
+        if !mount_point.starts_with(&prefix) {
+            continue;
+        }
+        let _ = std::process::Command::new("umount")
+            .args(["-l", mount_point])
+            .status();
+        let sandbox = Path::new(mount_point).parent().and_then(|p| p.file_name());
+        for root in ["memory", "pids", "cpu", ""] {
+            if let Some(id) = sandbox {
+                let _ = std::fs::remove_dir(
+                    Path::new("/sys/fs/cgroup")
+                        .join(root)
+                        .join("runplane")
+                        .join(id),
+                );
+            }
+        }
     }
 }
 
@@ -159,6 +194,7 @@ pub async fn start_dev_on(data_dir: &Path, listen: &str, env: &[(&str, &str)]) -
         address,
         stdout_lines,
         stderr,
+        data_dir: Some(data_dir.to_path_buf()),
     }
 }
 
@@ -229,6 +265,7 @@ pub async fn start_serve(services: &[&str], env: &[(&str, &str)]) -> Process {
         address,
         stdout_lines: Vec::new(),
         stderr: Some(collect(lines.into_inner().into_inner(), seen)),
+        data_dir: None,
     }
 }
 

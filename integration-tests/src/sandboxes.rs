@@ -351,3 +351,47 @@ pub async fn node_ready(api: &SandboxServiceClient<Channel>, token: &str, id: &s
     })
     .await;
 }
+
+/// The run key held in the memory of process `pid` (`rk_` and 43 base64url characters),
+/// read from its writable mappings through `/proc/<pid>/mem` as root on the host could.
+/// A runner gets its key down a pipe, not in its environment: its memory is the one place
+/// the key is, for a test to know what it must find nowhere else.
+pub fn run_key_in_memory(pid: u32) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+    let key_char = |b: &u8| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_';
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if !perms.starts_with("rw") {
+            continue;
+        }
+        let Some((start, end)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
+        else {
+            continue;
+        };
+        let mut region = vec![0u8; (end - start) as usize];
+        if mem.seek(SeekFrom::Start(start)).is_err() || mem.read_exact(&mut region).is_err() {
+            continue;
+        }
+        let mut at = 0;
+        while let Some(found) = region[at..].windows(3).position(|w| w == b"rk_") {
+            let key_start = at + found;
+            let body = &region[key_start + 3..];
+            let len = body.iter().take_while(|b| key_char(b)).count();
+            if len == 43 {
+                return Some(
+                    String::from_utf8_lossy(&region[key_start..key_start + 46]).into_owned(),
+                );
+            }
+            at = key_start + 3;
+        }
+    }
+    None
+}

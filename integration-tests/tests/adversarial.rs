@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use runplane_integration_tests::sandboxes::{
-    ReapSession, eventually, process_state, session_members, start_node,
+    ReapSession, eventually, process_state, run_key_in_memory, session_members, start_node,
 };
 use runplane_integration_tests::split::{Split, TOKEN as SPLIT_TOKEN};
 use runplane_integration_tests::{channel, runplane_bin, start_dev};
@@ -78,7 +78,8 @@ async fn sandbox_dir(sandboxes: &Path, except: Option<&Path>) -> PathBuf {
 }
 
 /// The session leader's pid of the sandbox in `dir`, once its runner runs, and that
-/// runner's run key (read from its environment, as the host sees it).
+/// runner's run key (read from its memory, as root on the host could: a runner's key is
+/// in no environment, which is checked here too).
 async fn runner_of(dir: &Path) -> (u32, String) {
     eventually(Duration::from_secs(60), "the sandbox's runner", || async {
         let sid: u32 = std::fs::read_to_string(dir.join("pid"))
@@ -86,15 +87,19 @@ async fn runner_of(dir: &Path) -> (u32, String) {
             .trim()
             .parse()
             .ok()?;
-        let key = session_members(sid).into_iter().find_map(|pid| {
-            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-            env.split(|b| *b == 0).find_map(|var| {
-                let var = String::from_utf8_lossy(var);
-                var.strip_prefix("RUNPLANE_RUN_KEY=")
-                    .filter(|k| !k.is_empty())
-                    .map(str::to_owned)
-            })
-        })?;
+        let members = session_members(sid);
+        for pid in &members {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            assert!(
+                !String::from_utf8_lossy(&env).contains("RUNPLANE_RUN_KEY="),
+                "a run key in the environment of {pid} ({})",
+                comm(*pid)
+            );
+        }
+        let key = members
+            .into_iter()
+            .filter(|pid| comm(*pid) == "runplane")
+            .find_map(run_key_in_memory)?;
         Some((sid, key))
     })
     .await
@@ -361,8 +366,11 @@ async fn an_adversarial_agent_on_a_node_agent_finds_and_reaches_nothing() {
     .await;
 }
 
+/// On a host without bubblewrap (a fresh machine with only Rust), `runplane dev` still
+/// starts and runs a run, uncontained, and its banner says so in capitals with the
+/// package that contains agents; `runplane node`, which runs strangers' agents, refuses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn runplane_dev_refuses_to_start_where_agents_cannot_be_contained_unless_isolation_is_none() {
+async fn without_bubblewrap_dev_runs_uncontained_and_says_so_while_a_node_refuses() {
     let dir = tempfile::tempdir().unwrap();
     // A host without bubblewrap: a PATH with a shell and nothing else.
     let bin = dir.path().join("bin");
@@ -371,9 +379,11 @@ async fn runplane_dev_refuses_to_start_where_agents_cannot_be_contained_unless_i
     let refused = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new(runplane_bin())
-            .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(dir.path().join("refused"))
+            .arg("node")
+            .env("RUNPLANE_NODE__ID", "node-no-bwrap")
             .env("PATH", &bin)
+            .env("RUNPLANE_NODE_TOKEN", "rpn_not-a-real-credential")
+            .env("RUNPLANE_NODE__STATE_DIR", dir.path().join("node"))
             .env_remove("RUNPLANE_CONFIG")
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdin(Stdio::null())
@@ -381,7 +391,7 @@ async fn runplane_dev_refuses_to_start_where_agents_cannot_be_contained_unless_i
             .output(),
     )
     .await
-    .expect("runplane dev exits")
+    .expect("runplane node exits")
     .unwrap();
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success(), "it started: {stderr}");
@@ -391,21 +401,40 @@ async fn runplane_dev_refuses_to_start_where_agents_cannot_be_contained_unless_i
         "{stderr}"
     );
 
-    // Chosen explicitly, no containment: it starts and says so.
-    let dev = runplane_integration_tests::start_dev_with_env(
-        &dir.path().join("uncontained"),
-        &[
-            ("PATH", bin.to_str().unwrap()),
-            ("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none"),
-        ],
-    )
-    .await;
+    let data = dir.path().join("dev");
+    let dev =
+        runplane_integration_tests::start_dev_with_env(&data, &[("PATH", bin.to_str().unwrap())])
+            .await;
+    let banner = dev.stdout_lines.join("\n");
     assert!(
         dev.stdout_lines
             .iter()
             .any(|l| l.trim_start().starts_with("isolation:      none")),
-        "{:?}",
-        dev.stdout_lines
+        "{banner}"
+    );
+    assert!(
+        banner.contains("NOT CONTAINED:  agents run as this user")
+            && banner.contains("apt-get install bubblewrap"),
+        "{banner}"
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(runplane_bin())
+            .args(["run", "--endpoint", &dev.endpoint(), "--token-file"])
+            .arg(data.join("operator-token"))
+            .args(["--", "sh", "-c", "echo ran"])
+            .env_remove("RUNPLANE_CONFIG")
+            .env_remove("RUNPLANE_TOKEN")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the run ends")
+    .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ran"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 

@@ -2,7 +2,7 @@
 //! spans over OTLP to a receiver inside this test; one `runplane run` must come back as a
 //! single trace tree whose spans come from at least three services, each span's parent
 //! in the same trace, and no run key or token in any attribute (the real key is read from
-//! the runner's environment while it runs, and searched for). Metrics take the same path:
+//! the runner's memory while it runs, and searched for). Metrics take the same path:
 //! the run store's run counters arrive at the receiver too.
 
 use std::collections::{BTreeSet, HashMap};
@@ -10,6 +10,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use runplane_integration_tests::otlp::{Received, attribute, attributes, start_receiver, text};
+use runplane_integration_tests::sandboxes::run_key_in_memory;
 use runplane_integration_tests::{runplane_bin, start_serve};
 use runplane_testkit::{TestDatabase, TestRedis, free_local_addr};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -17,7 +18,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 const TOKEN: &str = "traces-operator-token-0123456789abcdef01234";
 const RECEIPT_KEY: &str = "0101010101010101010101010101010101010101010101010101010101010101";
 
-/// The run key of `run_id`'s runner, read from its environment while it runs.
+/// The run key of `run_id`'s runner, read from its memory while it runs (it is in no
+/// environment: the driver hands it down a pipe).
 async fn runner_key(run_id: &str) -> String {
     let wanted = format!("RUNPLANE_RUN_ID={run_id}");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -27,17 +29,13 @@ async fn runner_key(run_id: &str) -> String {
                 let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
                     continue;
                 };
-                let vars: Vec<String> = environ
-                    .split(|b| *b == 0)
-                    .map(|v| String::from_utf8_lossy(v).into_owned())
-                    .collect();
-                if vars.iter().any(|v| v == &wanted)
-                    && let Some(key) = vars
-                        .iter()
-                        .find_map(|v| v.strip_prefix("RUNPLANE_RUN_KEY="))
-                    && !key.is_empty()
+                let runner = environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes());
+                if let Some(key) = runner
+                    .then(|| entry.file_name().to_str()?.parse().ok())
+                    .flatten()
+                    .and_then(run_key_in_memory)
                 {
-                    return key.to_owned();
+                    return key;
                 }
             }
         }

@@ -82,8 +82,9 @@ pub enum Command {
     /// manage node credentials.
     Node(crate::node::NodeArgs),
     /// Run inside a sandbox: say Hello, start the run's agent command, stream its output,
-    /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT, RUNPLANE_RUN_ID and
-    /// RUNPLANE_RUN_KEY from the environment (never from arguments), and
+    /// apply steering and submit the verdict. Reads RUNPLANE_ENDPOINT and RUNPLANE_RUN_ID
+    /// from the environment and the run key from RUNPLANE_RUN_KEY, or from stdin when
+    /// RUNPLANE_RUN_KEY_ON_STDIN=1 (as drivers hand it; never from arguments), and
     /// RUNPLANE_RECOVERY_ENDPOINT (the coordinator; default the run store's endpoint),
     /// TRACEPARENT (the run's trace) and RUNPLANE_AGENT_WRAPPER (the sandbox's bubblewrap
     /// containment of the agent, one argument a line) when set.

@@ -10,9 +10,10 @@ use rand::RngCore;
 use runplane_config::{Config, Secret};
 use runplane_run_store::domain::receipt::ReceiptSigner;
 
-use crate::startup::{
-    EMBEDDED_STORE, Selection, bind, init_telemetry, local_containment, open, run_until,
-};
+use runplane_config::{Isolation, SandboxNetwork};
+use runplane_sandbox::process::ContainmentError;
+
+use crate::startup::{EMBEDDED_STORE, Selection, bind, init_telemetry, open, run_until};
 
 const TOKEN_FILE: &str = "operator-token";
 const SERVICE_TOKEN_FILE: &str = "service-token";
@@ -67,9 +68,13 @@ pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> a
     config.credential_health.endpoint = endpoint;
     config.validate()?;
 
-    let containment = local_containment(&config).await?;
+    let (containment, gave_up) = best_containment(&mut config).await?;
     let isolation = if config.sandbox_reconciler.local_sandboxes {
-        containment.describe()
+        let mut isolation = containment.describe();
+        for what in &gave_up {
+            isolation.push_str(&format!("\n  NOT CONTAINED:  {what}"));
+        }
+        isolation
     } else {
         "no local sandboxes (sandbox_reconciler.local_sandboxes = false): runs go to node \
          agents, each containing its own"
@@ -122,6 +127,62 @@ fn kept_secret(
         .with_context(|| format!("cannot create {}", path.display()))?;
     writeln!(file, "{token}")?;
     Ok(Secret::new(token))
+}
+
+/// The best containment this host offers `runplane dev`'s local sandboxes, and what it
+/// had to give up of the configured one, each said with why and how to get it back.
+///
+/// `serve` and `node` refuse to start without what they are configured with; `dev` is
+/// the one command a newcomer runs first on whatever machine they have, so it takes what
+/// the host can do and its banner says, in capitals, what an agent is not held to.
+async fn best_containment(
+    config: &mut Config,
+) -> anyhow::Result<(runplane_sandbox::process::Containment, Vec<String>)> {
+    let mut gave_up = Vec::new();
+    // Each refusal gives one thing up; there are three to give.
+    for _ in 0..4 {
+        match local_containment_of(config).await {
+            Ok(containment) => return Ok((containment, gave_up)),
+            Err(ContainmentError::Network(why)) => {
+                config.sandbox_reconciler.network = SandboxNetwork::Host;
+                gave_up.push(format!(
+                    "agents share this host's network, its loopback included ({why}; \
+                     install slirp4netns and nftables and run as root for a network of \
+                     their own)"
+                ));
+            }
+            Err(ContainmentError::Limits(missing)) => {
+                let named: Vec<String> = missing.0.keys().map(ToString::to_string).collect();
+                config
+                    .sandbox_reconciler
+                    .unenforced_limits
+                    .extend(missing.0.keys().copied());
+                gave_up.push(format!(
+                    "no {} limit ({})",
+                    named.join(", "),
+                    runplane_sandbox::process::limits::describe_missing(&missing.0)
+                ));
+            }
+            Err(ContainmentError::Isolation(why)) => {
+                config.sandbox_reconciler.isolation = Isolation::None;
+                gave_up.push(format!(
+                    "agents run as this user and see what it sees ({}; install \
+                     bubblewrap: apt-get install bubblewrap)",
+                    why.0
+                ));
+            }
+        }
+    }
+    Ok((local_containment_of(config).await?, gave_up))
+}
+
+async fn local_containment_of(
+    config: &Config,
+) -> Result<runplane_sandbox::process::Containment, ContainmentError> {
+    if !config.sandbox_reconciler.local_sandboxes {
+        return Ok(runplane_sandbox::process::Containment::None);
+    }
+    runplane_sandbox::process::Containment::probe(&config.sandbox_reconciler).await
 }
 
 fn print_banner(

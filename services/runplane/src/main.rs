@@ -27,6 +27,15 @@ fn main() -> ExitCode {
     // A usage error exits 2 here (clap's rule); everything else below.
     let cli = cli::Cli::parse();
     let daemon = cli.command.is_daemon();
+    if daemon {
+        // Services hold tokens and keys, node agents their credential, runners a run key:
+        // a process of the same uid must not read them from /proc/<pid>/{environ,mem}
+        // nor ptrace them out, and a crash must not dump them to a core file.
+        if let Err(e) = nix::sys::prctl::set_dumpable(false) {
+            eprintln!("runplane: could not mark this process non-dumpable: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -1,0 +1,211 @@
+//! A contained agent's default network (`outbound`) reaches out but never the host: on
+//! `runplane dev`, a hostile agent tries the control plane's own port, PostgreSQL and
+//! Redis on the host's loopback, a listener on every address of the host, and a host
+//! of its own outside this one (a network namespace joined by a veth pair). Only the
+//! outside host answers. The agent also resolves names and reads the host's trust store,
+//! which an agent with a uid of its own needs to call a model API.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use runplane_integration_tests::{runplane_bin, start_dev};
+
+/// A host outside this one: a network namespace behind a veth pair, serving `outside`
+/// on [`OUTSIDE_PORT`]. Removed on drop.
+struct OutsideHost {
+    netns: String,
+    host_veth: String,
+    /// The outside host's address, and the address this host has on the veth.
+    address: String,
+    host_side: String,
+    server: std::process::Child,
+}
+
+const OUTSIDE_PORT: u16 = 8099;
+
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl OutsideHost {
+    fn start() -> Self {
+        let tag = std::process::id() % 100_000;
+        let subnet = 1 + std::process::id() % 250;
+        let netns = format!("rp-outside-{tag}");
+        let (host_veth, outside_veth) = (format!("rpo{tag}a"), format!("rpo{tag}b"));
+        let (host_side, address) = (format!("10.213.{subnet}.1"), format!("10.213.{subnet}.2"));
+        ip(&["netns", "add", &netns]);
+        ip(&[
+            "link",
+            "add",
+            &host_veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &outside_veth,
+        ]);
+        ip(&["link", "set", &outside_veth, "netns", &netns]);
+        ip(&["addr", "add", &format!("{host_side}/30"), "dev", &host_veth]);
+        ip(&["link", "set", &host_veth, "up"]);
+        let cidr = format!("{address}/30");
+        for args in [
+            vec!["addr", "add", cidr.as_str(), "dev", outside_veth.as_str()],
+            vec!["link", "set", outside_veth.as_str(), "up"],
+            vec!["link", "set", "lo", "up"],
+        ] {
+            let mut full = vec!["netns", "exec", netns.as_str(), "ip"];
+            full.extend(args);
+            ip(&full);
+        }
+        let server = std::process::Command::new("ip")
+            .args(["netns", "exec", &netns, "python3", "-c"])
+            .arg(format!(
+                "import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('0.0.0.0', {OUTSIDE_PORT}))\ns.listen(16)\nwhile True:\n    c, _ = s.accept()\n    c.sendall(b'outside\\n')\n    c.close()\n"
+            ))
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start the outside host's server");
+        Self {
+            netns,
+            host_veth,
+            address,
+            host_side,
+            server,
+        }
+    }
+}
+
+impl Drop for OutsideHost {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = std::process::Command::new("ip")
+            .args(["link", "delete", &self.host_veth])
+            .status();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "delete", &self.netns])
+            .status();
+    }
+}
+
+/// This host's first global IPv4 address (its `eth0`, say).
+fn host_address() -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-o", "-4", "addr", "show", "scope", "global"])
+        .output()
+        .expect("run ip addr");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.contains(" rpo"))
+        .find_map(|l| {
+            l.split_whitespace()
+                .nth(3)?
+                .split('/')
+                .next()
+                .map(str::to_owned)
+        })
+        .expect("a global IPv4 address")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbound_agent_reaches_out_but_never_the_host_or_the_control_plane() {
+    let outside = OutsideHost::start();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let data = dir.path().join("data");
+    let dev = start_dev(&data).await;
+    let port = dev.address.rsplit(':').next().unwrap().to_owned();
+    // A listener on every address of the host, as a control plane serving 0.0.0.0 has.
+    let everywhere = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let everywhere_port = everywhere.local_addr().unwrap().port().to_string();
+    let host = host_address();
+
+    let mut targets = vec![
+        ("the control plane on loopback", format!("127.0.0.1/{port}")),
+        ("PostgreSQL on loopback", "127.0.0.1/5432".to_owned()),
+        ("Redis on loopback", "127.0.0.1/6379".to_owned()),
+        ("the host's address", format!("{host}/{everywhere_port}")),
+        (
+            "the control plane on the host's address",
+            format!("{host}/{port}"),
+        ),
+        (
+            "the host's side of the veth",
+            format!("{}/{everywhere_port}", outside.host_side),
+        ),
+        ("slirp's gateway (the host)", format!("10.0.2.2/{port}")),
+    ];
+    // Wait until the outside host serves.
+    let outside_target = format!("{}/{OUTSIDE_PORT}", outside.address);
+    runplane_integration_tests::wait_for(
+        "the outside host's server",
+        Duration::from_secs(20),
+        async || {
+            std::net::TcpStream::connect_timeout(
+                &format!("{}:{OUTSIDE_PORT}", outside.address)
+                    .parse()
+                    .unwrap(),
+                Duration::from_millis(500),
+            )
+            .is_ok()
+        },
+    )
+    .await;
+    targets.push(("the outside host", outside_target.clone()));
+
+    let script = targets
+        .iter()
+        .map(|(_, t)| {
+            format!(
+                "if timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{port}' 2>/dev/null; then echo \"reached {t} $(timeout 2 bash -c 'exec 3<>/dev/tcp/{host}/{port}; head -n 1 <&3')\"; else echo \"refused {t}\"; fi",
+                host = t.split('/').next().unwrap(),
+                port = t.split('/').nth(1).unwrap(),
+            )
+        })
+        .chain([
+            "getent hosts localhost >/dev/null && echo 'resolves names'".to_owned(),
+            "test -r /etc/resolv.conf && ls /etc/ssl/certs | grep -q . && echo 'trust store readable'".to_owned(),
+        ])
+        .collect::<Vec<_>>()
+        .join("\n");
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(runplane_bin())
+            .args(["run", "--endpoint", &dev.endpoint(), "--token-file"])
+            .arg(data.join("operator-token"))
+            .args(["--", "sh", "-c", &script])
+            .env_remove("RUNPLANE_CONFIG")
+            .env_remove("RUNPLANE_TOKEN")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the run ends")
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for (what, target) in &targets[..targets.len() - 1] {
+        assert!(
+            stdout.contains(&format!("refused {target}")),
+            "the agent reached {what} ({target}):\n{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains(&format!("reached {outside_target} outside")),
+        "the agent could not reach a host outside this one:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("resolves names"), "{stdout}");
+    assert!(stdout.contains("trust store readable"), "{stdout}");
+    drop(everywhere);
+}
