@@ -38,7 +38,8 @@ pub enum Command {
     },
     /// Serve all four services in one process on one port: SQLite under the data
     /// directory, the in-process coordinator store, a generated operator token. Agents
-    /// run under bubblewrap ([sandbox_reconciler] isolation; the banner says which).
+    /// run under bubblewrap, or in containers with --driver container; the banner says
+    /// how they are contained, and what of that this host cannot give.
     Dev {
         /// Address to listen on; port 0 picks a free port.
         #[arg(long, default_value = "127.0.0.1:7070", value_name = "ADDR")]
@@ -46,7 +47,18 @@ pub enum Command {
         /// Where the SQLite databases and the operator token are kept.
         #[arg(long, default_value = ".runplane", value_name = "DIR")]
         data_dir: PathBuf,
+        /// What a sandbox is: `process` (bubblewrap) or `container` (an image, through
+        /// the Docker Engine API at [sandbox_reconciler.container] engine).
+        #[arg(long, value_name = "DRIVER", value_parser = ["process", "container"])]
+        driver: Option<String>,
+        /// The image of the container driver's sandboxes.
+        #[arg(long, value_name = "IMAGE")]
+        image: Option<String>,
     },
+    /// Inside a container sandbox's runner: run the agent's command in its container,
+    /// attached to this process's stdio (the container driver's wrapper; not for people).
+    #[command(hide = true)]
+    SandboxContainer(crate::sandbox_container::Args),
     /// Create a run of CMD, follow its output live, print its verdict and receipt, and
     /// exit with its status (0 succeeded, the agent's exit code when it failed, 1 when it
     /// failed without one, 130 cancelled).
@@ -149,7 +161,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
     let mut stdout = std::io::stdout();
     match cli.command {
         Command::Serve { services } => crate::serve::serve(config, &services).await?,
-        Command::Dev { listen, data_dir } => crate::dev::dev(config, &listen, &data_dir).await?,
+        Command::Dev {
+            listen,
+            data_dir,
+            driver,
+            image,
+        } => {
+            let driver = crate::dev::DriverChoice { driver, image };
+            crate::dev::dev(config, &listen, &data_dir, driver).await?
+        }
+        Command::SandboxContainer(args) => {
+            let code = crate::sandbox_container::run(args).await?;
+            // At once: the read of stdin the agent no longer needs holds a blocking
+            // thread the runtime would wait for on its way out.
+            std::process::exit(code);
+        }
         Command::Runner => crate::runner::run(config).await?,
         Command::Node(args) => crate::node::node(config, args, &mut stdout).await?,
         Command::Run(args) => {

@@ -10,7 +10,7 @@ use rand::RngCore;
 use runplane_config::{Config, Secret};
 use runplane_run_store::domain::receipt::ReceiptSigner;
 
-use runplane_config::{Isolation, SandboxNetwork};
+use runplane_config::{DriverKind, Isolation, SandboxNetwork};
 use runplane_sandbox::process::ContainmentError;
 
 use crate::startup::{EMBEDDED_STORE, Selection, bind, init_telemetry, open, run_until};
@@ -19,8 +19,28 @@ const TOKEN_FILE: &str = "operator-token";
 const SERVICE_TOKEN_FILE: &str = "service-token";
 const RECEIPT_KEY_FILE: &str = "receipt-signing-key";
 
-pub async fn dev(config_file: Option<&Path>, listen: &str, data_dir: &Path) -> anyhow::Result<()> {
+/// `--driver` and `--image`: what a sandbox is, over the config's choice.
+#[derive(Debug, Default)]
+pub struct DriverChoice {
+    pub driver: Option<String>,
+    pub image: Option<String>,
+}
+
+pub async fn dev(
+    config_file: Option<&Path>,
+    listen: &str,
+    data_dir: &Path,
+    choice: DriverChoice,
+) -> anyhow::Result<()> {
     let mut config = Config::load(config_file)?;
+    match choice.driver.as_deref() {
+        Some("container") => config.sandbox_reconciler.driver = DriverKind::Container,
+        Some("process") => config.sandbox_reconciler.driver = DriverKind::Process,
+        _ => {}
+    }
+    if let Some(image) = choice.image {
+        config.sandbox_reconciler.container.image = image;
+    }
     let _telemetry = init_telemetry(&config, "runplane-dev")?;
     runplane_grpc::tls::install(&config.tls)?;
     // Before the banner: a user may press Ctrl-C the moment it appears.
@@ -163,6 +183,8 @@ async fn best_containment(
                     runplane_sandbox::process::limits::describe_missing(&missing.0)
                 ));
             }
+            // The driver the developer asked for, or nothing: no fallback to another.
+            Err(e @ ContainmentError::Engine(_)) => return Err(e.into()),
             Err(ContainmentError::Isolation(why)) => {
                 config.sandbox_reconciler.isolation = Isolation::None;
                 gave_up.push(format!(

@@ -15,6 +15,7 @@ mod receipt;
 mod recovery;
 mod run;
 mod runner;
+mod sandbox_container;
 mod serve;
 mod startup;
 mod watch;

@@ -105,3 +105,70 @@ pub(crate) fn validate_endpoint_list(
     }
     Ok(())
 }
+
+/// Whether `reference` reads as an image reference: `[registry/]name[:tag][@digest]`,
+/// lower-case name components, no spaces or control characters.
+pub fn is_image_reference(reference: &str) -> bool {
+    let (name, _digest) = match reference.split_once('@') {
+        Some((name, digest)) => (name, Some(digest)),
+        None => (reference, None),
+    };
+    if name.is_empty() || reference.len() > 512 {
+        return false;
+    }
+    let tagless = match name.rsplit_once(':') {
+        Some((before, tag)) if !tag.contains('/') => {
+            if tag.is_empty()
+                || !tag
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+            {
+                return false;
+            }
+            before
+        }
+        _ => name,
+    };
+    let parts = tagless.split('/').count();
+    // A registry's port is a number.
+    if parts > 1
+        && let Some((_, port)) = tagless
+            .split('/')
+            .next()
+            .unwrap_or_default()
+            .split_once(':')
+        && (port.is_empty() || !port.chars().all(|c| c.is_ascii_digit()))
+    {
+        return false;
+    }
+    tagless.split('/').enumerate().all(|(i, part)| {
+        !part.is_empty()
+            && part.chars().all(|c| {
+                c.is_ascii_lowercase()
+                    || c.is_ascii_digit()
+                    || "._-".contains(c)
+                    // A registry host (the first part) may carry a port and capitals.
+                    || (i == 0 && parts > 1 && (c == ':' || c.is_ascii_uppercase()))
+            })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_image_reference as valid_image;
+
+    #[test]
+    fn image_references_are_checked() {
+        for good in [
+            "busybox",
+            "localhost/runplane-busybox:test",
+            "registry.example.com:5000/team/agent:1.2.3",
+            "ghcr.io/org/agent@sha256:0123abcd",
+        ] {
+            assert!(valid_image(good), "{good}");
+        }
+        for bad in ["", "Busybox", "a b", "name:", "name:tag/x", "a//b", "x\n"] {
+            assert!(!valid_image(bad), "{bad:?}");
+        }
+    }
+}

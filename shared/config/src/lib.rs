@@ -26,14 +26,15 @@ use figment::providers::{Env, Format, Toml};
 use serde::Deserialize;
 
 pub use auth::AuthConfig;
-pub use checks::is_name;
+pub use checks::{is_image_reference, is_name};
 use checks::{validate_database_url, validate_endpoint_list};
 pub use credential_health::{CredentialHealthConfig, ProfileConfig, ProfileLimits};
 pub use error::ConfigError;
 pub use node::NodeConfig;
 pub use run_store::RunStoreConfig;
 pub use sandbox_reconciler::{
-    Isolation, Limit, SandboxLimits, SandboxNetwork, SandboxReconcilerConfig,
+    ContainerConfig, DriverKind, Isolation, Limit, PullPolicy, SandboxLimits, SandboxNetwork,
+    SandboxReconcilerConfig,
 };
 pub use secret::Secret;
 pub use server::{DEFAULT_LISTEN, ServerConfig};

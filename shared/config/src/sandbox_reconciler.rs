@@ -34,6 +34,12 @@ pub struct SandboxReconcilerConfig {
     /// sandboxes live in one replica's process tree, which the others cannot probe or
     /// signal; queued runs then wait for a node agent (`runplane node`).
     pub local_sandboxes: bool,
+    /// What a sandbox is: `process` (the default: the agent as a host process under
+    /// `isolation`) or `container` (the agent in a container of
+    /// `[sandbox_reconciler.container]`'s image, through the Docker Engine API).
+    pub driver: DriverKind,
+    /// The container driver's engine and image.
+    pub container: ContainerConfig,
     /// How the process driver (here and on `runplane node`) contains an agent. `bwrap`,
     /// the default, refuses to start where bubblewrap cannot create namespaces; `none`
     /// must be chosen explicitly.
@@ -128,6 +134,67 @@ impl std::fmt::Display for Limit {
     }
 }
 
+/// `sandbox_reconciler.driver`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DriverKind {
+    #[default]
+    Process,
+    Container,
+}
+
+/// `[sandbox_reconciler.container]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ContainerConfig {
+    /// The Docker Engine API: `unix:///path` (Docker's or Podman's socket) or
+    /// `http://host:port`.
+    pub engine: String,
+    /// The image every sandbox's container is made from.
+    pub image: String,
+    /// `never` (the image must be on the engine), `if_missing` or `always`.
+    pub pull: PullPolicy,
+}
+
+impl Default for ContainerConfig {
+    fn default() -> Self {
+        Self {
+            engine: "unix:///var/run/docker.sock".to_owned(),
+            image: String::new(),
+            pull: PullPolicy::IfMissing,
+        }
+    }
+}
+
+/// `sandbox_reconciler.container.pull`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PullPolicy {
+    Never,
+    #[default]
+    IfMissing,
+    Always,
+}
+
+impl PullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullPolicy::Never => "never",
+            PullPolicy::IfMissing => "if_missing",
+            PullPolicy::Always => "always",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "never" => Some(PullPolicy::Never),
+            "if_missing" => Some(PullPolicy::IfMissing),
+            "always" => Some(PullPolicy::Always),
+            _ => None,
+        }
+    }
+}
+
 /// `sandbox_reconciler.isolation`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -169,6 +236,8 @@ impl Default for SandboxReconcilerConfig {
             idle_timeout_seconds: 0,
             dispatch: true,
             local_sandboxes: true,
+            driver: DriverKind::Process,
+            container: ContainerConfig::default(),
             isolation: Isolation::Bwrap,
             network: SandboxNetwork::Outbound,
             sandbox_uid_base: 200_000,
@@ -210,6 +279,29 @@ impl SandboxReconcilerConfig {
             1..=3600,
         )?;
         self.limits.validate("sandbox_reconciler.limits")?;
+        if self.driver == DriverKind::Container {
+            if self.container.image.is_empty() {
+                return Err(ConfigError::invalid(
+                    "sandbox_reconciler.container.image",
+                    "the container driver needs an image (runplane dev: --image IMAGE)",
+                ));
+            }
+            if !crate::checks::is_image_reference(&self.container.image) {
+                return Err(ConfigError::invalid(
+                    "sandbox_reconciler.container.image",
+                    format!(
+                        "`{}` is not an image reference ([registry/]name[:tag][@digest])",
+                        self.container.image
+                    ),
+                ));
+            }
+            if self.container.engine.is_empty() {
+                return Err(ConfigError::invalid(
+                    "sandbox_reconciler.container.engine",
+                    "the container driver needs the engine's address (unix:///path or http://host:port)",
+                ));
+            }
+        }
         Ok(())
     }
 }

@@ -1,6 +1,8 @@
 //! The host side of a sandbox, shared by the sandbox reconciler (its local sandboxes)
 //! and the node agents (everyone else's):
 //!
+//! - [`container`]: agents in containers of an image through the Docker Engine API,
+//!   with the process driver's runner on the host;
 //! - [`contract`]: the runner<->sandbox contract, the one place its environment names,
 //!   files and formats are spelled; the runner imports it too;
 //! - [`driver`]: the [`Driver`] trait, the [`SandboxSpec`] a driver is given, [`Launch`]
@@ -12,6 +14,7 @@
 //!
 //! Nothing here touches a database: a node agent depends on this crate and on no store.
 
+pub mod container;
 pub mod contract;
 pub mod driver;
 pub mod process;

@@ -3,7 +3,9 @@
 use std::path::Path;
 use std::process::Stdio;
 
-use runplane_config::{Isolation, SandboxLimits, SandboxNetwork, SandboxReconcilerConfig};
+use runplane_config::{
+    DriverKind, Isolation, PullPolicy, SandboxLimits, SandboxNetwork, SandboxReconcilerConfig,
+};
 
 use super::env::sandbox_env;
 use super::limits::{Applied, Enforcer, LimitsUnavailable};
@@ -32,6 +34,17 @@ pub enum Containment {
         limits: SandboxLimits,
         enforcer: Enforcer,
     },
+    /// The agent in a container of `image` ([`crate::container`]); its runner stays on
+    /// the host.
+    Container {
+        engine: String,
+        image: String,
+        pull: PullPolicy,
+        network: SandboxNetwork,
+        limits: SandboxLimits,
+        /// The sandbox's cgroups (the container's parent) and its workspace image.
+        enforcer: Enforcer,
+    },
 }
 
 /// Why the host cannot contain agents as configured.
@@ -41,6 +54,11 @@ pub enum ContainmentError {
     Isolation(#[from] IsolationUnavailable),
     #[error(transparent)]
     Limits(#[from] LimitsUnavailable),
+    #[error(
+        "sandbox driver: {0}; start the engine (Podman: podman system service), or set \
+         sandbox_reconciler.driver = \"process\""
+    )]
+    Engine(String),
     #[error(
         "sandbox network: this host cannot give agents their own outbound network ({0}); \
          install slirp4netns and nftables and run as root, or set \
@@ -79,6 +97,9 @@ impl Containment {
     /// can give it, with every limit enforced or allowed to go without
     /// (`sandbox_reconciler.unenforced_limits`).
     pub async fn probe(config: &SandboxReconcilerConfig) -> Result<Self, ContainmentError> {
+        if config.driver == DriverKind::Container {
+            return Self::probe_container(config).await;
+        }
         if config.isolation == Isolation::None {
             return Ok(Containment::None);
         }
@@ -110,6 +131,51 @@ impl Containment {
             *e = enforcer;
         }
         Ok(containment)
+    }
+
+    /// The container containment, once its engine answered and has the image (as the pull
+    /// policy allows), the workspace disk can be bounded and the network given.
+    async fn probe_container(config: &SandboxReconcilerConfig) -> Result<Self, ContainmentError> {
+        let c = &config.container;
+        let docker = crate::container::connect(&c.engine)
+            .await
+            .map_err(ContainmentError::Engine)?;
+        crate::container::ensure_image(&docker, &c.image, c.pull)
+            .await
+            .map_err(ContainmentError::Engine)?;
+        // The sandbox's own cgroups hold the container (and count its OOM kills); the
+        // engine bounds it too, and the workspace is an image of ours.
+        let enforcer = Enforcer::probe(false).await.for_containers();
+        enforcer.require(&config.unenforced_limits)?;
+        if config.network == SandboxNetwork::Outbound {
+            super::network::probe()
+                .await
+                .map_err(ContainmentError::Network)?;
+            let version = docker
+                .version()
+                .await
+                .map_err(|e| ContainmentError::Engine(e.to_string()))?;
+            let podman = version
+                .components
+                .unwrap_or_default()
+                .iter()
+                .any(|component| component.name.to_lowercase().contains("podman"));
+            if !podman {
+                return Err(ContainmentError::Network(
+                    "an outbound network of the sandbox's own joins the container by \
+                     namespace path, which Podman's engine offers and Docker's does not"
+                        .into(),
+                ));
+            }
+        }
+        Ok(Containment::Container {
+            engine: c.engine.clone(),
+            image: c.image.clone(),
+            pull: c.pull,
+            network: config.network,
+            limits: config.limits,
+            enforcer,
+        })
     }
 
     /// Runs a probe sandbox: `Ok` when bwrap made it and the agent wrote its workspace.
@@ -152,6 +218,9 @@ impl Containment {
         match self {
             Containment::Bwrap {
                 limits, enforcer, ..
+            }
+            | Containment::Container {
+                limits, enforcer, ..
             } => Some((limits, enforcer)),
             Containment::None => None,
         }
@@ -160,7 +229,7 @@ impl Containment {
     /// The network of agents (before a profile takes it away); `Host` uncontained.
     pub fn network(&self) -> SandboxNetwork {
         match self {
-            Containment::Bwrap { network, .. } => *network,
+            Containment::Bwrap { network, .. } | Containment::Container { network, .. } => *network,
             Containment::None => SandboxNetwork::Host,
         }
     }
@@ -168,13 +237,27 @@ impl Containment {
     pub(super) fn uid_range(&self) -> Option<(u32, u32)> {
         match self {
             Containment::Bwrap { uids, .. } => *uids,
-            Containment::None => None,
+            Containment::None | Containment::Container { .. } => None,
         }
     }
 
     /// One line for `runplane dev`'s banner and the logs: what an agent gets.
     pub fn describe(&self) -> String {
         match self {
+            Containment::Container {
+                engine,
+                image,
+                pull,
+                network,
+                limits,
+                enforcer,
+            } => format!(
+                "container: image {image} (pull {}) on the engine at {engine}, the runner \
+                 on the host, {}; limits: {}",
+                pull.as_str(),
+                network_phrase(*network),
+                enforcer.describe(limits),
+            ),
             Containment::None => "none: agents run as this user and see what it sees \
                                   (sandbox_reconciler.isolation = \"none\")"
                 .to_owned(),
@@ -192,14 +275,7 @@ impl Containment {
                     }
                     None => "this user's uid (not root: no uid of its own)".to_owned(),
                 },
-                match network {
-                    SandboxNetwork::Outbound => {
-                        "outbound network (its own namespace through slirp4netns; the host \
-                         and the control plane refused)"
-                    }
-                    SandboxNetwork::None => "no network (loopback only)",
-                    SandboxNetwork::Host => "the HOST's network (its loopback included)",
-                },
+                network_phrase(*network),
                 enforcer.describe(limits),
             ),
         }
@@ -386,6 +462,17 @@ impl Containment {
             ]);
         }
         argv
+    }
+}
+
+fn network_phrase(network: SandboxNetwork) -> &'static str {
+    match network {
+        SandboxNetwork::Outbound => {
+            "outbound network (its own namespace through slirp4netns; the host and the \
+             control plane refused)"
+        }
+        SandboxNetwork::None => "no network (loopback only)",
+        SandboxNetwork::Host => "the HOST's network (its loopback included)",
     }
 }
 

@@ -119,6 +119,22 @@ impl Enforcer {
         }
     }
 
+    /// This enforcer for a container's sandbox: its cgroups become the container's
+    /// parent (the engine makes the container's own under them), and no rlimit applies
+    /// (the container's uids are the image's).
+    pub fn for_containers(mut self) -> Self {
+        self.nproc = false;
+        self
+    }
+
+    /// The cgroup path (from each hierarchy's root) a sandbox's container is made
+    /// under, when this host gives sandboxes cgroups of their own.
+    pub fn cgroup_parent(&self, sandbox_id: &str) -> Option<String> {
+        self.cgroups
+            .as_ref()
+            .map(|_| format!("/{PARENT}/{sandbox_id}"))
+    }
+
     /// `Ok` when every limit is enforced or allowed to go without.
     pub fn require(&self, allowed: &[Limit]) -> Result<(), LimitsUnavailable> {
         let refused: BTreeMap<Limit, String> = self

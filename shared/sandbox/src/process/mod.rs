@@ -88,6 +88,14 @@ impl ProcessDriver {
         self
     }
 
+    /// The engine of a container containment.
+    fn engine(&self) -> Option<&str> {
+        match &self.containment {
+            Containment::Container { engine, .. } => Some(engine),
+            _ => None,
+        }
+    }
+
     /// The uid of the sandbox in `dir`: the one it was given, or else the first in the
     /// range from a point its id picks that no other live sandbox of this driver holds.
     fn sandbox_uid(&self, dir: &Path, id: &str, (base, count): (u32, u32)) -> u32 {
@@ -142,6 +150,11 @@ impl ProcessDriver {
         let start = |e: std::io::Error| DriverError::Start(e.to_string());
         let workspace = dir.join(contract::WORKSPACE_DIR);
         std::fs::create_dir_all(&workspace).map_err(start)?;
+        if let Containment::Container { .. } = &self.containment {
+            return self
+                .prepare_container(dir, id, offline, limits, launch, &workspace)
+                .await;
+        }
         let applied = match self.containment.limits() {
             Some((defaults, enforcer)) => {
                 let limits = limits.unwrap_or(*defaults);
@@ -199,6 +212,79 @@ impl ProcessDriver {
             )));
         }
         Ok((wrapper, applied.memory_events))
+    }
+
+    /// [`Self::prepare_agent`] for the container containment: the workspace image, the
+    /// sandbox's network, and the wrapper `runplane sandbox-container` that runs the agent
+    /// in its container ([`crate::container::run_agent`]).
+    async fn prepare_container(
+        &self,
+        dir: &Path,
+        id: &str,
+        offline: bool,
+        limits: Option<runplane_config::SandboxLimits>,
+        launch: &Launch,
+        workspace: &Path,
+    ) -> Result<(Vec<String>, Option<PathBuf>), DriverError> {
+        let Containment::Container {
+            engine,
+            image,
+            pull,
+            network,
+            limits: defaults,
+            enforcer,
+        } = &self.containment
+        else {
+            return Err(DriverError::Start("not a container containment".into()));
+        };
+        let limits = limits.unwrap_or(*defaults);
+        enforcer
+            .mount_workspace(dir, workspace, limits.disk_mib)
+            .await?;
+        let applied = enforcer.apply(id, &limits)?;
+        let network_mode = match (network, offline) {
+            (SandboxNetwork::None, _) | (_, true) => "none".to_owned(),
+            (SandboxNetwork::Host, false) => "host".to_owned(),
+            (SandboxNetwork::Outbound, false) => {
+                let mut refused = network::endpoint_addresses(&launch.endpoint).await;
+                refused.extend(network::endpoint_addresses(&launch.recovery_endpoint).await);
+                network::up(dir, id, &refused).await?;
+                format!("ns:{}", network::netns_path(id).display())
+            }
+        };
+        let memory_events = dir.join("memory.events");
+        let mut wrapper: Vec<String> = vec![
+            self.runplane.display().to_string(),
+            "sandbox-container".into(),
+        ];
+        for (flag, value) in [
+            ("--engine", engine.clone()),
+            ("--image", image.clone()),
+            ("--pull", pull.as_str().to_owned()),
+            ("--sandbox-id", id.to_owned()),
+            ("--run-id", launch.run_id.clone()),
+            ("--workspace", workspace.display().to_string()),
+            ("--cpus", limits.cpus.to_string()),
+            ("--memory-mib", limits.memory_mib.to_string()),
+            ("--pids", limits.pids.to_string()),
+            ("--network-mode", network_mode),
+            ("--memory-events", memory_events.display().to_string()),
+        ] {
+            wrapper.push(format!("{flag}={value}"));
+        }
+        if let Some(parent) = enforcer.cgroup_parent(id) {
+            wrapper.push(format!("--cgroup-parent={parent}"));
+        }
+        if let Some(events) = &applied.memory_events {
+            wrapper.push(format!("--cgroup-memory-events={}", events.display()));
+        }
+        wrapper.push("--".into());
+        if wrapper.iter().any(|arg| arg.contains('\n')) {
+            return Err(DriverError::Start(
+                "a container argument holds a line break".into(),
+            ));
+        }
+        Ok((wrapper, Some(memory_events)))
     }
 
     fn dir(&self, sandbox_id: &str) -> PathBuf {
@@ -410,14 +496,34 @@ impl Driver for ProcessDriver {
         })
     }
 
+    /// Stops the sandbox's processes (SIGSTOP) and, for a container, pauses it in the
+    /// engine (its processes are not the host session's).
     fn suspend(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         let result = Self::signal(sandbox, Signal::SIGSTOP);
-        Box::pin(async move { result })
+        let engine = self.engine().map(str::to_owned);
+        let id = sandbox.id.clone();
+        Box::pin(async move {
+            if let Some(engine) = engine {
+                crate::container::pause(&engine, &id, true)
+                    .await
+                    .map_err(DriverError::Signal)?;
+            }
+            result
+        })
     }
 
     fn resume(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
-        let result = Self::signal(sandbox, Signal::SIGCONT);
-        Box::pin(async move { result })
+        let engine = self.engine().map(str::to_owned);
+        let id = sandbox.id.clone();
+        let sandbox = sandbox.clone();
+        Box::pin(async move {
+            if let Some(engine) = engine {
+                crate::container::pause(&engine, &id, false)
+                    .await
+                    .map_err(DriverError::Signal)?;
+            }
+            Self::signal(&sandbox, Signal::SIGCONT)
+        })
     }
 
     /// SIGTERM then SIGCONT to the whole sandbox (a suspended one is stopped, and a
@@ -434,6 +540,12 @@ impl Driver for ProcessDriver {
         let this = self.clone();
         Box::pin(async move {
             let stopped = this.stop(leader, recorded, &dir).await;
+            // The container outlives a killed wrapper: stopped and removed in the engine.
+            if let Some(engine) = this.engine() {
+                crate::container::remove(engine, &id, DESTROY_GRACE)
+                    .await
+                    .map_err(DriverError::Signal)?;
+            }
             // Nothing of the sandbox runs now: its cgroups, workspace image and network
             // can go.
             if stopped.is_ok()

@@ -1,0 +1,369 @@
+//! The container driver against a real engine (Podman's Docker-compatible socket, from
+//! `scripts/podman`, which the test command runs): `runplane dev --driver container
+//! --image IMAGE` runs an agent in a container of a busybox-only image (no libc, no shell
+//! of ours). A hostile agent is held to its pids and memory limits (`out_of_memory`),
+//! reaches neither the host nor the control plane, and finds no run key, in the
+//! container or in what the engine says of it; cancel leaves no container behind.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use runplane_integration_tests::sandboxes::run_key_in_memory;
+use runplane_integration_tests::{Process, runplane_bin, start_dev_with_env};
+use tokio::process::Command;
+
+/// The engine and image `scripts/podman` set up; never skipped: without them the test
+/// says how to get them.
+fn engine_and_image() -> (String, String) {
+    let get = |name: &str| {
+        std::env::var(name).unwrap_or_else(|_| {
+            panic!(
+                "{name} is not set: run `eval \"$(scripts/podman)\"` (or scripts/test, which \
+                 does) to start Podman's API socket and build the test image"
+            )
+        })
+    };
+    (get("RUNPLANE_TEST_ENGINE"), get("RUNPLANE_TEST_IMAGE"))
+}
+
+struct Dev {
+    dev: Process,
+    data: PathBuf,
+    engine: String,
+    _dir: tempfile::TempDir,
+}
+
+async fn dev(env: &[(&str, &str)]) -> Dev {
+    let (engine, image) = engine_and_image();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let data = dir.path().join("data");
+    let mut all = vec![
+        ("RUNPLANE_SANDBOX_RECONCILER__DRIVER", "container"),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE",
+            engine.as_str(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
+            image.as_str(),
+        ),
+        ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__PULL", "never"),
+    ];
+    all.extend_from_slice(env);
+    let dev = start_dev_with_env(&data, &all).await;
+    let banner = dev.stdout_lines.join("\n");
+    assert!(
+        banner.contains(&format!("isolation:      container: image {image}"))
+            && !banner.contains("NOT"),
+        "{banner}"
+    );
+    Dev {
+        dev,
+        data,
+        engine: engine.clone(),
+        _dir: dir,
+    }
+}
+
+fn run_command(dev: &Dev, script: &str) -> Command {
+    let mut command = Command::new(runplane_bin());
+    command
+        .args(["run", "--endpoint", &dev.dev.endpoint(), "--token-file"])
+        .arg(dev.data.join("operator-token"))
+        .args(["--", "sh", "-c", script])
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_TOKEN")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    command
+}
+
+async fn run(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, String) {
+    let out = tokio::time::timeout(Duration::from_secs(120), run_command(dev, script).output())
+        .await
+        .expect("the run ends within 120 s")
+        .unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The engine's answer to `GET path` (its Docker-compatible API), as an operator's
+/// `curl --unix-socket` would get it.
+fn engine_get(engine: &str, path: &str) -> String {
+    let socket = engine.strip_prefix("unix://").unwrap_or(engine);
+    let out = std::process::Command::new("curl")
+        .args(["-sf", "--unix-socket", socket, &format!("http://d{path}")])
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The containers of this dev's sandboxes, by their label.
+fn containers_of(dev: &Dev) -> Vec<String> {
+    let sandboxes: Vec<String> = std::fs::read_dir(dev.data.join("sandboxes"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let listed = engine_get(&dev.engine, "/containers/json?all=true");
+    sandboxes
+        .into_iter()
+        .filter(|id| listed.contains(&format!("runplane-{id}")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_run_prints_live_ends_with_its_status_and_leaves_no_container() {
+    let dev = dev(&[]).await;
+    let (status, out, err) = run(
+        &dev,
+        "echo from the image; test -e /lib/libc.so.6 || echo no libc; cd /workspace && echo kept > file && cat file; exit 7",
+    )
+    .await;
+    assert_eq!(status.code(), Some(7), "{out}\n{err}");
+    assert!(
+        out.contains("from the image") && out.contains("no libc") && out.contains("kept"),
+        "{out}\n{err}"
+    );
+    assert!(err.contains("failed (exit_nonzero, exit code 7)"), "{err}");
+    runplane_integration_tests::wait_for(
+        "its container to go",
+        Duration::from_secs(30),
+        async || containers_of(&dev).is_empty(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_agent_past_its_memory_limit_ends_out_of_memory() {
+    let dev = dev(&[("RUNPLANE_SANDBOX_RECONCILER__LIMITS__MEMORY_MIB", "64")]).await;
+    let (status, out, err) = run(
+        &dev,
+        "echo allocating; big=$(head -c 268435456 /dev/zero | tr '\\0' x); echo \"held ${#big}\"",
+    )
+    .await;
+    assert!(!status.success(), "{out}\n{err}");
+    assert!(!out.contains("held"), "{out}");
+    assert!(err.contains("failed (out_of_memory"), "{out}\n{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_fork_bomb_is_held_to_the_pids_limit() {
+    let dev = dev(&[("RUNPLANE_SANDBOX_RECONCILER__LIMITS__PIDS", "64")]).await;
+    let (_, out, err) = run(
+        &dev,
+        "n=0; while [ $n -lt 1000 ]; do sleep 300 & n=$((n+1)); [ $((n % 50)) -eq 0 ] && echo started $n; done; echo all 1000 started",
+    )
+    .await;
+    assert!(
+        !out.contains("all 1000 started") && !out.contains("started 100"),
+        "the agent started more processes than its 64: {out}\n{err}"
+    );
+    // And the next run is unaffected.
+    let (status, out, err) = run(&dev, "echo after").await;
+    assert!(status.success() && out.contains("after"), "{out}\n{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane() {
+    let dev = dev(&[]).await;
+    let port = dev.dev.address.rsplit(':').next().unwrap().to_owned();
+    let everywhere = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let host_port = everywhere.local_addr().unwrap().port();
+    let host = std::process::Command::new("ip")
+        .args(["-o", "-4", "addr", "show", "scope", "global"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.split_whitespace()
+                .nth(3)?
+                .split('/')
+                .next()
+                .map(str::to_owned)
+        })
+        .expect("a global address");
+    let targets = [
+        format!("127.0.0.1 {port}"),
+        "127.0.0.1 5432".to_owned(),
+        "127.0.0.1 6379".to_owned(),
+        format!("{host} {host_port}"),
+        format!("{host} {port}"),
+        format!("10.0.2.2 {port}"),
+    ];
+    // busybox's nc: -w 3 gives up after 3 s.
+    let script = targets
+        .iter()
+        .map(|t| format!("if echo | nc -w 3 {t} >/dev/null 2>&1; then echo \"reached {t}\"; else echo \"refused {t}\"; fi"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let (status, out, err) = run(&dev, &script).await;
+    assert!(status.success(), "{out}\n{err}");
+    for t in &targets {
+        assert!(
+            out.contains(&format!("refused {t}")),
+            "the agent reached {t}:\n{out}"
+        );
+    }
+    drop(everywhere);
+}
+
+/// The run key is nowhere the agent or the engine can show: the agent searches its
+/// container's /proc and files, and the engine's inspect data of the running container
+/// is searched for the key read from the runner's memory on the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_run_key_reaches_the_container_or_the_engines_view_of_it() {
+    let dev = dev(&[]).await;
+    let script = "read go; \
+        for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do tr '\\0' '\\n' < $f 2>/dev/null; done | grep -c 'RUNPLANE_RUN_[K]EY='; \
+        grep -rl 'rk_' / --exclude-dir=proc --exclude-dir=sys 2>/dev/null | head -3; \
+        echo searched";
+    let cli = run_command(&dev, script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The runner of this run, on the host, and its key.
+    let sandbox: PathBuf = runplane_integration_tests::sandboxes::eventually(
+        Duration::from_secs(60),
+        "the sandbox",
+        || async {
+            std::fs::read_dir(dev.data.join("sandboxes"))
+                .ok()?
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.join("pid").exists())
+        },
+    )
+    .await;
+    let id = sandbox.file_name().unwrap().to_string_lossy().into_owned();
+    let key = runplane_integration_tests::sandboxes::eventually(
+        Duration::from_secs(60),
+        "the runner's key",
+        || async {
+            let sid: u32 = std::fs::read_to_string(sandbox.join("pid"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            runplane_integration_tests::sandboxes::session_members(sid)
+                .into_iter()
+                .find_map(run_key_in_memory)
+        },
+    )
+    .await;
+    let inspected = runplane_integration_tests::sandboxes::eventually(
+        Duration::from_secs(60),
+        "the running container",
+        || async {
+            let json = engine_get(&dev.engine, &format!("/containers/runplane-{id}/json"));
+            json.contains("\"Running\":true").then_some(json)
+        },
+    )
+    .await;
+    assert!(
+        inspected.contains(&format!("dev.runplane.sandbox-id\":\"{id}")),
+        "{inspected}"
+    );
+    assert!(
+        !inspected.contains(&key),
+        "the engine's inspect data holds the run key"
+    );
+    assert!(!inspected.contains("RUNPLANE_RUN_KEY"), "{inspected}");
+
+    let runs_token = std::fs::read_to_string(dev.data.join("operator-token")).unwrap();
+    let steer = Command::new(runplane_bin())
+        .args(["steer", "--endpoint", &dev.dev.endpoint()])
+        .arg(run_id_of(&sandbox))
+        .arg("go")
+        .env("RUNPLANE_TOKEN", runs_token.trim())
+        .env_remove("RUNPLANE_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        steer.status.success(),
+        "{}",
+        String::from_utf8_lossy(&steer.stderr)
+    );
+    let out = tokio::time::timeout(Duration::from_secs(120), cli.wait_with_output())
+        .await
+        .expect("the run ends")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("searched"), "{stdout}");
+    assert!(
+        !stdout.contains(&key),
+        "the agent found the run key:\n{stdout}"
+    );
+    assert_eq!(
+        stdout.lines().next(),
+        Some("0"),
+        "a RUN_KEY variable in the container:\n{stdout}"
+    );
+}
+
+/// The run a sandbox directory's runner runs (from its log).
+fn run_id_of(sandbox: &Path) -> String {
+    let log = std::fs::read_to_string(sandbox.join("runner.log")).unwrap_or_default();
+    log.split("run_id=")
+        .nth(1)
+        .and_then(|rest| {
+            rest.split(|c: char| !(c.is_ascii_hexdigit() || c == '-'))
+                .next()
+        })
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no run id in {log}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_container_run_leaves_no_container() {
+    let dev = dev(&[]).await;
+    let mut cli = run_command(&dev, "echo started; sleep 600")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sandbox: PathBuf = runplane_integration_tests::sandboxes::eventually(
+        Duration::from_secs(60),
+        "the container",
+        || async {
+            let sandbox = std::fs::read_dir(dev.data.join("sandboxes"))
+                .ok()?
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.join("pid").exists())?;
+            (!containers_of(&dev).is_empty()).then_some(sandbox)
+        },
+    )
+    .await;
+    let token = std::fs::read_to_string(dev.data.join("operator-token")).unwrap();
+    let cancel = Command::new(runplane_bin())
+        .args(["cancel", "--endpoint", &dev.dev.endpoint()])
+        .arg(run_id_of(&sandbox))
+        .env("RUNPLANE_TOKEN", token.trim())
+        .env_remove("RUNPLANE_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        cancel.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cancel.stderr)
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(60), cli.wait()).await;
+    runplane_integration_tests::wait_for(
+        "the cancelled run's container to go",
+        Duration::from_secs(60),
+        async || containers_of(&dev).is_empty(),
+    )
+    .await;
+}

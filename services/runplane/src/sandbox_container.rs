@@ -1,0 +1,68 @@
+//! `runplane sandbox-container`: the container driver's wrapper. A runner on the host
+//! starts its agent through it; it runs the agent in the sandbox's container, attached to
+//! its own stdio, and exits with the agent's status ([`runplane_sandbox::container`]).
+
+use std::path::PathBuf;
+
+use runplane_config::{PullPolicy, SandboxLimits};
+use runplane_sandbox::container::{AgentContainer, run_agent};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    engine: String,
+    #[arg(long)]
+    image: String,
+    #[arg(long, value_parser = ["never", "if_missing", "always"])]
+    pull: String,
+    #[arg(long)]
+    sandbox_id: String,
+    #[arg(long)]
+    run_id: String,
+    #[arg(long)]
+    workspace: PathBuf,
+    #[arg(long)]
+    cpus: f64,
+    #[arg(long)]
+    memory_mib: u64,
+    #[arg(long)]
+    pids: u32,
+    #[arg(long)]
+    disk_mib: Option<u64>,
+    #[arg(long)]
+    network_mode: String,
+    #[arg(long)]
+    memory_events: Option<PathBuf>,
+    #[arg(long)]
+    cgroup_parent: Option<String>,
+    #[arg(long)]
+    cgroup_memory_events: Option<PathBuf>,
+    /// The agent's command.
+    #[arg(last = true, required = true)]
+    argv: Vec<String>,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<i32> {
+    let limits = SandboxLimits {
+        cpus: args.cpus,
+        memory_mib: args.memory_mib,
+        pids: args.pids,
+        disk_mib: args.disk_mib.unwrap_or(SandboxLimits::default().disk_mib),
+    };
+    limits.validate("sandbox-container")?;
+    Ok(run_agent(AgentContainer {
+        engine: args.engine,
+        image: args.image,
+        pull: PullPolicy::parse(&args.pull).unwrap_or_default(),
+        sandbox_id: args.sandbox_id,
+        run_id: args.run_id,
+        workspace: args.workspace,
+        limits,
+        network_mode: args.network_mode,
+        memory_events: args.memory_events,
+        cgroup_parent: args.cgroup_parent,
+        cgroup_memory_events: args.cgroup_memory_events,
+        argv: args.argv,
+    })
+    .await)
+}
