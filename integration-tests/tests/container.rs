@@ -54,8 +54,7 @@ async fn dev(env: &[(&str, &str)]) -> Dev {
     let dev = start_dev_with_env(&data, &all).await;
     let banner = dev.stdout_lines.join("\n");
     assert!(
-        banner.contains(&format!("isolation:      container: image {image}"))
-            && !banner.contains("NOT"),
+        banner.contains("isolation:      container: image ") && !banner.contains("NOT"),
         "{banner}"
     );
     Dev {
@@ -366,4 +365,141 @@ async fn a_cancelled_container_run_leaves_no_container() {
         async || containers_of(&dev).is_empty(),
     )
     .await;
+}
+
+/// `curl -X METHOD` on the engine's API; whether it answered 2xx.
+fn engine_call(engine: &str, method: &str, path: &str) -> bool {
+    let socket = engine.strip_prefix("unix://").unwrap_or(engine);
+    std::process::Command::new("curl")
+        .args([
+            "-sf",
+            "-X",
+            method,
+            "--unix-socket",
+            socket,
+            &format!("http://d{path}"),
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// An image that goes between the start and the run ends the run `image_unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_image_is_gone_ends_image_unavailable() {
+    let (engine, image) = engine_and_image();
+    let tag = format!("gone-{}", std::process::id());
+    let (repo, _) = image.rsplit_once(':').unwrap();
+    assert!(
+        engine_call(
+            &engine,
+            "POST",
+            &format!("/images/{image}/tag?repo={repo}&tag={tag}")
+        ),
+        "tagging {image}"
+    );
+    let gone = format!("{repo}:{tag}");
+    let dev = dev(&[(
+        "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
+        gone.as_str(),
+    )])
+    .await;
+    assert!(
+        engine_call(&engine, "DELETE", &format!("/images/{gone}")),
+        "untagging {gone}"
+    );
+    let (status, out, err) = run(&dev, "echo never").await;
+    assert!(!status.success(), "{out}\n{err}");
+    assert!(!out.contains("never"), "{out}");
+    assert!(err.contains("failed (image_unavailable"), "{out}\n{err}");
+}
+
+/// A container removed from outside while its agent runs: the run ends once, failed
+/// `sandbox_lost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_removed_from_outside_ends_its_run_once_as_lost() {
+    let dev = dev(&[]).await;
+    let cli = run_command(&dev, "echo started; sleep 600")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let id = runplane_integration_tests::sandboxes::eventually(
+        Duration::from_secs(60),
+        "the running container",
+        || async { containers_of(&dev).into_iter().next() },
+    )
+    .await;
+    assert!(
+        engine_call(
+            &dev.engine,
+            "DELETE",
+            &format!("/containers/runplane-{id}?force=true")
+        ),
+        "removing the container"
+    );
+    let out = tokio::time::timeout(Duration::from_secs(60), cli.wait_with_output())
+        .await
+        .expect("the run ends")
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        err.matches("runplane: failed (sandbox_lost").count(),
+        1,
+        "{err}"
+    );
+}
+
+/// `runplane dev` restarted under a running container run: the run's runner (on the
+/// host, in a session of its own) and its container live on, and the run succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_run_survives_a_restart_of_dev() {
+    let (engine, image) = engine_and_image();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let data = dir.path().join("data");
+    let addr = runplane_testkit::free_local_addr().to_string();
+    let env = [
+        ("RUNPLANE_SANDBOX_RECONCILER__DRIVER", "container"),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE",
+            engine.as_str(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
+            image.as_str(),
+        ),
+    ];
+    let mut first = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
+    let cli = Command::new(runplane_bin())
+        .args([
+            "run",
+            "--endpoint",
+            &format!("http://{addr}"),
+            "--token-file",
+        ])
+        .arg(data.join("operator-token"))
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "for i in $(seq 1 30); do echo tick $i; sleep 0.2; done",
+        ])
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(first.terminate().await.success());
+    let _second = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
+    let out = tokio::time::timeout(Duration::from_secs(90), cli.wait_with_output())
+        .await
+        .expect("the run ends")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("tick 30"), "{stdout}");
 }

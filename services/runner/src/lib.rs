@@ -115,6 +115,17 @@ pub struct Outcome {
     pub ended_elsewhere: bool,
 }
 
+/// Why the sandbox's containment says the agent ended, when it says
+/// ([`runplane_sandbox::contract::ENDING_FILE`] in the sandbox's directory).
+fn containment_ending() -> Option<String> {
+    let dir = std::env::var_os(runplane_sandbox::contract::ENV_SANDBOX_DIR)?;
+    let ending = std::fs::read_to_string(
+        std::path::Path::new(&dir).join(runplane_sandbox::contract::ENDING_FILE),
+    )
+    .ok()?;
+    Some(ending.trim().to_owned()).filter(|e| !e.is_empty())
+}
+
 /// Whether the sandbox's memory cgroup says its agent was killed at the limit
 /// ([`runplane_sandbox::contract::ENV_MEMORY_EVENTS`]).
 fn memory_limit_killed() -> bool {
@@ -266,6 +277,10 @@ pub async fn run(
             && memory_limit_killed() =>
         {
             verdict::out_of_memory(status)
+        }
+        // The containment says why, where the agent's status cannot.
+        None if containment_ending().is_some() => {
+            verdict::ended_by_containment(&containment_ending().unwrap_or_default())
         }
         _ => verdict::of(status, interrupted.as_deref()),
     };

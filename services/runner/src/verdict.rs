@@ -67,6 +67,31 @@ pub fn out_of_memory(status: ExitStatus) -> runstore_pb::Verdict {
     }
 }
 
+/// The verdict of an agent whose containment ended it for a reason of its own: failed,
+/// `image_unavailable` (its container's image could not be had) or `sandbox_lost` (its
+/// container was removed from outside); anything else the containment wrote is taken
+/// as lost too.
+pub fn ended_by_containment(ending: &str) -> runstore_pb::Verdict {
+    use runplane_sandbox::contract::ENDING_IMAGE_UNAVAILABLE;
+    let (reason, message) = match ending {
+        ENDING_IMAGE_UNAVAILABLE => (
+            "image_unavailable",
+            "the sandbox's image could not be had (not on the engine, or its pull failed)",
+        ),
+        _ => (
+            "sandbox_lost",
+            "the sandbox's container was removed while its agent ran",
+        ),
+    };
+    runstore_pb::Verdict {
+        outcome: runstore_pb::VerdictOutcome::Failed as i32,
+        reason: reason.into(),
+        exit_code: None,
+        signal: None,
+        message: message.into(),
+    }
+}
+
 /// The longest verdict message the run store takes.
 const MAX_MESSAGE_BYTES: usize = 512;
 

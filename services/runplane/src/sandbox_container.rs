@@ -34,6 +34,8 @@ pub struct Args {
     #[arg(long)]
     memory_events: Option<PathBuf>,
     #[arg(long)]
+    ending: Option<PathBuf>,
+    #[arg(long)]
     cgroup_parent: Option<String>,
     #[arg(long)]
     cgroup_memory_events: Option<PathBuf>,
@@ -60,6 +62,7 @@ pub async fn run(args: Args) -> anyhow::Result<i32> {
         limits,
         network_mode: args.network_mode,
         memory_events: args.memory_events,
+        ending: args.ending,
         cgroup_parent: args.cgroup_parent,
         cgroup_memory_events: args.cgroup_memory_events,
         argv: args.argv,

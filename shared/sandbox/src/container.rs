@@ -95,6 +95,9 @@ pub struct AgentContainer {
     pub network_mode: String,
     /// Where the runner reads an OOM kill (`oom_kill 1`); none when unset.
     pub memory_events: Option<PathBuf>,
+    /// Where the runner reads why the agent ended when its status cannot say
+    /// ([`crate::contract::ENDING_FILE`]).
+    pub ending: Option<PathBuf>,
     /// The sandbox's own cgroup the container is made under (`/runplane/<sandbox id>`),
     /// which holds its limits, and that cgroup's memory events file (v2 `memory.events`,
     /// v1 `memory.oom_control`).
@@ -108,21 +111,38 @@ pub struct AgentContainer {
 /// exit status to end with: the agent's, 128 + N for a signal, or
 /// [`EXIT_IMAGE_UNAVAILABLE`] with the reason on stderr.
 pub async fn run_agent(spec: AgentContainer) -> i32 {
+    if let Some(ending) = &spec.ending {
+        let _ = std::fs::remove_file(ending);
+    }
     match run(&spec).await {
         Ok(code) => code,
-        Err((code, why)) => {
+        Err((code, ending, why)) => {
             eprintln!("runplane: {why}");
+            if let (Some(ending), Some(path)) = (ending, &spec.ending) {
+                let _ = std::fs::write(path, ending);
+            }
             code
         }
     }
 }
 
-async fn run(spec: &AgentContainer) -> Result<i32, (i32, String)> {
-    let engine = |e: String| (EXIT_IMAGE_UNAVAILABLE, e);
+/// Why the wrapper gave up: its exit status, the ending it records (if one), and what to
+/// print.
+type Failure = (i32, Option<&'static str>, String);
+
+async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
+    use crate::contract::{ENDING_CONTAINER_LOST, ENDING_IMAGE_UNAVAILABLE};
+    let engine = |e: String| (EXIT_IMAGE_UNAVAILABLE, None, e);
     let docker = connect(&spec.engine).await.map_err(engine)?;
     ensure_image(&docker, &spec.image, spec.pull)
         .await
-        .map_err(|e| (EXIT_IMAGE_UNAVAILABLE, format!("image_unavailable: {e}")))?;
+        .map_err(|e| {
+            (
+                EXIT_IMAGE_UNAVAILABLE,
+                Some(ENDING_IMAGE_UNAVAILABLE),
+                format!("image_unavailable: {e}"),
+            )
+        })?;
     let name = container_name(&spec.sandbox_id);
     // A container of an earlier runner of this sandbox is that runner's: this one starts
     // the agent afresh.
@@ -189,7 +209,17 @@ async fn run(spec: &AgentContainer) -> Result<i32, (i32, String)> {
             body,
         )
         .await
-        .map_err(|e| engine(format!("creating container {name}: {e}")))?;
+        .map_err(|e| match e {
+            // The image went between the check and the create.
+            bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            } => (
+                EXIT_IMAGE_UNAVAILABLE,
+                Some(ENDING_IMAGE_UNAVAILABLE),
+                format!("image_unavailable: creating container {name}: {e}"),
+            ),
+            e => engine(format!("creating container {name}: {e}")),
+        })?;
     // Attached before it starts, so not a line of its output is missed.
     let attached = docker
         .attach_container(
@@ -258,12 +288,25 @@ async fn run(spec: &AgentContainer) -> Result<i32, (i32, String)> {
         Some(Err(e)) => {
             signals.abort();
             stdin.abort();
-            return Err(engine(format!("waiting for container {name}: {e}")));
+            // Gone while it ran: removed from outside, not an exit of the agent's.
+            let gone = docker.inspect_container(&name, None).await.is_err();
+            return Err(match gone {
+                true => (
+                    EXIT_IMAGE_UNAVAILABLE,
+                    Some(ENDING_CONTAINER_LOST),
+                    format!("container {name} was removed while its agent ran"),
+                ),
+                false => engine(format!("waiting for container {name}: {e}")),
+            });
         }
         None => {
             signals.abort();
             stdin.abort();
-            return Err(engine(format!("container {name} vanished")));
+            return Err((
+                EXIT_IMAGE_UNAVAILABLE,
+                Some(ENDING_CONTAINER_LOST),
+                format!("container {name} was removed while its agent ran"),
+            ));
         }
     };
     signals.abort();
@@ -280,10 +323,18 @@ async fn run(spec: &AgentContainer) -> Result<i32, (i32, String)> {
         || oom_watch
             .as_ref()
             .is_some_and(|(fd, _)| fd.read().is_ok_and(|n| n > 0));
-    if (engine_says_oom || cgroup_says_oom)
-        && let Some(events) = &spec.memory_events
-    {
-        let _ = std::fs::write(events, "oom_kill 1\n");
+    if engine_says_oom || cgroup_says_oom {
+        if let Some(events) = &spec.memory_events {
+            let _ = std::fs::write(events, "oom_kill 1\n");
+        }
+    } else if status == 128 + 9 && removed_soon(&docker, &name).await {
+        // SIGKILLed by nobody of ours and gone with it: removed from outside (a forced
+        // remove kills first), which is the sandbox lost, not an exit of its agent's.
+        return Err((
+            EXIT_IMAGE_UNAVAILABLE,
+            Some(ENDING_CONTAINER_LOST),
+            format!("container {name} was removed while its agent ran"),
+        ));
     }
     let _ = docker
         .remove_container(
@@ -292,6 +343,21 @@ async fn run(spec: &AgentContainer) -> Result<i32, (i32, String)> {
         )
         .await;
     Ok(status)
+}
+
+/// Whether container `name` is gone within two seconds: a forced remove kills the
+/// container and removes it at once after.
+async fn removed_soon(docker: &Docker, name: &str) -> bool {
+    for _ in 0..20 {
+        if let Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) = docker.inspect_container(name, None).await
+        {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    false
 }
 
 /// An eventfd the memory cgroup whose `memory.oom_control` is `oom_control` signals when

@@ -35,6 +35,14 @@ pub const ENV_TRACEPARENT: &str = "TRACEPARENT";
 /// killed it at the sandbox's memory limit: the memory cgroup's events (`oom_kill N`).
 /// Unset or empty: no memory limit is enforced.
 pub const ENV_MEMORY_EVENTS: &str = "RUNPLANE_MEMORY_EVENTS";
+/// The file in a sandbox's directory where its containment says why the agent ended when
+/// the agent's status cannot: [`ENDING_IMAGE_UNAVAILABLE`] or [`ENDING_CONTAINER_LOST`].
+/// The runner reads it once its agent is gone; nothing the agent writes reaches it.
+pub const ENDING_FILE: &str = "ending";
+/// The container's image could not be had (not on the engine, or its pull failed).
+pub const ENDING_IMAGE_UNAVAILABLE: &str = "image_unavailable";
+/// The container was removed from outside while its agent ran.
+pub const ENDING_CONTAINER_LOST: &str = "container_lost";
 /// Where a contained agent may leave its [`PARK_MARK`], as the agent sees it.
 pub const ENV_PARK: &str = "RUNPLANE_PARK";
 

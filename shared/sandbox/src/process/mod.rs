@@ -269,6 +269,10 @@ impl ProcessDriver {
             ("--pids", limits.pids.to_string()),
             ("--network-mode", network_mode),
             ("--memory-events", memory_events.display().to_string()),
+            (
+                "--ending",
+                dir.join(contract::ENDING_FILE).display().to_string(),
+            ),
         ] {
             wrapper.push(format!("{flag}={value}"));
         }
