@@ -125,10 +125,35 @@ impl Drop for Process {
     }
 }
 
-/// Unmounts every sandbox workspace under `dir` and removes the sandboxes' emptied
-/// cgroups: what a test leaves of sandboxes its control plane had no time to destroy
-/// (their processes end with their runs; a mount and a cgroup would stay for ever).
+/// Stops every sandbox network under `dir` (slirp4netns, the namespace), unmounts every
+/// sandbox workspace and removes the sandboxes' emptied cgroups: what a test leaves of
+/// sandboxes its control plane had no time to destroy (their processes end with their
+/// runs; the rest would stay for ever).
 pub fn release_sandboxes(dir: &Path) {
+    // Each sandbox's own network: its slirp4netns and its namespace.
+    let sandboxes = std::fs::read_dir(dir.join("sandboxes"))
+        .into_iter()
+        .flatten()
+        .flatten();
+    for sandbox in sandboxes {
+        let id = sandbox.file_name().to_string_lossy().into_owned();
+        let netns = format!("runplane-{id}");
+        if let Some(pid) = std::fs::read_to_string(sandbox.path().join("slirp.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+            && std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&netns))
+        {
+            let _ = std::process::Command::new("kill")
+                .arg(pid.to_string())
+                .status();
+        }
+        if Path::new("/run/netns").join(&netns).exists() {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "delete", &netns])
+                .status();
+        }
+    }
     let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return;
     };
