@@ -234,7 +234,7 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
             ),
         )
         .await
-        .map_err(|e| engine(format!("attaching container {name}: {e}")))?;
+        .map_err(|e| lost_or(e, &name, "attaching"))?;
     // cgroup v1 counts an OOM kill in the container's own cgroup, which the engine
     // removes with it: the sandbox's cgroup, over its limit, notifies an eventfd instead.
     let oom_watch = spec
@@ -245,7 +245,7 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
     docker
         .start_container(&name, None)
         .await
-        .map_err(|e| engine(format!("starting container {name}: {e}")))?;
+        .map_err(|e| lost_or(e, &name, "starting"))?;
 
     let mut input = attached.input;
     let stdin = tokio::spawn(async move {
@@ -312,10 +312,25 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
     signals.abort();
     stdin.abort();
     let _ = copy.await;
-    let engine_says_oom = docker
-        .inspect_container(&name, None)
-        .await
-        .is_ok_and(|inspected| inspected.state.and_then(|s| s.oom_killed) == Some(true));
+    // The engine's record of the exit is the word: a wait on a container removed under
+    // it may answer 0. Nothing of ours removes it before this point, so a container that
+    // is gone was removed from outside.
+    let inspected = docker.inspect_container(&name, None).await;
+    let state = match inspected {
+        Ok(inspected) => inspected.state.unwrap_or_default(),
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => {
+            return Err((
+                EXIT_IMAGE_UNAVAILABLE,
+                Some(ENDING_CONTAINER_LOST),
+                format!("container {name} was removed while its agent ran"),
+            ));
+        }
+        Err(_) => Default::default(),
+    };
+    let status = state.exit_code.map_or(status, |code| code as i32);
+    let engine_says_oom = state.oom_killed == Some(true);
     let cgroup_says_oom = spec
         .cgroup_memory_events
         .as_deref()
@@ -343,6 +358,26 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
         )
         .await;
     Ok(status)
+}
+
+/// The failure of `what` (attaching, starting) container `name`: lost when the engine no
+/// longer has it (removed from outside before its agent began), else the engine's.
+fn lost_or(e: bollard::errors::Error, name: &str, what: &str) -> Failure {
+    use crate::contract::ENDING_CONTAINER_LOST;
+    match e {
+        bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        } => (
+            EXIT_IMAGE_UNAVAILABLE,
+            Some(ENDING_CONTAINER_LOST),
+            format!("container {name} was removed before its agent began"),
+        ),
+        e => (
+            EXIT_IMAGE_UNAVAILABLE,
+            None,
+            format!("{what} container {name}: {e}"),
+        ),
+    }
 }
 
 /// Whether container `name` is gone within two seconds: a forced remove kills the
