@@ -221,7 +221,7 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
             e => engine(format!("creating container {name}: {e}")),
         })?;
     // Attached before it starts, so not a line of its output is missed.
-    let attached = docker
+    let attached = match docker
         .attach_container(
             &name,
             Some(
@@ -234,7 +234,10 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
             ),
         )
         .await
-        .map_err(|e| lost_or(e, &name, "attaching"))?;
+    {
+        Ok(attached) => attached,
+        Err(e) => return Err(lost_or(&docker, e, &name, "attaching").await),
+    };
     // cgroup v1 counts an OOM kill in the container's own cgroup, which the engine
     // removes with it: the sandbox's cgroup, over its limit, notifies an eventfd instead.
     let oom_watch = spec
@@ -242,10 +245,9 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
         .as_deref()
         .filter(|path| path.ends_with("memory.oom_control"))
         .and_then(watch_oom_v1);
-    docker
-        .start_container(&name, None)
-        .await
-        .map_err(|e| lost_or(e, &name, "starting"))?;
+    if let Err(e) = docker.start_container(&name, None).await {
+        return Err(lost_or(&docker, e, &name, "starting").await);
+    }
 
     let mut input = attached.input;
     let stdin = tokio::spawn(async move {
@@ -361,23 +363,25 @@ async fn run(spec: &AgentContainer) -> Result<i32, Failure> {
 }
 
 /// The failure of `what` (attaching, starting) container `name`: lost when the engine no
-/// longer has it (removed from outside before its agent began), else the engine's.
-fn lost_or(e: bollard::errors::Error, name: &str, what: &str) -> Failure {
+/// longer has it (removed from outside before its agent began; engines answer that with
+/// 404 or 500), else the engine's.
+async fn lost_or(docker: &Docker, e: bollard::errors::Error, name: &str, what: &str) -> Failure {
     use crate::contract::ENDING_CONTAINER_LOST;
-    match e {
-        bollard::errors::Error::DockerResponseServerError {
-            status_code: 404, ..
-        } => (
+    if let Err(bollard::errors::Error::DockerResponseServerError {
+        status_code: 404, ..
+    }) = docker.inspect_container(name, None).await
+    {
+        return (
             EXIT_IMAGE_UNAVAILABLE,
             Some(ENDING_CONTAINER_LOST),
             format!("container {name} was removed before its agent began"),
-        ),
-        e => (
-            EXIT_IMAGE_UNAVAILABLE,
-            None,
-            format!("{what} container {name}: {e}"),
-        ),
+        );
     }
+    (
+        EXIT_IMAGE_UNAVAILABLE,
+        None,
+        format!("{what} container {name}: {e}"),
+    )
 }
 
 /// Whether container `name` is gone within two seconds: a forced remove kills the
