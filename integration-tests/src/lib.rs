@@ -154,6 +154,7 @@ pub fn release_sandboxes(dir: &Path) {
                 .status();
         }
     }
+    remove_containers_of(&dir.join("sandboxes"));
     let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return;
     };
@@ -176,6 +177,45 @@ pub fn release_sandboxes(dir: &Path) {
                 );
             }
         }
+    }
+}
+
+/// Removes, from the test engine (`RUNPLANE_TEST_ENGINE`, when set), every container
+/// the driver whose state is `state_dir` made: its warm pool above all, which outlives
+/// its control plane by design.
+fn remove_containers_of(state_dir: &Path) {
+    let Ok(engine) = std::env::var("RUNPLANE_TEST_ENGINE") else {
+        return;
+    };
+    let socket = engine.strip_prefix("unix://").unwrap_or(&engine).to_owned();
+    let filter = format!(
+        "{{\"label\":[\"dev.runplane.owner={}\"]}}",
+        state_dir.display()
+    );
+    let curl = |args: &[&str]| {
+        std::process::Command::new("curl")
+            .args(["-sf", "--unix-socket", &socket])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    let listed = curl(&[
+        "-G",
+        "--data-urlencode",
+        &format!("filters={filter}"),
+        "http://d/containers/json?all=true",
+    ]);
+    for id in listed
+        .split("\"Id\":\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+    {
+        curl(&[
+            "-X",
+            "DELETE",
+            &format!("http://d/containers/{id}?force=true"),
+        ]);
     }
 }
 

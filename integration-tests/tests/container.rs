@@ -31,10 +31,105 @@ struct Dev {
     dev: Process,
     data: PathBuf,
     engine: String,
+    start: Start,
     _dir: tempfile::TempDir,
 }
 
-async fn dev(env: &[(&str, &str)]) -> Dev {
+/// How a sandbox gets its container: made for it (no warm pool), or taken from the
+/// warm pool, which the test waits to be full.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Start {
+    Cold,
+    Warm,
+}
+
+/// Runs test `$name(start)` once per [`Start`], as `$name::cold` and `$name::warm`.
+macro_rules! on_both_starts {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cold() {
+                super::$name(super::Start::Cold).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn warm() {
+                super::$name(super::Start::Warm).await
+            }
+        }
+    )*};
+}
+
+on_both_starts!(
+    a_container_run_prints_live_ends_with_its_status_and_leaves_no_container,
+    a_container_agent_past_its_memory_limit_ends_out_of_memory,
+    a_container_fork_bomb_is_held_to_the_pids_limit,
+    a_container_agent_reaches_neither_the_host_nor_the_control_plane,
+    no_run_key_reaches_the_container_or_the_engines_view_of_it,
+    a_cancelled_container_run_leaves_no_container,
+    a_container_removed_from_outside_ends_its_run_once_as_lost,
+    a_container_run_survives_a_restart_of_dev,
+);
+
+/// The warm pool's size in these tests.
+const WARM: usize = 2;
+
+/// The environment of a dev whose sandboxes start as `start` says.
+fn start_env(start: Start) -> (&'static str, &'static str) {
+    let warm = match start {
+        Start::Cold => "0",
+        Start::Warm => "2",
+    };
+    ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__WARM", warm)
+}
+
+/// The warm containers waiting for sandboxes of the driver whose state is `state_dir`.
+fn warm_waiting(engine: &str, state_dir: &Path) -> usize {
+    let filter = format!(
+        "{{\"label\":[\"dev.runplane.owner={}\"],\"name\":[\"runplane-warm-\"]}}",
+        state_dir.display()
+    );
+    let listed = engine_get(
+        engine,
+        &format!("/containers/json?filters={}", urlencode(&filter)),
+    );
+    listed.matches("\"Id\"").count()
+}
+
+fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Waits, for a warm start, until the pool of the dev whose data is `data` is full.
+async fn pool_ready(start: Start, engine: &str, data: &Path) {
+    if start == Start::Warm {
+        let state = data.join("sandboxes");
+        runplane_integration_tests::wait_for(
+            "the warm pool to fill",
+            Duration::from_secs(60),
+            async || warm_waiting(engine, &state) == WARM,
+        )
+        .await;
+    }
+}
+
+/// How sandbox `id`'s container started: a warm one carries its warm label.
+fn started_as(dev: &Dev, id: &str) -> Start {
+    let inspected = engine_get(&dev.engine, &format!("/containers/runplane-{id}/json"));
+    assert!(!inspected.is_empty(), "no container runplane-{id}");
+    match inspected.contains("dev.runplane.warm") {
+        true => Start::Warm,
+        false => Start::Cold,
+    }
+}
+
+async fn dev(start: Start, env: &[(&str, &str)]) -> Dev {
     let (engine, image) = engine_and_image();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let data = dir.path().join("data");
@@ -49,9 +144,11 @@ async fn dev(env: &[(&str, &str)]) -> Dev {
             image.as_str(),
         ),
         ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__PULL", "never"),
+        start_env(start),
     ];
     all.extend_from_slice(env);
     let dev = start_dev_with_env(&data, &all).await;
+    pool_ready(start, &engine, &data).await;
     let banner = dev.stdout_lines.join("\n");
     assert!(
         banner.contains("isolation:      container: image ") && !banner.contains("NOT"),
@@ -61,6 +158,7 @@ async fn dev(env: &[(&str, &str)]) -> Dev {
         dev,
         data,
         engine: engine.clone(),
+        start,
         _dir: dir,
     }
 }
@@ -70,7 +168,7 @@ fn run_command(dev: &Dev, script: &str) -> Command {
     command
         .args(["run", "--endpoint", &dev.dev.endpoint(), "--token-file"])
         .arg(dev.data.join("operator-token"))
-        .args(["--", "sh", "-c", script])
+        .args(["--", "sh", "-c", &format!("{SAY_START}{script}")])
         .env_remove("RUNPLANE_CONFIG")
         .env_remove("RUNPLANE_TOKEN")
         .stdin(Stdio::null())
@@ -78,7 +176,12 @@ fn run_command(dev: &Dev, script: &str) -> Command {
     command
 }
 
-async fn run(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, String) {
+/// What every agent of these tests says first: whether its container is a warm one (its
+/// pid 1 the holder) or made for it.
+const SAY_START: &str = "case $(tr -d '\\0' < /proc/1/cmdline) in /.runplane-holder*) echo 'start: Warm';; *) echo 'start: Cold';; esac; ";
+
+/// Runs `script` as an agent to its end.
+async fn run_to_end(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, String) {
     let out = tokio::time::timeout(Duration::from_secs(120), run_command(dev, script).output())
         .await
         .expect("the run ends within 120 s")
@@ -88,6 +191,17 @@ async fn run(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, Stri
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Runs `script` as an agent to its end, and checks it started as the dev's sandboxes do.
+async fn run(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, String) {
+    let (status, stdout, stderr) = run_to_end(dev, script).await;
+    assert!(
+        stdout.contains(&format!("start: {:?}", dev.start)),
+        "not a {:?} start:\n{stdout}\n{stderr}",
+        dev.start
+    );
+    (status, stdout, stderr)
 }
 
 /// The engine's answer to `GET path` (its Docker-compatible API), as an operator's
@@ -117,9 +231,8 @@ fn containers_of(dev: &Dev) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_container_run_prints_live_ends_with_its_status_and_leaves_no_container() {
-    let dev = dev(&[]).await;
+async fn a_container_run_prints_live_ends_with_its_status_and_leaves_no_container(start: Start) {
+    let dev = dev(start, &[]).await;
     let (status, out, err) = run(
         &dev,
         "echo from the image; test -e /lib/libc.so.6 || echo no libc; cd /workspace && echo kept > file && cat file; exit 7",
@@ -139,9 +252,12 @@ async fn a_container_run_prints_live_ends_with_its_status_and_leaves_no_containe
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_container_agent_past_its_memory_limit_ends_out_of_memory() {
-    let dev = dev(&[("RUNPLANE_SANDBOX_RECONCILER__LIMITS__MEMORY_MIB", "64")]).await;
+async fn a_container_agent_past_its_memory_limit_ends_out_of_memory(start: Start) {
+    let dev = dev(
+        start,
+        &[("RUNPLANE_SANDBOX_RECONCILER__LIMITS__MEMORY_MIB", "64")],
+    )
+    .await;
     let (status, out, err) = run(
         &dev,
         "echo allocating; big=$(head -c 268435456 /dev/zero | tr '\\0' x); echo \"held ${#big}\"",
@@ -152,9 +268,12 @@ async fn a_container_agent_past_its_memory_limit_ends_out_of_memory() {
     assert!(err.contains("failed (out_of_memory"), "{out}\n{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_container_fork_bomb_is_held_to_the_pids_limit() {
-    let dev = dev(&[("RUNPLANE_SANDBOX_RECONCILER__LIMITS__PIDS", "64")]).await;
+async fn a_container_fork_bomb_is_held_to_the_pids_limit(start: Start) {
+    let dev = dev(
+        start,
+        &[("RUNPLANE_SANDBOX_RECONCILER__LIMITS__PIDS", "64")],
+    )
+    .await;
     let (_, out, err) = run(
         &dev,
         "n=0; while [ $n -lt 1000 ]; do sleep 300 & n=$((n+1)); [ $((n % 50)) -eq 0 ] && echo started $n; done; echo all 1000 started",
@@ -169,9 +288,8 @@ async fn a_container_fork_bomb_is_held_to_the_pids_limit() {
     assert!(status.success() && out.contains("after"), "{out}\n{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane() {
-    let dev = dev(&[]).await;
+async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane(start: Start) {
+    let dev = dev(start, &[]).await;
     let port = dev.dev.address.rsplit(':').next().unwrap().to_owned();
     let everywhere = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
     let host_port = everywhere.local_addr().unwrap().port();
@@ -217,9 +335,8 @@ async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane() {
 /// The run key is nowhere the agent or the engine can show: the agent searches its
 /// container's /proc and files, and the engine's inspect data of the running container
 /// is searched for the key read from the runner's memory on the host.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_run_key_reaches_the_container_or_the_engines_view_of_it() {
-    let dev = dev(&[]).await;
+async fn no_run_key_reaches_the_container_or_the_engines_view_of_it(start: Start) {
+    let dev = dev(start, &[]).await;
     let script = "read go; \
         for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do tr '\\0' '\\n' < $f 2>/dev/null; done | grep -c 'RUNPLANE_RUN_[K]EY='; \
         grep -rl 'rk_' / --exclude-dir=proc --exclude-dir=sys 2>/dev/null | head -3; \
@@ -268,10 +385,13 @@ async fn no_run_key_reaches_the_container_or_the_engines_view_of_it() {
         },
     )
     .await;
-    assert!(
-        inspected.contains(&format!("dev.runplane.sandbox-id\":\"{id}")),
-        "{inspected}"
-    );
+    assert_eq!(started_as(&dev, &id), start);
+    if start == Start::Cold {
+        assert!(
+            inspected.contains(&format!("dev.runplane.sandbox-id\":\"{id}")),
+            "{inspected}"
+        );
+    }
     assert!(
         !inspected.contains(&key),
         "the engine's inspect data holds the run key"
@@ -304,7 +424,7 @@ async fn no_run_key_reaches_the_container_or_the_engines_view_of_it() {
         "the agent found the run key:\n{stdout}"
     );
     assert_eq!(
-        stdout.lines().next(),
+        stdout.lines().nth(1),
         Some("0"),
         "a RUN_KEY variable in the container:\n{stdout}"
     );
@@ -323,9 +443,8 @@ fn run_id_of(sandbox: &Path) -> String {
         .unwrap_or_else(|| panic!("no run id in {log}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancelled_container_run_leaves_no_container() {
-    let dev = dev(&[]).await;
+async fn a_cancelled_container_run_leaves_no_container(start: Start) {
+    let dev = dev(start, &[]).await;
     let mut cli = run_command(&dev, "echo started; sleep 600")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -344,6 +463,8 @@ async fn a_cancelled_container_run_leaves_no_container() {
         },
     )
     .await;
+    let id = sandbox.file_name().unwrap().to_string_lossy().into_owned();
+    assert_eq!(started_as(&dev, &id), start);
     let token = std::fs::read_to_string(dev.data.join("operator-token")).unwrap();
     let cancel = Command::new(runplane_bin())
         .args(["cancel", "--endpoint", &dev.dev.endpoint()])
@@ -398,16 +519,19 @@ async fn a_run_whose_image_is_gone_ends_image_unavailable() {
         "tagging {image}"
     );
     let gone = format!("{repo}:{tag}");
-    let dev = dev(&[(
-        "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
-        gone.as_str(),
-    )])
+    let dev = dev(
+        Start::Cold,
+        &[(
+            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
+            gone.as_str(),
+        )],
+    )
     .await;
     assert!(
         engine_call(&engine, "DELETE", &format!("/images/{gone}")),
         "untagging {gone}"
     );
-    let (status, out, err) = run(&dev, "echo never").await;
+    let (status, out, err) = run_to_end(&dev, "echo never").await;
     assert!(!status.success(), "{out}\n{err}");
     assert!(!out.contains("never"), "{out}");
     assert!(err.contains("failed (image_unavailable"), "{out}\n{err}");
@@ -415,9 +539,8 @@ async fn a_run_whose_image_is_gone_ends_image_unavailable() {
 
 /// A container removed from outside while its agent runs: the run ends once, failed
 /// `sandbox_lost`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_container_removed_from_outside_ends_its_run_once_as_lost() {
-    let dev = dev(&[]).await;
+async fn a_container_removed_from_outside_ends_its_run_once_as_lost(start: Start) {
+    let dev = dev(start, &[]).await;
     let cli = run_command(&dev, "echo started; sleep 600")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -429,6 +552,7 @@ async fn a_container_removed_from_outside_ends_its_run_once_as_lost() {
         || async { containers_of(&dev).into_iter().next() },
     )
     .await;
+    assert_eq!(started_as(&dev, &id), start);
     assert!(
         engine_call(
             &dev.engine,
@@ -451,8 +575,7 @@ async fn a_container_removed_from_outside_ends_its_run_once_as_lost() {
 
 /// `runplane dev` restarted under a running container run: the run's runner (on the
 /// host, in a session of its own) and its container live on, and the run succeeds.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_container_run_survives_a_restart_of_dev() {
+async fn a_container_run_survives_a_restart_of_dev(start: Start) {
     let (engine, image) = engine_and_image();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let data = dir.path().join("data");
@@ -467,8 +590,10 @@ async fn a_container_run_survives_a_restart_of_dev() {
             "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
             image.as_str(),
         ),
+        start_env(start),
     ];
     let mut first = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
+    pool_ready(start, &engine, &data).await;
     let cli = Command::new(runplane_bin())
         .args([
             "run",
@@ -481,7 +606,7 @@ async fn a_container_run_survives_a_restart_of_dev() {
             "--",
             "sh",
             "-c",
-            "for i in $(seq 1 30); do echo tick $i; sleep 0.2; done",
+            &format!("{SAY_START}for i in $(seq 1 30); do echo tick $i; sleep 0.2; done"),
         ])
         .env_remove("RUNPLANE_CONFIG")
         .env_remove("RUNPLANE_TOKEN")
@@ -502,4 +627,90 @@ async fn a_container_run_survives_a_restart_of_dev() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("tick 30"), "{stdout}");
+    assert!(stdout.contains(&format!("start: {start:?}")), "{stdout}");
+}
+
+/// The ids of the containers whose name starts `runplane-warm-` and that are owned by
+/// the driver whose state is `state_dir`.
+fn warm_ids(engine: &str, state_dir: &Path) -> Vec<String> {
+    let filter = format!(
+        "{{\"label\":[\"dev.runplane.owner={}\"],\"name\":[\"runplane-warm-\"]}}",
+        state_dir.display()
+    );
+    engine_get(
+        engine,
+        &format!("/containers/json?all=true&filters={}", urlencode(&filter)),
+    )
+    .split("\"Id\":\"")
+    .skip(1)
+    .filter_map(|rest| rest.split('"').next().map(str::to_owned))
+    .collect()
+}
+
+/// A restarted `runplane dev` removes what its driver made and no longer owns: the warm
+/// containers of its earlier life (and their directories), and a container of a sandbox
+/// with no live runner. It fills its pool afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_driver_removes_the_containers_it_no_longer_owns() {
+    let (engine, image) = engine_and_image();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let data = dir.path().join("data");
+    let state = data.join("sandboxes");
+    let addr = runplane_testkit::free_local_addr().to_string();
+    let env = [
+        ("RUNPLANE_SANDBOX_RECONCILER__DRIVER", "container"),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE",
+            engine.as_str(),
+        ),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
+            image.as_str(),
+        ),
+        start_env(Start::Warm),
+    ];
+    let mut first = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
+    pool_ready(Start::Warm, &engine, &data).await;
+    let earlier = warm_ids(&engine, &state);
+    assert!(first.terminate().await.success());
+    assert_eq!(
+        warm_ids(&engine, &state),
+        earlier,
+        "the pool outlives its dev"
+    );
+
+    // A container of this driver's whose sandbox has no runner.
+    let orphan = format!("runplane-orphan-{}", std::process::id());
+    let socket = engine.strip_prefix("unix://").unwrap_or(&engine);
+    let body = format!(
+        r#"{{"Image":"{image}","Cmd":["sleep","600"],"Labels":{{"dev.runplane.owner":"{}"}},"HostConfig":{{"NetworkMode":"none"}}}}"#,
+        state.display()
+    );
+    let created = std::process::Command::new("curl")
+        .args(["-sf", "-X", "POST", "-H", "Content-Type: application/json"])
+        .args(["--unix-socket", socket, "-d", &body])
+        .arg(format!("http://d/containers/create?name={orphan}"))
+        .output()
+        .unwrap();
+    assert!(created.status.success(), "creating {orphan}");
+    assert!(engine_call(
+        &engine,
+        "POST",
+        &format!("/containers/{orphan}/start")
+    ));
+
+    let _second = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
+    runplane_integration_tests::wait_for(
+        "the orphan and the earlier warm containers to go, and a new pool",
+        Duration::from_secs(60),
+        async || {
+            let now = warm_ids(&engine, &state);
+            engine_get(&engine, &format!("/containers/{orphan}/json")).is_empty()
+                && now.len() == WARM
+                && now.iter().all(|id| !earlier.contains(id))
+        },
+    )
+    .await;
+    let warm_dirs = std::fs::read_dir(state.join(".warm")).unwrap().count();
+    assert_eq!(warm_dirs, WARM, "the earlier pool's directories are gone");
 }

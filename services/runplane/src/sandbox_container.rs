@@ -19,6 +19,9 @@ pub struct Args {
     sandbox_id: String,
     #[arg(long)]
     run_id: String,
+    /// The state directory of the driver that starts it (the containers' owner label).
+    #[arg(long, default_value = "")]
+    owner: String,
     #[arg(long)]
     workspace: PathBuf,
     #[arg(long)]
@@ -39,6 +42,9 @@ pub struct Args {
     cgroup_parent: Option<String>,
     #[arg(long)]
     cgroup_memory_events: Option<PathBuf>,
+    /// Start the agent by exec in the sandbox's container, a warm one the driver gave it.
+    #[arg(long)]
+    warm: bool,
     /// The agent's command.
     #[arg(last = true, required = true)]
     argv: Vec<String>,
@@ -58,6 +64,7 @@ pub async fn run(args: Args) -> anyhow::Result<i32> {
         pull: PullPolicy::parse(&args.pull).unwrap_or_default(),
         sandbox_id: args.sandbox_id,
         run_id: args.run_id,
+        owner: args.owner,
         workspace: args.workspace,
         limits,
         network_mode: args.network_mode,
@@ -65,6 +72,7 @@ pub async fn run(args: Args) -> anyhow::Result<i32> {
         ending: args.ending,
         cgroup_parent: args.cgroup_parent,
         cgroup_memory_events: args.cgroup_memory_events,
+        warm: args.warm,
         argv: args.argv,
     })
     .await)

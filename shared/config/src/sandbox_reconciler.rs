@@ -154,6 +154,14 @@ pub struct ContainerConfig {
     pub image: String,
     /// `never` (the image must be on the engine), `if_missing` or `always`.
     pub pull: PullPolicy,
+    /// How many started containers of the image each driver keeps ready, so a sandbox
+    /// with the default limits starts in one of them (0: none, every sandbox makes its
+    /// own container).
+    pub warm: u32,
+    /// The static program a warm container waits in until a sandbox takes it, bound in
+    /// from this host (its pause mode, `-P`: catatonit's). Empty: catatonit where this
+    /// host has it, else no warm pool.
+    pub holder: String,
 }
 
 impl Default for ContainerConfig {
@@ -162,6 +170,8 @@ impl Default for ContainerConfig {
             engine: "unix:///var/run/docker.sock".to_owned(),
             image: String::new(),
             pull: PullPolicy::IfMissing,
+            warm: 2,
+            holder: String::new(),
         }
     }
 }
@@ -295,6 +305,11 @@ impl SandboxReconcilerConfig {
                     ),
                 ));
             }
+            in_range(
+                "sandbox_reconciler.container.warm",
+                self.container.warm,
+                0..=64,
+            )?;
             if self.container.engine.is_empty() {
                 return Err(ConfigError::invalid(
                     "sandbox_reconciler.container.engine",

@@ -44,6 +44,10 @@ pub enum Containment {
         limits: SandboxLimits,
         /// The sandbox's cgroups (the container's parent) and its workspace image.
         enforcer: Enforcer,
+        /// How many warm containers wait ([`crate::container::warm`]), and the holder
+        /// they wait in; no holder, no warm pool.
+        warm: u32,
+        holder: Option<std::path::PathBuf>,
     },
 }
 
@@ -168,7 +172,15 @@ impl Containment {
                 ));
             }
         }
+        let holder = match c.warm {
+            0 => None,
+            _ => {
+                crate::container::warm::find_holder(&c.holder).map_err(ContainmentError::Engine)?
+            }
+        };
         Ok(Containment::Container {
+            warm: c.warm,
+            holder,
             engine: c.engine.clone(),
             image: c.image.clone(),
             pull: c.pull,
@@ -251,12 +263,19 @@ impl Containment {
                 network,
                 limits,
                 enforcer,
+                warm,
+                holder,
             } => format!(
                 "container: image {image} (pull {}) on the engine at {engine}, the runner \
-                 on the host, {}; limits: {}",
+                 on the host, {}; limits: {}; warm pool: {}",
                 pull.as_str(),
                 network_phrase(*network),
                 enforcer.describe(limits),
+                match (warm, holder) {
+                    (0, _) => "off (sandbox_reconciler.container.warm = 0)".to_owned(),
+                    (warm, Some(holder)) => format!("{warm} waiting in {}", holder.display()),
+                    (_, None) => "off (no holder on this host: install catatonit)".to_owned(),
+                },
             ),
             Containment::None => "none: agents run as this user and see what it sees \
                                   (sandbox_reconciler.isolation = \"none\")"

@@ -521,3 +521,36 @@ pub fn oom_killed(path: &Path) -> bool {
         })
     })
 }
+
+/// The memory events file (v2 `memory.events`, v1 `memory.oom_control`) of the memory
+/// cgroup process `pid` is in, where this host mounted it: a warm container's, which
+/// lives as long as its holder.
+pub fn memory_events_of(pid: u32) -> Option<PathBuf> {
+    let membership = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    match Cgroups::find()? {
+        Cgroups::V2 { root } => {
+            let path = membership
+                .lines()
+                .find_map(|line| line.strip_prefix("0::"))?;
+            Some(
+                root.join(path.trim_start_matches('/'))
+                    .join("memory.events"),
+            )
+        }
+        Cgroups::V1 { memory, .. } => {
+            let path = membership.lines().find_map(|line| {
+                let mut fields = line.splitn(3, ':');
+                let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+                controllers
+                    .split(',')
+                    .any(|c| c == "memory")
+                    .then_some(path)
+            })?;
+            Some(
+                memory?
+                    .join(path.trim_start_matches('/'))
+                    .join("memory.oom_control"),
+            )
+        }
+    }
+}

@@ -41,6 +41,7 @@ mod tools;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use nix::sys::signal::{Signal, killpg};
@@ -53,6 +54,8 @@ pub use limits::{Enforcer, LimitsUnavailable};
 
 use runplane_config::SandboxNetwork;
 
+use crate::container::Engine;
+use crate::container::warm::{PoolSpec, Taken, WarmPool};
 use crate::contract::{self, RunnerPolls};
 use crate::driver::{Driver, DriverError, Launch, Probe, SandboxSpec};
 use procfs::{alive, session_members, stop_orphans};
@@ -65,6 +68,9 @@ pub struct ProcessDriver {
     runplane: PathBuf,
     /// How the runner contains its agent.
     containment: Containment,
+    /// The container containment's engine, and its warm pool where it keeps one.
+    engine: Option<Arc<Engine>>,
+    warm: Option<Arc<WarmPool>>,
 }
 
 /// The label a sandbox's shell carries as `$0`, by which its pid is recognised.
@@ -79,21 +85,125 @@ impl ProcessDriver {
             state_dir: state_dir.into(),
             runplane: runplane.into(),
             containment: Containment::None,
+            engine: None,
+            warm: None,
         }
     }
 
     /// This driver with its agents contained as [`Containment::probe`] found possible.
+    ///
+    /// For containers, in the background (on the runtime this is called in): removes
+    /// the containers of this state directory that no live sandbox owns
+    /// ([`crate::container::sweep`]), then fills the warm pool.
     pub fn contained(mut self, containment: Containment) -> Self {
+        if let Containment::Container {
+            engine,
+            image,
+            pull,
+            limits,
+            enforcer,
+            warm,
+            holder,
+            ..
+        } = &containment
+        {
+            let engine = Arc::new(Engine::new(engine.clone()));
+            self.warm = holder.as_ref().filter(|_| *warm > 0).map(|holder| {
+                WarmPool::new(
+                    engine.clone(),
+                    PoolSpec {
+                        image: image.clone(),
+                        pull: *pull,
+                        holder: holder.clone(),
+                        size: *warm,
+                        limits: *limits,
+                        enforcer: enforcer.clone(),
+                        state_dir: self.state_dir.clone(),
+                    },
+                )
+            });
+            self.engine = Some(engine);
+            if tokio::runtime::Handle::try_current().is_ok() {
+                let this = self.clone();
+                tokio::spawn(async move { this.sweep_containers().await });
+            }
+        }
         self.containment = containment;
         self
     }
 
-    /// The engine of a container containment.
-    fn engine(&self) -> Option<&str> {
-        match &self.containment {
-            Containment::Container { engine, .. } => Some(engine),
-            _ => None,
+    /// Removes the containers this driver made that no live sandbox owns, then fills
+    /// its warm pool afresh.
+    pub async fn sweep_containers(&self) {
+        let Some(engine) = &self.engine else {
+            return;
+        };
+        let owner = self.state_dir.display().to_string();
+        let live = |sandbox_id: &str| {
+            std::fs::read_to_string(self.dir(sandbox_id).join("pid")).is_ok_and(|pid| {
+                Self::live_pid(&format!("pid:{}", pid.trim()), sandbox_id).is_some()
+            })
+        };
+        match crate::container::sweep(engine, &owner, live).await {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(?removed, "removed containers no live sandbox owns");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "sweeping containers"),
         }
+        if let Some(warm) = &self.warm {
+            warm.restart().await;
+        }
+    }
+
+    /// The warm pool, when this driver keeps one.
+    pub fn warm_pool(&self) -> Option<&Arc<WarmPool>> {
+        self.warm.as_ref()
+    }
+
+    /// A warm container for a new sandbox, when one waits and fits it: the default
+    /// limits, and not the host's network (a warm container's namespace is its own).
+    async fn take_warm(
+        &self,
+        id: &str,
+        dir: &Path,
+        offline: bool,
+        limits: Option<runplane_config::SandboxLimits>,
+    ) -> Option<Taken> {
+        let pool = self.warm.as_ref()?;
+        let fits = limits.is_none_or(|limits| limits == *pool.limits())
+            && (offline || self.containment.network() != SandboxNetwork::Host);
+        match fits && !dir.exists() {
+            true => pool.take(id, dir).await,
+            false => None,
+        }
+    }
+
+    /// The sandbox's network as its containment and profile say, brought up: its own
+    /// namespace (new, or the one process `join` is in) for outbound.
+    async fn network(
+        &self,
+        dir: &Path,
+        id: &str,
+        offline: bool,
+        launch: &Launch,
+        join: Option<u32>,
+    ) -> Result<Net, DriverError> {
+        Ok(match (self.containment.network(), offline) {
+            (SandboxNetwork::None, _) | (_, true) => Net::None,
+            (SandboxNetwork::Host, false) => Net::Host,
+            (SandboxNetwork::Outbound, false) => {
+                // The control plane's addresses are refused wherever it runs, not only on
+                // this host.
+                let mut refused = network::endpoint_addresses(&launch.endpoint).await;
+                refused.extend(network::endpoint_addresses(&launch.recovery_endpoint).await);
+                network::up(dir, id, &refused, join).await?;
+                Net::Own {
+                    netns: network::netns_path(id),
+                    resolv_conf: dir.join(network::RESOLV_CONF),
+                }
+            }
+        })
     }
 
     /// The uid of the sandbox in `dir`: the one it was given, or else the first in the
@@ -133,6 +243,7 @@ impl ProcessDriver {
         offline: bool,
         limits: Option<runplane_config::SandboxLimits>,
         launch: &Launch,
+        warm: Option<Taken>,
     ) -> Result<(Vec<String>, Option<PathBuf>), DriverError> {
         if self.containment == Containment::None {
             // Uncontained, the agent has the host's network; a profile that takes it away
@@ -152,7 +263,7 @@ impl ProcessDriver {
         std::fs::create_dir_all(&workspace).map_err(start)?;
         if let Containment::Container { .. } = &self.containment {
             return self
-                .prepare_container(dir, id, offline, limits, launch, &workspace)
+                .prepare_container(dir, id, offline, limits, launch, warm)
                 .await;
         }
         let applied = match self.containment.limits() {
@@ -189,21 +300,7 @@ impl ProcessDriver {
             ));
         }
         // The deployment's network, unless the sandbox's profile takes it away.
-        let net = match (self.containment.network(), offline) {
-            (SandboxNetwork::None, _) | (_, true) => Net::None,
-            (SandboxNetwork::Host, false) => Net::Host,
-            (SandboxNetwork::Outbound, false) => {
-                // The control plane's addresses are refused wherever it runs, not only on
-                // this host.
-                let mut refused = network::endpoint_addresses(&launch.endpoint).await;
-                refused.extend(network::endpoint_addresses(&launch.recovery_endpoint).await);
-                network::up(dir, id, &refused).await?;
-                Net::Own {
-                    netns: network::netns_path(id),
-                    resolv_conf: dir.join(network::RESOLV_CONF),
-                }
-            }
-        };
+        let net = self.network(dir, id, offline, launch, None).await?;
         let wrapper = self.containment.wrapper(&workspace, uid, &net, &applied);
         if wrapper.iter().any(|arg| arg.contains('\n')) {
             return Err(DriverError::Start(format!(
@@ -224,33 +321,34 @@ impl ProcessDriver {
         offline: bool,
         limits: Option<runplane_config::SandboxLimits>,
         launch: &Launch,
-        workspace: &Path,
+        warm: Option<Taken>,
     ) -> Result<(Vec<String>, Option<PathBuf>), DriverError> {
+        let workspace = &dir.join(contract::WORKSPACE_DIR);
         let Containment::Container {
             engine,
             image,
             pull,
-            network,
             limits: defaults,
             enforcer,
+            ..
         } = &self.containment
         else {
             return Err(DriverError::Start("not a container containment".into()));
         };
         let limits = limits.unwrap_or(*defaults);
+        // A warm container's workspace is mounted already, and its limits are its own.
         enforcer
             .mount_workspace(dir, workspace, limits.disk_mib)
             .await?;
-        let applied = enforcer.apply(id, &limits)?;
-        let network_mode = match (network, offline) {
-            (SandboxNetwork::None, _) | (_, true) => "none".to_owned(),
-            (SandboxNetwork::Host, false) => "host".to_owned(),
-            (SandboxNetwork::Outbound, false) => {
-                let mut refused = network::endpoint_addresses(&launch.endpoint).await;
-                refused.extend(network::endpoint_addresses(&launch.recovery_endpoint).await);
-                network::up(dir, id, &refused).await?;
-                format!("ns:{}", network::netns_path(id).display())
-            }
+        let applied = match warm {
+            Some(_) => limits::Applied::default(),
+            None => enforcer.apply(id, &limits)?,
+        };
+        let join = warm.map(|taken| taken.holder_pid);
+        let network_mode = match self.network(dir, id, offline, launch, join).await? {
+            Net::None => "none".to_owned(),
+            Net::Host => "host".to_owned(),
+            Net::Own { netns, .. } => format!("ns:{}", netns.display()),
         };
         let memory_events = dir.join("memory.events");
         let mut wrapper: Vec<String> = vec![
@@ -263,6 +361,7 @@ impl ProcessDriver {
             ("--pull", pull.as_str().to_owned()),
             ("--sandbox-id", id.to_owned()),
             ("--run-id", launch.run_id.clone()),
+            ("--owner", self.state_dir.display().to_string()),
             ("--workspace", workspace.display().to_string()),
             ("--cpus", limits.cpus.to_string()),
             ("--memory-mib", limits.memory_mib.to_string()),
@@ -276,7 +375,9 @@ impl ProcessDriver {
         ] {
             wrapper.push(format!("{flag}={value}"));
         }
-        if let Some(parent) = enforcer.cgroup_parent(id) {
+        if warm.is_some() {
+            wrapper.push("--warm".into());
+        } else if let Some(parent) = enforcer.cgroup_parent(id) {
             wrapper.push(format!("--cgroup-parent={parent}"));
         }
         if let Some(events) = &applied.memory_events {
@@ -404,11 +505,12 @@ impl Driver for ProcessDriver {
                     return Ok(handle);
                 }
             }
+            let warm = this.take_warm(&id, &dir, offline, limits).await;
             std::fs::create_dir_all(&dir).map_err(|e| DriverError::Start(e.to_string()))?;
             // A previous runner's polls say nothing about the one started now.
             let _ = std::fs::remove_file(dir.join(contract::STEERING_MARK));
             let (wrapper, memory_events) = this
-                .prepare_agent(&dir, &id, offline, limits, &launch)
+                .prepare_agent(&dir, &id, offline, limits, &launch, warm)
                 .await?;
             let log = std::fs::File::create(dir.join("runner.log"))
                 .map_err(|e| DriverError::Start(e.to_string()))?;
@@ -504,25 +606,24 @@ impl Driver for ProcessDriver {
     /// engine (its processes are not the host session's).
     fn suspend(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         let result = Self::signal(sandbox, Signal::SIGSTOP);
-        let engine = self.engine().map(str::to_owned);
+        let engine = self.engine.clone();
         let id = sandbox.id.clone();
         Box::pin(async move {
             if let Some(engine) = engine {
-                crate::container::pause(&engine, &id, true)
-                    .await
-                    .map_err(DriverError::Signal)?;
+                engine.pause(&id, true).await.map_err(DriverError::Signal)?;
             }
             result
         })
     }
 
     fn resume(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
-        let engine = self.engine().map(str::to_owned);
+        let engine = self.engine.clone();
         let id = sandbox.id.clone();
         let sandbox = sandbox.clone();
         Box::pin(async move {
             if let Some(engine) = engine {
-                crate::container::pause(&engine, &id, false)
+                engine
+                    .pause(&id, false)
                     .await
                     .map_err(DriverError::Signal)?;
             }
@@ -545,8 +646,9 @@ impl Driver for ProcessDriver {
         Box::pin(async move {
             let stopped = this.stop(leader, recorded, &dir).await;
             // The container outlives a killed wrapper: stopped and removed in the engine.
-            if let Some(engine) = this.engine() {
-                crate::container::remove(engine, &id, DESTROY_GRACE)
+            if let Some(engine) = &this.engine {
+                engine
+                    .remove(&crate::container::container_name(&id), DESTROY_GRACE)
                     .await
                     .map_err(DriverError::Signal)?;
             }

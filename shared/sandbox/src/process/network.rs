@@ -63,8 +63,15 @@ pub async fn probe() -> Result<(), String> {
 }
 
 /// Brings up sandbox `id`'s namespace (idempotently: one whose slirp4netns lives is
-/// left as it is), refusing `refused` besides the host's own addresses.
-pub async fn up(dir: &Path, id: &str, refused: &BTreeSet<IpAddr>) -> Result<(), DriverError> {
+/// left as it is), refusing `refused` besides the host's own addresses. The namespace is
+/// a new one, or with `join` the one process `join` is in (a warm container's holder),
+/// named for the sandbox all the same.
+pub async fn up(
+    dir: &Path,
+    id: &str,
+    refused: &BTreeSet<IpAddr>,
+    join: Option<u32>,
+) -> Result<(), DriverError> {
     let name = netns_name(id);
     // Inside the namespace by full path: `ip netns exec` looks commands up in a PATH
     // that may lack sbin.
@@ -74,9 +81,12 @@ pub async fn up(dir: &Path, id: &str, refused: &BTreeSet<IpAddr>) -> Result<(), 
         return Ok(());
     }
     if !netns_path(id).exists() {
-        run("ip", &["netns", "add", name.as_str()], None)
-            .await
-            .map_err(|e| start("making the sandbox's network namespace", e))?;
+        let pid = join.map(|pid| pid.to_string());
+        let made = match &pid {
+            Some(pid) => run("ip", &["netns", "attach", name.as_str(), pid], None).await,
+            None => run("ip", &["netns", "add", name.as_str()], None).await,
+        };
+        made.map_err(|e| start("making the sandbox's network namespace", e))?;
     }
     run(
         "ip",
