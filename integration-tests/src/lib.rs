@@ -219,6 +219,60 @@ fn remove_containers_of(state_dir: &Path) {
     }
 }
 
+/// `runplane run -- sh -c <script>` against `dev`, whose data (and operator token) is in
+/// `data`, ready to spawn: no config file or token of the caller's, stdin closed.
+pub fn run_script_command(dev: &Process, data: &Path, script: &str) -> Command {
+    let mut command = Command::new(runplane_bin());
+    command
+        .args(["run", "--endpoint", &dev.endpoint(), "--token-file"])
+        .arg(data.join("operator-token"))
+        .args(["--", "sh", "-c", script])
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_TOKEN")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    command
+}
+
+/// [`run_script_command`] to its end (within 120 s): its exit status, stdout and stderr.
+pub async fn run_script(
+    dev: &Process,
+    data: &Path,
+    script: &str,
+) -> (std::process::ExitStatus, String, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        run_script_command(dev, data, script).output(),
+    )
+    .await
+    .expect("the run ends within 120 s")
+    .unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// This host's first global IPv4 address (its `eth0`, say), not a test's veth.
+pub fn host_address() -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-o", "-4", "addr", "show", "scope", "global"])
+        .output()
+        .expect("run ip addr");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.contains(" rpo"))
+        .find_map(|l| {
+            l.split_whitespace()
+                .nth(3)?
+                .split('/')
+                .next()
+                .map(str::to_owned)
+        })
+        .expect("a global IPv4 address")
+}
+
 /// Starts `runplane dev` on a free port with its data in `data_dir` and waits for its
 /// banner.
 pub async fn start_dev(data_dir: &Path) -> Process {

@@ -164,16 +164,11 @@ async fn dev(start: Start, env: &[(&str, &str)]) -> Dev {
 }
 
 fn run_command(dev: &Dev, script: &str) -> Command {
-    let mut command = Command::new(runplane_bin());
-    command
-        .args(["run", "--endpoint", &dev.dev.endpoint(), "--token-file"])
-        .arg(dev.data.join("operator-token"))
-        .args(["--", "sh", "-c", &format!("{SAY_START}{script}")])
-        .env_remove("RUNPLANE_CONFIG")
-        .env_remove("RUNPLANE_TOKEN")
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    command
+    runplane_integration_tests::run_script_command(
+        &dev.dev,
+        &dev.data,
+        &format!("{SAY_START}{script}"),
+    )
 }
 
 /// What every agent of these tests says first: whether its container is a warm one (its
@@ -293,20 +288,7 @@ async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane(start:
     let port = dev.dev.address.rsplit(':').next().unwrap().to_owned();
     let everywhere = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
     let host_port = everywhere.local_addr().unwrap().port();
-    let host = std::process::Command::new("ip")
-        .args(["-o", "-4", "addr", "show", "scope", "global"])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| {
-            l.split_whitespace()
-                .nth(3)?
-                .split('/')
-                .next()
-                .map(str::to_owned)
-        })
-        .expect("a global address");
+    let host = runplane_integration_tests::host_address();
     let targets = [
         format!("127.0.0.1 {port}"),
         "127.0.0.1 5432".to_owned(),

@@ -6,37 +6,8 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use runplane_integration_tests::{runplane_bin, start_dev_with_env};
+use runplane_integration_tests::{run_script as run, runplane_bin, start_dev_with_env};
 use tokio::process::Command;
-
-/// `runplane run -- sh -c <script>` against `dev`, to its end: (exit status, stdout,
-/// stderr).
-async fn run(
-    dev: &runplane_integration_tests::Process,
-    data: &std::path::Path,
-    script: &str,
-) -> (std::process::ExitStatus, String, String) {
-    let out = tokio::time::timeout(
-        Duration::from_secs(120),
-        Command::new(runplane_bin())
-            .args(["run", "--endpoint", &dev.endpoint(), "--token-file"])
-            .arg(data.join("operator-token"))
-            .args(["--", "sh", "-c", script])
-            .env_remove("RUNPLANE_CONFIG")
-            .env_remove("RUNPLANE_TOKEN")
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the run ends within 120 s")
-    .unwrap();
-    (
-        out.status,
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// A dev control plane whose sandboxes get `memory_mib` and `disk_mib` (and the default
 /// 512 processes).

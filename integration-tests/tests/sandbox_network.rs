@@ -8,7 +8,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use runplane_integration_tests::{runplane_bin, start_dev};
+use runplane_integration_tests::{host_address, run_script, start_dev};
 
 /// A host outside this one: a network namespace behind a veth pair, serving `outside`
 /// on [`OUTSIDE_PORT`]. Removed on drop.
@@ -98,25 +98,6 @@ impl Drop for OutsideHost {
     }
 }
 
-/// This host's first global IPv4 address (its `eth0`, say).
-fn host_address() -> String {
-    let out = std::process::Command::new("ip")
-        .args(["-o", "-4", "addr", "show", "scope", "global"])
-        .output()
-        .expect("run ip addr");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| !l.contains(" rpo"))
-        .find_map(|l| {
-            l.split_whitespace()
-                .nth(3)?
-                .split('/')
-                .next()
-                .map(str::to_owned)
-        })
-        .expect("a global IPv4 address")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbound_agent_reaches_out_but_never_the_host_or_the_control_plane() {
     let outside = OutsideHost::start();
@@ -177,24 +158,8 @@ async fn an_outbound_agent_reaches_out_but_never_the_host_or_the_control_plane()
         ])
         .collect::<Vec<_>>()
         .join("\n");
-    let out = tokio::time::timeout(
-        Duration::from_secs(120),
-        tokio::process::Command::new(runplane_bin())
-            .args(["run", "--endpoint", &dev.endpoint(), "--token-file"])
-            .arg(data.join("operator-token"))
-            .args(["--", "sh", "-c", &script])
-            .env_remove("RUNPLANE_CONFIG")
-            .env_remove("RUNPLANE_TOKEN")
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the run ends")
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (status, stdout, stderr) = run_script(&dev, &data, &script).await;
+    assert!(status.success(), "{stdout}\n{stderr}");
     for (what, target) in &targets[..targets.len() - 1] {
         assert!(
             stdout.contains(&format!("refused {target}")),

@@ -430,9 +430,9 @@ async fn run(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure> {
         Some(Err(e)) => {
             piped.abort();
             // Gone while it ran: removed from outside, not an exit of the agent's.
-            return Err(match docker.inspect_container(&name, None).await {
-                Err(_) => lost(&name, "while its agent ran"),
-                Ok(_) => engine_failure(format!("waiting for container {name}: {e}")),
+            return Err(match gone(docker, &name).await {
+                true => lost(&name, "while its agent ran"),
+                false => engine_failure(format!("waiting for container {name}: {e}")),
             });
         }
         None => {
@@ -481,8 +481,7 @@ async fn run_warm(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure
     let name = container_name(&spec.sandbox_id);
     let holder = match docker.inspect_container(&name, None).await {
         Ok(inspected) => inspected.state.unwrap_or_default(),
-        Err(e) if not_found(&e) => return Err(lost(&name, "before its agent began")),
-        Err(e) => return Err(engine_failure(format!("inspecting container {name}: {e}"))),
+        Err(e) => return Err(lost_unless_running(docker, e, &name, "inspecting").await),
     };
     // Its memory cgroup lives as long as the container: the holder's.
     let memory_events = holder
@@ -504,11 +503,13 @@ async fn run_warm(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure
                 ..Default::default()
             },
         )
-        .await
-        .map_err(|e| match e {
-            e if not_found(&e) => lost(&name, "before its agent began"),
-            e => engine_failure(format!("starting the agent in container {name}: {e}")),
-        })?;
+        .await;
+    let exec = match exec {
+        Ok(exec) => exec,
+        Err(e) => {
+            return Err(lost_unless_running(docker, e, &name, "starting the agent in").await);
+        }
+    };
     let started = docker
         .start_exec(
             &exec.id,
@@ -526,25 +527,29 @@ async fn run_warm(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure
                 "the agent in container {name} started detached"
             )));
         }
-        Err(e) => return Err(lost_or(docker, e, &name, "starting the agent in").await),
+        Err(e) => {
+            return Err(lost_unless_running(docker, e, &name, "starting the agent in").await);
+        }
     };
     let piped = Piped::start(output, input);
     let signals = forward_signals(docker.clone(), Target::Exec(exec.id.clone()));
     // The output ends when the agent does (or its container goes).
     piped.ended().await;
     signals.abort();
-    let inspected = match docker.inspect_exec(&exec.id).await {
-        Ok(inspected) => inspected,
-        Err(_) => return Err(lost(&name, "while its agent ran")),
-    };
-    if docker
-        .inspect_container(&name, None)
-        .await
-        .is_err_and(|e| not_found(&e))
-    {
+    if gone(docker, &name).await {
         return Err(lost(&name, "while its agent ran"));
     }
-    let Some(status) = inspected.exit_code else {
+    let inspected = match docker.inspect_exec(&exec.id).await {
+        Ok(inspected) => inspected,
+        // No exec session: its container went with it.
+        Err(e) => {
+            return Err(match running(docker, &name).await {
+                false => lost(&name, "while its agent ran"),
+                true => engine_failure(format!("inspecting the agent in {name}: {e}")),
+            });
+        }
+    };
+    let Some(status) = inspected.exit_code.map(|code| code as i32) else {
         return Err(lost(&name, "while its agent ran"));
     };
     if memory_events
@@ -552,8 +557,12 @@ async fn run_warm(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure
         .is_some_and(crate::process::limits::oom_killed)
     {
         note_oom(spec);
+    } else if status == 128 + 9 && !running(docker, &name).await {
+        // Killed with its container (the holder too), which was stopped or removed from
+        // outside: an agent that kills itself leaves its container running.
+        return Err(lost(&name, "while its agent ran"));
     }
-    Ok(status as i32)
+    Ok(status)
 }
 
 /// Notes for the runner that the agent was killed at its memory limit.
@@ -629,21 +638,64 @@ impl Piped {
 /// longer has it (removed from outside before its agent began; engines answer that with
 /// 404 or 500), else the engine's.
 async fn lost_or(docker: &Docker, e: bollard::errors::Error, name: &str, what: &str) -> Failure {
-    match docker.inspect_container(name, None).await {
-        Err(gone) if not_found(&gone) => lost(name, "before its agent began"),
-        _ => engine_failure(format!("{what} container {name}: {e}")),
+    match gone(docker, name).await {
+        true => lost(name, "before its agent began"),
+        false => engine_failure(format!("{what} container {name}: {e}")),
     }
 }
 
-/// Whether container `name` is gone within two seconds: a forced remove kills the
-/// container and removes it at once after.
+/// Whether the engine no longer lists container `name` (in a state a container of a
+/// live sandbox can be in). A listing, not an inspect: Podman answers an inspect of a
+/// container being removed with a 500, or with a state (`stopped`) the API does not have.
+async fn gone(docker: &Docker, name: &str) -> bool {
+    let states = ["created", "running", "paused", "restarting", "exited"];
+    listed(docker, name, &states).await == Some(false)
+}
+
+/// Whether container `name` runs; false when it is gone or going, or the engine cannot
+/// say.
+async fn running(docker: &Docker, name: &str) -> bool {
+    listed(docker, name, &["running"]).await == Some(true)
+}
+
+/// Whether the engine lists container `name` in one of `states`; None when it cannot say.
+async fn listed(docker: &Docker, name: &str, states: &[&str]) -> Option<bool> {
+    let options = bollard::query_parameters::ListContainersOptionsBuilder::new()
+        .all(true)
+        .filters(&HashMap::from([
+            ("name", vec![name.to_owned()]),
+            ("status", states.iter().map(|s| (*s).to_owned()).collect()),
+        ]))
+        .build();
+    let found = docker.list_containers(Some(options)).await.ok()?;
+    Some(found.iter().any(|c| {
+        c.names
+            .iter()
+            .flatten()
+            .any(|n| n.trim_start_matches('/') == name)
+    }))
+}
+
+/// The failure of `what` a warm container `name`, before its agent began: the driver
+/// made and started it, so one that no longer runs was stopped or removed from outside,
+/// and the sandbox is lost.
+async fn lost_unless_running(
+    docker: &Docker,
+    e: bollard::errors::Error,
+    name: &str,
+    what: &str,
+) -> Failure {
+    match running(docker, name).await {
+        false => lost(name, "before its agent began"),
+        true => engine_failure(format!("{what} container {name}: {e}")),
+    }
+}
+
+/// Whether container `name` is gone within five seconds: a forced remove kills the
+/// container and removes it soon after.
 async fn removed_soon(docker: &Docker, name: &str) -> bool {
-    for _ in 0..20 {
-        if docker
-            .inspect_container(name, None)
-            .await
-            .is_err_and(|e| not_found(&e))
-        {
+    for _ in 0..50 {
+        if gone(docker, name).await {
             return true;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
