@@ -270,18 +270,17 @@ pub async fn run(
     drop(events_tx);
     let drained = drain.await.unwrap_or_default();
 
-    let verdict = match &stop {
-        Some(ending::Stop::Abort(reason)) => verdict::aborted(status, reason),
+    let verdict = match (&stop, containment_ending()) {
+        (Some(ending::Stop::Abort(reason)), _) => verdict::aborted(status, reason),
         // Killed by the kernel at the sandbox's memory limit, not a plain signal death.
-        None if status.signal() == Some(nix::sys::signal::Signal::SIGKILL as i32)
-            && memory_limit_killed() =>
+        (None, _)
+            if status.signal() == Some(nix::sys::signal::Signal::SIGKILL as i32)
+                && memory_limit_killed() =>
         {
             verdict::out_of_memory(status)
         }
         // The containment says why, where the agent's status cannot.
-        None if containment_ending().is_some() => {
-            verdict::ended_by_containment(&containment_ending().unwrap_or_default())
-        }
+        (None, Some(ending)) => verdict::ended_by_containment(&ending),
         _ => verdict::of(status, interrupted.as_deref()),
     };
     // The events are the agent's output and what steering did; the exit is in the verdict.
