@@ -218,3 +218,50 @@ async fn a_profiles_own_limits_bound_its_sandboxes_and_no_others() {
         text(&roomy)
     );
 }
+
+/// A profile that names an image, on a deployment that runs sandboxes as processes: its
+/// agent is never started on the host instead; the reconciler logs why, and the run ends
+/// once its sandbox's loss grace (3 s here) is out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profiles_image_is_refused_by_the_process_driver() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = dir.path().join("runplane.toml");
+    std::fs::write(
+        &config,
+        "[[credential_health.profiles]]\nname = \"imaged\"\ncredential_id = \"local\"\ncapacity = 2\nerror_pattern = \"API Error:\"\nexhausted_pattern = \"quota exceeded\"\nimage = \"docker.io/library/python:3.12\"\n",
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let config_path = config.display().to_string();
+    let mut dev = start_dev_with_env(
+        &data,
+        &[
+            ("RUNPLANE_CONFIG", config_path.as_str()),
+            ("RUNPLANE_SANDBOX_RECONCILER__LOSS_GRACE_SECONDS", "3"),
+        ],
+    )
+    .await;
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        runplane_integration_tests::run_script_command_with(
+            &dev,
+            &data,
+            &["--profile", "imaged"],
+            "echo ran on the host",
+        )
+        .output(),
+    )
+    .await
+    .expect("the run ends")
+    .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("ran on the host"), "{stdout}");
+    assert_eq!(stderr.matches("runplane: failed (").count(), 1, "{stderr}");
+    assert!(dev.terminate().await.success());
+    let log = dev.stderr().await;
+    assert!(log.contains("needs the container driver"), "{log}");
+}

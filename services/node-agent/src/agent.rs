@@ -515,6 +515,7 @@ fn row_of(a: &reconciler_pb::Assignment, handle: String) -> SandboxSpec {
             .unwrap_or_default(),
         driver_handle: handle,
         offline: a.no_network,
+        image: Some(a.image.clone()).filter(|image| !image.is_empty()),
         limits: a.limits.as_ref().and_then(|l| {
             let limits = runplane_config::SandboxLimits {
                 cpus: l.cpus,

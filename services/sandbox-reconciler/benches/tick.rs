@@ -84,6 +84,7 @@ async fn main() {
                 traceparent: String::new(),
                 network: String::new(),
                 limits: String::new(),
+                image: String::new(),
             })
             .collect();
         for chunk in rows.chunks(1000) {

@@ -85,6 +85,12 @@ pub struct ProfileConfig {
     /// `[sandbox_reconciler.limits]`: each limit given here replaces that one.
     #[serde(default)]
     pub limits: ProfileLimits,
+    /// The image of this profile's sandboxes under the container driver
+    /// (`[registry/]name[:tag][@digest]`); unset, the deployment's
+    /// `sandbox_reconciler.container.image`. A process sandbox has no image: a driver
+    /// that runs processes refuses to start a sandbox whose profile names one.
+    #[serde(default)]
+    pub image: Option<String>,
 }
 
 /// A profile's own limits; an unset one is the deployment's.
@@ -121,6 +127,14 @@ impl CredentialHealthConfig {
             .iter()
             .filter(|p| p.network == Some(SandboxNetwork::None))
             .map(|p| p.name.clone())
+            .collect()
+    }
+
+    /// The image of the sandboxes of each profile that names its own.
+    pub fn profile_images(&self) -> BTreeMap<String, String> {
+        self.profiles
+            .iter()
+            .filter_map(|p| Some((p.name.clone(), p.image.clone()?)))
             .collect()
     }
 
@@ -211,6 +225,27 @@ impl CredentialHealthConfig {
                     ),
                 ));
             }
+            if let Some(image) = &p.image
+                && !crate::checks::is_image_reference(image)
+            {
+                return Err(ConfigError::invalid(
+                    format!("{field}.image"),
+                    format!("`{image}` is not an image reference ([registry/]name[:tag][@digest])"),
+                ));
+            }
+            if let Some(other) = self
+                .profiles
+                .iter()
+                .find(|o| o.name == p.name && o.image != p.image)
+            {
+                return Err(ConfigError::invalid(
+                    format!("{field}.image"),
+                    format!(
+                        "profile `{}` gives its sandboxes two images (on credentials `{}` and `{}`); say it once, the same on every entry",
+                        p.name, other.credential_id, p.credential_id
+                    ),
+                ));
+            }
             // A profile's sandboxes have one network, whichever credential carries them.
             if let Some(other) = self
                 .profiles
@@ -244,6 +279,7 @@ impl Default for ProfileConfig {
             orgs: Vec::new(),
             network: None,
             limits: ProfileLimits::default(),
+            image: None,
         }
     }
 }

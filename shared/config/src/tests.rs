@@ -362,3 +362,42 @@ fn a_profile_sets_its_own_limits_over_the_deployments_once_and_in_bounds() {
     let unknown = load_with(&entry("a", "limits = { gpus = 1 }"), &[]);
     assert!(unknown.is_err(), "{unknown:?}");
 }
+
+#[test]
+fn a_profile_names_its_own_image_once_and_as_a_reference() {
+    let entry = |credential: &str, image: &str| {
+        format!(
+            "[[credential_health.profiles]]\nname = \"p\"\ncredential_id = \"{credential}\"\ncapacity = 1\nerror_pattern = \"e\"\nexhausted_pattern = \"x\"\n{image}\n"
+        )
+    };
+    let config = load_with(
+        &entry("a", "image = \"docker.io/library/python:3.12\""),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        config
+            .credential_health
+            .profile_images()
+            .get("p")
+            .map(String::as_str),
+        Some("docker.io/library/python:3.12")
+    );
+    let none = load_with(&entry("a", ""), &[]).unwrap();
+    assert!(none.credential_health.profile_images().is_empty());
+    let bad = load_with(&entry("a", "image = \"Not An Image!\""), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        bad.contains("credential_health.profiles[0].image")
+            && bad.contains("not an image reference"),
+        "{bad}"
+    );
+    let twice = load_with(
+        &(entry("a", "image = \"python:3.12\"") + &entry("b", "image = \"python:3.13\"")),
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(twice.contains("two images"), "{twice}");
+}

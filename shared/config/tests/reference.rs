@@ -33,6 +33,7 @@ const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
     ("credential_health.profiles[].limits.memory_mib", "unset"),
     ("credential_health.profiles[].limits.pids", "unset"),
     ("credential_health.profiles[].limits.disk_mib", "unset"),
+    ("credential_health.profiles[].image", "unset"),
 ];
 
 fn repo_file(relative: &str) -> PathBuf {

@@ -27,6 +27,10 @@ pub struct SandboxSpec {
     /// What it may use, when its run's profile says; `None`: the driver's own
     /// (`[sandbox_reconciler.limits]` where it runs).
     pub limits: Option<runplane_config::SandboxLimits>,
+    /// The image of its container, when its run's profile names one; `None`: the
+    /// driver's own (`sandbox_reconciler.container.image`). A process driver refuses a
+    /// sandbox that has one.
+    pub image: Option<String>,
 }
 
 /// What a driver's probe said.

@@ -29,14 +29,16 @@ pub fn serving_node(sandbox: &SandboxPlacement, route: Option<RouteIdentity>) ->
     }
 }
 
-/// What each profile's sandboxes get that differs from the deployment's: no network, and
-/// limits of their own.
+/// What each profile's sandboxes get that differs from the deployment's: no network,
+/// limits of their own, an image of their own.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ProfileSandboxes {
     /// Profiles whose sandboxes get no network (`network = "none"`).
     pub offline: std::collections::BTreeSet<String>,
     /// Profiles with limits of their own, over the deployment's.
     pub limits: std::collections::BTreeMap<String, runplane_config::SandboxLimits>,
+    /// Profiles with an image of their own, for the container driver.
+    pub images: std::collections::BTreeMap<String, String>,
 }
 
 impl ProfileSandboxes {
@@ -46,6 +48,7 @@ impl ProfileSandboxes {
             limits: config
                 .credential_health
                 .profile_limits(&config.sandbox_reconciler.limits),
+            images: config.credential_health.profile_images(),
         }
     }
 
@@ -57,6 +60,12 @@ impl ProfileSandboxes {
         } else {
             String::new()
         }
+    }
+
+    /// The `image` of a new sandbox of a run on `profile`: the profile's own; empty for
+    /// the deployment's.
+    pub fn image_of(&self, profile: &str) -> String {
+        self.images.get(profile).cloned().unwrap_or_default()
     }
 
     /// The `limits` of a new sandbox of a run on `profile`: the profile's own, written

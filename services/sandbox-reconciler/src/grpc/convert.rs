@@ -48,6 +48,7 @@ pub(super) fn assignment_of(a: &Assigned) -> reconciler_pb::Assignment {
                 disk_mib: l.disk_mib,
             }
         }),
+        image: row.image.clone(),
     }
 }
 

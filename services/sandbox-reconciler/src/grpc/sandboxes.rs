@@ -92,6 +92,7 @@ impl SandboxService for SandboxApi {
                 client_request_id: req.client_request_id.clone(),
                 network: s.profiles.network_of(&run.profile),
                 limits: s.profiles.limits_of(&run.profile),
+                image: s.profiles.image_of(&run.profile),
                 // The sandbox's work joins the run's trace (this call's, if untraced).
                 traceparent: if run.traceparent.is_empty() {
                     runplane_grpc::trace_context::current_traceparent().unwrap_or_default()

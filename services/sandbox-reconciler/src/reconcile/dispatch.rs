@@ -84,6 +84,7 @@ pub async fn dispatch(
                 client_request_id: format!("dispatch:{}", run.id),
                 network: profiles.network_of(&run.profile),
                 limits: profiles.limits_of(&run.profile),
+                image: profiles.image_of(&run.profile),
                 run_id: run.id.clone(),
                 org_id: run.org_id.clone(),
                 node_id,

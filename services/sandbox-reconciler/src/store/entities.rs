@@ -43,6 +43,9 @@ pub mod sandbox {
         /// The limits its run's profile sets ([`crate::domain::sandbox::encode_limits`]);
         /// empty: the deployment's.
         pub limits: String,
+        /// The image its run's profile names for the container driver; empty: the
+        /// deployment's `sandbox_reconciler.container.image`.
+        pub image: String,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -77,6 +80,7 @@ pub mod sandbox {
                 driver_handle: row.driver_handle.clone(),
                 offline: row.network == crate::domain::sandbox::NO_NETWORK,
                 limits: crate::domain::sandbox::decode_limits(&row.limits),
+                image: Some(row.image.clone()).filter(|image| !image.is_empty()),
                 active_node_id: row.active_node_id.clone(),
                 idle_timeout_ms: row.idle_timeout_ms,
             }

@@ -33,6 +33,12 @@ impl MigratorTrait for Migrator {
                 table: "sandboxes",
                 column: "limits",
             }),
+            // A profile's own image for its container sandboxes (`sandboxes.image`).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0007_sandbox_image",
+                table: "sandboxes",
+                column: "image",
+            }),
         ]
     }
 }

@@ -86,6 +86,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         idle_timeout_ms,
         network,
         limits,
+        image,
         traceparent,
     } = new;
     sandbox::Model {
@@ -108,6 +109,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         traceparent,
         network,
         limits,
+        image,
     }
 }
 
@@ -157,6 +159,8 @@ pub struct NewSandbox {
     pub network: String,
     /// The profile's own limits, empty for the deployment's ([`sandbox::Model::limits`]).
     pub limits: String,
+    /// The profile's own image, empty for the deployment's ([`sandbox::Model::image`]).
+    pub image: String,
     /// The run's trace.
     pub traceparent: String,
 }

@@ -349,6 +349,7 @@ impl World {
             traceparent: String::new(),
             network: String::new(),
             limits: String::new(),
+            image: String::new(),
         }
     }
 

@@ -114,6 +114,10 @@ impl WarmPool {
         &self.spec.limits
     }
 
+    pub fn image(&self) -> &str {
+        &self.spec.image
+    }
+
     fn owner(&self) -> String {
         self.spec.state_dir.display().to_string()
     }

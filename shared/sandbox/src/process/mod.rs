@@ -161,20 +161,19 @@ impl ProcessDriver {
         self.warm.as_ref()
     }
 
-    /// A warm container for a new sandbox, when one waits and fits it: the default
-    /// limits, and not the host's network (a warm container's namespace is its own).
-    async fn take_warm(
-        &self,
-        id: &str,
-        dir: &Path,
-        offline: bool,
-        limits: Option<runplane_config::SandboxLimits>,
-    ) -> Option<Taken> {
+    /// A warm container for a new sandbox, when one waits and fits it: the driver's
+    /// image, the default limits, and not the host's network (a warm container's
+    /// namespace is its own).
+    async fn take_warm(&self, sandbox: &SandboxSpec, dir: &Path) -> Option<Taken> {
         let pool = self.warm.as_ref()?;
-        let fits = limits.is_none_or(|limits| limits == *pool.limits())
-            && (offline || self.containment.network() != SandboxNetwork::Host);
+        let fits = sandbox.limits.is_none_or(|limits| limits == *pool.limits())
+            && sandbox
+                .image
+                .as_deref()
+                .is_none_or(|image| image == pool.image())
+            && (sandbox.offline || self.containment.network() != SandboxNetwork::Host);
         match fits && !dir.exists() {
-            true => pool.take(id, dir).await,
+            true => pool.take(&sandbox.id, dir).await,
             false => None,
         }
     }
@@ -239,12 +238,22 @@ impl ProcessDriver {
     async fn prepare_agent(
         &self,
         dir: &Path,
-        id: &str,
-        offline: bool,
-        limits: Option<runplane_config::SandboxLimits>,
+        sandbox: &SandboxSpec,
         launch: &Launch,
         warm: Option<Taken>,
     ) -> Result<(Vec<String>, Option<PathBuf>), DriverError> {
+        let (id, offline, limits) = (sandbox.id.as_str(), sandbox.offline, sandbox.limits);
+        if let (Some(image), false) = (
+            &sandbox.image,
+            matches!(self.containment, Containment::Container { .. }),
+        ) {
+            // A process sandbox has no image to run its agent in: running it on the host
+            // instead would not be what its profile asked for.
+            return Err(DriverError::Start(format!(
+                "its profile names an image ({image}), which needs the container driver; \
+                 this host runs sandboxes as processes (sandbox_reconciler.driver = \"process\")"
+            )));
+        }
         if self.containment == Containment::None {
             // Uncontained, the agent has the host's network; a profile that takes it away
             // cannot be honoured, so the sandbox is not started at all.
@@ -262,9 +271,7 @@ impl ProcessDriver {
         let workspace = dir.join(contract::WORKSPACE_DIR);
         std::fs::create_dir_all(&workspace).map_err(start)?;
         if let Containment::Container { .. } = &self.containment {
-            return self
-                .prepare_container(dir, id, offline, limits, launch, warm)
-                .await;
+            return self.prepare_container(dir, sandbox, launch, warm).await;
         }
         let applied = match self.containment.limits() {
             Some((defaults, enforcer)) => {
@@ -317,12 +324,11 @@ impl ProcessDriver {
     async fn prepare_container(
         &self,
         dir: &Path,
-        id: &str,
-        offline: bool,
-        limits: Option<runplane_config::SandboxLimits>,
+        sandbox: &SandboxSpec,
         launch: &Launch,
         warm: Option<Taken>,
     ) -> Result<(Vec<String>, Option<PathBuf>), DriverError> {
+        let (id, offline, limits) = (sandbox.id.as_str(), sandbox.offline, sandbox.limits);
         let workspace = &dir.join(contract::WORKSPACE_DIR);
         let Containment::Container {
             engine,
@@ -357,7 +363,10 @@ impl ProcessDriver {
         ];
         for (flag, value) in [
             ("--engine", engine.clone()),
-            ("--image", image.clone()),
+            (
+                "--image",
+                sandbox.image.clone().unwrap_or_else(|| image.clone()),
+            ),
             ("--pull", pull.as_str().to_owned()),
             ("--sandbox-id", id.to_owned()),
             ("--run-id", launch.run_id.clone()),
@@ -491,8 +500,7 @@ impl Driver for ProcessDriver {
         let runplane = self.runplane.clone();
         let id = sandbox.id.clone();
         let existing = sandbox.driver_handle.clone();
-        let offline = sandbox.offline;
-        let limits = sandbox.limits;
+        let spec = sandbox.clone();
         let this = self.clone();
         Box::pin(async move {
             // Idempotent: a sandbox whose process lives is adopted, not started twice.
@@ -505,13 +513,11 @@ impl Driver for ProcessDriver {
                     return Ok(handle);
                 }
             }
-            let warm = this.take_warm(&id, &dir, offline, limits).await;
+            let warm = this.take_warm(&spec, &dir).await;
             std::fs::create_dir_all(&dir).map_err(|e| DriverError::Start(e.to_string()))?;
             // A previous runner's polls say nothing about the one started now.
             let _ = std::fs::remove_file(dir.join(contract::STEERING_MARK));
-            let (wrapper, memory_events) = this
-                .prepare_agent(&dir, &id, offline, limits, &launch, warm)
-                .await?;
+            let (wrapper, memory_events) = this.prepare_agent(&dir, &spec, &launch, warm).await?;
             let log = std::fs::File::create(dir.join("runner.log"))
                 .map_err(|e| DriverError::Start(e.to_string()))?;
             let log_err = log
