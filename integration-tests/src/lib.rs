@@ -6,6 +6,7 @@
 //! --workspace` build it because the `runplane` package has integration tests), or the
 //! one `RUNPLANE_BIN` names.
 
+pub mod engine;
 pub mod otlp;
 pub mod sandboxes;
 pub mod split;
@@ -181,51 +182,31 @@ pub fn release_sandboxes(dir: &Path) {
 }
 
 /// Removes, from the test engine (`RUNPLANE_TEST_ENGINE`, when set), every container
-/// the driver whose state is `state_dir` made: its warm pool above all, which outlives
-/// its control plane by design.
+/// the driver whose state is `state_dir` made.
 fn remove_containers_of(state_dir: &Path) {
-    let Ok(engine) = std::env::var("RUNPLANE_TEST_ENGINE") else {
-        return;
-    };
-    let socket = engine.strip_prefix("unix://").unwrap_or(&engine).to_owned();
-    let filter = format!(
-        "{{\"label\":[\"dev.runplane.owner={}\"]}}",
-        state_dir.display()
-    );
-    let curl = |args: &[&str]| {
-        std::process::Command::new("curl")
-            .args(["-sf", "--unix-socket", &socket])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
-    };
-    let listed = curl(&[
-        "-G",
-        "--data-urlencode",
-        &format!("filters={filter}"),
-        "http://d/containers/json?all=true",
-    ]);
-    for id in listed
-        .split("\"Id\":\"")
-        .skip(1)
-        .filter_map(|rest| rest.split('"').next())
-    {
-        curl(&[
-            "-X",
-            "DELETE",
-            &format!("http://d/containers/{id}?force=true"),
-        ]);
+    if let Ok(engine) = std::env::var("RUNPLANE_TEST_ENGINE") {
+        engine::remove_containers_of(&engine, state_dir);
     }
 }
 
 /// `runplane run -- sh -c <script>` against `dev`, whose data (and operator token) is in
 /// `data`, ready to spawn: no config file or token of the caller's, stdin closed.
 pub fn run_script_command(dev: &Process, data: &Path, script: &str) -> Command {
+    run_script_command_with(dev, data, &[], script)
+}
+
+/// [`run_script_command`] with more of `runplane run`'s flags (`--profile P`, say).
+pub fn run_script_command_with(
+    dev: &Process,
+    data: &Path,
+    flags: &[&str],
+    script: &str,
+) -> Command {
     let mut command = Command::new(runplane_bin());
     command
         .args(["run", "--endpoint", &dev.endpoint(), "--token-file"])
         .arg(data.join("operator-token"))
+        .args(flags)
         .args(["--", "sh", "-c", script])
         .env_remove("RUNPLANE_CONFIG")
         .env_remove("RUNPLANE_TOKEN")

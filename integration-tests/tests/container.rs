@@ -9,23 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use runplane_integration_tests::engine::{self, Start, WARM, engine_and_image};
 use runplane_integration_tests::sandboxes::run_key_in_memory;
 use runplane_integration_tests::{Process, runplane_bin, start_dev_with_env};
 use tokio::process::Command;
-
-/// The engine and image `scripts/podman` set up; never skipped: without them the test
-/// says how to get them.
-fn engine_and_image() -> (String, String) {
-    let get = |name: &str| {
-        std::env::var(name).unwrap_or_else(|_| {
-            panic!(
-                "{name} is not set: run `eval \"$(scripts/podman)\"` (or scripts/test, which \
-                 does) to start Podman's API socket and build the test image"
-            )
-        })
-    };
-    (get("RUNPLANE_TEST_ENGINE"), get("RUNPLANE_TEST_IMAGE"))
-}
 
 struct Dev {
     dev: Process,
@@ -35,31 +22,7 @@ struct Dev {
     _dir: tempfile::TempDir,
 }
 
-/// How a sandbox gets its container: made for it (no warm pool), or taken from the
-/// warm pool, which the test waits to be full.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Start {
-    Cold,
-    Warm,
-}
-
-/// Runs test `$name(start)` once per [`Start`], as `$name::cold` and `$name::warm`.
-macro_rules! on_both_starts {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn cold() {
-                super::$name(super::Start::Cold).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn warm() {
-                super::$name(super::Start::Warm).await
-            }
-        }
-    )*};
-}
-
-on_both_starts!(
+runplane_integration_tests::on_both_starts!(
     a_container_run_prints_live_ends_with_its_status_and_leaves_no_container,
     a_container_agent_past_its_memory_limit_ends_out_of_memory,
     a_container_fork_bomb_is_held_to_the_pids_limit,
@@ -70,42 +33,6 @@ on_both_starts!(
     a_container_run_survives_a_restart_of_dev,
 );
 
-/// The warm pool's size in these tests.
-const WARM: usize = 2;
-
-/// The environment of a dev whose sandboxes start as `start` says.
-fn start_env(start: Start) -> (&'static str, &'static str) {
-    let warm = match start {
-        Start::Cold => "0",
-        Start::Warm => "2",
-    };
-    ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__WARM", warm)
-}
-
-/// The warm containers waiting for sandboxes of the driver whose state is `state_dir`.
-fn warm_waiting(engine: &str, state_dir: &Path) -> usize {
-    let filter = format!(
-        "{{\"label\":[\"dev.runplane.owner={}\"],\"name\":[\"runplane-warm-\"]}}",
-        state_dir.display()
-    );
-    let listed = engine_get(
-        engine,
-        &format!("/containers/json?filters={}", urlencode(&filter)),
-    );
-    listed.matches("\"Id\"").count()
-}
-
-fn urlencode(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 /// Waits, for a warm start, until the pool of the dev whose data is `data` is full.
 async fn pool_ready(start: Start, engine: &str, data: &Path) {
     if start == Start::Warm {
@@ -113,7 +40,7 @@ async fn pool_ready(start: Start, engine: &str, data: &Path) {
         runplane_integration_tests::wait_for(
             "the warm pool to fill",
             Duration::from_secs(60),
-            async || warm_waiting(engine, &state) == WARM,
+            async || engine::warm_waiting(engine, &state).len() == WARM,
         )
         .await;
     }
@@ -121,7 +48,7 @@ async fn pool_ready(start: Start, engine: &str, data: &Path) {
 
 /// How sandbox `id`'s container started: a warm one carries its warm label.
 fn started_as(dev: &Dev, id: &str) -> Start {
-    let inspected = engine_get(&dev.engine, &format!("/containers/runplane-{id}/json"));
+    let inspected = engine::get(&dev.engine, &format!("/containers/runplane-{id}/json"));
     assert!(!inspected.is_empty(), "no container runplane-{id}");
     match inspected.contains("dev.runplane.warm") {
         true => Start::Warm,
@@ -144,7 +71,7 @@ async fn dev(start: Start, env: &[(&str, &str)]) -> Dev {
             image.as_str(),
         ),
         ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__PULL", "never"),
-        start_env(start),
+        start.env(),
     ];
     all.extend_from_slice(env);
     let dev = start_dev_with_env(&data, &all).await;
@@ -199,17 +126,6 @@ async fn run(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, Stri
     (status, stdout, stderr)
 }
 
-/// The engine's answer to `GET path` (its Docker-compatible API), as an operator's
-/// `curl --unix-socket` would get it.
-fn engine_get(engine: &str, path: &str) -> String {
-    let socket = engine.strip_prefix("unix://").unwrap_or(engine);
-    let out = std::process::Command::new("curl")
-        .args(["-sf", "--unix-socket", socket, &format!("http://d{path}")])
-        .output()
-        .expect("run curl");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// The containers of this dev's sandboxes, by their label.
 fn containers_of(dev: &Dev) -> Vec<String> {
     let sandboxes: Vec<String> = std::fs::read_dir(dev.data.join("sandboxes"))
@@ -219,7 +135,7 @@ fn containers_of(dev: &Dev) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default();
-    let listed = engine_get(&dev.engine, "/containers/json?all=true");
+    let listed = engine::get(&dev.engine, "/containers/json?all=true");
     sandboxes
         .into_iter()
         .filter(|id| listed.contains(&format!("runplane-{id}")))
@@ -362,7 +278,7 @@ async fn no_run_key_reaches_the_container_or_the_engines_view_of_it(start: Start
         Duration::from_secs(60),
         "the running container",
         || async {
-            let json = engine_get(&dev.engine, &format!("/containers/runplane-{id}/json"));
+            let json = engine::get(&dev.engine, &format!("/containers/runplane-{id}/json"));
             json.contains("\"Running\":true").then_some(json)
         },
     )
@@ -470,22 +386,6 @@ async fn a_cancelled_container_run_leaves_no_container(start: Start) {
     .await;
 }
 
-/// `curl -X METHOD` on the engine's API; whether it answered 2xx.
-fn engine_call(engine: &str, method: &str, path: &str) -> bool {
-    let socket = engine.strip_prefix("unix://").unwrap_or(engine);
-    std::process::Command::new("curl")
-        .args([
-            "-sf",
-            "-X",
-            method,
-            "--unix-socket",
-            socket,
-            &format!("http://d{path}"),
-        ])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 /// An image that goes between the start and the run ends the run `image_unavailable`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_image_is_gone_ends_image_unavailable() {
@@ -493,7 +393,7 @@ async fn a_run_whose_image_is_gone_ends_image_unavailable() {
     let tag = format!("gone-{}", std::process::id());
     let (repo, _) = image.rsplit_once(':').unwrap();
     assert!(
-        engine_call(
+        engine::call(
             &engine,
             "POST",
             &format!("/images/{image}/tag?repo={repo}&tag={tag}")
@@ -510,7 +410,7 @@ async fn a_run_whose_image_is_gone_ends_image_unavailable() {
     )
     .await;
     assert!(
-        engine_call(&engine, "DELETE", &format!("/images/{gone}")),
+        engine::call(&engine, "DELETE", &format!("/images/{gone}")),
         "untagging {gone}"
     );
     let (status, out, err) = run_to_end(&dev, "echo never").await;
@@ -536,7 +436,7 @@ async fn a_container_removed_from_outside_ends_its_run_once_as_lost(start: Start
     .await;
     assert_eq!(started_as(&dev, &id), start);
     assert!(
-        engine_call(
+        engine::call(
             &dev.engine,
             "DELETE",
             &format!("/containers/runplane-{id}?force=true")
@@ -572,7 +472,7 @@ async fn a_container_run_survives_a_restart_of_dev(start: Start) {
             "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
             image.as_str(),
         ),
-        start_env(start),
+        start.env(),
     ];
     let mut first = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
     pool_ready(start, &engine, &data).await;
@@ -612,23 +512,6 @@ async fn a_container_run_survives_a_restart_of_dev(start: Start) {
     assert!(stdout.contains(&format!("start: {start:?}")), "{stdout}");
 }
 
-/// The ids of the containers whose name starts `runplane-warm-` and that are owned by
-/// the driver whose state is `state_dir`.
-fn warm_ids(engine: &str, state_dir: &Path) -> Vec<String> {
-    let filter = format!(
-        "{{\"label\":[\"dev.runplane.owner={}\"],\"name\":[\"runplane-warm-\"]}}",
-        state_dir.display()
-    );
-    engine_get(
-        engine,
-        &format!("/containers/json?all=true&filters={}", urlencode(&filter)),
-    )
-    .split("\"Id\":\"")
-    .skip(1)
-    .filter_map(|rest| rest.split('"').next().map(str::to_owned))
-    .collect()
-}
-
 /// A restarted `runplane dev` removes what its driver made and no longer owns: the warm
 /// containers of its earlier life (and their directories), and a container of a sandbox
 /// with no live runner. It fills its pool afresh.
@@ -649,33 +532,29 @@ async fn a_restarted_driver_removes_the_containers_it_no_longer_owns() {
             "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
             image.as_str(),
         ),
-        start_env(Start::Warm),
+        Start::Warm.env(),
     ];
     let mut first = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
     pool_ready(Start::Warm, &engine, &data).await;
-    let earlier = warm_ids(&engine, &state);
+    let earlier = engine::containers(&engine, &state, Some("runplane-warm-"), false);
     assert!(first.terminate().await.success());
     assert_eq!(
-        warm_ids(&engine, &state),
+        engine::containers(&engine, &state, Some("runplane-warm-"), false),
         earlier,
         "the pool outlives its dev"
     );
 
     // A container of this driver's whose sandbox has no runner.
     let orphan = format!("runplane-orphan-{}", std::process::id());
-    let socket = engine.strip_prefix("unix://").unwrap_or(&engine);
     let body = format!(
         r#"{{"Image":"{image}","Cmd":["sleep","600"],"Labels":{{"dev.runplane.owner":"{}"}},"HostConfig":{{"NetworkMode":"none"}}}}"#,
         state.display()
     );
-    let created = std::process::Command::new("curl")
-        .args(["-sf", "-X", "POST", "-H", "Content-Type: application/json"])
-        .args(["--unix-socket", socket, "-d", &body])
-        .arg(format!("http://d/containers/create?name={orphan}"))
-        .output()
-        .unwrap();
-    assert!(created.status.success(), "creating {orphan}");
-    assert!(engine_call(
+    assert!(
+        engine::post_json(&engine, &format!("/containers/create?name={orphan}"), &body),
+        "creating {orphan}"
+    );
+    assert!(engine::call(
         &engine,
         "POST",
         &format!("/containers/{orphan}/start")
@@ -686,8 +565,8 @@ async fn a_restarted_driver_removes_the_containers_it_no_longer_owns() {
         "the orphan and the earlier warm containers to go, and a new pool",
         Duration::from_secs(60),
         async || {
-            let now = warm_ids(&engine, &state);
-            engine_get(&engine, &format!("/containers/{orphan}/json")).is_empty()
+            let now = engine::containers(&engine, &state, Some("runplane-warm-"), false);
+            engine::get(&engine, &format!("/containers/{orphan}/json")).is_empty()
                 && now.len() == WARM
                 && now.iter().all(|id| !earlier.contains(id))
         },
@@ -695,4 +574,111 @@ async fn a_restarted_driver_removes_the_containers_it_no_longer_owns() {
     .await;
     let warm_dirs = std::fs::read_dir(state.join(".warm")).unwrap().count();
     assert_eq!(warm_dirs, WARM, "the earlier pool's directories are gone");
+}
+
+/// An image of the test image's with `/marker` in it, committed through the engine; the
+/// guard removes it.
+struct MarkedImage {
+    engine: String,
+    name: String,
+}
+
+impl MarkedImage {
+    fn make(engine: &str, base: &str) -> Self {
+        let repo = format!("localhost/runplane-marked-{}", std::process::id());
+        let name = format!("{repo}:test");
+        let maker = format!("runplane-marking-{}", std::process::id());
+        let body = format!(
+            r#"{{"Image":"{base}","Cmd":["sh","-c","echo marked > /marker"],"HostConfig":{{"NetworkMode":"none"}}}}"#
+        );
+        assert!(
+            engine::post_json(engine, &format!("/containers/create?name={maker}"), &body),
+            "creating {maker}"
+        );
+        assert!(engine::call(
+            engine,
+            "POST",
+            &format!("/containers/{maker}/start")
+        ));
+        assert!(engine::call(
+            engine,
+            "POST",
+            &format!("/containers/{maker}/wait")
+        ));
+        assert!(
+            engine::post_json(
+                engine,
+                &format!("/commit?container={maker}&repo={repo}&tag=test"),
+                "{}"
+            ),
+            "committing {name}"
+        );
+        assert!(engine::call(
+            engine,
+            "DELETE",
+            &format!("/containers/{maker}?force=true")
+        ));
+        Self {
+            engine: engine.to_owned(),
+            name,
+        }
+    }
+}
+
+impl Drop for MarkedImage {
+    fn drop(&mut self) {
+        engine::call(
+            &self.engine,
+            "DELETE",
+            &format!("/images/{}?force=true", self.name),
+        );
+    }
+}
+
+/// A profile that names its own image runs its sandboxes in a container of it, made for
+/// them (a warm container is of the deployment's image); a profile that names none runs
+/// in the deployment's image, warm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profiles_own_image_runs_its_sandboxes_and_no_others() {
+    let (engine, image) = engine_and_image();
+    let marked = MarkedImage::make(&engine, &image);
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = dir.path().join("runplane.toml");
+    let profile = |name: &str, image: &str| {
+        format!(
+            "[[credential_health.profiles]]\nname = \"{name}\"\ncredential_id = \"local\"\ncapacity = 2\nerror_pattern = \"API Error:\"\nexhausted_pattern = \"quota exceeded\"\n{image}\n"
+        )
+    };
+    std::fs::write(
+        &config,
+        profile("marked", &format!("image = \"{}\"", marked.name)) + &profile("plain", ""),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let dev = dev(Start::Warm, &[("RUNPLANE_CONFIG", config.as_str())]).await;
+    let on = async |profile: &str| {
+        let out = runplane_integration_tests::run_script_command_with(
+            &dev.dev,
+            &dev.data,
+            &["--profile", profile],
+            &format!("{SAY_START}cat /marker 2>/dev/null || echo no marker"),
+        )
+        .output()
+        .await
+        .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, out) = on("marked").await;
+    assert!(
+        ok && out.contains("marked") && out.contains("start: Cold"),
+        "{out}"
+    );
+    let (ok, out) = on("plain").await;
+    assert!(
+        ok && out.contains("no marker") && out.contains("start: Warm"),
+        "{out}"
+    );
 }

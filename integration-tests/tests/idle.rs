@@ -253,6 +253,13 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
         .sandbox_when(&run.id, "the idle suspend", parked)
         .await;
     let _reap = cluster.reap(&sandbox.id);
+    // The node publishes the suspend before it logs it.
+    runplane_integration_tests::wait_for(
+        "the node to log its suspend",
+        Duration::from_secs(10),
+        async || cluster.suspends() > 0,
+    )
+    .await;
     assert_eq!(cluster.suspends(), 1);
 
     // The reattach: not placed, a wake is queued, and the node holding it restores it.

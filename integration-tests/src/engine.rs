@@ -1,0 +1,157 @@
+//! The container engine of the container driver's tests: Podman's Docker-compatible API
+//! on the socket `scripts/podman` starts (`RUNPLANE_TEST_ENGINE`), with its test image
+//! (`RUNPLANE_TEST_IMAGE`), reached with curl as an operator would.
+
+use std::path::Path;
+use std::time::Duration;
+
+/// The engine and image `scripts/podman` set up; never skipped: without them the test
+/// says how to get them.
+pub fn engine_and_image() -> (String, String) {
+    let get = |name: &str| {
+        std::env::var(name).unwrap_or_else(|_| {
+            panic!(
+                "{name} is not set: run `eval \"$(scripts/podman)\"` (or scripts/test, which \
+                 does) to start Podman's API socket and build the test image"
+            )
+        })
+    };
+    (get("RUNPLANE_TEST_ENGINE"), get("RUNPLANE_TEST_IMAGE"))
+}
+
+/// How a sandbox gets its container: made for it (no warm pool), or taken from the
+/// driver's warm pool of [`WARM`], which a test waits to be full.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Start {
+    Cold,
+    Warm,
+}
+
+/// The warm pool's size in the tests that start warm.
+pub const WARM: usize = 2;
+
+impl Start {
+    /// The driver's environment for this start: its warm pool's size.
+    pub fn env(self) -> (&'static str, &'static str) {
+        let warm = match self {
+            Start::Cold => "0",
+            Start::Warm => "2",
+        };
+        ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__WARM", warm)
+    }
+}
+
+/// Runs test `$name(start)` once per [`Start`], as `$name::cold` and `$name::warm`.
+#[macro_export]
+macro_rules! on_both_starts {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cold() {
+                super::$name($crate::engine::Start::Cold).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn warm() {
+                super::$name($crate::engine::Start::Warm).await
+            }
+        }
+    )*};
+}
+
+fn curl(engine: &str) -> std::process::Command {
+    let socket = engine.strip_prefix("unix://").unwrap_or(engine);
+    let mut command = std::process::Command::new("curl");
+    command.args(["-sf", "--unix-socket", socket]);
+    command
+}
+
+/// The engine's answer to `GET path`; empty when it answered an error (404: no such
+/// container).
+pub fn get(engine: &str, path: &str) -> String {
+    let out = curl(engine)
+        .arg(format!("http://d{path}"))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `METHOD path` on the engine's API; whether it answered 2xx.
+pub fn call(engine: &str, method: &str, path: &str) -> bool {
+    curl(engine)
+        .args(["-X", method])
+        .arg(format!("http://d{path}"))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// `POST path` with the JSON `body`; whether it answered 2xx.
+pub fn post_json(engine: &str, path: &str, body: &str) -> bool {
+    curl(engine)
+        .args([
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ])
+        .arg(format!("http://d{path}"))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The ids of the containers, running or not (or running only, `running`), of the driver
+/// whose state directory is `owner` (its owner label), whose name holds `name` when
+/// given.
+pub fn containers(engine: &str, owner: &Path, name: Option<&str>, running: bool) -> Vec<String> {
+    let mut filter = format!("{{\"label\":[\"dev.runplane.owner={}\"]", owner.display());
+    if let Some(name) = name {
+        filter.push_str(&format!(",\"name\":[\"{name}\"]"));
+    }
+    filter.push('}');
+    get(
+        engine,
+        &format!(
+            "/containers/json?all={}&filters={}",
+            !running,
+            urlencode(&filter)
+        ),
+    )
+    .split("\"Id\":\"")
+    .skip(1)
+    .filter_map(|rest| rest.split('"').next().map(str::to_owned))
+    .collect()
+}
+
+/// The warm containers waiting for sandboxes of the driver whose state is `owner`.
+pub fn warm_waiting(engine: &str, owner: &Path) -> Vec<String> {
+    containers(engine, owner, Some("runplane-warm-"), true)
+}
+
+/// Removes every container of the driver whose state is `owner` (its warm pool above
+/// all, which outlives its control plane by design). Again until none is left, for at
+/// most 10 s: a paused container whose agent ends as the engine removes it may outlive
+/// that removal, exited.
+pub fn remove_containers_of(engine: &str, owner: &Path) {
+    for _ in 0..100 {
+        let left = containers(engine, owner, None, false);
+        if left.is_empty() {
+            return;
+        }
+        for id in left {
+            call(engine, "DELETE", &format!("/containers/{id}?force=true"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
