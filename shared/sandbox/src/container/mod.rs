@@ -123,16 +123,26 @@ impl Engine {
                 ),
             )
             .await;
-        match docker
-            .remove_container(
-                name,
-                Some(RemoveContainerOptionsBuilder::new().force(true).build()),
-            )
-            .await
-        {
-            Ok(()) => Ok(()),
-            Err(e) if not_found(&e) => Ok(()),
-            Err(e) => Err(format!("removing container {name}: {e}")),
+        // Podman may refuse a removal that races the container's own end ("container
+        // state improper"): the container is then exited, and a second removal takes it.
+        let mut failed = None;
+        for _ in 0..3 {
+            match docker
+                .remove_container(
+                    name,
+                    Some(RemoveContainerOptionsBuilder::new().force(true).build()),
+                )
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(e) if not_found(&e) => return Ok(()),
+                Err(e) => failed = Some(e),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        match failed {
+            Some(e) if !gone(docker, name).await => Err(format!("removing container {name}: {e}")),
+            _ => Ok(()),
         }
     }
 }
