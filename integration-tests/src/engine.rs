@@ -20,28 +20,87 @@ pub fn engine_and_image() -> (String, String) {
 }
 
 /// How a sandbox gets its container: made for it (no warm pool), or taken from the
-/// driver's warm pool of [`WARM`], which a test waits to be full.
+/// driver's warm pool of [`WARM`], which a test waits to be full. A warm container's
+/// holder is `runplane-holder` (`RUNPLANE_TEST_HOLDER`, from `scripts/holder`), which
+/// starts the agent itself, or catatonit, in which the agent starts by the engine's exec
+/// (`WarmExec`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Start {
     Cold,
     Warm,
+    WarmExec,
 }
 
 /// The warm pool's size in the tests that start warm.
 pub const WARM: usize = 2;
 
+/// The static `runplane-holder` `scripts/holder` built; never skipped.
+pub fn holder() -> String {
+    std::env::var("RUNPLANE_TEST_HOLDER").unwrap_or_else(|_| {
+        panic!(
+            "RUNPLANE_TEST_HOLDER is not set: run `eval \"$(scripts/holder)\"` (or \
+             scripts/test, which does) to build runplane-holder for musl"
+        )
+    })
+}
+
 impl Start {
-    /// The driver's environment for this start: its warm pool's size.
-    pub fn env(self) -> (&'static str, &'static str) {
-        let warm = match self {
-            Start::Cold => "0",
-            Start::Warm => "2",
+    pub fn is_warm(self) -> bool {
+        self != Start::Cold
+    }
+
+    /// The driver's environment for this start: its warm pool's size and holder.
+    pub fn env(self) -> [(&'static str, String); 2] {
+        let (warm, holder) = match self {
+            Start::Cold => ("0", String::new()),
+            Start::Warm => ("2", holder()),
+            Start::WarmExec => ("2", "/usr/bin/catatonit".to_owned()),
         };
-        ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__WARM", warm)
+        [
+            (
+                "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__WARM",
+                warm.to_owned(),
+            ),
+            ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__HOLDER", holder),
+        ]
+    }
+
+    /// How the container whose engine inspect data is `inspected` started.
+    pub fn of(inspected: &str) -> Start {
+        match (
+            inspected.contains("dev.runplane.warm"),
+            inspected.contains("launch.sock"),
+        ) {
+            (false, _) => Start::Cold,
+            (true, true) => Start::Warm,
+            (true, false) => Start::WarmExec,
+        }
     }
 }
 
-/// Runs test `$name(start)` once per [`Start`], as `$name::cold` and `$name::warm`.
+/// The environment of a `runplane dev` (or node) whose sandboxes are containers of the
+/// test image on the test engine, started as `start` says.
+pub fn container_env(start: Start) -> Vec<(&'static str, String)> {
+    let (engine, image) = engine_and_image();
+    let mut env = vec![
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__DRIVER",
+            "container".to_owned(),
+        ),
+        ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE", engine),
+        ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE", image),
+    ];
+    env.extend(start.env());
+    env
+}
+
+/// `env` as the harness takes it.
+pub fn borrowed<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// Runs test `$name(start)` once per [`Start`], as `$name::cold`, `$name::warm` and
+/// `$name::warm_exec`.
 #[macro_export]
 macro_rules! on_both_starts {
     ($($name:ident),* $(,)?) => {$(
@@ -53,6 +112,10 @@ macro_rules! on_both_starts {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn warm() {
                 super::$name($crate::engine::Start::Warm).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn warm_exec() {
+                super::$name($crate::engine::Start::WarmExec).await
             }
         }
     )*};

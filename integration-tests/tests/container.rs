@@ -35,7 +35,7 @@ runplane_integration_tests::on_both_starts!(
 
 /// Waits, for a warm start, until the pool of the dev whose data is `data` is full.
 async fn pool_ready(start: Start, engine: &str, data: &Path) {
-    if start == Start::Warm {
+    if start.is_warm() {
         let state = data.join("sandboxes");
         runplane_integration_tests::wait_for(
             "the warm pool to fill",
@@ -50,29 +50,18 @@ async fn pool_ready(start: Start, engine: &str, data: &Path) {
 fn started_as(dev: &Dev, id: &str) -> Start {
     let inspected = engine::get(&dev.engine, &format!("/containers/runplane-{id}/json"));
     assert!(!inspected.is_empty(), "no container runplane-{id}");
-    match inspected.contains("dev.runplane.warm") {
-        true => Start::Warm,
-        false => Start::Cold,
-    }
+    Start::of(&inspected)
 }
 
 async fn dev(start: Start, env: &[(&str, &str)]) -> Dev {
-    let (engine, image) = engine_and_image();
+    let (engine, _) = engine_and_image();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let data = dir.path().join("data");
-    let mut all = vec![
-        ("RUNPLANE_SANDBOX_RECONCILER__DRIVER", "container"),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE",
-            engine.as_str(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
-            image.as_str(),
-        ),
-        ("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__PULL", "never"),
-        start.env(),
-    ];
+    let owned = engine::container_env(start);
+    let mut all = engine::borrowed(&owned);
+    all.push(("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__PULL", "never"));
+    // The image of the test's own, when it says.
+    all.retain(|(k, _)| !env.iter().any(|(e, _)| e == k));
     all.extend_from_slice(env);
     let dev = start_dev_with_env(&data, &all).await;
     pool_ready(start, &engine, &data).await;
@@ -100,7 +89,7 @@ fn run_command(dev: &Dev, script: &str) -> Command {
 
 /// What every agent of these tests says first: whether its container is a warm one (its
 /// pid 1 the holder) or made for it.
-const SAY_START: &str = "case $(tr -d '\\0' < /proc/1/cmdline) in /.runplane-holder*) echo 'start: Warm';; *) echo 'start: Cold';; esac; ";
+const SAY_START: &str = "case $(tr -d '\\0' < /proc/1/cmdline) in /.runplane-holder-P*) echo 'start: WarmExec';; /.runplane-holder*) echo 'start: Warm';; *) echo 'start: Cold';; esac; ";
 
 /// Runs `script` as an agent to its end.
 async fn run_to_end(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, String) {
@@ -458,22 +447,12 @@ async fn a_container_removed_from_outside_ends_its_run_once_as_lost(start: Start
 /// `runplane dev` restarted under a running container run: the run's runner (on the
 /// host, in a session of its own) and its container live on, and the run succeeds.
 async fn a_container_run_survives_a_restart_of_dev(start: Start) {
-    let (engine, image) = engine_and_image();
+    let (engine, _) = engine_and_image();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let data = dir.path().join("data");
     let addr = runplane_testkit::free_local_addr().to_string();
-    let env = [
-        ("RUNPLANE_SANDBOX_RECONCILER__DRIVER", "container"),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE",
-            engine.as_str(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
-            image.as_str(),
-        ),
-        start.env(),
-    ];
+    let owned = engine::container_env(start);
+    let env = engine::borrowed(&owned);
     let mut first = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
     pool_ready(start, &engine, &data).await;
     let cli = Command::new(runplane_bin())
@@ -522,18 +501,8 @@ async fn a_restarted_driver_removes_the_containers_it_no_longer_owns() {
     let data = dir.path().join("data");
     let state = data.join("sandboxes");
     let addr = runplane_testkit::free_local_addr().to_string();
-    let env = [
-        ("RUNPLANE_SANDBOX_RECONCILER__DRIVER", "container"),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE",
-            engine.as_str(),
-        ),
-        (
-            "RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE",
-            image.as_str(),
-        ),
-        Start::Warm.env(),
-    ];
+    let owned = engine::container_env(Start::Warm);
+    let env = engine::borrowed(&owned);
     let mut first = runplane_integration_tests::start_dev_on(&data, &addr, &env).await;
     pool_ready(Start::Warm, &engine, &data).await;
     let earlier = engine::containers(&engine, &state, Some("runplane-warm-"), false);

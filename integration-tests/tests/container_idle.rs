@@ -78,7 +78,7 @@ struct Cluster {
 
 impl Cluster {
     async fn start(start: Start) -> Self {
-        let (engine, image) = engine_and_image();
+        let (engine, _) = engine_and_image();
         let idle = IDLE_TIMEOUT.as_secs().to_string();
         let control_plane = ControlPlane::start(
             TOKEN,
@@ -98,7 +98,6 @@ impl Cluster {
             home,
             engine: engine.clone(),
         };
-        let (warm_key, warm) = start.env();
         let node_endpoint = runplane_testkit::free_local_addr().to_string();
         let node = tokio::process::Command::new(runplane_bin())
             .arg("node")
@@ -107,11 +106,8 @@ impl Cluster {
             .env("RUNPLANE_NODE__STATE_DIR", &node_dir)
             .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", &endpoint)
             .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", &endpoint)
-            .env("RUNPLANE_SANDBOX_RECONCILER__DRIVER", "container")
-            .env("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__ENGINE", &engine)
-            .env("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE", &image)
+            .envs(engine::container_env(start))
             .env("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__PULL", "never")
-            .env(warm_key, warm)
             .env(
                 "RUNPLANE_NODE_TOKEN",
                 mint_node_credential(&endpoint, TOKEN, NODE),
@@ -142,7 +138,7 @@ impl Cluster {
             isolation.is_some_and(|l| !l.contains("NOT")),
             "the node does not run agents in containers as configured:\n{log}"
         );
-        if start == Start::Warm {
+        if start.is_warm() {
             wait_for(
                 "the warm pool to fill",
                 Duration::from_secs(60),
@@ -188,10 +184,7 @@ impl Cluster {
             &format!("/containers/runplane-{sandbox_id}/json"),
         );
         assert!(!inspected.is_empty(), "no container runplane-{sandbox_id}");
-        match inspected.contains("dev.runplane.warm") {
-            true => Start::Warm,
-            false => Start::Cold,
-        }
+        Start::of(&inspected)
     }
 
     async fn create_run(&self, request_id: &str, script: &str) -> runstore_pb::Run {

@@ -45,6 +45,12 @@ pub struct Args {
     /// Start the agent by exec in the sandbox's container, a warm one the driver gave it.
     #[arg(long)]
     warm: bool,
+    /// The warm container's holder socket: start the agent through it, not by exec.
+    #[arg(long)]
+    launch: Option<PathBuf>,
+    /// The pid of the warm container's holder on this host.
+    #[arg(long)]
+    holder_pid: Option<u32>,
     /// The agent's command.
     #[arg(last = true, required = true)]
     argv: Vec<String>,
@@ -73,6 +79,8 @@ pub async fn run(args: Args) -> anyhow::Result<i32> {
         cgroup_parent: args.cgroup_parent,
         cgroup_memory_events: args.cgroup_memory_events,
         warm: args.warm,
+        launch: args.launch,
+        holder_pid: args.holder_pid,
         argv: args.argv,
     })
     .await)

@@ -23,6 +23,7 @@
 //! Every container carries [`LABEL_OWNER`], the state directory of the driver that made
 //! it, so a restarted driver removes the ones it no longer owns ([`sweep`]).
 
+mod launch;
 pub mod warm;
 
 use std::collections::HashMap;
@@ -257,8 +258,12 @@ pub struct AgentContainer {
     pub cgroup_parent: Option<String>,
     pub cgroup_memory_events: Option<PathBuf>,
     /// The sandbox took a warm container ([`warm`]), already named for it, with its
-    /// limits, workspace and network: the agent starts in it by exec.
+    /// limits, workspace and network: the agent starts in it by exec, or through its
+    /// holder's socket `launch` when its holder is `runplane-holder` (whose pid on this
+    /// host is `holder_pid`).
     pub warm: bool,
+    pub launch: Option<PathBuf>,
+    pub holder_pid: Option<u32>,
     /// The agent's command.
     pub argv: Vec<String>,
 }
@@ -288,10 +293,13 @@ pub async fn run_agent(spec: AgentContainer) -> i32 {
     if let Some(events) = &spec.memory_events {
         let _ = std::fs::remove_file(events);
     }
-    let ran = match connect(&spec.engine).await {
-        Err(e) => Err(engine_failure(e)),
-        Ok(docker) if spec.warm => run_warm(&docker, &spec).await,
-        Ok(docker) => run(&docker, &spec).await,
+    let ran = match (&spec.launch, spec.holder_pid) {
+        (Some(socket), Some(pid)) if spec.warm => launch::run_launched(&spec, socket, pid).await,
+        _ => match connect(&spec.engine).await {
+            Err(e) => Err(engine_failure(e)),
+            Ok(docker) if spec.warm => run_warm(&docker, &spec).await,
+            Ok(docker) => run(&docker, &spec).await,
+        },
     };
     match ran {
         Ok(code) => code,

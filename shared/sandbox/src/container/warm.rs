@@ -37,31 +37,87 @@ pub const PREFIX: &str = "runplane-warm-";
 pub const WARM_DIR: &str = ".warm";
 /// Where the holder is bound in a warm container.
 const HOLDER: &str = "/.runplane-holder";
+/// Where `runplane-holder` listens in a warm container, and the directory of the warm
+/// container's (then the sandbox's) state directory bound there.
+const LAUNCH_DIR: &str = "/.runplane";
+const LAUNCH_SOCKET: &str = "launch.sock";
+const LAUNCH_HOST_DIR: &str = "launch";
 
-/// The holders this host may have, first found first: catatonit, as Debian's and
-/// Podman's packages install it.
+/// Whether `holder` is runplane's own, which starts agents through its socket (else, as
+/// catatonit, it only waits, and agents start by the engine's exec).
+pub fn is_launcher(holder: &Path) -> bool {
+    holder
+        .file_name()
+        .is_some_and(|name| name.to_string_lossy().starts_with("runplane-holder"))
+}
+
+/// The holders this host may have after runplane's own, first found first: catatonit,
+/// as Debian's and Podman's packages install it.
 const HOLDERS: &[&str] = &[
     "/usr/bin/catatonit",
     "/usr/libexec/podman/catatonit",
     "/usr/local/bin/catatonit",
 ];
 
-/// The holder `configured` names (it must be there), or else the first of this host's.
+/// The holder `configured` names (it must be there), or else `runplane-holder` beside
+/// this binary, or else the first of this host's [`HOLDERS`].
 pub fn find_holder(configured: &str) -> Result<Option<PathBuf>, String> {
     if !configured.is_empty() {
         let path = PathBuf::from(configured);
-        return match path.is_file() {
-            true => Ok(Some(path)),
-            false => Err(format!(
+        return match (path.is_file(), is_static(&path)) {
+            (true, true) => Ok(Some(path)),
+            (false, _) => Err(format!(
                 "sandbox_reconciler.container.holder: {configured} is not a file on this host \
-                 (install catatonit, or set sandbox_reconciler.container.warm = 0)"
+                 (build runplane-holder, install catatonit, or set \
+                 sandbox_reconciler.container.warm = 0)"
+            )),
+            (true, false) => Err(format!(
+                "sandbox_reconciler.container.holder: {configured} is not a static binary, \
+                 so it cannot run in any image (build runplane-holder with \
+                 --target x86_64-unknown-linux-musl)"
             )),
         };
     }
-    Ok(HOLDERS
-        .iter()
-        .map(PathBuf::from)
-        .find(|path| path.is_file()))
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join("runplane-holder")));
+    Ok(beside
+        .into_iter()
+        .chain(HOLDERS.iter().map(PathBuf::from))
+        .find(|path| path.is_file() && is_static(path)))
+}
+
+/// Whether the ELF binary at `path` runs without a dynamic loader (it has no
+/// `PT_INTERP` program header), as a holder must to run in an image with no libc.
+pub fn is_static(path: &Path) -> bool {
+    let Ok(elf) = std::fs::read(path) else {
+        return false;
+    };
+    let u16_at = |at: usize| {
+        elf.get(at..at + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
+    let u32_at = |at: usize| {
+        elf.get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let u64_at = |at: usize| {
+        elf.get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    // 64-bit little-endian ELF only: the hosts runplane's drivers run on.
+    if elf.get(..6) != Some(&[0x7f, b'E', b'L', b'F', 2, 1][..]) {
+        return false;
+    }
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38))
+    else {
+        return false;
+    };
+    (0..usize::from(phnum)).all(|i| {
+        let at = phoff as usize + i * usize::from(phentsize);
+        elf.len() >= at + usize::from(phentsize) && u32_at(at).is_some_and(|kind| kind != 3)
+    })
 }
 
 /// What a warm container is made of.
@@ -89,10 +145,11 @@ pub struct WarmPool {
 }
 
 /// A warm container a sandbox took: its holder's pid on this host, whose network
-/// namespace is the sandbox's.
-#[derive(Debug, Clone, Copy)]
+/// namespace is the sandbox's, and the holder's socket when it is `runplane-holder`.
+#[derive(Debug, Clone)]
 pub struct Taken {
     pub holder_pid: u32,
+    pub launch: Option<PathBuf>,
 }
 
 impl WarmPool {
@@ -206,9 +263,25 @@ impl WarmPool {
             .map_err(|e| format!("writing {}: {e}", resolv_conf.display()))?;
         let bytes = (limits.memory_mib << 20) as i64;
         let name = format!("{PREFIX}{warm_id}");
+        let launcher = is_launcher(&self.spec.holder);
+        let mut binds = vec![
+            format!("{}:{HOLDER}:ro", self.spec.holder.display()),
+            format!("{}:{WORKSPACE}", workspace.display()),
+            format!("{}:/etc/resolv.conf:ro", resolv_conf.display()),
+        ];
+        let entrypoint = match launcher {
+            true => {
+                let launch = dir.join(LAUNCH_HOST_DIR);
+                std::fs::create_dir_all(&launch)
+                    .map_err(|e| format!("making {}: {e}", launch.display()))?;
+                binds.push(format!("{}:{LAUNCH_DIR}", launch.display()));
+                vec![HOLDER.to_owned(), format!("{LAUNCH_DIR}/{LAUNCH_SOCKET}")]
+            }
+            false => vec![HOLDER.to_owned(), "-P".to_owned()],
+        };
         let body = ContainerCreateBody {
             image: Some(self.spec.image.clone()),
-            entrypoint: Some(vec![HOLDER.to_owned(), "-P".to_owned()]),
+            entrypoint: Some(entrypoint),
             cmd: Some(Vec::new()),
             working_dir: Some(WORKSPACE.to_owned()),
             labels: Some(HashMap::from([
@@ -216,11 +289,7 @@ impl WarmPool {
                 (LABEL_WARM.to_owned(), warm_id.to_owned()),
             ])),
             host_config: Some(HostConfig {
-                binds: Some(vec![
-                    format!("{}:{HOLDER}:ro", self.spec.holder.display()),
-                    format!("{}:{WORKSPACE}", workspace.display()),
-                    format!("{}:/etc/resolv.conf:ro", resolv_conf.display()),
-                ]),
+                binds: Some(binds),
                 memory: Some(bytes),
                 memory_swap: Some(bytes),
                 nano_cpus: Some((limits.cpus * 1e9) as i64),
@@ -243,6 +312,17 @@ impl WarmPool {
             .start_container(&name, None)
             .await
             .map_err(|e| format!("starting {name}: {e}"))?;
+        if launcher {
+            // Ready once its holder listens.
+            let socket = dir.join(LAUNCH_HOST_DIR).join(LAUNCH_SOCKET);
+            for _ in 0..250 {
+                if socket.exists() {
+                    return Ok(());
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            return Err(format!("the holder of {name} did not listen within 5 s"));
+        }
         Ok(())
     }
 
@@ -293,7 +373,9 @@ impl WarmPool {
             .map_err(|e| format!("renaming {name}: {e}"))?;
         std::fs::rename(self.dir(warm_id), dir)
             .map_err(|e| format!("moving {name}'s directory to {}: {e}", dir.display()))?;
-        Ok(Taken { holder_pid })
+        let launch =
+            is_launcher(&self.spec.holder).then(|| dir.join(LAUNCH_HOST_DIR).join(LAUNCH_SOCKET));
+        Ok(Taken { holder_pid, launch })
     }
 
     /// Unmounts the workspace in warm directory `dir` and removes it.
@@ -304,5 +386,43 @@ impl WarmPool {
             .unwrap_or_default();
         self.spec.enforcer.release(&format!("warm-{id}"), dir).await;
         let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_static;
+
+    /// A 64-bit little-endian ELF header with program headers of `kinds`.
+    fn elf(kinds: &[u32]) -> Vec<u8> {
+        let mut bytes = vec![0u8; 64];
+        bytes[..6].copy_from_slice(&[0x7f, b'E', b'L', b'F', 2, 1]);
+        bytes[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        bytes[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        bytes[0x38..0x3a].copy_from_slice(&(kinds.len() as u16).to_le_bytes());
+        for kind in kinds {
+            let mut header = vec![0u8; 56];
+            header[..4].copy_from_slice(&kind.to_le_bytes());
+            bytes.extend(header);
+        }
+        bytes
+    }
+
+    #[test]
+    fn only_a_binary_with_no_loader_is_static() {
+        let dir = std::env::temp_dir().join(format!("runplane-elf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, bytes: &[u8]| {
+            let path = dir.join(name);
+            std::fs::write(&path, bytes).unwrap();
+            path
+        };
+        assert!(is_static(&write("static", &elf(&[6, 1, 1, 2]))));
+        assert!(!is_static(&write("dynamic", &elf(&[6, 3, 1, 2]))));
+        assert!(!is_static(&write("script", b"#!/bin/sh\necho hi\n")));
+        assert!(!is_static(&write("short", &elf(&[1])[..70])));
+        // This test's own binary has a loader.
+        assert!(!is_static(&std::env::current_exe().unwrap()));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -350,7 +350,7 @@ impl ProcessDriver {
             Some(_) => limits::Applied::default(),
             None => enforcer.apply(id, &limits)?,
         };
-        let join = warm.map(|taken| taken.holder_pid);
+        let join = warm.as_ref().map(|taken| taken.holder_pid);
         let network_mode = match self.network(dir, id, offline, launch, join).await? {
             Net::None => "none".to_owned(),
             Net::Host => "host".to_owned(),
@@ -384,8 +384,12 @@ impl ProcessDriver {
         ] {
             wrapper.push(format!("{flag}={value}"));
         }
-        if warm.is_some() {
+        if let Some(taken) = &warm {
             wrapper.push("--warm".into());
+            if let Some(socket) = &taken.launch {
+                wrapper.push(format!("--launch={}", socket.display()));
+                wrapper.push(format!("--holder-pid={}", taken.holder_pid));
+            }
         } else if let Some(parent) = enforcer.cgroup_parent(id) {
             wrapper.push(format!("--cgroup-parent={parent}"));
         }

@@ -1,0 +1,143 @@
+//! The launch path of a warm container whose holder is `runplane-holder`: the wrapper
+//! hands the holder its stdio (the runner's pipes) and the agent's command over a socket
+//! in the sandbox's directory, and the holder starts the agent inside the container. No
+//! engine call is on that path; the engine is asked only to tell a container that went
+//! away (lost) from a holder that failed.
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use runplane_holder::{Answer, Request};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use super::{AgentContainer, Failure, connect, container_name, engine_failure, lost, note_oom};
+
+/// Runs `spec`'s agent through the holder listening on `socket`, whose pid on this host is
+/// `holder_pid`; the exit status to end with.
+pub(super) async fn run_launched(
+    spec: &AgentContainer,
+    socket: &Path,
+    holder_pid: u32,
+) -> Result<i32, Failure> {
+    let name = container_name(&spec.sandbox_id);
+    let memory_events = crate::process::limits::memory_events_of(holder_pid);
+    let request = Request {
+        cwd: crate::contract::WORKSPACE.to_owned(),
+        argv: spec.argv.clone(),
+        env: spec.env(),
+    }
+    .encode();
+    let stream = match hand_over(socket, &request) {
+        Ok(stream) => stream,
+        Err(e) => return Err(gone_or(spec, &name, "before its agent began", e).await),
+    };
+    let stream = tokio::net::UnixStream::from_std(stream)
+        .map_err(|e| engine_failure(format!("the holder of {name}: {e}")))?;
+    let (read, mut write) = stream.into_split();
+    let mut answers = BufReader::new(read).lines();
+    match answers
+        .next_line()
+        .await
+        .ok()
+        .flatten()
+        .as_deref()
+        .and_then(Answer::parse)
+    {
+        Some(Answer::Pid(_)) => {}
+        Some(Answer::Error(why)) => {
+            // As a shell answers a command it cannot start.
+            eprintln!("runplane: {why}");
+            return Ok(127);
+        }
+        _ => {
+            let why = "the holder did not start the agent".to_owned();
+            return Err(gone_or(spec, &name, "before its agent began", why).await);
+        }
+    }
+    // The runner's signals, for the agent: one byte each.
+    let signals = tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let kinds = [
+            (SignalKind::interrupt(), nix::sys::signal::Signal::SIGINT),
+            (SignalKind::terminate(), nix::sys::signal::Signal::SIGTERM),
+            (SignalKind::hangup(), nix::sys::signal::Signal::SIGHUP),
+            (SignalKind::quit(), nix::sys::signal::Signal::SIGQUIT),
+        ];
+        let mut streams = Vec::new();
+        for (kind, sig) in kinds {
+            if let Ok(stream) = signal(kind) {
+                streams.push((stream, sig));
+            }
+        }
+        loop {
+            let next = futures::future::select_all(
+                streams
+                    .iter_mut()
+                    .map(|(s, n)| Box::pin(async move { s.recv().await.map(|_| *n) })),
+            )
+            .await;
+            let Some(sig) = next.0 else { return };
+            if write.write_all(&[sig as i32 as u8]).await.is_err() {
+                return;
+            }
+        }
+    });
+    let ended = answers.next_line().await.ok().flatten();
+    signals.abort();
+    let Some(Answer::Exit(status)) = ended.as_deref().and_then(Answer::parse) else {
+        let why = "the holder closed before the agent ended".to_owned();
+        return Err(gone_or(spec, &name, "while its agent ran", why).await);
+    };
+    if memory_events
+        .as_deref()
+        .is_some_and(crate::process::limits::oom_killed)
+    {
+        note_oom(spec);
+    } else if status == 128 + 9 {
+        // Killed with its container, which was stopped or removed from outside: an
+        // agent that kills itself leaves its container running.
+        let why = format!("the agent was killed (status {status})");
+        if let failure @ (_, Some(_), _) = gone_or(spec, &name, "while its agent ran", why).await {
+            return Err(failure);
+        }
+    }
+    Ok(status)
+}
+
+/// Connects to the holder and hands it this process's stdio and the request.
+fn hand_over(socket: &Path, request: &[u8]) -> Result<std::os::unix::net::UnixStream, String> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket)
+        .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+    let length = (request.len() as u32).to_le_bytes();
+    let fds = [
+        std::io::stdin().as_raw_fd(),
+        std::io::stdout().as_raw_fd(),
+        std::io::stderr().as_raw_fd(),
+    ];
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[std::io::IoSlice::new(&length)],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .map_err(|e| format!("handing the agent's stdio over: {e}"))?;
+    stream
+        .write_all(request)
+        .map_err(|e| format!("sending the agent's command: {e}"))?;
+    stream
+        .set_nonblocking(true)
+        .map_err(|e| format!("the holder's socket: {e}"))?;
+    Ok(stream)
+}
+
+/// The holder failed `when`: lost when its container no longer runs (stopped or
+/// removed from outside; the driver started it), else the holder's failure.
+async fn gone_or(spec: &AgentContainer, name: &str, when: &str, why: String) -> Failure {
+    match connect(&spec.engine).await {
+        Ok(docker) if !super::running(&docker, name).await => lost(name, when),
+        _ => engine_failure(format!("container {name}: {why}")),
+    }
+}
