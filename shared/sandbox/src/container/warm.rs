@@ -3,15 +3,18 @@
 //! container creation and start.
 //!
 //! A warm container waits in the holder, a static program of the host's bound in
-//! read-only (catatonit's pause mode: it sleeps as pid 1 and reaps), so nothing of the
-//! image is needed beyond the agent's command, and with no network but its loopback. It
-//! is made with the default limits, so only a sandbox with those takes one; a sandbox
-//! with its own limits, or the host's network, makes its own container.
+//! read-only as its pid 1, so nothing of the image is needed beyond the agent's command,
+//! and with no network but its loopback: `runplane-holder`, which starts the agent itself
+//! when the wrapper hands it the agent's command on its socket ([`super::launch`]), or
+//! catatonit in its pause mode, in which the agent starts by the engine's exec. It is
+//! made with the deployment's image and default limits, so only a sandbox with those
+//! takes one; a sandbox with its own image or limits, or the host's network, makes its
+//! own container.
 //!
 //! Taking one renames it for the sandbox (`runplane-<sandbox id>`) and moves its
 //! directory (`<state>/.warm/<id>`, which holds the workspace image and its mount) to
 //! the sandbox's; the driver then brings the sandbox's network up in the container's
-//! namespace, and the agent starts in it by exec. From there it is the sandbox's
+//! namespace, and the agent starts in it. From there it is the sandbox's
 //! container: paused, unpaused and removed as any. The pool fills again in the
 //! background. A driver that starts removes the warm containers of its earlier life
 //! ([`super::sweep`]) and their directories.
@@ -41,7 +44,7 @@ const HOLDER: &str = "/.runplane-holder";
 /// container's (then the sandbox's) state directory bound there.
 const LAUNCH_DIR: &str = "/.runplane";
 const LAUNCH_SOCKET: &str = "launch.sock";
-const LAUNCH_HOST_DIR: &str = "launch";
+pub const LAUNCH_HOST_DIR: &str = "launch";
 
 /// Whether `holder` is runplane's own, which starts agents through its socket (else, as
 /// catatonit, it only waits, and agents start by the engine's exec).

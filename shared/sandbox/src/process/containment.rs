@@ -274,7 +274,9 @@ impl Containment {
                 match (warm, holder) {
                     (0, _) => "off (sandbox_reconciler.container.warm = 0)".to_owned(),
                     (warm, Some(holder)) => format!("{warm} waiting in {}", holder.display()),
-                    (_, None) => "off (no holder on this host: install catatonit)".to_owned(),
+                    (_, None) => "off (no static holder on this host: put runplane-holder \
+                                  beside runplane, or install catatonit)"
+                        .to_owned(),
                 },
             ),
             Containment::None => "none: agents run as this user and see what it sees \
