@@ -265,3 +265,69 @@ async fn a_profiles_image_is_refused_by_the_process_driver() {
     let log = dev.stderr().await;
     assert!(log.contains("needs the container driver"), "{log}");
 }
+
+/// `runplane node` in a mount namespace with the host's cgroups unmounted (a host that
+/// offers none): it refuses to start, naming the limits it cannot enforce; told it may go
+/// without them (`unenforced_limits`), it starts and says they are not enforced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_cgroups_refuses_to_start_unless_told_and_then_says_so() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let endpoint = format!("http://{}", runplane_testkit::free_local_addr());
+    let node = |config: &str, log: &str| {
+        let config_path = dir.path().join(format!("{log}.toml"));
+        std::fs::write(&config_path, config).unwrap();
+        let log_path = dir.path().join(format!("{log}.log"));
+        let child = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(r#"umount -l /sys/fs/cgroup && exec "$0" node"#)
+            .arg(runplane_bin())
+            .env("RUNPLANE_CONFIG", &config_path)
+            .env("RUNPLANE_NODE__ID", "bare")
+            .env("RUNPLANE_NODE__ENDPOINT", &endpoint)
+            .env("RUNPLANE_NODE__STATE_DIR", dir.path().join(log))
+            .env("RUNPLANE_SANDBOX_RECONCILER__ENDPOINT", &endpoint)
+            .env("RUNPLANE_STREAM_RECOVERY__ENDPOINT", &endpoint)
+            .env(
+                "RUNPLANE_NODE_TOKEN",
+                "a-node-credential-that-is-never-used",
+            )
+            .env_remove("RUNPLANE_TOKEN")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("unshare (util-linux) runs runplane node");
+        (child, log_path)
+    };
+
+    let (refused, log) = node("", "refused");
+    let status = tokio::time::timeout(Duration::from_secs(60), refused.wait_with_output())
+        .await
+        .expect("the node refuses within 60 s")
+        .unwrap()
+        .status;
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success(), "{said}");
+    assert!(
+        said.contains("cannot enforce")
+            && ["cpu", "memory", "pids"].iter().all(|l| said.contains(l))
+            && said.contains("unenforced_limits"),
+        "{said}"
+    );
+
+    let (_started, log) = node(
+        "[sandbox_reconciler]\nunenforced_limits = [\"cpu\", \"memory\", \"pids\"]\n",
+        "told",
+    );
+    runplane_integration_tests::wait_for(
+        "the node to say what it does not enforce",
+        Duration::from_secs(60),
+        async || {
+            std::fs::read_to_string(&log)
+                .is_ok_and(|l| l.contains("sandboxes of this node") && l.contains("NOT enforced"))
+        },
+    )
+    .await;
+}

@@ -660,9 +660,7 @@ impl Driver for ProcessDriver {
                 // The engine's stop signals only the container's pid 1. Under
                 // runplane-holder (which leaves signals to the wrapper) the agent had its
                 // grace from the session's stop above, through its wrapper: no second one.
-                let launched = dir
-                    .join(crate::container::warm::LAUNCH_HOST_DIR)
-                    .exists();
+                let launched = dir.join(crate::container::warm::LAUNCH_HOST_DIR).exists();
                 let grace = match launched {
                     true => std::time::Duration::ZERO,
                     false => DESTROY_GRACE,
