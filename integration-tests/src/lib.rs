@@ -8,6 +8,7 @@
 
 pub mod engine;
 pub mod otlp;
+pub mod outside;
 pub mod sandboxes;
 pub mod split;
 pub mod wedge;

@@ -189,6 +189,8 @@ async fn a_container_fork_bomb_is_held_to_the_pids_limit(start: Start) {
 }
 
 async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane(start: Start) {
+    use runplane_integration_tests::outside::{OUTSIDE_PORT, OutsideHost};
+    let outside = OutsideHost::start();
     let dev = dev(start, &[]).await;
     let port = dev.dev.address.rsplit(':').next().unwrap().to_owned();
     let everywhere = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
@@ -202,10 +204,13 @@ async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane(start:
         format!("{host} {port}"),
         format!("10.0.2.2 {port}"),
     ];
-    // busybox's nc: -w 3 gives up after 3 s.
+    outside.serving().await;
+    let outside_target = format!("{} {OUTSIDE_PORT}", outside.address);
+    // busybox's nc: -w 3 gives up after 3 s; the outside host answers `outside`.
     let script = targets
         .iter()
-        .map(|t| format!("if echo | nc -w 3 {t} >/dev/null 2>&1; then echo \"reached {t}\"; else echo \"refused {t}\"; fi"))
+        .chain([&outside_target])
+        .map(|t| format!("if answer=$(echo | nc -w 3 {t} 2>/dev/null); then echo \"reached {t} $answer\"; else echo \"refused {t}\"; fi"))
         .collect::<Vec<_>>()
         .join("\n");
     let (status, out, err) = run(&dev, &script).await;
@@ -216,6 +221,10 @@ async fn a_container_agent_reaches_neither_the_host_nor_the_control_plane(start:
             "the agent reached {t}:\n{out}"
         );
     }
+    assert!(
+        out.contains(&format!("reached {outside_target} outside")),
+        "the agent could not reach a host outside this one:\n{out}\n{err}"
+    );
     drop(everywhere);
 }
 

@@ -495,3 +495,49 @@ async fn a_reattach_unpauses_a_parked_container_and_a_steer_ends_it(start: Start
     assert_eq!(cluster.suspends(), 1, "{}", cluster.log());
     cluster.container_gone(&sandbox.id).await;
 }
+
+/// An agent that `runplane-holder` started holds the runner's own pipe as its stdin, so a
+/// node reads that it waits for input as it does a process sandbox's agent: blocked
+/// reading its stdin, with no mark, it is suspended and its container paused; the steer
+/// that gives it its line unpauses it, and it finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launched_container_agent_blocked_reading_its_stdin_is_paused_and_a_steer_ends_it() {
+    let cluster = Cluster::start(Start::Warm).await;
+    let run = cluster
+        .create_run(
+            "cidle-stdin-request-0001",
+            // head reads its stdin with read(2), as most agents do (busybox's own `read`
+            // polls first, which counts as working: only a mark parks a poller), and the
+            // shell waits for it.
+            "echo started; head -n 1; echo done",
+        )
+        .await;
+    let started = cluster
+        .sandbox_when(&run.id, "the agent's sandbox", |s| {
+            matches!(
+                s.status(),
+                reconciler_pb::SandboxStatus::Started | reconciler_pb::SandboxStatus::Suspended
+            )
+        })
+        .await;
+    let _reap = cluster.reap(&started.id).await;
+    let sandbox = cluster
+        .sandbox_when(&run.id, "the idle suspend", parked)
+        .await;
+    assert_eq!(cluster.started_as(&sandbox.id), Start::Warm);
+    let state = cluster
+        .container_state(&sandbox.id)
+        .expect("the suspended sandbox's container");
+    assert!(is_paused(&state), "not paused: {state}");
+
+    cluster.steer_go(&run.id, "cidle-stdin-steer-000001").await;
+    let ended = cluster.ended(&run.id).await;
+    assert_eq!(
+        ended.state(),
+        runstore_pb::RunState::Succeeded,
+        "{ended:?}\n{}",
+        cluster.log()
+    );
+    assert_eq!(cluster.stdout(&run.id).await, ["started", "go", "done"]);
+    cluster.container_gone(&sandbox.id).await;
+}

@@ -21,10 +21,29 @@ use super::procfs::session_members;
 /// leader's process group (the sandbox's shell and its runner), less bubblewrap's own
 /// monitor and pid 1, which only wait.
 pub fn agent_waits_for_input(leader: i32) -> bool {
-    let agent: Vec<(i32, i32)> = session_members(leader)
-        .into_iter()
-        .filter(|(pgrp, _)| *pgrp != leader)
-        .collect();
+    waits_for_input(
+        session_members(leader)
+            .into_iter()
+            .filter(|(pgrp, _)| *pgrp != leader)
+            .collect(),
+    )
+}
+
+/// [`agent_waits_for_input`] for an agent that `runplane-holder` started in a warm
+/// container: its tree is every process of the holder's session (the container's) but
+/// the holder, and it holds the runner's pipe as its stdin, as a process sandbox's does.
+pub fn launched_agent_waits_for_input(holder: i32) -> bool {
+    waits_for_input(
+        session_members(holder)
+            .into_iter()
+            .filter(|(_, pid)| *pid != holder)
+            .collect(),
+    )
+}
+
+/// Whether the agent whose processes are `agent` (`(process group, pid)`) waits for
+/// input: see [`agent_waits_for_input`].
+fn waits_for_input(agent: Vec<(i32, i32)>) -> bool {
     // The agent's group leader (bwrap, or the agent itself) holds the runner's pipe as
     // its stdin.
     let Some(stdin) = agent

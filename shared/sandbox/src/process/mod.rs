@@ -73,6 +73,9 @@ pub struct ProcessDriver {
     warm: Option<Arc<WarmPool>>,
 }
 
+/// The pid of a warm container's `runplane-holder`, in its sandbox's directory.
+const HOLDER_PID: &str = "holder.pid";
+
 /// The label a sandbox's shell carries as `$0`, by which its pid is recognised.
 fn label(sandbox_id: &str) -> String {
     format!("runplane-sandbox-{sandbox_id}")
@@ -387,6 +390,9 @@ impl ProcessDriver {
         if let Some(taken) = &warm {
             wrapper.push("--warm".into());
             if let Some(socket) = &taken.launch {
+                // Where idleness reads the agent's processes from.
+                std::fs::write(dir.join(HOLDER_PID), taken.holder_pid.to_string())
+                    .map_err(|e| DriverError::Start(format!("recording the holder: {e}")))?;
                 wrapper.push(format!("--launch={}", socket.display()));
                 wrapper.push(format!("--holder-pid={}", taken.holder_pid));
             }
@@ -411,13 +417,33 @@ impl ProcessDriver {
 
     /// Whether `sandbox`'s agent is parked: waiting for input (blocked reading its stdin,
     /// or saying so with its [`contract::PARK_MARK`]), with its runner holding no steering it has
-    /// yet to write. See [`agent_waits_for_input`] and [`RunnerPolls`].
+    /// yet to write. See [`agent_waits_for_input`] and [`RunnerPolls`]. An agent in a
+    /// container is found in the container's session when `runplane-holder` started it
+    /// (it reads the runner's pipe itself); otherwise (made for it, or by the engine's
+    /// exec, behind the engine's own pipes) only its mark says it waits.
     pub fn parked(&self, sandbox: &SandboxSpec) -> bool {
         let Some(leader) = Self::live_pid(&sandbox.driver_handle, &sandbox.id) else {
             return false;
         };
         let pending = self.runner_polls(sandbox).is_none_or(|p| p.pending > 0);
-        !pending && (self.park_marked(sandbox) || agent_waits_for_input(leader))
+        let reading = match self.holder_of(sandbox) {
+            Some(holder) => idle::launched_agent_waits_for_input(holder),
+            None => agent_waits_for_input(leader),
+        };
+        !pending && (self.park_marked(sandbox) || reading)
+    }
+
+    /// The pid of the `runplane-holder` of `sandbox`'s warm container, while it lives and
+    /// is still that holder.
+    fn holder_of(&self, sandbox: &SandboxSpec) -> Option<i32> {
+        let dir = self.dir(&sandbox.id);
+        let pid: i32 = std::fs::read_to_string(dir.join(HOLDER_PID))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        (alive(pid) && String::from_utf8_lossy(&cmdline).contains("runplane-holder")).then_some(pid)
     }
 
     /// Whether the agent left its [`contract::PARK_MARK`]: a plain file (a link the
