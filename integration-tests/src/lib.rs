@@ -222,13 +222,16 @@ pub async fn run_script(
     data: &Path,
     script: &str,
 ) -> (std::process::ExitStatus, String, String) {
-    let out = tokio::time::timeout(
-        Duration::from_secs(120),
-        run_script_command(dev, data, script).output(),
-    )
-    .await
-    .expect("the run ends within 120 s")
-    .unwrap();
+    run_to_end(run_script_command(dev, data, script)).await
+}
+
+/// `command` (a `runplane run`) to its end, within 120 s: its exit status, stdout and
+/// stderr.
+pub async fn run_to_end(mut command: Command) -> (std::process::ExitStatus, String, String) {
+    let out = tokio::time::timeout(Duration::from_secs(120), command.output())
+        .await
+        .expect("the run ends within 120 s")
+        .unwrap();
     (
         out.status,
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -377,6 +380,13 @@ pub async fn channel(endpoint: &str) -> tonic::transport::Channel {
         .connect()
         .await
         .unwrap_or_else(|e| panic!("connect to {endpoint}: {e}"))
+}
+
+/// A channel to `endpoint` that connects on first use (and again after a failure).
+pub fn lazy_channel(endpoint: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+        .expect("endpoint uri")
+        .connect_lazy()
 }
 
 /// Whether `pid` is a process that has not exited (a zombie has, in all but name).

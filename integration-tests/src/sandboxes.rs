@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
+use runplane_proto::runstore::v1 as runstore_pb;
 use tonic::transport::Channel;
 
 /// `runplane serve run-store sandbox-reconciler stream-recovery` on a free local port,
@@ -84,6 +85,119 @@ impl ControlPlane {
             &self.token,
         );
         (node, dir)
+    }
+
+    fn runs(&self) -> runstore_pb::run_service_client::RunServiceClient<Channel> {
+        runstore_pb::run_service_client::RunServiceClient::new(crate::lazy_channel(&self.endpoint))
+    }
+
+    /// The run's sandbox once `matches` holds for it (within 60 s).
+    pub async fn sandbox_when(
+        &self,
+        run_id: &str,
+        what: &str,
+        matches: impl Fn(&reconciler_pb::Sandbox) -> bool,
+    ) -> reconciler_pb::Sandbox {
+        let matches = &matches;
+        let api = SandboxServiceClient::new(crate::lazy_channel(&self.endpoint));
+        eventually(Duration::from_secs(60), what, || {
+            let mut api = api.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                api.list_sandboxes(runplane_testkit::authed(
+                    reconciler_pb::ListSandboxesRequest {
+                        run_id,
+                        ..Default::default()
+                    },
+                    &self.token,
+                ))
+                .await
+                .ok()?
+                .into_inner()
+                .sandboxes
+                .into_iter()
+                .find(|s| matches(s))
+            }
+        })
+        .await
+    }
+
+    /// Steers `text` to `run_id`, keyed `key`.
+    pub async fn steer(&self, run_id: &str, text: &str, key: &str) {
+        self.runs()
+            .steer(runplane_testkit::authed(
+                runstore_pb::SteerRequest {
+                    run_id: run_id.to_owned(),
+                    text: text.into(),
+                    idempotency_key: key.into(),
+                },
+                &self.token,
+            ))
+            .await
+            .unwrap();
+    }
+
+    /// The run once it ended (within 60 s).
+    pub async fn ended(&self, run_id: &str) -> runstore_pb::Run {
+        let runs = self.runs();
+        eventually(Duration::from_secs(60), "the run to end", || {
+            let mut runs = runs.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                let run = runs
+                    .get_run(runplane_testkit::authed(
+                        runstore_pb::GetRunRequest { run_id },
+                        &self.token,
+                    ))
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .run?;
+                run.state().is_terminal().then_some(run)
+            }
+        })
+        .await
+    }
+
+    /// The run's events so far, in order: every event stored comes before the first
+    /// heartbeat of a watch.
+    pub async fn events(&self, run_id: &str) -> Vec<runstore_pb::Event> {
+        use tokio_stream::StreamExt as _;
+        let mut watch = self
+            .runs()
+            .watch_run(runplane_testkit::authed(
+                runstore_pb::WatchRunRequest {
+                    run_id: run_id.into(),
+                    heartbeat_interval: Some(prost_types::Duration {
+                        seconds: 1,
+                        nanos: 0,
+                    }),
+                    ..Default::default()
+                },
+                &self.token,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut events = Vec::new();
+        while let Some(update) = watch.next().await {
+            match update.unwrap().update {
+                Some(runstore_pb::watch_run_response::Update::Event(e)) => events.push(e),
+                Some(runstore_pb::watch_run_response::Update::Heartbeat(_)) | None => break,
+                _ => {}
+            }
+        }
+        events
+    }
+
+    /// The stdout lines of an ended run, in order.
+    pub async fn stdout(&self, run_id: &str) -> Vec<String> {
+        self.events(run_id)
+            .await
+            .into_iter()
+            .filter(|e| e.kind() == runstore_pb::EventKind::Stdout)
+            .map(|e| e.text)
+            .collect()
     }
 
     /// Creates a run of `sh -c script` for org acme on credential `c`.

@@ -93,15 +93,7 @@ const SAY_START: &str = "case $(tr -d '\\0' < /proc/1/cmdline) in /.runplane-hol
 
 /// Runs `script` as an agent to its end.
 async fn run_to_end(dev: &Dev, script: &str) -> (std::process::ExitStatus, String, String) {
-    let out = tokio::time::timeout(Duration::from_secs(120), run_command(dev, script).output())
-        .await
-        .expect("the run ends within 120 s")
-        .unwrap();
-    (
-        out.status,
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    runplane_integration_tests::run_to_end(run_command(dev, script)).await
 }
 
 /// Runs `script` as an agent to its end, and checks it started as the dev's sandboxes do.

@@ -20,9 +20,7 @@ use runplane_integration_tests::{channel, runplane_bin, wait_for};
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
-use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::authed;
-use tokio_stream::StreamExt as _;
 
 const TOKEN: &str = "container-idle-operator-token-0123456789abc";
 const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -63,7 +61,6 @@ impl Drop for Release {
 /// runs agents in containers and which holds every sandbox; the agent's log is kept to
 /// count its suspends.
 struct Cluster {
-    runs: RunServiceClient<tonic::transport::Channel>,
     api: SandboxServiceClient<tonic::transport::Channel>,
     engine: String,
     /// The node driver's state directory: its sandboxes' directories, and the owner label
@@ -74,6 +71,15 @@ struct Cluster {
     _node: tokio::process::Child,
     _release: Release,
     control_plane: ControlPlane,
+}
+
+impl std::ops::Deref for Cluster {
+    type Target = ControlPlane;
+
+    /// The control plane's run and sandbox helpers.
+    fn deref(&self) -> &ControlPlane {
+        &self.control_plane
+    }
 }
 
 impl Cluster {
@@ -122,7 +128,6 @@ impl Cluster {
             .spawn()
             .expect("start runplane node");
         let cluster = Self {
-            runs: RunServiceClient::new(channel(&endpoint).await),
             api: SandboxServiceClient::new(channel(&endpoint).await),
             engine,
             node_dir,
@@ -193,36 +198,6 @@ impl Cluster {
             .await
     }
 
-    /// The run's sandbox once `matches` holds for it.
-    async fn sandbox_when(
-        &self,
-        run_id: &str,
-        what: &str,
-        matches: impl Fn(&reconciler_pb::Sandbox) -> bool,
-    ) -> reconciler_pb::Sandbox {
-        let matches = &matches;
-        eventually(Duration::from_secs(60), what, || {
-            let mut api = self.api.clone();
-            let run_id = run_id.to_owned();
-            async move {
-                api.list_sandboxes(authed(
-                    reconciler_pb::ListSandboxesRequest {
-                        run_id,
-                        ..Default::default()
-                    },
-                    TOKEN,
-                ))
-                .await
-                .ok()?
-                .into_inner()
-                .sandboxes
-                .into_iter()
-                .find(|s| matches(s))
-            }
-        })
-        .await
-    }
-
     /// The sandbox's session leader on the host (its runner and the container wrapper),
     /// whose session is killed whole when the guard drops.
     async fn reap(&self, sandbox_id: &str) -> ReapSession {
@@ -237,70 +212,7 @@ impl Cluster {
 
     /// Steers the line `go` to `run_id`, keyed `key`.
     async fn steer_go(&self, run_id: &str, key: &str) {
-        self.runs
-            .clone()
-            .steer(authed(
-                runstore_pb::SteerRequest {
-                    run_id: run_id.to_owned(),
-                    text: "go".into(),
-                    idempotency_key: key.into(),
-                },
-                TOKEN,
-            ))
-            .await
-            .unwrap();
-    }
-
-    async fn ended(&self, run_id: &str) -> runstore_pb::Run {
-        eventually(Duration::from_secs(60), "the run to end", || {
-            let mut runs = self.runs.clone();
-            let run_id = run_id.to_owned();
-            async move {
-                let run = runs
-                    .get_run(authed(runstore_pb::GetRunRequest { run_id }, TOKEN))
-                    .await
-                    .ok()?
-                    .into_inner()
-                    .run?;
-                run.state().is_terminal().then_some(run)
-            }
-        })
-        .await
-    }
-
-    /// The stdout lines of an ended run, in order.
-    async fn stdout(&self, run_id: &str) -> Vec<String> {
-        let mut watch = self
-            .runs
-            .clone()
-            .watch_run(authed(
-                runstore_pb::WatchRunRequest {
-                    run_id: run_id.into(),
-                    heartbeat_interval: Some(prost_types::Duration {
-                        seconds: 1,
-                        nanos: 0,
-                    }),
-                    ..Default::default()
-                },
-                TOKEN,
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut lines = Vec::new();
-        // Every event stored so far comes before the first heartbeat.
-        while let Some(update) = watch.next().await {
-            match update.unwrap().update {
-                Some(runstore_pb::watch_run_response::Update::Event(e))
-                    if e.kind() == runstore_pb::EventKind::Stdout =>
-                {
-                    lines.push(e.text)
-                }
-                Some(runstore_pb::watch_run_response::Update::Heartbeat(_)) | None => break,
-                _ => {}
-            }
-        }
-        lines
+        self.control_plane.steer(run_id, "go", key).await
     }
 
     /// Waits until sandbox `sandbox_id`'s container is gone from the engine (its sandbox

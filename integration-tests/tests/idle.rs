@@ -17,7 +17,6 @@ use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::authed;
-use tokio_stream::StreamExt as _;
 
 const TOKEN: &str = "idle-test-operator-token-0123456789abcdefgh";
 const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -33,6 +32,15 @@ struct Cluster {
     node_log: std::path::PathBuf,
     _node: tokio::process::Child,
     control_plane: ControlPlane,
+}
+
+impl std::ops::Deref for Cluster {
+    type Target = ControlPlane;
+
+    /// The control plane's run and sandbox helpers.
+    fn deref(&self) -> &ControlPlane {
+        &self.control_plane
+    }
 }
 
 impl Cluster {
@@ -75,36 +83,6 @@ impl Cluster {
             .await
     }
 
-    /// The run's sandbox once `matches` holds for it.
-    async fn sandbox_when(
-        &self,
-        run_id: &str,
-        what: &str,
-        matches: impl Fn(&reconciler_pb::Sandbox) -> bool,
-    ) -> reconciler_pb::Sandbox {
-        let matches = &matches;
-        eventually(Duration::from_secs(30), what, || {
-            let mut api = self.api.clone();
-            let run_id = run_id.to_owned();
-            async move {
-                api.list_sandboxes(authed(
-                    reconciler_pb::ListSandboxesRequest {
-                        run_id,
-                        ..Default::default()
-                    },
-                    TOKEN,
-                ))
-                .await
-                .ok()?
-                .into_inner()
-                .sandboxes
-                .into_iter()
-                .find(|s| matches(s))
-            }
-        })
-        .await
-    }
-
     /// The sandbox's session leader, whose session is killed whole when the guard drops
     /// (a failing test must leave no frozen processes behind).
     fn reap(&self, sandbox_id: &str) -> ReapSession {
@@ -119,45 +97,7 @@ impl Cluster {
 
     /// Steers the line `go` to `run_id`, keyed `key`.
     async fn steer_go(&self, run_id: &str, key: &str) {
-        self.runs
-            .clone()
-            .steer(authed(
-                runstore_pb::SteerRequest {
-                    run_id: run_id.to_owned(),
-                    text: "go".into(),
-                    idempotency_key: key.into(),
-                },
-                TOKEN,
-            ))
-            .await
-            .unwrap();
-    }
-
-    async fn ended(&self, run_id: &str) -> runstore_pb::Run {
-        eventually(Duration::from_secs(30), "the run to end", || {
-            let mut runs = self.runs.clone();
-            let run_id = run_id.to_owned();
-            async move {
-                let run = runs
-                    .get_run(authed(runstore_pb::GetRunRequest { run_id }, TOKEN))
-                    .await
-                    .ok()?
-                    .into_inner()
-                    .run?;
-                run.state().is_terminal().then_some(run)
-            }
-        })
-        .await
-    }
-
-    /// The stdout lines of an ended run, in order.
-    async fn stdout(&self, run_id: &str) -> Vec<String> {
-        self.events(run_id)
-            .await
-            .into_iter()
-            .filter(|e| e.kind() == runstore_pb::EventKind::Stdout)
-            .map(|e| e.text)
-            .collect()
+        self.control_plane.steer(run_id, "go", key).await
     }
 
     /// The kinds of the steering messages the run's runner applied, in order.
@@ -168,37 +108,6 @@ impl Cluster {
             .filter(|e| e.kind() == runstore_pb::EventKind::SteerApplied)
             .map(|e| e.name)
             .collect()
-    }
-
-    /// The run's events so far, in order.
-    async fn events(&self, run_id: &str) -> Vec<runstore_pb::Event> {
-        let mut watch = self
-            .runs
-            .clone()
-            .watch_run(authed(
-                runstore_pb::WatchRunRequest {
-                    run_id: run_id.into(),
-                    heartbeat_interval: Some(prost_types::Duration {
-                        seconds: 1,
-                        nanos: 0,
-                    }),
-                    ..Default::default()
-                },
-                TOKEN,
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut events = Vec::new();
-        // Every event stored so far comes before the first heartbeat.
-        while let Some(update) = watch.next().await {
-            match update.unwrap().update {
-                Some(runstore_pb::watch_run_response::Update::Event(e)) => events.push(e),
-                Some(runstore_pb::watch_run_response::Update::Heartbeat(_)) | None => break,
-                _ => {}
-            }
-        }
-        events
     }
 
     fn suspends(&self) -> usize {

@@ -57,27 +57,8 @@ pub(super) async fn run_launched(
     }
     // The runner's signals, for the agent: one byte each.
     let signals = tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let kinds = [
-            (SignalKind::interrupt(), nix::sys::signal::Signal::SIGINT),
-            (SignalKind::terminate(), nix::sys::signal::Signal::SIGTERM),
-            (SignalKind::hangup(), nix::sys::signal::Signal::SIGHUP),
-            (SignalKind::quit(), nix::sys::signal::Signal::SIGQUIT),
-        ];
-        let mut streams = Vec::new();
-        for (kind, sig) in kinds {
-            if let Ok(stream) = signal(kind) {
-                streams.push((stream, sig));
-            }
-        }
-        loop {
-            let next = futures::future::select_all(
-                streams
-                    .iter_mut()
-                    .map(|(s, n)| Box::pin(async move { s.recv().await.map(|_| *n) })),
-            )
-            .await;
-            let Some(sig) = next.0 else { return };
+        let mut signals = super::RunnerSignals::new();
+        while let Some(sig) = signals.next().await {
             if write.write_all(&[sig as i32 as u8]).await.is_err() {
                 return;
             }

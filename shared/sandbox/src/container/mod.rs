@@ -385,13 +385,10 @@ async fn run(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure> {
             cgroup_parent: spec.cgroup_parent.clone(),
             memory: spec.cgroup_parent.is_none().then_some(bytes),
             memory_swap: spec.cgroup_parent.is_none().then_some(bytes),
-            nano_cpus: Some((spec.limits.cpus * 1e9) as i64),
-            pids_limit: Some(i64::from(spec.limits.pids)),
             network_mode: Some(spec.network_mode.clone()),
-            security_opt: Some(vec!["no-new-privileges".to_owned()]),
             // A reaping pid 1, as bubblewrap gives the process driver's agents.
             init: Some(true),
-            ..Default::default()
+            ..bounded(&spec.limits)
         }),
         ..Default::default()
     };
@@ -490,6 +487,20 @@ async fn run(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure> {
         )
         .await;
     Ok(status)
+}
+
+/// What every sandbox container is held to: its limits (memory with swap, CPUs, pids)
+/// and no new privileges.
+fn bounded(limits: &SandboxLimits) -> HostConfig {
+    let bytes = (limits.memory_mib << 20) as i64;
+    HostConfig {
+        memory: Some(bytes),
+        memory_swap: Some(bytes),
+        nano_cpus: Some((limits.cpus * 1e9) as i64),
+        pids_limit: Some(i64::from(limits.pids)),
+        security_opt: Some(vec!["no-new-privileges".to_owned()]),
+        ..Default::default()
+    }
 }
 
 /// The warm path: the agent starts by exec in the warm container the driver gave the
@@ -751,29 +762,9 @@ enum Target {
 /// stop its to obey. SIGKILL cannot be caught; the driver's destroy removes the container
 /// for it.
 fn forward_signals(docker: Docker, target: Target) -> tokio::task::JoinHandle<()> {
-    use nix::sys::signal::Signal;
-    use tokio::signal::unix::{SignalKind, signal};
     tokio::spawn(async move {
-        let kinds = [
-            (SignalKind::interrupt(), Signal::SIGINT),
-            (SignalKind::terminate(), Signal::SIGTERM),
-            (SignalKind::hangup(), Signal::SIGHUP),
-            (SignalKind::quit(), Signal::SIGQUIT),
-        ];
-        let mut streams = Vec::new();
-        for (kind, name) in kinds {
-            if let Ok(stream) = signal(kind) {
-                streams.push((stream, name));
-            }
-        }
-        loop {
-            let next = futures::future::select_all(
-                streams
-                    .iter_mut()
-                    .map(|(s, n)| Box::pin(async move { s.recv().await.map(|_| *n) })),
-            )
-            .await;
-            let Some(sig) = next.0 else { return };
+        let mut signals = RunnerSignals::new();
+        while let Some(sig) = signals.next().await {
             match &target {
                 Target::Container(name) => {
                     let _ = docker
@@ -797,4 +788,42 @@ fn forward_signals(docker: Docker, target: Target) -> tokio::task::JoinHandle<()
             }
         }
     })
+}
+
+/// The signals a runner sends its agent's wrapper, which the wrapper passes on: an
+/// interrupt is the agent's to handle, a stop its to obey.
+struct RunnerSignals {
+    streams: Vec<(tokio::signal::unix::Signal, nix::sys::signal::Signal)>,
+}
+
+impl RunnerSignals {
+    fn new() -> Self {
+        use nix::sys::signal::Signal;
+        use tokio::signal::unix::{SignalKind, signal};
+        let kinds = [
+            (SignalKind::interrupt(), Signal::SIGINT),
+            (SignalKind::terminate(), Signal::SIGTERM),
+            (SignalKind::hangup(), Signal::SIGHUP),
+            (SignalKind::quit(), Signal::SIGQUIT),
+        ];
+        let streams = kinds
+            .into_iter()
+            .filter_map(|(kind, sig)| Some((signal(kind).ok()?, sig)))
+            .collect();
+        Self { streams }
+    }
+
+    /// The next signal received; None once none can come.
+    async fn next(&mut self) -> Option<nix::sys::signal::Signal> {
+        if self.streams.is_empty() {
+            return None;
+        }
+        let next = futures::future::select_all(
+            self.streams
+                .iter_mut()
+                .map(|(s, n)| Box::pin(async move { s.recv().await.map(|_| *n) })),
+        )
+        .await;
+        next.0
+    }
 }

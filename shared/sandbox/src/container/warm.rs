@@ -264,7 +264,6 @@ impl WarmPool {
         let resolv_conf = dir.join(crate::process::network::RESOLV_CONF);
         std::fs::write(&resolv_conf, "")
             .map_err(|e| format!("writing {}: {e}", resolv_conf.display()))?;
-        let bytes = (limits.memory_mib << 20) as i64;
         let name = format!("{PREFIX}{warm_id}");
         let launcher = is_launcher(&self.spec.holder);
         let mut binds = vec![
@@ -293,14 +292,9 @@ impl WarmPool {
             ])),
             host_config: Some(HostConfig {
                 binds: Some(binds),
-                memory: Some(bytes),
-                memory_swap: Some(bytes),
-                nano_cpus: Some((limits.cpus * 1e9) as i64),
-                pids_limit: Some(i64::from(limits.pids)),
                 // Loopback only until a sandbox takes it and brings its network up.
                 network_mode: Some("none".to_owned()),
-                security_opt: Some(vec!["no-new-privileges".to_owned()]),
-                ..Default::default()
+                ..super::bounded(limits)
             }),
             ..Default::default()
         };
