@@ -652,3 +652,17 @@ async fn a_profiles_own_image_runs_its_sandboxes_and_no_others() {
         "{out}"
     );
 }
+
+/// The directory a warm container's holder listens in is bound writable from the host:
+/// an agent filling it fills a small tmpfs, never the host's disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_containers_launch_directory_is_not_the_hosts_disk() {
+    let dev = dev(Start::Warm, &[]).await;
+    let (status, out, err) = run(
+        &dev,
+        "if dd if=/dev/zero of=/.runplane/fill bs=1024 count=4096 2>/dev/null; then echo filled; else echo refused; fi",
+    )
+    .await;
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("refused") && !out.contains("filled"), "{out}");
+}

@@ -273,9 +273,9 @@ impl WarmPool {
         ];
         let entrypoint = match launcher {
             true => {
+                // Writable by the container's root: a small tmpfs, not the host's disk.
                 let launch = dir.join(LAUNCH_HOST_DIR);
-                std::fs::create_dir_all(&launch)
-                    .map_err(|e| format!("making {}: {e}", launch.display()))?;
+                crate::process::limits::mount_tmpfs(&launch, 64).await?;
                 binds.push(format!("{}:{LAUNCH_DIR}", launch.display()));
                 vec![HOLDER.to_owned(), format!("{LAUNCH_DIR}/{LAUNCH_SOCKET}")]
             }
@@ -382,6 +382,7 @@ impl WarmPool {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         self.spec.enforcer.release(&format!("warm-{id}"), dir).await;
+        crate::process::limits::unmount(&dir.join(LAUNCH_HOST_DIR)).await;
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -471,6 +471,38 @@ async fn make_image(image: &Path, disk_mib: u64) -> Result<(), String> {
     std::fs::rename(&partial, image).map_err(|e| format!("keeping {}: {e}", image.display()))
 }
 
+/// Mounts a tmpfs of `kib` KiB at `path` (made when missing), unless something is
+/// mounted there already: a directory bound writable into a container whose size must
+/// not be the host disk's.
+pub async fn mount_tmpfs(path: &Path, kib: u32) -> Result<(), String> {
+    std::fs::create_dir_all(path).map_err(|e| format!("making {}: {e}", path.display()))?;
+    if mounted(path) {
+        return Ok(());
+    }
+    let options = format!("size={kib}k,mode=0700,nosuid,nodev,noexec");
+    run(
+        "mount",
+        &[
+            "-t".as_ref(),
+            "tmpfs".as_ref(),
+            "-o".as_ref(),
+            options.as_ref(),
+            "tmpfs".as_ref(),
+            path.as_os_str(),
+        ],
+        None,
+    )
+    .await
+    .map_err(|e| format!("mounting a tmpfs at {}: {e}", path.display()))
+}
+
+/// Unmounts what is mounted at `path` (lazily), if anything is.
+pub async fn unmount(path: &Path) {
+    if mounted(path) {
+        let _ = run("umount", &["-l".as_ref(), path.as_os_str()], None).await;
+    }
+}
+
 async fn unmount_workspace(dir: &Path) {
     let workspace = dir.join(crate::contract::WORKSPACE_DIR);
     if mounted(&workspace) {

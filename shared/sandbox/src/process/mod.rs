@@ -702,6 +702,7 @@ impl Driver for ProcessDriver {
                 && let Some((_, enforcer)) = this.containment.limits()
             {
                 enforcer.release(&id, &dir).await;
+                limits::unmount(&dir.join(crate::container::warm::LAUNCH_HOST_DIR)).await;
                 network::down(&dir, &id).await;
             }
             stopped
