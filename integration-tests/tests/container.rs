@@ -666,3 +666,54 @@ async fn a_warm_containers_launch_directory_is_not_the_hosts_disk() {
     assert!(status.success(), "{out}\n{err}");
     assert!(out.contains("refused") && !out.contains("filled"), "{out}");
 }
+
+/// The engine's stop (an operator's `podman stop`, say) signals a container's pid 1 only:
+/// a warm container's holder passes it to the agent, which gets its grace (its TERM trap
+/// runs) and ends its run as it chooses; the container ends with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_stop_of_a_warm_container_reaches_its_agent() {
+    let dev = dev(Start::Warm, &[]).await;
+    let cli = run_command(
+        &dev,
+        "trap 'echo stopped gracefully; exit 0' TERM; echo ready; while true; do sleep 0.1; done",
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let id = runplane_integration_tests::sandboxes::eventually(
+        Duration::from_secs(60),
+        "the running container",
+        || async { containers_of(&dev).into_iter().next() },
+    )
+    .await;
+    assert_eq!(started_as(&dev, &id), Start::Warm);
+    // The agent has started (its holder answered its pid) once its first line is out.
+    runplane_integration_tests::wait_for(
+        "the agent to start",
+        Duration::from_secs(60),
+        async || {
+            std::fs::read_to_string(dev.data.join("sandboxes").join(&id).join("runner.log"))
+                .is_ok_and(|log| log.contains("agent started"))
+        },
+    )
+    .await;
+    assert!(
+        engine::call(
+            &dev.engine,
+            "POST",
+            &format!("/containers/runplane-{id}/stop?t=30")
+        ),
+        "stopping the container"
+    );
+    let out = tokio::time::timeout(Duration::from_secs(60), cli.wait_with_output())
+        .await
+        .expect("the run ends")
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("stopped gracefully"), "{stdout}\n{stderr}");
+    assert!(stderr.contains("runplane: succeeded"), "{stdout}\n{stderr}");
+}

@@ -10,7 +10,9 @@
 //! engine confines it with. The holder then answers its pid, forwards the signals the
 //! wrapper writes (one byte each, the signal's number), reaps every process of the
 //! container (it is pid 1), and when the agent ends kills what it left (as the end of a
-//! pid namespace's init would) and answers its exit status. No engine
+//! pid namespace's init would) and answers its exit status. The engine's stop signals
+//! reach pid 1 only: the holder passes them to the agent, and ends with it (at once, when
+//! there is no agent). No engine
 //! call is on that path: a warm start costs what starting a process costs.
 //!
 //! The wire:

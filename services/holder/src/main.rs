@@ -6,17 +6,30 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 use runplane_holder::{Answer, MAX_REQUEST_BYTES, Request};
 
+/// The agent's pid while it runs; 0 before and after.
+static AGENT: AtomicI32 = AtomicI32::new(0);
+/// The engine asked the container to stop.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+/// `runplane-holder --exec COMMAND…`: the agent, about to start.
+const EXEC: &str = "--exec";
+
 fn main() -> ExitCode {
     let Some(socket) = std::env::args().nth(1) else {
         eprintln!("usage: runplane-holder <socket>");
         return ExitCode::from(2);
     };
+    if socket == EXEC {
+        return exec_agent(std::env::args().skip(2).collect());
+    }
+    take_stop_signals();
     let _ = std::fs::remove_file(&socket);
     let listener = match UnixListener::bind(&socket) {
         Ok(listener) => listener,
@@ -33,7 +46,10 @@ fn main() -> ExitCode {
     drop(listener);
     let _ = std::fs::remove_file(&socket);
     let (agent, conn) = match launched {
-        Ok(launched) => launched,
+        Ok(launched) => {
+            AGENT.store(launched.0.as_raw(), Ordering::SeqCst);
+            launched
+        }
         Err(e) => {
             eprintln!("runplane-holder: {e}");
             reap_for_ever(None)
@@ -51,6 +67,53 @@ fn main() -> ExitCode {
         });
     }
     reap_for_ever(Some((agent, conn)))
+}
+
+/// The engine's stop signals the container's pid 1 only, and pid 1 has no default
+/// action: the holder takes SIGTERM, SIGINT, SIGHUP and SIGQUIT on a thread of its own
+/// (blocked everywhere else; the agent starts with an empty mask, as std gives every
+/// child) and passes them to the agent, so a stop gives it its grace. With no agent to
+/// pass them to, the holder ends, and the container with it.
+fn take_stop_signals() {
+    use nix::sys::signal::SigSet;
+    let mut stops = SigSet::empty();
+    for signal in [
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+    ] {
+        stops.add(signal);
+    }
+    if stops.thread_block().is_err() {
+        return;
+    }
+    std::thread::spawn(move || {
+        while let Ok(signal) = stops.wait() {
+            STOPPING.store(true, Ordering::SeqCst);
+            match AGENT.load(Ordering::SeqCst) {
+                0 => std::process::exit(128 + signal as i32),
+                agent => {
+                    let _ = kill(Pid::from_raw(agent), signal);
+                }
+            }
+        }
+    });
+}
+
+/// Becomes the agent `argv` with every signal unblocked; returns only when it cannot.
+fn exec_agent(argv: Vec<String>) -> ExitCode {
+    if nix::sys::signal::SigSet::all().thread_unblock().is_err() {
+        eprintln!("runplane-holder: unblocking the agent's signals");
+        return ExitCode::from(126);
+    }
+    let Some((program, args)) = argv.split_first() else {
+        return ExitCode::from(2);
+    };
+    let e = Command::new(program).args(args).exec();
+    eprintln!("runplane-holder: starting {program}: {e}");
+    // As a shell answers a command it cannot start.
+    ExitCode::from(127)
 }
 
 /// Reads one request from `conn` and starts its agent; its pid, answered too.
@@ -87,9 +150,12 @@ fn launch(mut conn: UnixStream) -> Result<(Pid, UnixStream), String> {
             return Err(e);
         }
     };
-    let mut command = Command::new(&request.argv[0]);
+    // Through `runplane-holder --exec`, which gives the agent the signals the holder
+    // keeps to itself (a child inherits its parent's mask) before it becomes the agent.
+    let mut command = Command::new("/proc/self/exe");
     command
-        .args(&request.argv[1..])
+        .arg(EXEC)
+        .args(&request.argv)
         .env_clear()
         .envs(request.env.iter().filter_map(|pair| pair.split_once('=')))
         .current_dir(&request.cwd)
@@ -164,6 +230,11 @@ fn reap_for_ever(mut agent: Option<(Pid, UnixStream)>) -> ! {
                     let _ = conn.write_all(Answer::Exit(code).line().as_bytes());
                     let _ = conn.flush();
                     agent = None;
+                    AGENT.store(0, Ordering::SeqCst);
+                    // Stopped by the engine: the container ends with its agent.
+                    if STOPPING.load(Ordering::SeqCst) {
+                        std::process::exit(code);
+                    }
                 }
             }
             // Nothing to reap now: an orphan may come later.

@@ -683,16 +683,8 @@ impl Driver for ProcessDriver {
             let stopped = this.stop(leader, recorded, &dir).await;
             // The container outlives a killed wrapper: stopped and removed in the engine.
             if let Some(engine) = &this.engine {
-                // The engine's stop signals only the container's pid 1. Under
-                // runplane-holder (which leaves signals to the wrapper) the agent had its
-                // grace from the session's stop above, through its wrapper: no second one.
-                let launched = dir.join(crate::container::warm::LAUNCH_HOST_DIR).exists();
-                let grace = match launched {
-                    true => std::time::Duration::ZERO,
-                    false => DESTROY_GRACE,
-                };
                 engine
-                    .remove(&crate::container::container_name(&id), grace)
+                    .remove(&crate::container::container_name(&id), DESTROY_GRACE)
                     .await
                     .map_err(DriverError::Signal)?;
             }
