@@ -26,6 +26,16 @@ pub struct ControlPlane {
     ),
 }
 
+impl Drop for ControlPlane {
+    /// What its nodes' and its own sandboxes leave mounted under its state directory
+    /// (their workspaces) goes with it: the directory is in the system's temporary
+    /// directory, where the test command's own release does not look, and each mount
+    /// would hold a loop device for good.
+    fn drop(&mut self) {
+        crate::release_sandboxes(self.state.path());
+    }
+}
+
 impl ControlPlane {
     pub async fn start(token: &str, extra: &[(&'static str, &str)]) -> Self {
         const RECEIPT_KEY: &str =
