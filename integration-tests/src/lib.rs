@@ -190,6 +190,14 @@ fn remove_containers_of(state_dir: &Path) {
     }
 }
 
+/// A `[[credential_health.profiles]]` entry named `name` on `runplane dev`'s credential
+/// `local`, with `extra` (TOML lines of its own: limits, an image) at its end.
+pub fn profile_toml(name: &str, extra: &str) -> String {
+    format!(
+        "[[credential_health.profiles]]\nname = \"{name}\"\ncredential_id = \"local\"\ncapacity = 2\nerror_pattern = \"API Error:\"\nexhausted_pattern = \"quota exceeded\"\n{extra}\n"
+    )
+}
+
 /// `runplane run -- sh -c <script>` against `dev`, whose data (and operator token) is in
 /// `data`, ready to spawn: no config file or token of the caller's, stdin closed.
 pub fn run_script_command(dev: &Process, data: &Path, script: &str) -> Command {

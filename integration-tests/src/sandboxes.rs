@@ -132,6 +132,24 @@ impl ControlPlane {
         .await
     }
 
+    /// ResolveRoute of `sandbox_id` for a client's `session_id`, as a reattach asks it.
+    pub async fn resolve_route(
+        &self,
+        sandbox_id: &str,
+        session_id: &str,
+    ) -> Result<reconciler_pb::ResolveRouteResponse, tonic::Status> {
+        SandboxServiceClient::new(crate::lazy_channel(&self.endpoint))
+            .resolve_route(runplane_testkit::authed(
+                reconciler_pb::ResolveRouteRequest {
+                    sandbox_id: sandbox_id.to_owned(),
+                    session_id: session_id.to_owned(),
+                },
+                &self.token,
+            ))
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
     /// Steers `text` to `run_id`, keyed `key`.
     pub async fn steer(&self, run_id: &str, text: &str, key: &str) {
         self.runs()
@@ -518,4 +536,9 @@ pub fn run_key_in_memory(pid: u32) -> Option<String> {
         }
     }
     None
+}
+
+/// Idle-suspended and published unplaced: what a node makes of a parked agent's sandbox.
+pub fn parked(s: &reconciler_pb::Sandbox) -> bool {
+    s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty()
 }

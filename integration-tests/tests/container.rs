@@ -614,11 +614,7 @@ async fn a_profiles_own_image_runs_its_sandboxes_and_no_others() {
     let marked = MarkedImage::make(&engine, &image);
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let config = dir.path().join("runplane.toml");
-    let profile = |name: &str, image: &str| {
-        format!(
-            "[[credential_health.profiles]]\nname = \"{name}\"\ncredential_id = \"local\"\ncapacity = 2\nerror_pattern = \"API Error:\"\nexhausted_pattern = \"quota exceeded\"\n{image}\n"
-        )
-    };
+    let profile = runplane_integration_tests::profile_toml;
     std::fs::write(
         &config,
         profile("marked", &format!("image = \"{}\"", marked.name)) + &profile("plain", ""),

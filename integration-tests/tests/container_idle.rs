@@ -14,13 +14,12 @@ use std::time::Duration;
 
 use runplane_integration_tests::engine::{self, Start, WARM, engine_and_image};
 use runplane_integration_tests::sandboxes::{
-    ControlPlane, ReapSession, eventually, mint_node_credential, node_ready,
+    ControlPlane, ReapSession, eventually, mint_node_credential, node_ready, parked,
 };
 use runplane_integration_tests::{channel, runplane_bin, wait_for};
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
-use runplane_testkit::authed;
 
 const TOKEN: &str = "container-idle-operator-token-0123456789abc";
 const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -232,11 +231,6 @@ fn running_on_its_node(s: &reconciler_pb::Sandbox) -> bool {
     s.status() == reconciler_pb::SandboxStatus::Started && s.active_node_id == NODE
 }
 
-/// Idle-suspended and published unplaced.
-fn parked(s: &reconciler_pb::Sandbox) -> bool {
-    s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty()
-}
-
 /// Whether an engine `State` is that of a paused container.
 fn is_paused(state: &serde_json::Value) -> bool {
     state["Paused"] == true || state["Status"] == "paused"
@@ -367,17 +361,10 @@ async fn a_reattach_unpauses_a_parked_container_and_a_steer_ends_it(start: Start
         .await;
     let (sandbox, _reap) = suspended_and_paused(&cluster, start, &run.id).await;
 
-    let resolve = || {
-        authed(
-            reconciler_pb::ResolveRouteRequest {
-                sandbox_id: sandbox.id.clone(),
-                session_id: "session-1".into(),
-            },
-            TOKEN,
-        )
-    };
-    let mut api = cluster.api.clone();
-    let refused = api.resolve_route(resolve()).await.unwrap_err();
+    let refused = cluster
+        .resolve_route(&sandbox.id, "session-1")
+        .await
+        .unwrap_err();
     assert_eq!(
         runplane_grpc::error_info(&refused).unwrap().reason,
         "NOT_PLACED"
@@ -392,7 +379,10 @@ async fn a_reattach_unpauses_a_parked_container_and_a_steer_ends_it(start: Start
         .container_state(&sandbox.id)
         .expect("the restored sandbox's container");
     assert!(is_running_unpaused(&state), "not running unpaused: {state}");
-    let route = api.resolve_route(resolve()).await.unwrap().into_inner();
+    let route = cluster
+        .resolve_route(&sandbox.id, "session-1")
+        .await
+        .unwrap();
     assert_eq!(route.node_id, NODE);
 
     cluster.steer_go(&run.id, "cidle-reattach-steer-001").await;

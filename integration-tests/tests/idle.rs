@@ -10,10 +10,9 @@ use std::time::Duration;
 
 use runplane_integration_tests::channel;
 use runplane_integration_tests::sandboxes::{
-    ControlPlane, ReapSession, eventually, start_node_logging,
+    ControlPlane, ReapSession, eventually, parked, start_node_logging,
 };
 use runplane_proto::reconciler::v1 as reconciler_pb;
-use runplane_proto::reconciler::v1::sandbox_service_client::SandboxServiceClient;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
 use runplane_testkit::authed;
@@ -27,7 +26,6 @@ const SUSPENDED: &str = "idle: suspended";
 /// every sandbox; the agent's log is kept to count its suspends.
 struct Cluster {
     runs: RunServiceClient<tonic::transport::Channel>,
-    api: SandboxServiceClient<tonic::transport::Channel>,
     node_dir: std::path::PathBuf,
     node_log: std::path::PathBuf,
     _node: tokio::process::Child,
@@ -69,7 +67,6 @@ impl Cluster {
         );
         Self {
             runs: RunServiceClient::new(channel(&endpoint).await),
-            api: SandboxServiceClient::new(channel(&endpoint).await),
             node_dir,
             node_log,
             _node: node,
@@ -123,11 +120,6 @@ fn running_on_its_node(s: &reconciler_pb::Sandbox) -> bool {
     s.status() == reconciler_pb::SandboxStatus::Started && !s.active_node_id.is_empty()
 }
 
-/// Idle-suspended and published unplaced.
-fn parked(s: &reconciler_pb::Sandbox) -> bool {
-    s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_agent_that_is_working_is_never_suspended_and_finishes() {
     // Each node listens on its advertised endpoint: a free port, not a shared one.
@@ -172,17 +164,10 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
     assert_eq!(cluster.suspends(), 1);
 
     // The reattach: not placed, a wake is queued, and the node holding it restores it.
-    let resolve = || {
-        authed(
-            reconciler_pb::ResolveRouteRequest {
-                sandbox_id: sandbox.id.clone(),
-                session_id: "session-1".into(),
-            },
-            TOKEN,
-        )
-    };
-    let mut api = cluster.api.clone();
-    let refused = api.resolve_route(resolve()).await.unwrap_err();
+    let refused = cluster
+        .resolve_route(&sandbox.id, "session-1")
+        .await
+        .unwrap_err();
     assert_eq!(
         runplane_grpc::error_info(&refused).unwrap().reason,
         "NOT_PLACED"
@@ -190,7 +175,10 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
     cluster
         .sandbox_when(&run.id, "the wake to restore it", running_on_its_node)
         .await;
-    let route = api.resolve_route(resolve()).await.unwrap().into_inner();
+    let route = cluster
+        .resolve_route(&sandbox.id, "session-1")
+        .await
+        .unwrap();
     assert_eq!(route.node_id, "node-i");
 
     // Still parked, but its runner has not had a poll answered since the restore (the

@@ -160,11 +160,7 @@ async fn a_workspace_is_held_to_its_disk_limit() {
 async fn a_profiles_own_limits_bound_its_sandboxes_and_no_others() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let config = dir.path().join("runplane.toml");
-    let profile = |name: &str, limits: &str| {
-        format!(
-            "[[credential_health.profiles]]\nname = \"{name}\"\ncredential_id = \"local\"\ncapacity = 2\nerror_pattern = \"API Error:\"\nexhausted_pattern = \"quota exceeded\"\n{limits}\n"
-        )
-    };
+    let profile = runplane_integration_tests::profile_toml;
     std::fs::write(
         &config,
         profile("small", "limits = { memory_mib = 64 }") + &profile("roomy", ""),
@@ -228,7 +224,10 @@ async fn a_profiles_image_is_refused_by_the_process_driver() {
     let config = dir.path().join("runplane.toml");
     std::fs::write(
         &config,
-        "[[credential_health.profiles]]\nname = \"imaged\"\ncredential_id = \"local\"\ncapacity = 2\nerror_pattern = \"API Error:\"\nexhausted_pattern = \"quota exceeded\"\nimage = \"docker.io/library/python:3.12\"\n",
+        runplane_integration_tests::profile_toml(
+            "imaged",
+            "image = \"docker.io/library/python:3.12\"",
+        ),
     )
     .unwrap();
     let data = dir.path().join("data");

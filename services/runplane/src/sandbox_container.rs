@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use runplane_config::{PullPolicy, SandboxLimits};
-use runplane_sandbox::container::{AgentContainer, run_agent};
+use runplane_sandbox::container::{AgentContainer, WarmStart, run_agent};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -78,9 +78,13 @@ pub async fn run(args: Args) -> anyhow::Result<i32> {
         ending: args.ending,
         cgroup_parent: args.cgroup_parent,
         cgroup_memory_events: args.cgroup_memory_events,
-        warm: args.warm,
-        launch: args.launch,
-        holder_pid: args.holder_pid,
+        warm: match (args.warm, args.launch, args.holder_pid) {
+            (false, _, _) => None,
+            (true, Some(socket), Some(holder_pid)) => {
+                Some(WarmStart::Launch { socket, holder_pid })
+            }
+            (true, _, _) => Some(WarmStart::Exec),
+        },
         argv: args.argv,
     })
     .await)

@@ -21,7 +21,6 @@ pub(super) async fn run_launched(
     holder_pid: u32,
 ) -> Result<i32, Failure> {
     let name = container_name(&spec.sandbox_id);
-    let memory_events = crate::process::limits::memory_events_of(holder_pid);
     let request = Request {
         cwd: crate::contract::WORKSPACE.to_owned(),
         argv: spec.argv.clone(),
@@ -70,18 +69,17 @@ pub(super) async fn run_launched(
         let why = "the holder closed before the agent ended".to_owned();
         return Err(gone_or(spec, &name, "while its agent ran", why).await);
     };
-    if memory_events
+    // Read once the agent ended, off its start: the container's memory cgroup lives as
+    // long as its holder, which outlives the agent.
+    if crate::process::limits::memory_events_of(holder_pid)
         .as_deref()
         .is_some_and(crate::process::limits::oom_killed)
     {
         note_oom(spec);
-    } else if status == 128 + 9 {
+    } else if status == 128 + 9 && !container_runs(spec, &name).await {
         // Killed with its container, which was stopped or removed from outside: an
         // agent that kills itself leaves its container running.
-        let why = format!("the agent was killed (status {status})");
-        if let failure @ (_, Some(_), _) = gone_or(spec, &name, "while its agent ran", why).await {
-            return Err(failure);
-        }
+        return Err(lost(&name, "while its agent ran"));
     }
     Ok(status)
 }
@@ -117,8 +115,17 @@ fn hand_over(socket: &Path, request: &[u8]) -> Result<std::os::unix::net::UnixSt
 /// The holder failed `when`: lost when its container no longer runs (stopped or
 /// removed from outside; the driver started it), else the holder's failure.
 async fn gone_or(spec: &AgentContainer, name: &str, when: &str, why: String) -> Failure {
+    match container_runs(spec, name).await {
+        false => lost(name, when),
+        true => engine_failure(format!("container {name}: {why}")),
+    }
+}
+
+/// Whether the engine says container `name` runs; true when it cannot say (the engine
+/// unreachable is no proof the container went).
+async fn container_runs(spec: &AgentContainer, name: &str) -> bool {
     match connect(&spec.engine).await {
-        Ok(docker) if !super::running(&docker, name).await => lost(name, when),
-        _ => engine_failure(format!("container {name}: {why}")),
+        Ok(docker) => super::running(&docker, name).await,
+        Err(_) => true,
     }
 }

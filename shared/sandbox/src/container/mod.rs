@@ -128,13 +128,7 @@ impl Engine {
         // state improper"): the container is then exited, and a second removal takes it.
         let mut failed = None;
         for _ in 0..3 {
-            match docker
-                .remove_container(
-                    name,
-                    Some(RemoveContainerOptionsBuilder::new().force(true).build()),
-                )
-                .await
-            {
+            match force_remove(docker, name).await {
                 Ok(()) => return Ok(()),
                 Err(e) if not_found(&e) => return Ok(()),
                 Err(e) => failed = Some(e),
@@ -188,16 +182,21 @@ pub async fn sweep(
         };
         let owned = sandbox.as_deref().is_some_and(&live);
         if !owned && let Some(id) = container.id {
-            let _ = docker
-                .remove_container(
-                    &id,
-                    Some(RemoveContainerOptionsBuilder::new().force(true).build()),
-                )
-                .await;
+            let _ = force_remove(docker, &id).await;
             removed.push(name);
         }
     }
     Ok(removed)
+}
+
+/// Removes container `name` (or id) whatever it is doing: killed first if it runs.
+async fn force_remove(docker: &Docker, name: &str) -> Result<(), bollard::errors::Error> {
+    docker
+        .remove_container(
+            name,
+            Some(RemoveContainerOptionsBuilder::new().force(true).build()),
+        )
+        .await
 }
 
 /// Whether the engine answered that what was asked for is not there.
@@ -258,12 +257,8 @@ pub struct AgentContainer {
     pub cgroup_parent: Option<String>,
     pub cgroup_memory_events: Option<PathBuf>,
     /// The sandbox took a warm container ([`warm`]), already named for it, with its
-    /// limits, workspace and network: the agent starts in it by exec, or through its
-    /// holder's socket `launch` when its holder is `runplane-holder` (whose pid on this
-    /// host is `holder_pid`).
-    pub warm: bool,
-    pub launch: Option<PathBuf>,
-    pub holder_pid: Option<u32>,
+    /// limits, workspace and network; None: the wrapper makes the sandbox's container.
+    pub warm: Option<WarmStart>,
     /// The agent's command.
     pub argv: Vec<String>,
 }
@@ -283,6 +278,16 @@ impl AgentContainer {
     }
 }
 
+/// How the agent starts in a warm container.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WarmStart {
+    /// By the engine's exec (its holder only waits).
+    Exec,
+    /// Through `runplane-holder`'s socket, the holder's pid on this host being
+    /// `holder_pid` ([`launch`]).
+    Launch { socket: PathBuf, holder_pid: u32 },
+}
+
 /// Runs the agent in its container, attached to this process's stdio, and returns the
 /// exit status to end with: the agent's, 128 + N for a signal, or
 /// [`EXIT_IMAGE_UNAVAILABLE`] with the reason on stderr.
@@ -293,11 +298,13 @@ pub async fn run_agent(spec: AgentContainer) -> i32 {
     if let Some(events) = &spec.memory_events {
         let _ = std::fs::remove_file(events);
     }
-    let ran = match (&spec.launch, spec.holder_pid) {
-        (Some(socket), Some(pid)) if spec.warm => launch::run_launched(&spec, socket, pid).await,
-        _ => match connect(&spec.engine).await {
+    let ran = match &spec.warm {
+        Some(WarmStart::Launch { socket, holder_pid }) => {
+            launch::run_launched(&spec, socket, *holder_pid).await
+        }
+        warm => match connect(&spec.engine).await {
             Err(e) => Err(engine_failure(e)),
-            Ok(docker) if spec.warm => run_warm(&docker, &spec).await,
+            Ok(docker) if warm.is_some() => run_warm(&docker, &spec).await,
             Ok(docker) => run(&docker, &spec).await,
         },
     };
@@ -348,12 +355,7 @@ async fn run(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure> {
     let name = container_name(&spec.sandbox_id);
     // A container of an earlier runner of this sandbox is that runner's: this one starts
     // the agent afresh.
-    let _ = docker
-        .remove_container(
-            &name,
-            Some(RemoveContainerOptionsBuilder::new().force(true).build()),
-        )
-        .await;
+    let _ = force_remove(docker, &name).await;
     let bytes = (spec.limits.memory_mib << 20) as i64;
     let body = ContainerCreateBody {
         image: Some(spec.image.clone()),
@@ -480,12 +482,7 @@ async fn run(docker: &Docker, spec: &AgentContainer) -> Result<i32, Failure> {
         // remove kills first), which is the sandbox lost, not an exit of its agent's.
         return Err(lost(&name, "while its agent ran"));
     }
-    let _ = docker
-        .remove_container(
-            &name,
-            Some(RemoveContainerOptionsBuilder::new().force(true).build()),
-        )
-        .await;
+    let _ = force_remove(docker, &name).await;
     Ok(status)
 }
 

@@ -48,7 +48,7 @@ pub const LAUNCH_HOST_DIR: &str = "launch";
 
 /// Whether `holder` is runplane's own, which starts agents through its socket (else, as
 /// catatonit, it only waits, and agents start by the engine's exec).
-pub fn is_launcher(holder: &Path) -> bool {
+fn is_launcher(holder: &Path) -> bool {
     holder
         .file_name()
         .is_some_and(|name| name.to_string_lossy().starts_with("runplane-holder"))
@@ -143,6 +143,8 @@ pub struct PoolSpec {
 pub struct WarmPool {
     engine: Arc<Engine>,
     spec: PoolSpec,
+    /// Its holder is `runplane-holder`, which starts agents itself.
+    launcher: bool,
     ready: std::sync::Mutex<Vec<String>>,
     filling: AtomicBool,
 }
@@ -158,6 +160,7 @@ pub struct Taken {
 impl WarmPool {
     pub fn new(engine: Arc<Engine>, spec: PoolSpec) -> Arc<Self> {
         Arc::new(Self {
+            launcher: is_launcher(&spec.holder),
             engine,
             spec,
             ready: Default::default(),
@@ -265,7 +268,7 @@ impl WarmPool {
         std::fs::write(&resolv_conf, "")
             .map_err(|e| format!("writing {}: {e}", resolv_conf.display()))?;
         let name = format!("{PREFIX}{warm_id}");
-        let launcher = is_launcher(&self.spec.holder);
+        let launcher = self.launcher;
         let mut binds = vec![
             format!("{}:{HOLDER}:ro", self.spec.holder.display()),
             format!("{}:{WORKSPACE}", workspace.display()),
@@ -370,8 +373,9 @@ impl WarmPool {
             .map_err(|e| format!("renaming {name}: {e}"))?;
         std::fs::rename(self.dir(warm_id), dir)
             .map_err(|e| format!("moving {name}'s directory to {}: {e}", dir.display()))?;
-        let launch =
-            is_launcher(&self.spec.holder).then(|| dir.join(LAUNCH_HOST_DIR).join(LAUNCH_SOCKET));
+        let launch = self
+            .launcher
+            .then(|| dir.join(LAUNCH_HOST_DIR).join(LAUNCH_SOCKET));
         Ok(Taken { holder_pid, launch })
     }
 

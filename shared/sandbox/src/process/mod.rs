@@ -142,11 +142,7 @@ impl ProcessDriver {
             return;
         };
         let owner = self.state_dir.display().to_string();
-        let live = |sandbox_id: &str| {
-            std::fs::read_to_string(self.dir(sandbox_id).join("pid")).is_ok_and(|pid| {
-                Self::live_pid(&format!("pid:{}", pid.trim()), sandbox_id).is_some()
-            })
-        };
+        let live = |sandbox_id: &str| self.recorded_live(sandbox_id).is_some();
         match crate::container::sweep(engine, &owner, live).await {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(?removed, "removed containers no live sandbox owns");
@@ -460,6 +456,13 @@ impl ProcessDriver {
         )
     }
 
+    /// The pid sandbox `sandbox_id`'s directory recorded, if that process is alive and
+    /// still this sandbox's.
+    fn recorded_live(&self, sandbox_id: &str) -> Option<i32> {
+        let pid = std::fs::read_to_string(self.dir(sandbox_id).join("pid")).ok()?;
+        Self::live_pid(&format!("pid:{}", pid.trim()), sandbox_id)
+    }
+
     /// The pid in `handle` if that process is alive and still this sandbox's.
     fn live_pid(handle: &str, sandbox_id: &str) -> Option<i32> {
         let pid: i32 = handle.strip_prefix("pid:")?.parse().ok()?;
@@ -537,11 +540,8 @@ impl Driver for ProcessDriver {
             if let Some(pid) = Self::live_pid(&existing, &id) {
                 return Ok(format!("pid:{pid}"));
             }
-            if let Ok(pid) = std::fs::read_to_string(dir.join("pid")) {
-                let handle = format!("pid:{}", pid.trim());
-                if Self::live_pid(&handle, &id).is_some() {
-                    return Ok(handle);
-                }
+            if let Some(pid) = this.recorded_live(&id) {
+                return Ok(format!("pid:{pid}"));
             }
             let warm = this.take_warm(&spec, &dir).await;
             std::fs::create_dir_all(&dir).map_err(|e| DriverError::Start(e.to_string()))?;
