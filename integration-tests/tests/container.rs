@@ -46,6 +46,21 @@ async fn pool_ready(start: Start, engine: &str, data: &Path) {
     }
 }
 
+/// The data directory of a test's `runplane dev`, as deep as an operator's may be: its
+/// sandboxes' sockets have paths longer than a socket's address holds (107 bytes).
+fn deep_data_dir(dir: &tempfile::TempDir) -> PathBuf {
+    let data = dir
+        .path()
+        .join("a-data-directory-as-deep-as-an-operators-own-may-be")
+        .join("data");
+    let socket = data
+        .join("sandboxes")
+        .join("00000000-0000-0000-0000-000000000000")
+        .join("launch/launch.sock");
+    assert!(socket.as_os_str().len() > 107, "{}", socket.display());
+    data
+}
+
 /// How sandbox `id`'s container started: a warm one carries its warm label.
 fn started_as(dev: &Dev, id: &str) -> Start {
     let inspected = engine::get(&dev.engine, &format!("/containers/runplane-{id}/json"));
@@ -56,7 +71,7 @@ fn started_as(dev: &Dev, id: &str) -> Start {
 async fn dev(start: Start, env: &[(&str, &str)]) -> Dev {
     let (engine, _) = engine_and_image();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let data = dir.path().join("data");
+    let data = deep_data_dir(&dir);
     let owned = engine::container_env(start);
     let mut all = engine::borrowed(&owned);
     all.push(("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__PULL", "never"));
@@ -450,7 +465,7 @@ async fn a_container_removed_from_outside_ends_its_run_once_as_lost(start: Start
 async fn a_container_run_survives_a_restart_of_dev(start: Start) {
     let (engine, _) = engine_and_image();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let data = dir.path().join("data");
+    let data = deep_data_dir(&dir);
     let addr = runplane_testkit::free_local_addr().to_string();
     let owned = engine::container_env(start);
     let env = engine::borrowed(&owned);
@@ -499,7 +514,7 @@ async fn a_container_run_survives_a_restart_of_dev(start: Start) {
 async fn a_restarted_driver_removes_the_containers_it_no_longer_owns() {
     let (engine, image) = engine_and_image();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let data = dir.path().join("data");
+    let data = deep_data_dir(&dir);
     let state = data.join("sandboxes");
     let addr = runplane_testkit::free_local_addr().to_string();
     let owned = engine::container_env(Start::Warm);

@@ -87,8 +87,8 @@ pub(super) async fn run_launched(
 /// Connects to the holder and hands it this process's stdio and the request.
 fn hand_over(socket: &Path, request: &[u8]) -> Result<std::os::unix::net::UnixStream, String> {
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-    let mut stream = std::os::unix::net::UnixStream::connect(socket)
-        .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+    let mut stream =
+        connect_socket(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
     let length = (request.len() as u32).to_le_bytes();
     let fds = [
         std::io::stdin().as_raw_fd(),
@@ -112,6 +112,20 @@ fn hand_over(socket: &Path, request: &[u8]) -> Result<std::os::unix::net::UnixSt
     Ok(stream)
 }
 
+/// Connects to the socket at `path` however long the path is. A socket's address holds at
+/// most 107 bytes and a state directory may be deep, so the connect goes through the
+/// socket's directory held open: `/proc/self/fd/<dir>/<name>` is short whatever `path` is.
+fn connect_socket(path: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(std::io::Error::other("not a socket's path"));
+    };
+    let dir = std::fs::File::open(dir)?;
+    let short = Path::new("/proc/self/fd")
+        .join(dir.as_raw_fd().to_string())
+        .join(name);
+    std::os::unix::net::UnixStream::connect(short)
+}
+
 /// The holder failed `when`: lost when its container no longer runs (stopped or
 /// removed from outside; the driver started it), else the holder's failure.
 async fn gone_or(spec: &AgentContainer, name: &str, when: &str, why: String) -> Failure {
@@ -127,5 +141,32 @@ async fn container_runs(spec: &AgentContainer, name: &str) -> bool {
     match connect(&spec.engine).await {
         Ok(docker) => super::running(&docker, name).await,
         Err(_) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_socket_deeper_than_an_address_holds_is_reached() {
+        let root = tempfile::tempdir().unwrap();
+        let deep = root.path().join("d".repeat(60)).join("e".repeat(60));
+        std::fs::create_dir_all(&deep).unwrap();
+        let socket = deep.join("launch.sock");
+        assert!(socket.as_os_str().len() > 108, "{}", socket.display());
+        // Bound the same way: a process with the directory open (the holder binds it
+        // in the container, where the path is short).
+        let dir = std::fs::File::open(&deep).unwrap();
+        let bound = Path::new("/proc/self/fd")
+            .join(dir.as_raw_fd().to_string())
+            .join("launch.sock");
+        let listener = std::os::unix::net::UnixListener::bind(bound).unwrap();
+        let mut stream = connect_socket(&socket).unwrap();
+        stream.write_all(b"x").unwrap();
+        let (mut accepted, _) = listener.accept().unwrap();
+        let mut byte = [0u8; 1];
+        std::io::Read::read_exact(&mut accepted, &mut byte).unwrap();
+        assert_eq!(&byte, b"x");
     }
 }
