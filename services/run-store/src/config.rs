@@ -18,6 +18,8 @@ pub struct RunStoreSettings {
     pub max_run_duration_seconds: u32,
     /// How often the deadline sweep runs.
     pub deadline_sweep_interval: Duration,
+    /// How orgs share credentials and what each may hold (`[run_store.tenancy]`).
+    pub tenancy: runplane_config::TenancyConfig,
 }
 
 impl RunStoreSettings {
@@ -45,6 +47,7 @@ impl RunStoreSettings {
             deadline_sweep_interval: Duration::from_millis(
                 config.run_store.deadline_sweep_interval_ms.into(),
             ),
+            tenancy: config.run_store.tenancy.clone(),
         })
     }
 }

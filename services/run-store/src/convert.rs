@@ -65,6 +65,7 @@ pub fn run(model: &run::Model) -> runstore_pb::Run {
         } else {
             String::new()
         },
+        priority: model.priority,
     }
 }
 

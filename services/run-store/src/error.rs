@@ -35,6 +35,17 @@ pub enum RunStoreError {
     #[error("acknowledgement {index}: a {kind} cannot be dropped; only a steer can")]
     AckDropForbidden { index: usize, kind: &'static str },
 
+    #[error(
+        "org {org} has {limit} {what}, its quota ({quota}); nothing was created: create it again once some have {until}"
+    )]
+    QuotaExceeded {
+        org: String,
+        quota: &'static str,
+        limit: u64,
+        what: &'static str,
+        until: &'static str,
+    },
+
     #[error("{0}")]
     Upstream(String),
     #[error("missing or unknown bearer token")]
@@ -100,6 +111,7 @@ impl ServiceError for RunStoreError {
             E::KeyReused { .. } => (Code::InvalidArgument, ErrorReason::IdempotencyKeyReused),
             E::AckInvalid { .. } => (Code::InvalidArgument, ErrorReason::AckIdInvalid),
             E::AckDropForbidden { .. } => (Code::InvalidArgument, ErrorReason::AckDropForbidden),
+            E::QuotaExceeded { .. } => (Code::ResourceExhausted, ErrorReason::QuotaExceeded),
             E::Upstream(_) => (Code::Unavailable, ErrorReason::UpstreamUnavailable),
             E::Unauthenticated => (Code::Unauthenticated, ErrorReason::Unauthenticated),
             E::RunKeyInvalid => (Code::Unauthenticated, ErrorReason::RunKeyInvalid),
@@ -129,6 +141,13 @@ impl ServiceError for RunStoreError {
             | E::AckDropForbidden { index, .. } => metadata([("index", index.to_string())]),
             E::CursorInvalid => metadata([("field", "page_token".to_owned())]),
             E::KeyReused { field } => metadata([("field", (*field).to_owned())]),
+            E::QuotaExceeded {
+                org, quota, limit, ..
+            } => metadata([
+                ("org_id", org.clone()),
+                ("quota", (*quota).to_owned()),
+                ("limit", limit.to_string()),
+            ]),
             E::Upstream(_) => metadata([("upstream", "credential_health".to_owned())]),
             E::RunNotFound { run_id } | E::ReceiptNotSealed { run_id } => {
                 metadata([("run_id", run_id.clone())])

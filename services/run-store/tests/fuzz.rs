@@ -65,10 +65,20 @@ fn create_request() -> impl Strategy<Value = runstore_pb::CreateRunRequest> {
         text(4200),
         proptest::collection::vec(text(64), 0..260),
         proptest::collection::hash_map(text(70), text(300), 0..40),
-        proptest::option::of(duration()),
+        (
+            proptest::option::of(duration()),
+            proptest::option::of(prop_oneof![any::<i32>(), -2i32..12]),
+        ),
     )
         .prop_map(
-            |((client_request_id, org_id, lead_id), target, command, args, labels, max)| {
+            |(
+                (client_request_id, org_id, lead_id),
+                target,
+                command,
+                args,
+                labels,
+                (max, priority),
+            )| {
                 runstore_pb::CreateRunRequest {
                     client_request_id,
                     org_id,
@@ -78,6 +88,7 @@ fn create_request() -> impl Strategy<Value = runstore_pb::CreateRunRequest> {
                     args,
                     labels: labels.into_iter().collect::<HashMap<_, _>>(),
                     max_duration: max,
+                    priority,
                 }
             },
         )

@@ -31,6 +31,10 @@ pub struct RunArgs {
     /// the profile's max_run_seconds, if any.
     #[arg(long, value_name = "DUR", value_parser = crate::duration::parse_positive)]
     max_duration: Option<Duration>,
+    /// Where the run stands among this org's queued runs on its credential, 0 to 9:
+    /// higher starts first. Default: the profile's priority (0 for a credential).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(i32).range(0..=9))]
+    priority: Option<i32>,
     /// How often the server is asked for a heartbeat while the run is quiet, 1s to 60s.
     /// A stream silent for three heartbeats (a wedged replica, a proxy that stopped
     /// forwarding) is re-opened after the last event printed, on a new connection.
@@ -63,6 +67,7 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
             args: rest.to_vec(),
             labels: Default::default(),
             max_duration: args.max_duration.map(crate::duration::to_proto),
+            priority: args.priority,
         })
         .await
         .map_err(crate::connect::rpc)?

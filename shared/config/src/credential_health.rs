@@ -69,6 +69,11 @@ pub struct ProfileConfig {
     /// seconds; 0 for none.
     #[serde(default, alias = "maxRunSeconds")]
     pub max_run_seconds: u32,
+    /// The priority (0 to 9, higher first) of a run created through this profile
+    /// without one of its own. It orders an org's own queued runs; orgs share a
+    /// credential by their weights (`[run_store.tenancy]`) whatever their priorities.
+    #[serde(default)]
+    pub priority: u32,
     /// The orgs whose runs may use this profile's credential through it. Empty: every
     /// org (a shared credential, as the embedded default is); list the orgs on every
     /// profile of a deployment with org tokens, or one org's failures cool off another's
@@ -199,6 +204,7 @@ impl CredentialHealthConfig {
                 }
             }
             in_range(format!("{field}.capacity"), p.capacity, 1..=100_000)?;
+            in_range(format!("{field}.priority"), p.priority, 0..=9)?;
             if !seen.insert((p.name.as_str(), p.credential_id.as_str())) {
                 return Err(ConfigError::invalid(
                     field,
@@ -276,6 +282,7 @@ impl Default for ProfileConfig {
             error_pattern: r"(?i)API Error:|No response from API|overloaded_error|\b(502|503|504|529)\b.*(Bad Gateway|Unavailable|Timeout|Overloaded)".to_owned(),
             exhausted_pattern: r"(?i)credit balance is too low|insufficient_quota|quota exceeded|usage limit reached".to_owned(),
             max_run_seconds: 0,
+            priority: 0,
             orgs: Vec::new(),
             network: None,
             limits: ProfileLimits::default(),

@@ -31,7 +31,7 @@ use checks::{validate_database_url, validate_endpoint_list};
 pub use credential_health::{CredentialHealthConfig, ProfileConfig, ProfileLimits};
 pub use error::ConfigError;
 pub use node::NodeConfig;
-pub use run_store::RunStoreConfig;
+pub use run_store::{OrgTenancy, RunStoreConfig, TenancyConfig};
 pub use sandbox_reconciler::{
     ContainerConfig, DriverKind, Isolation, Limit, PullPolicy, SandboxLimits, SandboxNetwork,
     SandboxReconcilerConfig,
@@ -107,6 +107,7 @@ impl Config {
         self.credential_health.validate()?;
         self.tls.validate()?;
         self.run_store.validate_deadlines()?;
+        self.run_store.tenancy.validate()?;
         for (field, url) in [
             ("run_store.database_url", &self.run_store.database_url),
             (

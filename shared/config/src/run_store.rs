@@ -1,5 +1,8 @@
 //! `[run_store]`: the run store's database, endpoint, receipt key and limits.
 
+use std::collections::BTreeMap;
+
+use runplane_ids::Name;
 use serde::Deserialize;
 
 use crate::checks::in_range;
@@ -33,6 +36,96 @@ pub struct RunStoreConfig {
     pub max_run_duration_seconds: u32,
     /// How often a replica looks for runs past their deadline, in milliseconds.
     pub deadline_sweep_interval_ms: u32,
+    /// How orgs share credentials and how much each may hold.
+    pub tenancy: TenancyConfig,
+}
+
+/// `[run_store.tenancy]`: the slots of a credential are shared across the orgs with runs
+/// queued on it by weighted fair share, and each org holds at most its quotas.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenancyConfig {
+    /// An org's weight where `orgs` sets none, 1 to 1000: an org of weight 2 gets twice
+    /// the starts of an org of weight 1 while both have runs waiting on a credential.
+    pub default_weight: u32,
+    /// Most runs an org has STARTING or RUNNING at once; more wait QUEUED, saying so.
+    /// 0: no quota.
+    pub max_active_runs: u32,
+    /// Most runs an org has QUEUED; CreateRun past it is refused RESOURCE_EXHAUSTED
+    /// (QUOTA_EXCEEDED) and writes nothing. 0: no quota.
+    pub max_queued_runs: u32,
+    /// One org's own weight and quotas (`[run_store.tenancy.orgs.<org>]`); what it does
+    /// not set is the default above.
+    pub orgs: BTreeMap<String, OrgTenancy>,
+}
+
+/// One org's weight and quotas; an unset one is `[run_store.tenancy]`'s.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OrgTenancy {
+    pub weight: Option<u32>,
+    pub max_active_runs: Option<u32>,
+    pub max_queued_runs: Option<u32>,
+}
+
+impl Default for TenancyConfig {
+    fn default() -> Self {
+        Self {
+            default_weight: 1,
+            max_active_runs: 0,
+            max_queued_runs: 10_000,
+            orgs: BTreeMap::new(),
+        }
+    }
+}
+
+impl TenancyConfig {
+    /// `org`'s weight.
+    pub fn weight(&self, org: &str) -> u32 {
+        self.org(org).weight.unwrap_or(self.default_weight)
+    }
+
+    /// Most runs `org` has active at once; None: no quota.
+    pub fn max_active_runs(&self, org: &str) -> Option<u32> {
+        Some(
+            self.org(org)
+                .max_active_runs
+                .unwrap_or(self.max_active_runs),
+        )
+        .filter(|&n| n > 0)
+    }
+
+    /// Most runs `org` has queued; None: no quota.
+    pub fn max_queued_runs(&self, org: &str) -> Option<u32> {
+        Some(
+            self.org(org)
+                .max_queued_runs
+                .unwrap_or(self.max_queued_runs),
+        )
+        .filter(|&n| n > 0)
+    }
+
+    fn org(&self, org: &str) -> OrgTenancy {
+        self.orgs.get(org).copied().unwrap_or_default()
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        in_range(
+            "run_store.tenancy.default_weight",
+            self.default_weight,
+            1..=1000,
+        )?;
+        for (org, own) in &self.orgs {
+            let field = format!("run_store.tenancy.orgs.{org}");
+            if let Err(e) = Name::parse(org) {
+                return Err(ConfigError::invalid(field, e.to_string()));
+            }
+            if let Some(weight) = own.weight {
+                in_range(format!("{field}.weight"), weight, 1..=1000)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for RunStoreConfig {
@@ -47,6 +140,7 @@ impl Default for RunStoreConfig {
             admission: true,
             max_run_duration_seconds: 7 * 24 * 3600,
             deadline_sweep_interval_ms: 1000,
+            tenancy: TenancyConfig::default(),
         }
     }
 }

@@ -133,7 +133,7 @@ async fn send(
         }
         let pushback = classify::pushback(response.headers(), &status);
         return Attempt::Failed {
-            failure: classify::code(status.code()),
+            failure: classify::status(&status),
             last: Ok(response),
             pushback,
             reconnect: false,
@@ -158,7 +158,7 @@ async fn send(
             let response = http::Response::from_parts(parts, whole_body(data, trailers.clone()));
             match status {
                 Some(s) if s.code() != tonic::Code::Ok => Attempt::Failed {
-                    failure: classify::code(s.code()),
+                    failure: classify::status(&s),
                     pushback: trailers
                         .as_ref()
                         .map_or(Pushback::None, |t| classify::pushback(t, &s)),

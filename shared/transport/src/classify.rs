@@ -40,6 +40,23 @@ pub fn code(code: Code) -> Failure {
     }
 }
 
+/// A status answered by the server, with what its reason adds to its code: a quota
+/// refusal (`RESOURCE_EXHAUSTED` with reason `QUOTA_EXCEEDED`) holds until the caller's
+/// runs move on, so it is an answer to act on, not rate limiting to wait out.
+pub fn status(status: &tonic::Status) -> Failure {
+    match status.code() {
+        Code::ResourceExhausted
+            if status
+                .get_error_details()
+                .error_info()
+                .is_some_and(|info| info.reason == "QUOTA_EXCEEDED") =>
+        {
+            Failure::Final
+        }
+        other => code(other),
+    }
+}
+
 /// A transport error from the channel, by what its cause chain proves.
 pub fn error(error: &(dyn std::error::Error + 'static)) -> Failure {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
@@ -134,6 +151,18 @@ mod tests {
         assert_eq!(code(Code::Internal), Failure::MaybeProcessed);
         assert_eq!(code(Code::Unknown), Failure::MaybeProcessed);
         assert_eq!(code(Code::ResourceExhausted), Failure::RateLimited);
+        let quota = tonic::Status::with_error_details(
+            Code::ResourceExhausted,
+            "org acme has 10 runs queued",
+            tonic_types::ErrorDetails::with_error_info("QUOTA_EXCEEDED", "runplane.dev", []),
+        );
+        assert_eq!(status(&quota), Failure::Final);
+        let shed = tonic::Status::with_error_details(
+            Code::ResourceExhausted,
+            "busy",
+            tonic_types::ErrorDetails::with_error_info("RATE_LIMITED", "runplane.dev", []),
+        );
+        assert_eq!(status(&shed), Failure::RateLimited);
         assert_eq!(code(Code::InvalidArgument), Failure::Final);
         assert_eq!(code(Code::FailedPrecondition), Failure::Final);
         assert_eq!(code(Code::Unauthenticated), Failure::Final);

@@ -23,6 +23,8 @@ pub struct Profile {
     pub capacity: u32,
     /// The deadline of a run admitted through this profile without one of its own (s; 0 none).
     pub max_run_seconds: u32,
+    /// The priority of a run admitted through this profile without one of its own.
+    pub priority: u32,
     /// The orgs whose runs may use it; empty: every org (a shared credential).
     pub orgs: Vec<String>,
     error: Regex,
@@ -108,6 +110,7 @@ impl Profiles {
                 credential_id: p.credential_id.clone(),
                 capacity: p.capacity,
                 max_run_seconds: p.max_run_seconds,
+                priority: p.priority,
                 orgs: p.orgs.clone(),
                 error,
                 exhausted,

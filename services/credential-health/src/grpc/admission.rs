@@ -31,6 +31,7 @@ pub(super) async fn check_admission(
         value: value.to_owned(),
     };
     let mut max_run_seconds = 0;
+    let mut priority = 0;
     let (profile, candidates): (String, Vec<(String, u32)>) = match &req.target {
         Some(Target::Profile(p)) => {
             name("profile", p, true)?;
@@ -45,6 +46,7 @@ pub(super) async fn check_admission(
                 .filter(|e| e.admits(org))
                 .map(|e| {
                     max_run_seconds = max_run_seconds.max(e.max_run_seconds);
+                    priority = priority.max(e.priority);
                     (e.credential_id.clone(), e.capacity)
                 })
                 .collect();
@@ -130,6 +132,7 @@ pub(super) async fn check_admission(
         credential_id: chosen.0.clone(),
         profile,
         max_run_seconds,
+        priority,
     }))
 }
 

@@ -4,6 +4,7 @@ pub mod chain;
 pub mod ids;
 pub mod limits;
 pub mod receipt;
+pub mod share;
 pub mod state;
 pub mod validate;
 pub mod verdict;

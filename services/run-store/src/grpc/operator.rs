@@ -46,11 +46,19 @@ pub struct CheckedCreateRun {
     pub credential_id: String,
     pub labels: std::collections::BTreeMap<String, String>,
     pub max_duration: Option<Duration>,
+    /// The priority asked for; `None`: the profile's.
+    pub priority: Option<i32>,
 }
 
 /// CreateRun's checks of its request, before anything is asked or written: every field
 /// against its documented bound, `max_duration` against `max_run_duration_seconds`.
 /// Pure, so it is fuzzed (`tests/fuzz.rs`).
+/// Most arguments a run has.
+const MAX_ARGS: usize = 256;
+/// Most bytes of arguments a run has in all, so a run's spec stays a small part of any
+/// message that carries it.
+pub const MAX_ARGS_BYTES: usize = 128 * 1024;
+
 pub fn check_create_run(
     req: &runstore_pb::CreateRunRequest,
     max_run_duration_seconds: u32,
@@ -78,11 +86,26 @@ pub fn check_create_run(
         }
     };
     validate::bounded("command", &req.command, 1, 4096)?;
-    if req.args.len() > 256 {
-        return Err(RunStoreError::invalid("args", "at most 256 arguments"));
+    if req.args.len() > MAX_ARGS {
+        return Err(RunStoreError::invalid(
+            "args",
+            format!("at most {MAX_ARGS} arguments"),
+        ));
     }
     for arg in &req.args {
         validate::bounded("args", arg, 0, 4096)?;
+    }
+    let args_bytes: usize = req.args.iter().map(String::len).sum();
+    if args_bytes > MAX_ARGS_BYTES {
+        return Err(RunStoreError::invalid(
+            "args",
+            format!("at most {MAX_ARGS_BYTES} bytes in all, not {args_bytes}"),
+        ));
+    }
+    if let Some(p) = req.priority
+        && !(0..=9).contains(&p)
+    {
+        return Err(RunStoreError::invalid("priority", "must be 0 to 9"));
     }
     if req.labels.len() > 32 {
         return Err(RunStoreError::invalid("labels", "at most 32 labels"));
@@ -105,6 +128,7 @@ pub fn check_create_run(
         credential_id,
         labels,
         max_duration,
+        priority: req.priority,
     })
 }
 
@@ -150,6 +174,7 @@ impl RunService for RunApi {
             credential_id,
             labels,
             max_duration,
+            priority,
         } = check_create_run(req, s.settings.max_run_duration_seconds)?;
         scope.org_for(&req.org_id).map_err(RunStoreError::from)?;
         let mut body = serde_json::to_value((
@@ -166,6 +191,13 @@ impl RunService for RunApi {
         // made before deadlines existed stay what they were.
         if let (Some(d), Some(body)) = (max_duration, body.as_array_mut()) {
             body.push(serde_json::json!(d.as_micros() as u64));
+        }
+        // Likewise a priority, after the deadline (null when none was asked for).
+        if let (Some(p), Some(body)) = (priority, body.as_array_mut()) {
+            if max_duration.is_none() {
+                body.push(serde_json::Value::Null);
+            }
+            body.push(serde_json::json!(p));
         }
         let request_digest = digest_hex(body.to_string().as_bytes());
         // A replay returns the run it created, whatever credential health says now.
@@ -205,6 +237,8 @@ impl RunService for RunApi {
                 args: req.args.clone(),
                 labels,
                 max_duration_us: max_duration.map(|d| d.as_micros() as i64),
+                priority: priority.unwrap_or(admitted.priority),
+                max_queued: s.settings.tenancy.max_queued_runs(&req.org_id),
             })
             .await?;
         if created {
@@ -377,7 +411,11 @@ impl RunService for RunApi {
         }
         let claimed = s
             .store
-            .claim_slots((!req.unlimited).then_some(&capacity), max_runs.into())
+            .claim_slots(
+                (!req.unlimited).then_some(&capacity),
+                &s.settings.tenancy,
+                max_runs.into(),
+            )
             .await?;
         tracing::Span::current().record("claimed", claimed.len());
         for run in &claimed {

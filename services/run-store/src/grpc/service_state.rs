@@ -27,6 +27,8 @@ pub(super) struct Admitted {
     pub credential_id: String,
     /// The profile's default deadline (0: none).
     pub max_run_seconds: u32,
+    /// The profile's priority, a run's when it asks for none.
+    pub priority: i32,
 }
 
 /// What the run store's two gRPC services (and its background rounds) work with: the
@@ -64,6 +66,7 @@ impl ServiceState {
                     runstore_pb::create_run_request::Target::Profile(_) => String::new(),
                 },
                 max_run_seconds: 0,
+                priority: 0,
             });
         };
         let request = credentials_pb::CheckAdmissionRequest {
@@ -85,6 +88,7 @@ impl ServiceState {
                 Ok(Admitted {
                     credential_id: admitted.credential_id,
                     max_run_seconds: admitted.max_run_seconds,
+                    priority: i32::try_from(admitted.priority.min(9)).unwrap_or_default(),
                 })
             }
             Ok(Err(status))

@@ -48,6 +48,8 @@ pub mod run {
         pub deadline_at_us: Option<i64>,
         /// Why a queued run has not started ('' when not waiting).
         pub waiting_reason: String,
+        /// Its priority among its org's queued runs on its credential (0–9, higher first).
+        pub priority: i32,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,
@@ -221,6 +223,28 @@ pub mod keyed_answer {
         pub request_digest: String,
         pub answer: Vec<u8>,
         pub created_at_us: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod org_share {
+    use sea_orm::entity::prelude::*;
+
+    /// An org's pass on a credential: how far its starts there have taken it, in units
+    /// of a start over its weight. The row whose org is empty holds the credential's
+    /// virtual time, the pass of its latest start (see `store::slots`).
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "org_shares")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub credential_id: String,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub org_id: String,
+        pub pass: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

@@ -30,6 +30,7 @@ impl MigratorTrait for Migrator {
                 table: "runs",
                 column: "waiting_reason",
             }),
+            Box::new(AddFairShare),
         ]
     }
 }
@@ -68,6 +69,70 @@ impl MigrationTrait for AddDeadline {
                     .drop_column(Alias::new("deadline_at_us"))
                     .to_owned(),
             )
+            .await
+    }
+}
+
+/// Fair share: a run's priority (`runs.priority`), an index that reads the queue by
+/// state, credential and org (the claim's grouped counts and each org's next runs), the
+/// same for the active runs an org holds, and each org's pass on each credential
+/// (`org_shares`; see `store::slots`).
+struct AddFairShare;
+
+impl MigrationName for AddFairShare {
+    fn name(&self) -> &str {
+        "m0007_fair_share"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddFairShare {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .add_column(int32("priority").default(0).to_owned())
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index(
+                "runs_queue",
+                "runs",
+                &[
+                    "state",
+                    "credential_id",
+                    "org_id",
+                    "priority",
+                    "created_at_us",
+                ],
+                false,
+            ))
+            .await?;
+        manager
+            .create_index(index("runs_state_org", "runs", &["state", "org_id"], false))
+            .await?;
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("org_shares"))
+                    .col(text("credential_id"))
+                    .col(text("org_id"))
+                    .col(int64("pass"))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("credential_id"))
+                            .col(Alias::new("org_id")),
+                    )
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(Alias::new("org_shares")).to_owned())
             .await
     }
 }

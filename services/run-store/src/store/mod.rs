@@ -103,28 +103,7 @@ pub struct ActiveCounts {
     pub by_profile_credential: HashMap<String, u32>,
 }
 
-/// What ClaimSlots may put on one credential.
-#[derive(Debug, Clone, Default)]
-pub struct SlotLimit {
-    pub capacity: u32,
-    /// Why it takes nothing now; empty when it may.
-    pub unavailable: String,
-}
-
-/// Why a queued run on `credential` is passed over, `free` being its slots left (≤ 0).
-fn waiting_reason(credential: &str, limit: Option<&SlotLimit>, free: i64) -> String {
-    match limit {
-        None => format!("credential {credential} is not in the fleet"),
-        Some(l) if !l.unavailable.is_empty() => {
-            format!("credential {credential} is {}", l.unavailable)
-        }
-        Some(l) => format!(
-            "credential {credential} is full: {} of {} slots busy",
-            i64::from(l.capacity) - free,
-            l.capacity
-        ),
-    }
-}
+pub use crate::domain::share::SlotLimit;
 
 /// A new run as CreateRun asks for it.
 #[derive(Debug, Clone)]
@@ -140,6 +119,10 @@ pub struct NewRun {
     pub labels: std::collections::BTreeMap<String, String>,
     /// How long the run may live from its creation; `None` for no deadline.
     pub max_duration_us: Option<i64>,
+    /// Its place among its org's queued runs (0–9, higher first).
+    pub priority: i32,
+    /// Most runs its org may have queued; `None`: no quota.
+    pub max_queued: Option<u32>,
 }
 
 /// Filters and position of a ListRuns page.

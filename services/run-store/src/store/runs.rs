@@ -41,16 +41,14 @@ impl Store {
             sandbox_id: String::new(),
             deadline_at_us: new.max_duration_us.map(|d| now.saturating_add(d)),
             waiting_reason: String::new(),
+            priority: new.priority,
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,
             updated_at_us: now,
         };
-        match run::Entity::insert(model.clone().into_active_model())
-            .exec_without_returning(&self.db)
-            .await
-        {
-            Ok(_) => Ok((model, true)),
+        match self.insert_under_quota(&model, new.max_queued).await? {
+            Ok(()) => Ok((model, true)),
             // A concurrent create with the same id won the unique index; answer with its run.
             Err(e) if is_unique_violation(&e) => {
                 let existing = self
@@ -61,6 +59,51 @@ impl Store {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Inserts `run` unless its org already has `max_queued` runs queued. One lock per
+    /// org holds the count and the insert together, so concurrent creates of one org
+    /// never pass the quota (SQLite holds the database's write lock already).
+    async fn insert_under_quota(
+        &self,
+        run: &run::Model,
+        max_queued: Option<u32>,
+    ) -> Result<std::result::Result<(), sea_orm::DbErr>> {
+        let txn = self.write_tx().await?;
+        if let Some(quota) = max_queued {
+            if self.postgres {
+                txn.execute_raw(sea_orm::Statement::from_sql_and_values(
+                    sea_orm::DbBackend::Postgres,
+                    "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+                    [format!("runplane.queued:{}", run.org_id).into()],
+                ))
+                .await?;
+            }
+            let queued = run::Entity::find()
+                .filter(run::Column::State.eq(RunState::Queued))
+                .filter(run::Column::OrgId.eq(run.org_id.as_str()))
+                .count(&txn)
+                .await?;
+            if queued >= u64::from(quota) {
+                return Err(RunStoreError::QuotaExceeded {
+                    org: run.org_id.clone(),
+                    quota: "run_store.tenancy.max_queued_runs",
+                    limit: quota.into(),
+                    what: "runs queued",
+                    until: "started",
+                });
+            }
+        }
+        // The insert's own failure (a concurrent create with the same id) is the
+        // caller's to read.
+        if let Err(e) = run::Entity::insert(run.clone().into_active_model())
+            .exec_without_returning(&txn)
+            .await
+        {
+            return Ok(Err(e));
+        }
+        txn.commit().await?;
+        Ok(Ok(()))
     }
 
     /// The run this org already created with `request_id`, if any; a reused id with

@@ -42,6 +42,7 @@ pub struct Harness {
     >,
     /// What the store signs receipts with, for tests that write through the store itself.
     pub signer: runplane_run_store::domain::receipt::ReceiptSigner,
+    configure: fn(&mut Config),
     _backend: Backend,
 }
 
@@ -59,12 +60,18 @@ pub type RunClient = RunServiceClient<InterceptedService<Channel, Bearer>>;
 pub type RunnerClient = RunnerServiceClient<InterceptedService<Channel, Bearer>>;
 
 impl Harness {
-    /// A second replica on this one's database.
+    /// A second replica on this one's database, configured as this one is.
     pub async fn replica(&self) -> Self {
-        Self::start(Backend::Shared(self._backend.url())).await
+        let configure = self.configure;
+        Self::start_with(Backend::Shared(self._backend.url()), configure).await
     }
 
     pub async fn start(backend: Backend) -> Self {
+        Self::start_with(backend, |_| {}).await
+    }
+
+    /// A run store whose configuration `configure` changes after the harness's own.
+    pub async fn start_with(backend: Backend, configure: fn(&mut Config)) -> Self {
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(SERVICE_TOKEN);
         config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
@@ -79,6 +86,7 @@ impl Harness {
         // credential health in services/credential-health/tests.
         config.run_store.admission = false;
         config.run_store.max_batch_events = 100;
+        configure(&mut config);
         let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
             .await
             .expect("run store opens");
@@ -115,6 +123,7 @@ impl Harness {
             stop: Some(stop),
             served: Some(served),
             signer,
+            configure,
             _backend: backend,
         }
     }
@@ -229,6 +238,7 @@ pub fn create_request(request_id: &str) -> runstore_pb::CreateRunRequest {
         args: vec!["--task".into(), "fix".into()],
         labels: Default::default(),
         max_duration: None,
+        priority: None,
     }
 }
 
