@@ -69,6 +69,20 @@ pub fn run(model: &run::Model) -> runstore_pb::Run {
     }
 }
 
+/// A run as `view` says: the basic view without its spec and its verdict's message.
+pub fn run_in(model: &run::Model, view: runstore_pb::RunView) -> runstore_pb::Run {
+    let mut run = run(model);
+    if view == runstore_pb::RunView::Basic {
+        run.command.clear();
+        run.args.clear();
+        run.labels.clear();
+        if let Some(verdict) = run.verdict.as_mut() {
+            verdict.message.clear();
+        }
+    }
+    run
+}
+
 pub fn event(model: &event::Model) -> runstore_pb::Event {
     runstore_pb::Event {
         run_id: model.run_id.clone(),

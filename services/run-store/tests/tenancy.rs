@@ -56,6 +56,7 @@ runplane_testkit::on_both_backends!(
     an_org_at_its_active_quota_waits_and_says_so_while_others_start,
     a_create_past_the_queued_quota_is_refused_by_name_and_writes_nothing,
     oversized_or_out_of_range_runs_are_refused_by_name_and_write_nothing,
+    runs_with_maximal_arguments_fit_every_claim_and_listing,
 );
 
 fn request(org: &str, credential: &str, id: &str) -> runstore_pb::CreateRunRequest {
@@ -314,4 +315,67 @@ async fn oversized_or_out_of_range_runs_are_refused_by_name_and_write_nothing(h:
         assert_eq!(error_info(&refused).unwrap().metadata["field"], "priority");
     }
     assert!(listed(&h, "acme").await.is_empty());
+}
+
+/// One org's runs with about 1 MiB of arguments each pushed ListRuns and ClaimSlots past
+/// the 4 MiB a client decodes, and dispatch stopped for every org. Now a run's arguments
+/// are at most 128 KiB, a claim answers without them, and a listing pages by bytes.
+async fn runs_with_maximal_arguments_fit_every_claim_and_listing(h: Harness) {
+    let maximal = vec!["a".repeat(4096); 32];
+    for i in 0..40 {
+        create(
+            &h,
+            runstore_pb::CreateRunRequest {
+                args: maximal.clone(),
+                ..request("acme", "c1", &format!("maximal-{i}"))
+            },
+        )
+        .await;
+    }
+    // 40 runs of 128 KiB: 5 MiB of arguments, past what a client decodes in one message.
+    let claimed = claim(&h, &[("c1", 100, "")]).await;
+    assert_eq!(claimed.len(), 40);
+    assert!(
+        claimed
+            .iter()
+            .all(|r| r.args.is_empty() && r.command.is_empty())
+    );
+    let mut op = h.operator().await;
+    let mut pages = 0;
+    let mut seen = 0;
+    let mut page_token = String::new();
+    loop {
+        let page = op
+            .list_runs(runstore_pb::ListRunsRequest {
+                org_id: "acme".into(),
+                page_size: 500,
+                page_token,
+                ..Default::default()
+            })
+            .await
+            .expect("every page decodes")
+            .into_inner();
+        pages += 1;
+        assert!(page.runs.iter().all(|r| r.args == maximal));
+        seen += page.runs.len();
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    assert_eq!(seen, 40);
+    assert!(pages >= 3, "2 MiB pages: {pages}");
+    let basic = op
+        .list_runs(runstore_pb::ListRunsRequest {
+            org_id: "acme".into(),
+            page_size: 500,
+            view: runstore_pb::RunView::Basic as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(basic.runs.len(), 40);
+    assert!(basic.next_page_token.is_empty());
+    assert!(basic.runs.iter().all(|r| r.args.is_empty()));
 }

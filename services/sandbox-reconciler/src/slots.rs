@@ -64,6 +64,7 @@ pub async fn runs_to_place(
         .list_runs(runstore_pb::ListRunsRequest {
             states: vec![runstore_pb::RunState::Starting as i32],
             page_size: 500,
+            view: runstore_pb::RunView::Basic as i32,
             ..Default::default()
         })
         .await?

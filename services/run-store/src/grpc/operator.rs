@@ -53,6 +53,10 @@ pub struct CheckedCreateRun {
 /// CreateRun's checks of its request, before anything is asked or written: every field
 /// against its documented bound, `max_duration` against `max_run_duration_seconds`.
 /// Pure, so it is fuzzed (`tests/fuzz.rs`).
+/// Most bytes of runs in one ListRuns page, far below the 4 MiB a client decodes by
+/// default, whatever the runs hold.
+const MAX_PAGE_BYTES: usize = 2 << 20;
+
 /// Most arguments a run has.
 const MAX_ARGS: usize = 256;
 /// Most bytes of arguments a run has in all, so a run's spec stays a small part of any
@@ -306,21 +310,35 @@ impl RunService for RunApi {
             with_pending_messages: req.with_pending_messages,
             after: None,
             limit: u64::from(limit) + 1,
+            basic: req.view() == runstore_pb::RunView::Basic,
         };
         let filter_digest = page_filter_digest(&filter);
         if !req.page_token.is_empty() {
             filter.after = Some(decode_page_token(&req.page_token, &filter_digest)?);
         }
         let mut runs = s.store.list_runs(&filter).await?;
-        let next_page_token = if runs.len() > limit as usize {
-            runs.truncate(limit as usize);
-            let last = runs.last().expect("a full page");
-            encode_page_token(&filter_digest, last.created_at_us, &last.id)
-        } else {
-            String::new()
+        let more = runs.len() > limit as usize;
+        runs.truncate(limit as usize);
+        let mut page = Vec::with_capacity(runs.len());
+        let mut bytes = 0;
+        for run in &runs {
+            let run = convert::run_in(run, req.view());
+            bytes += prost::Message::encoded_len(&run);
+            // A page holds at least one run; a run is bounded far below the budget.
+            if bytes > MAX_PAGE_BYTES && !page.is_empty() {
+                break;
+            }
+            page.push(run);
+        }
+        let last = page.len().checked_sub(1).and_then(|i| runs.get(i));
+        let next_page_token = match last {
+            Some(last) if more || page.len() < runs.len() => {
+                encode_page_token(&filter_digest, last.created_at_us, &last.id)
+            }
+            _ => String::new(),
         };
         Ok(Response::new(runstore_pb::ListRunsResponse {
-            runs: runs.iter().map(convert::run).collect(),
+            runs: page,
             next_page_token,
         }))
     }
@@ -422,7 +440,10 @@ impl RunService for RunApi {
             s.changes.notify(&run.id);
         }
         Ok(Response::new(runstore_pb::ClaimSlotsResponse {
-            claimed: claimed.iter().map(convert::run).collect(),
+            claimed: claimed
+                .iter()
+                .map(|run| convert::run_in(run, runstore_pb::RunView::Basic))
+                .collect(),
         }))
     }
 

@@ -140,6 +140,26 @@ pub struct RunFilter {
     /// Start after this (created_at_us, id), newest first.
     pub after: Option<(i64, String)>,
     pub limit: u64,
+    /// Read the runs without their spec (command, args, labels): [`basic`].
+    pub basic: bool,
+}
+
+/// `select` of runs without their spec: command, args and labels read as empty, so a
+/// read of many runs costs the same whatever the runs hold.
+pub fn basic(select: sea_orm::Select<run::Entity>) -> sea_orm::Select<run::Entity> {
+    use sea_orm::{Iterable, QuerySelect};
+    let spec = |c: &run::Column| {
+        matches!(
+            c,
+            run::Column::Command | run::Column::Args | run::Column::Labels
+        )
+    };
+    select
+        .select_only()
+        .columns(run::Column::iter().filter(|c| !spec(c)))
+        .column_as(Expr::val(""), "command")
+        .column_as(Expr::val("[]"), "args")
+        .column_as(Expr::val("{}"), "labels")
 }
 
 /// The answer to an AppendEvents (or the final batch of a result).

@@ -170,6 +170,9 @@ impl Store {
     /// A page of runs, newest first.
     pub async fn list_runs(&self, filter: &RunFilter) -> Result<Vec<run::Model>> {
         let mut query = run::Entity::find();
+        if filter.basic {
+            query = basic(query);
+        }
         if let Some(org) = &filter.org_id {
             query = query.filter(run::Column::OrgId.eq(org.as_str()));
         }

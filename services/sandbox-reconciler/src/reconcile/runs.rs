@@ -47,6 +47,7 @@ pub(super) async fn runs_among(
                 with_pending_messages: pending,
                 page_size: RUN_IDS_PER_QUESTION as u32,
                 page_token,
+                view: runstore_pb::RunView::Basic as i32,
                 ..Default::default()
             })
             .await?

@@ -1,0 +1,3 @@
+//! Placeholder while the tenancy bench is written.
+
+fn main() {}
