@@ -174,6 +174,11 @@ pub async fn runs(
                 page_token: page_token.clone(),
                 run_ids: Vec::new(),
                 with_pending_messages: false,
+                // The table shows no spec; --json shows every field.
+                view: match args.json {
+                    true => runstore_pb::RunView::Full,
+                    false => runstore_pb::RunView::Basic,
+                } as i32,
             })
             .await
             .map_err(rpc)?
