@@ -20,6 +20,10 @@ pub struct RunStoreSettings {
     pub deadline_sweep_interval: Duration,
     /// How orgs share credentials and what each may hold (`[run_store.tenancy]`).
     pub tenancy: runplane_config::TenancyConfig,
+    /// How long ended runs and their events are kept.
+    pub retention: crate::store::Retention,
+    /// How often the retention sweep runs.
+    pub retention_sweep_interval: Duration,
 }
 
 impl RunStoreSettings {
@@ -48,6 +52,28 @@ impl RunStoreSettings {
                 config.run_store.deadline_sweep_interval_ms.into(),
             ),
             tenancy: config.run_store.tenancy.clone(),
+            retention: retention(config),
+            retention_sweep_interval: Duration::from_millis(
+                config.run_store.retention_sweep_interval_ms.into(),
+            ),
         })
+    }
+}
+
+/// Retention as `[run_store]` and the profiles that set their own say.
+fn retention(config: &Config) -> crate::store::Retention {
+    let us = |seconds: u32| i64::from(seconds) * 1_000_000;
+    crate::store::Retention {
+        runs_us: us(config.run_store.ended_run_retention_seconds),
+        runs_by_profile: config
+            .credential_health
+            .profiles
+            .iter()
+            .filter_map(|p| Some((p.name.clone(), us(p.ended_run_retention_seconds?))))
+            .collect(),
+        events_us: match config.run_store.event_retention_seconds {
+            0 => None,
+            seconds => Some(us(seconds)),
+        },
     }
 }

@@ -116,7 +116,8 @@ impl RunStore {
     }
 
     /// Starts the run store's rounds in the background: the deadline sweep every
-    /// `[run_store] deadline_sweep_interval_ms`, and (with admission) the outbox of
+    /// `[run_store] deadline_sweep_interval_ms`, the retention sweep every
+    /// `retention_sweep_interval_ms`, and (with admission) the outbox of
     /// failed turns owed to credential health. A round that fails is retried by the next;
     /// they stop at the server's shutdown ([`RunStore::register`]).
     pub fn start(&self) {
@@ -130,6 +131,8 @@ impl RunStore {
         tokio::pin!(shutdown);
         let mut sweep = tokio::time::interval(self.state.settings.deadline_sweep_interval);
         let mut deliver = tokio::time::interval(outbox::EVERY);
+        let mut retain = tokio::time::interval(self.state.settings.retention_sweep_interval);
+        retain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         deliver.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -138,6 +141,11 @@ impl RunStore {
                 _ = sweep.tick() => {
                     if let Err(e) = self.sweep_deadlines().await {
                         tracing::warn!(error = %e, "deadline sweep failed; next round retries");
+                    }
+                }
+                _ = retain.tick() => {
+                    if let Err(e) = self.sweep_retention().await {
+                        tracing::warn!(error = %e, "retention sweep failed; next round retries");
                     }
                 }
                 _ = deliver.tick(), if self.state.credential_health.is_some() => {
@@ -163,6 +171,25 @@ impl RunStore {
             }
         }
         Ok(ended)
+    }
+
+    /// One retention pass (tests drive it by hand with this): deletes the events, ended
+    /// runs and delivered outbox rows whose time is up, in bounded batches.
+    pub async fn sweep_retention(&self) -> Result<store::Swept, RunStoreError> {
+        let swept = self
+            .state
+            .store
+            .sweep_retention(&self.state.settings.retention)
+            .await?;
+        if swept != store::Swept::default() {
+            tracing::info!(
+                events = swept.events,
+                runs = swept.runs,
+                outbox = swept.outbox,
+                "retention deleted what its time let go"
+            );
+        }
+        Ok(swept)
     }
 
     /// Delivers due outbox rows once (tests drive delivery by hand with this). Each row is

@@ -74,6 +74,10 @@ pub struct ProfileConfig {
     /// credential by their weights (`[run_store.tenancy]`) whatever their priorities.
     #[serde(default)]
     pub priority: u32,
+    /// How long an ended run of this profile is kept, in seconds from its end (10 at
+    /// least); unset, `run_store.ended_run_retention_seconds`.
+    #[serde(default)]
+    pub ended_run_retention_seconds: Option<u32>,
     /// The orgs whose runs may use this profile's credential through it. Empty: every
     /// org (a shared credential, as the embedded default is); list the orgs on every
     /// profile of a deployment with org tokens, or one org's failures cool off another's
@@ -205,6 +209,13 @@ impl CredentialHealthConfig {
             }
             in_range(format!("{field}.capacity"), p.capacity, 1..=100_000)?;
             in_range(format!("{field}.priority"), p.priority, 0..=9)?;
+            if let Some(seconds) = p.ended_run_retention_seconds {
+                in_range(
+                    format!("{field}.ended_run_retention_seconds"),
+                    seconds,
+                    10..=u32::MAX,
+                )?;
+            }
             if !seen.insert((p.name.as_str(), p.credential_id.as_str())) {
                 return Err(ConfigError::invalid(
                     field,
@@ -283,6 +294,7 @@ impl Default for ProfileConfig {
             exhausted_pattern: r"(?i)credit balance is too low|insufficient_quota|quota exceeded|usage limit reached".to_owned(),
             max_run_seconds: 0,
             priority: 0,
+            ended_run_retention_seconds: None,
             orgs: Vec::new(),
             network: None,
             limits: ProfileLimits::default(),

@@ -38,6 +38,16 @@ pub struct RunStoreConfig {
     pub deadline_sweep_interval_ms: u32,
     /// How orgs share credentials and how much each may hold.
     pub tenancy: TenancyConfig,
+    /// How long an ended run is kept, in seconds from its end, 10 at least: then it is
+    /// deleted with its events, steering messages, keys and keyed-call records. Its
+    /// receipt is kept. A profile's `ended_run_retention_seconds` replaces it.
+    pub ended_run_retention_seconds: u32,
+    /// How long an ended run's events are kept, in seconds from its end; 0: as long as
+    /// the run. Watchers asking for removed events get an `EventsGap`.
+    pub event_retention_seconds: u32,
+    /// How often a replica deletes what retention let go, in milliseconds; each pass
+    /// deletes bounded batches.
+    pub retention_sweep_interval_ms: u32,
 }
 
 /// `[run_store.tenancy]`: the slots of a credential are shared across the orgs with runs
@@ -141,6 +151,9 @@ impl Default for RunStoreConfig {
             max_run_duration_seconds: 7 * 24 * 3600,
             deadline_sweep_interval_ms: 1000,
             tenancy: TenancyConfig::default(),
+            ended_run_retention_seconds: 30 * 86_400,
+            event_retention_seconds: 0,
+            retention_sweep_interval_ms: 5000,
         }
     }
 }
@@ -186,6 +199,23 @@ impl RunStoreConfig {
             "run_store.max_poll_wait_seconds",
             self.max_poll_wait_seconds,
             1..=300,
+        )?;
+        in_range(
+            "run_store.ended_run_retention_seconds",
+            self.ended_run_retention_seconds,
+            10..=u32::MAX,
+        )?;
+        if self.event_retention_seconds != 0 {
+            in_range(
+                "run_store.event_retention_seconds",
+                self.event_retention_seconds,
+                10..=self.ended_run_retention_seconds,
+            )?;
+        }
+        in_range(
+            "run_store.retention_sweep_interval_ms",
+            self.retention_sweep_interval_ms,
+            100..=600_000,
         )?;
         Ok(())
     }

@@ -34,6 +34,10 @@ const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
     ("credential_health.profiles[].limits.pids", "unset"),
     ("credential_health.profiles[].limits.disk_mib", "unset"),
     ("credential_health.profiles[].image", "unset"),
+    (
+        "credential_health.profiles[].ended_run_retention_seconds",
+        "unset",
+    ),
 ];
 
 fn repo_file(relative: &str) -> PathBuf {

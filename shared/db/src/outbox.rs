@@ -28,7 +28,7 @@ use sea_orm::sea_query::{
 };
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DbErr, EntityTrait, IntoActiveModel, Order, QueryFilter,
-    QueryOrder,
+    QueryOrder, QuerySelect,
 };
 
 /// How long one delivery attempt may take before it counts as failed. It bounds how
@@ -166,6 +166,33 @@ pub async fn all(db: &impl ConnectionTrait) -> Result<Vec<OutboxRow>, DbErr> {
         .order_by(entity::Column::CreatedAtUs, Order::Asc)
         .all(db)
         .await
+}
+
+/// Deletes up to `limit` rows delivered (or given up on) before `before_us`; returns how
+/// many. A delivered row only dedupes a decision made again, which no longer happens
+/// once what it was about has ended long since. The rows are picked by id, then
+/// deleted by id, so the statement is bounded on every backend.
+pub async fn prune_delivered(
+    db: &impl ConnectionTrait,
+    before_us: i64,
+    limit: u64,
+) -> Result<u64, DbErr> {
+    let ids: Vec<String> = entity::Entity::find()
+        .select_only()
+        .column(entity::Column::Id)
+        .filter(entity::Column::DeliveredAtUs.lt(before_us))
+        .limit(limit)
+        .into_tuple()
+        .all(db)
+        .await?;
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    Ok(entity::Entity::delete_many()
+        .filter(entity::Column::Id.is_in(ids))
+        .exec(db)
+        .await?
+        .rows_affected)
 }
 
 /// The callee answered: the row is done.

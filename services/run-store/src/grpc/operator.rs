@@ -8,7 +8,7 @@ use base64::Engine;
 use futures::Stream;
 use prost::Message;
 use runplane_grpc::proto_duration as duration;
-use runplane_ids::RunId;
+use runplane_ids::{OrgScope, RunId};
 use runplane_proto::limits::MAX_LIST_RUNS_RUN_IDS;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_server::RunService;
@@ -836,12 +836,36 @@ impl RunService for RunApi {
     ) -> std::result::Result<Response<runstore_pb::GetReceiptResponse>, Status> {
         let s = &self.state;
         let scope = s.org_scope(&request)?;
-        let run = s.visible_run(&scope, &request.get_ref().run_id).await?;
-        let receipt = s
-            .store
-            .receipt(&run.id)
-            .await?
-            .ok_or(RunStoreError::ReceiptNotSealed { run_id: run.id })?;
+        let run_id = &request.get_ref().run_id;
+        let run = match s.visible_run(&scope, run_id).await {
+            Ok(run) => Some(run),
+            // Retention deleted the run and kept its receipt, the audit record: the
+            // receipt's own body says whose it is.
+            Err(RunStoreError::RunNotFound { .. }) => None,
+            Err(e) => return Err(e.into()),
+        };
+        let not_found = || RunStoreError::RunNotFound {
+            run_id: run_id.clone(),
+        };
+        let receipt = match (run, s.store.receipt(run_id).await?) {
+            (_, Some(receipt)) => receipt,
+            (Some(run), None) => {
+                return Err(RunStoreError::ReceiptNotSealed { run_id: run.id }.into());
+            }
+            (None, None) => return Err(not_found().into()),
+        };
+        let org = receipt
+            .body
+            .as_ref()
+            .map(|b| b.org_id.as_str())
+            .unwrap_or("");
+        let visible = match &scope {
+            OrgScope::Any => true,
+            OrgScope::Only(own) => !org.is_empty() && org == own,
+        };
+        if !visible {
+            return Err(not_found().into());
+        }
         Ok(Response::new(runstore_pb::GetReceiptResponse {
             receipt: Some(receipt),
         }))

@@ -37,13 +37,36 @@ pub(super) async fn watch(
     }
     let mut cursor = req.after_sequence;
     let mut changes = s.changes.subscribe(&req.run_id);
+    // Events retention deleted are said as one gap, then the stream goes on after it.
+    let mut pruned_through = first.events_pruned_through as u64;
     loop {
         if !req.states_only {
             loop {
+                if pruned_through > cursor {
+                    let gap = runstore_pb::EventsGap {
+                        from_sequence: cursor + 1,
+                        to_sequence: pruned_through,
+                    };
+                    cursor = pruned_through;
+                    if !send(Update::Gap(gap)).await {
+                        return Ok(());
+                    }
+                }
                 let events = s.store.events_after(&req.run_id, cursor, 500).await?;
                 let full = events.len() == 500;
                 for e in &events {
-                    cursor = e.sequence as u64;
+                    let sequence = e.sequence as u64;
+                    // Deleted while this stream read: the gap comes before what follows.
+                    if sequence > cursor + 1 {
+                        let gap = runstore_pb::EventsGap {
+                            from_sequence: cursor + 1,
+                            to_sequence: sequence - 1,
+                        };
+                        if !send(Update::Gap(gap)).await {
+                            return Ok(());
+                        }
+                    }
+                    cursor = sequence;
                     if !send(Update::Event(convert::event(e))).await {
                         return Ok(());
                     }
@@ -54,6 +77,10 @@ pub(super) async fn watch(
             }
         }
         let run = s.store.get_run(&req.run_id).await?;
+        if !req.states_only && run.events_pruned_through as u64 > cursor {
+            pruned_through = run.events_pruned_through as u64;
+            continue;
+        }
         if run.state != last_state || (run.state.is_terminal() && run.updated_at_us != last_updated)
         {
             last_state = run.state;

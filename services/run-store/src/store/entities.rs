@@ -50,6 +50,8 @@ pub mod run {
         pub waiting_reason: String,
         /// Its priority among its org's queued runs on its credential (0–9, higher first).
         pub priority: i32,
+        /// Its events up to this sequence were deleted by retention (0: none).
+        pub events_pruned_through: i64,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,

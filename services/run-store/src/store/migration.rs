@@ -31,6 +31,7 @@ impl MigratorTrait for Migrator {
                 column: "waiting_reason",
             }),
             Box::new(AddFairShare),
+            Box::new(AddRetention),
         ]
     }
 }
@@ -133,6 +134,44 @@ impl MigrationTrait for AddFairShare {
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
         manager
             .drop_table(Table::drop().table(Alias::new("org_shares")).to_owned())
+            .await
+    }
+}
+
+/// Retention: how far an ended run's events were deleted (`runs.events_pruned_through`,
+/// 0 for none), and an index that finds ended runs by when they ended.
+struct AddRetention;
+
+impl MigrationName for AddRetention {
+    fn name(&self) -> &str {
+        "m0008_retention"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddRetention {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .add_column(int64("events_pruned_through").default(0).to_owned())
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index("runs_ended", "runs", &["ended_at_us"], false))
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .drop_column(Alias::new("events_pruned_through"))
+                    .to_owned(),
+            )
             .await
     }
 }

@@ -20,6 +20,7 @@ pub mod entities;
 mod events;
 mod keys;
 pub mod migration;
+mod retention;
 mod runs;
 mod slots;
 mod steering;
@@ -40,6 +41,7 @@ use sea_orm::{
 };
 
 pub use migration::Migrator;
+pub use retention::{Retention, Swept};
 
 use crate::domain::chain::{self, ChainedEvent};
 use crate::domain::ids;

@@ -42,6 +42,7 @@ impl Store {
             deadline_at_us: new.max_duration_us.map(|d| now.saturating_add(d)),
             waiting_reason: String::new(),
             priority: new.priority,
+            events_pruned_through: 0,
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,

@@ -43,6 +43,7 @@ pub struct Harness {
     /// What the store signs receipts with, for tests that write through the store itself.
     pub signer: runplane_run_store::domain::receipt::ReceiptSigner,
     configure: fn(&mut Config),
+    clock: Option<runplane_clock::ManualClock>,
     _backend: Backend,
 }
 
@@ -60,10 +61,29 @@ pub type RunClient = RunServiceClient<InterceptedService<Channel, Bearer>>;
 pub type RunnerClient = RunnerServiceClient<InterceptedService<Channel, Bearer>>;
 
 impl Harness {
-    /// A second replica on this one's database, configured as this one is.
+    /// A second replica on this one's database, configured as this one is, on its clock.
     pub async fn replica(&self) -> Self {
-        let configure = self.configure;
-        Self::start_with(Backend::Shared(self._backend.url()), configure).await
+        Self::start_on(
+            Backend::Shared(self._backend.url()),
+            self.configure,
+            self.clock.clone(),
+        )
+        .await
+    }
+
+    /// [`Self::start_with`] on a clock that moves only by [`Self::advance`].
+    pub async fn start_manual(backend: Backend, configure: fn(&mut Config)) -> Self {
+        use runplane_clock::Clock;
+        let clock = runplane_clock::ManualClock::new(runplane_clock::SystemClock::new().now());
+        Self::start_on(backend, configure, Some(clock)).await
+    }
+
+    /// Moves the manual clock (and its replicas') forward.
+    pub fn advance(&self, by: Duration) {
+        self.clock
+            .as_ref()
+            .expect("a harness started with start_manual")
+            .advance(by);
     }
 
     pub async fn start(backend: Backend) -> Self {
@@ -72,6 +92,15 @@ impl Harness {
 
     /// A run store whose configuration `configure` changes after the harness's own.
     pub async fn start_with(backend: Backend, configure: fn(&mut Config)) -> Self {
+        Self::start_on(backend, configure, None).await
+    }
+
+    /// [`Self::start_with`] on `clock`; `None`: the system clock.
+    async fn start_on(
+        backend: Backend,
+        configure: fn(&mut Config),
+        clock: Option<runplane_clock::ManualClock>,
+    ) -> Self {
         let mut config = Config::default();
         config.auth.operator_token = Secret::new(SERVICE_TOKEN);
         config.auth.service_token = Secret::new(runplane_testkit::SERVICE_TOKEN);
@@ -87,7 +116,11 @@ impl Harness {
         config.run_store.admission = false;
         config.run_store.max_batch_events = 100;
         configure(&mut config);
-        let store = RunStore::open(&config, runplane_clock::SystemClock::shared())
+        let shared: runplane_clock::SharedClock = match &clock {
+            Some(manual) => std::sync::Arc::new(manual.clone()),
+            None => runplane_clock::SystemClock::shared(),
+        };
+        let store = RunStore::open(&config, shared)
             .await
             .expect("run store opens");
         let cuts: Cuts = Arc::default();
@@ -124,6 +157,7 @@ impl Harness {
             served: Some(served),
             signer,
             configure,
+            clock,
             _backend: backend,
         }
     }
