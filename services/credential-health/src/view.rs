@@ -32,6 +32,7 @@ pub fn credential(
         quarantined_for_seconds: quarantined,
         open_incident: open_incident.filter(|_| cooling > 0),
         queued: 0,
+        orgs: Vec::new(),
     }
 }
 

@@ -60,20 +60,33 @@ async fn a_notice_reaches_a_watcher_on_another_replica_at_once() {
 }
 
 async fn notices_of_two_orgs_with_the_same_lead_id_do_not_mix(gate: Gate) {
-    // acme's lead-1 opens an incident on the shared credential; globex's lead-1 fails
-    // on it during the cool-off and is a lead of its own, told once.
+    // acme's lead-1 opens an incident on the shared credential, for acme only; then
+    // globex's lead-1 opens one too, and the credential is out for every org. Each lead
+    // is its own, told once of its own runs.
     let a = gate.running_in("acme", "mix-a", "lead-1", "cred-s").await;
     let b = gate.running_in("acme", "mix-b", "lead-1", "cred-s").await;
-    let g = gate.running_in("globex", "mix-g", "lead-1", "cred-s").await;
+    let g1 = gate
+        .running_in("globex", "mix-g1", "lead-1", "cred-s")
+        .await;
+    let g2 = gate
+        .running_in("globex", "mix-g2", "lead-1", "cred-s")
+        .await;
     gate.fail(&a, OUTAGE).await.unwrap();
     gate.fail(&b, OUTAGE).await.unwrap();
     gate.settle().await;
-    gate.fail(&g, OUTAGE).await.unwrap();
+    gate.fail(&g1, OUTAGE).await.unwrap();
+    gate.fail(&g2, OUTAGE).await.unwrap();
     gate.settle().await;
 
     let acme = notices_only(&gate.notices_as(ACME_TOKEN, "", "lead-1", "").await.unwrap());
     assert_eq!(acme.len(), 1, "{acme:?}");
     assert_eq!(acme[0].org_id, "acme");
+    assert_eq!(acme[0].affected_orgs, ["acme"]);
+    assert!(
+        acme[0].message.contains("for org acme only"),
+        "{}",
+        acme[0].message
+    );
     let mut affected = acme[0].affected_run_ids.clone();
     affected.sort();
     let mut expected = vec![a.0.clone(), b.0.clone()];
@@ -88,8 +101,14 @@ async fn notices_of_two_orgs_with_the_same_lead_id_do_not_mix(gate: Gate) {
     );
     assert_eq!(globex.len(), 1, "{globex:?}");
     assert_eq!(globex[0].org_id, "globex");
-    assert_eq!(globex[0].affected_run_ids, vec![g.0.clone()]);
-    assert_eq!(globex[0].incident_id, acme[0].incident_id);
+    let mut affected = globex[0].affected_run_ids.clone();
+    affected.sort();
+    let mut expected = vec![g1.0.clone(), g2.0.clone()];
+    expected.sort();
+    assert_eq!(affected, expected);
+    // Two orgs' runs gave the evidence: the credential is out for every org.
+    assert!(globex[0].affected_orgs.is_empty(), "{globex:?}");
+    assert!(gate.credential("cred-s").await.cooling_off_for_seconds > 0);
 
     // The operator names the org; an org token cannot name another.
     let by_operator = notices_only(

@@ -32,6 +32,7 @@ fn slots(credential: &str, capacity: u32, unavailable: &str) -> runstore_pb::Cre
         credential_id: credential.into(),
         capacity,
         unavailable: unavailable.into(),
+        unavailable_orgs: Vec::new(),
     }
 }
 

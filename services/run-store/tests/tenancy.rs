@@ -57,6 +57,7 @@ runplane_testkit::on_both_backends!(
     a_create_past_the_queued_quota_is_refused_by_name_and_writes_nothing,
     oversized_or_out_of_range_runs_are_refused_by_name_and_write_nothing,
     runs_with_maximal_arguments_fit_every_claim_and_listing,
+    a_shared_credential_out_for_one_org_starts_the_other_orgs_runs,
 );
 
 fn request(org: &str, credential: &str, id: &str) -> runstore_pb::CreateRunRequest {
@@ -92,6 +93,7 @@ async fn claim(h: &Harness, slots: &[(&str, u32, &str)]) -> Vec<runstore_pb::Run
                     credential_id: c.to_string(),
                     capacity: *capacity,
                     unavailable: unavailable.to_string(),
+                    unavailable_orgs: Vec::new(),
                 })
                 .collect(),
             unlimited: false,
@@ -378,4 +380,39 @@ async fn runs_with_maximal_arguments_fit_every_claim_and_listing(h: Harness) {
     assert_eq!(basic.runs.len(), 40);
     assert!(basic.next_page_token.is_empty());
     assert!(basic.runs.iter().all(|r| r.args.is_empty()));
+}
+
+/// Credential health says a shared credential is out for acme alone (acme's agents
+/// reported it spent): acme's runs wait, saying so, and another org's start.
+async fn a_shared_credential_out_for_one_org_starts_the_other_orgs_runs(h: Harness) {
+    let acme = create(&h, request("acme", "shared", "out-acme")).await;
+    let gamma = create(&h, request("gamma", "shared", "in-gamma")).await;
+    let claimed = h
+        .operator()
+        .await
+        .claim_slots(runstore_pb::ClaimSlotsRequest {
+            credentials: vec![runstore_pb::CredentialSlots {
+                credential_id: "shared".into(),
+                capacity: 4,
+                unavailable: String::new(),
+                unavailable_orgs: vec![runstore_pb::UnavailableOrg {
+                    org_id: "acme".into(),
+                    reason: "quarantined for 1800 s (exhausted) for org acme".into(),
+                }],
+            }],
+            unlimited: false,
+            max_runs: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .claimed;
+    assert_eq!(
+        claimed.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        [gamma.id.as_str()]
+    );
+    assert_eq!(
+        h.get_run(&acme.id).await.waiting_reason,
+        "credential shared is quarantined for 1800 s (exhausted) for org acme"
+    );
 }

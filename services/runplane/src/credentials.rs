@@ -155,7 +155,28 @@ pub fn write_fleet(
             seconds(p.quarantined_for_seconds),
         ]);
     }
-    table(out, &rows)
+    table(out, &rows)?;
+    // A shared credential out for some orgs on their own runs' evidence, not for all.
+    let mut rows = vec![
+        ["CREDENTIAL", "OUT FOR ORG", "COOLING OFF", "QUARANTINED"]
+            .map(String::from)
+            .to_vec(),
+    ];
+    for c in &fleet.credentials {
+        for o in &c.orgs {
+            rows.push(vec![
+                c.credential_id.clone(),
+                o.org_id.clone(),
+                seconds(o.cooling_off_for_seconds),
+                seconds(o.quarantined_for_seconds),
+            ]);
+        }
+    }
+    if rows.len() > 1 {
+        writeln!(out)?;
+        table(out, &rows)?;
+    }
+    Ok(())
 }
 
 /// Follows a lead's notices, one line each, resuming after the last cursor printed when
@@ -266,6 +287,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_shared_credential_out_for_one_org_is_listed_under_that_org() {
+        let fleet = credentials_pb::GetFleetResponse {
+            credentials: vec![credentials_pb::CredentialHealth {
+                credential_id: "shared".into(),
+                capacity: 4,
+                free: 4,
+                orgs: vec![credentials_pb::OrgHealth {
+                    org_id: "acme".into(),
+                    cooling_off_for_seconds: 0,
+                    quarantined_for_seconds: 1800,
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        write_fleet(&fleet, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let row = text
+            .lines()
+            .skip_while(|l| !l.starts_with("CREDENTIAL  OUT FOR ORG"))
+            .nth(1)
+            .unwrap_or_default();
+        assert!(
+            row.starts_with("shared") && row.contains("acme") && row.contains("1800s"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn the_fleet_table_reports_cool_off_and_quarantine_in_separate_columns() {
         let fleet = credentials_pb::GetFleetResponse {
             credentials: vec![credentials_pb::CredentialHealth {
@@ -305,6 +356,7 @@ mod tests {
             lines[1].contains("cred-a") && lines[1].contains("42s"),
             "{text}"
         );
+        assert!(!text.contains("OUT FOR ORG"), "{text}");
         let cooling_col = lines[0].find("COOLING OFF").unwrap();
         let quarantined_col = lines[0].find("QUARANTINED").unwrap();
         assert_eq!(&lines[1][cooling_col..cooling_col + 3], "42s");

@@ -81,23 +81,39 @@ pub async fn runs_to_place(
 
 /// One credential of the fleet view as ClaimSlots fills it.
 fn slots_of(c: &credentials_pb::CredentialHealth) -> runstore_pb::CredentialSlots {
-    let unavailable = if c.quarantined_for_seconds > 0 {
-        format!(
-            "quarantined for {} s (exhausted)",
-            c.quarantined_for_seconds
-        )
-    } else if c.cooling_off_for_seconds > 0 {
-        format!(
-            "cooling off for {} s after repeated backend errors",
-            c.cooling_off_for_seconds
-        )
-    } else {
-        String::new()
-    };
+    let unavailable =
+        out_for(c.quarantined_for_seconds, c.cooling_off_for_seconds).unwrap_or_default();
     runstore_pb::CredentialSlots {
         credential_id: c.credential_id.clone(),
         capacity: c.capacity,
         unavailable,
+        unavailable_orgs: c
+            .orgs
+            .iter()
+            .filter_map(|o| {
+                let reason = out_for(o.quarantined_for_seconds, o.cooling_off_for_seconds)?;
+                Some(runstore_pb::UnavailableOrg {
+                    org_id: o.org_id.clone(),
+                    reason: format!("{reason} for org {} (its own runs reported it)", o.org_id),
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Why a credential (or an org's share of it) takes nothing, quarantine first; `None`
+/// when it may.
+fn out_for(quarantined_for_seconds: u32, cooling_off_for_seconds: u32) -> Option<String> {
+    if quarantined_for_seconds > 0 {
+        Some(format!(
+            "quarantined for {quarantined_for_seconds} s (exhausted)"
+        ))
+    } else if cooling_off_for_seconds > 0 {
+        Some(format!(
+            "cooling off for {cooling_off_for_seconds} s after repeated backend errors"
+        ))
+    } else {
+        None
     }
 }
 
@@ -122,6 +138,36 @@ mod tests {
         assert_eq!(
             slots_of(&c).unavailable,
             "quarantined for 1800 s (exhausted)"
+        );
+    }
+
+    #[test]
+    fn a_shared_credential_out_for_one_org_names_that_org_alone() {
+        let c = credentials_pb::CredentialHealth {
+            credential_id: "shared".into(),
+            capacity: 2,
+            orgs: vec![
+                credentials_pb::OrgHealth {
+                    org_id: "acme".into(),
+                    cooling_off_for_seconds: 30,
+                    quarantined_for_seconds: 0,
+                },
+                // Expired by the time it is read: no longer out.
+                credentials_pb::OrgHealth {
+                    org_id: "beta".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let slots = slots_of(&c);
+        assert_eq!(slots.unavailable, "");
+        assert_eq!(
+            slots.unavailable_orgs,
+            [runstore_pb::UnavailableOrg {
+                org_id: "acme".into(),
+                reason: "cooling off for 30 s after repeated backend errors for org acme (its own runs reported it)".into(),
+            }]
         );
     }
 }

@@ -224,6 +224,7 @@ async fn report_direct(
         reason,
         capacity: profile.capacity,
         profiles: vec![profile.name.clone()],
+        shared: profiles.shared(&r.credential_id),
     };
     match store.report(&report).await {
         Ok((answer, _)) => reported(&answer, &report.run_id),

@@ -158,6 +158,21 @@ impl Profiles {
             .map(|&i| &self.all[i])
     }
 
+    /// Whether `credential_id` is shared by several orgs: some profile on it admits every
+    /// org, or its profiles name more than one org. Failures on a shared credential
+    /// penalise only the org whose runs reported them until a second org's do too
+    /// (`store::turn_failures`).
+    pub fn shared(&self, credential_id: &str) -> bool {
+        let mut orgs = std::collections::BTreeSet::new();
+        for p in self.on_credential(credential_id) {
+            if p.orgs.is_empty() {
+                return true;
+            }
+            orgs.extend(p.orgs.iter().map(String::as_str));
+        }
+        orgs.len() > 1
+    }
+
     /// Every credential id, sorted, once each.
     pub fn credential_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self.all.iter().map(|p| p.credential_id.clone()).collect();

@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status};
 use super::state::HealthServiceState;
 use super::validate::name;
 use crate::error::CredentialHealthError;
+use crate::store::state_key;
 
 pub(super) async fn check_admission(
     service: &HealthServiceState,
@@ -82,22 +83,40 @@ pub(super) async fn check_admission(
         }
     };
     let ids: Vec<String> = candidates.iter().map(|(c, _)| c.clone()).collect();
-    let states = service.store.states(&ids).await?;
+    // A shared credential may be out for this org alone, on its own runs' evidence.
+    let own_key = |c: &str| state_key(c, Some(org));
+    let mut keys = ids.clone();
+    if !org.is_empty() {
+        keys.extend(
+            ids.iter()
+                .filter(|c| service.profiles.shared(c))
+                .map(|c| own_key(c)),
+        );
+    }
+    let states = service.store.states(&keys).await?;
     let now = service.store.now_ms();
-    let health = |c: &str| {
-        states.get(c).map_or((0, 0), |(st, _)| {
+    let seconds = |key: &str| {
+        states.get(key).map_or((0, 0), |(st, _)| {
             (
                 st.cooling_off_for_seconds(now),
                 st.quarantined_for_seconds(now),
             )
         })
     };
+    let health = |c: &str| {
+        let (whole, own) = (seconds(c), seconds(&own_key(c)));
+        Penalty {
+            cooling: whole.0.max(own.0),
+            quarantined: whole.1.max(own.1),
+            org_only: whole == (0, 0) && own != (0, 0),
+        }
+    };
     let healthy: Vec<&(String, u32)> = candidates
         .iter()
-        .filter(|(c, _)| health(c) == (0, 0))
+        .filter(|(c, _)| health(c).is_none())
         .collect();
     if healthy.is_empty() {
-        let refused = refusal(&profile, &candidates, health);
+        let refused = refusal(&profile, org, &candidates, health);
         if let CredentialHealthError::Refused { reason, .. } = &refused {
             metrics::admission_refusals().add(1, &[metrics::attr("reason", reason.as_str_name())]);
         }
@@ -136,34 +155,60 @@ pub(super) async fn check_admission(
     }))
 }
 
+/// What keeps a credential from taking an org's run now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Penalty {
+    cooling: u32,
+    quarantined: u32,
+    /// Only this org's share of a shared credential is out.
+    org_only: bool,
+}
+
+impl Penalty {
+    fn is_none(&self) -> bool {
+        self.cooling == 0 && self.quarantined == 0
+    }
+}
+
 /// Why nothing of `candidates` may take a run. One credential: exhaustion wins over a
 /// cool-off. A profile: the reason of the credential that becomes usable first, so the
 /// caller learns when to ask again.
 fn refusal(
     profile: &str,
+    org: &str,
     candidates: &[(String, u32)],
-    health: impl Fn(&str) -> (u32, u32),
+    health: impl Fn(&str) -> Penalty,
 ) -> CredentialHealthError {
-    let mut best: Option<(u32, &str, u32, u32)> = None;
+    let mut best: Option<(u32, &str, Penalty)> = None;
     for (c, _) in candidates {
-        let (cooling, quarantined) = health(c);
-        let usable_in = if quarantined > 0 {
-            quarantined
+        let penalty = health(c);
+        let usable_in = if penalty.quarantined > 0 {
+            penalty.quarantined
         } else {
-            cooling
+            penalty.cooling
         };
         if best.is_none_or(|(at, ..)| usable_in < at) {
-            best = Some((usable_in, c, cooling, quarantined));
+            best = Some((usable_in, c, penalty));
         }
     }
-    let (_, credential_id, cooling, quarantined) = best.expect("at least one candidate");
-    let on = if profile.is_empty() {
+    let (_, credential_id, penalty) = best.expect("at least one candidate");
+    let Penalty {
+        cooling,
+        quarantined,
+        org_only,
+    } = penalty;
+    let mut on = if profile.is_empty() {
         format!("credential {credential_id}")
     } else if candidates.len() == 1 {
         format!("profile {profile} (credential {credential_id})")
     } else {
         format!("profile {profile} (every credential; soonest {credential_id})")
     };
+    if org_only {
+        on.push_str(&format!(
+            " for org {org} (its own runs reported it; the credential is shared and other orgs still use it)"
+        ));
+    }
     let (reason, message) = if quarantined > 0 {
         (
             runplane_grpc::ErrorReason::Exhausted,

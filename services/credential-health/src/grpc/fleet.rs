@@ -42,6 +42,7 @@ pub(super) async fn get_fleet(
     ids.sort();
     ids.dedup();
     let states = service.store.states(&ids).await?;
+    let org_penalties = service.store.org_penalties(&ids).await?;
     let counts = service.count_active(ids.clone()).await?;
     let now = service.store.now_ms();
     let default_state = crate::domain::policy::CredentialState::default();
@@ -62,6 +63,16 @@ pub(super) async fn get_fleet(
                 now,
             );
             health.queued = counts.queued_by_credential.get(c).copied().unwrap_or(0);
+            health.orgs = org_penalties
+                .get(c)
+                .into_iter()
+                .flatten()
+                .map(|(org, st)| credentials_pb::OrgHealth {
+                    org_id: org.clone(),
+                    cooling_off_for_seconds: st.cooling_off_for_seconds(now),
+                    quarantined_for_seconds: st.quarantined_for_seconds(now),
+                })
+                .collect();
             health
         })
         .collect();

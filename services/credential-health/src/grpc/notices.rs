@@ -179,5 +179,6 @@ fn notice_view(n: &crate::store::entities::notice::Model) -> credentials_pb::Not
         cooling_off_for_seconds: n.cooling_off_for_seconds.max(0) as u32,
         quarantined_for_seconds: n.quarantined_for_seconds.max(0) as u32,
         created_at: Some(timestamp(n.created_at_ms)),
+        affected_orgs: serde_json::from_str(&n.affected_orgs).unwrap_or_default(),
     }
 }

@@ -78,7 +78,9 @@ pub(super) async fn report_turn_failure(
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     };
+    let shared = service.profiles.shared(&req.credential_id);
     let report = Report {
+        shared,
         turn_id: req.turn_id,
         run_id: req.run_id,
         org_id: req.org_id,

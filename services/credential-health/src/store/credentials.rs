@@ -120,8 +120,46 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Each org's own penalty on each of `credential_ids` (shared credentials' shares,
+    /// `state_key`), as of now, only where one is in force: credential → [(org, state)].
+    pub async fn org_penalties(
+        &self,
+        credential_ids: &[String],
+    ) -> Result<HashMap<String, Vec<(String, CredentialState)>>> {
+        let now = self.now_ms();
+        let mut out: HashMap<String, Vec<(String, CredentialState)>> = HashMap::new();
+        let rows = credential::Entity::find()
+            .filter(credential::Column::CredentialId.contains("@"))
+            .filter(
+                sea_orm::Condition::any()
+                    .add(credential::Column::CoolOffUntilMs.gt(now))
+                    .add(credential::Column::QuarantineUntilMs.gt(now)),
+            )
+            .all(&self.db)
+            .await?;
+        for row in rows {
+            let Some((credential, org)) = row.credential_id.split_once('@') else {
+                continue;
+            };
+            if !credential_ids.iter().any(|c| c == credential) {
+                continue;
+            }
+            let mut state = state_of(&row);
+            state.settle(now);
+            out.entry(credential.to_owned())
+                .or_default()
+                .push((org.to_owned(), state));
+        }
+        for shares in out.values_mut() {
+            shares.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        Ok(out)
+    }
+}
+
 /// The policy state a credential row holds.
-fn state_of(row: &credential::Model) -> CredentialState {
+pub(super) fn state_of(row: &credential::Model) -> CredentialState {
     CredentialState {
         evidence: serde_json::from_str(&row.evidence).unwrap_or_default(),
         cool_off_until_ms: row.cool_off_until_ms,

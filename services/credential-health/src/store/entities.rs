@@ -107,6 +107,8 @@ pub mod notice {
         pub created_at_ms: i64,
         /// Retention removed its body; kept so a watcher behind it is told of the gap.
         pub pruned: bool,
+        /// JSON array of the orgs the penalty is for; empty (or '') for every org.
+        pub affected_orgs: String,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

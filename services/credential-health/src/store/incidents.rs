@@ -62,6 +62,7 @@ impl Store {
                         credential_id: report.credential_id.clone(),
                         incident_id: id.to_owned(),
                         runs: vec![report.run_id.clone()],
+                        affected_orgs: Vec::new(),
                     });
                 }
                 model.notified_lead_ids = json(&leads);

@@ -8,7 +8,17 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(CreateCredentialHealth), Box::new(NoticesByOrg)]
+        vec![
+            Box::new(CreateCredentialHealth),
+            Box::new(NoticesByOrg),
+            // The orgs a notice's penalty is for (`notices.affected_orgs`, a JSON array;
+            // empty: every org).
+            Box::new(runplane_db::migrations::AddTextColumn {
+                name: "m0003_notice_affected_orgs",
+                table: "notices",
+                column: "affected_orgs",
+            }),
+        ]
     }
 }
 

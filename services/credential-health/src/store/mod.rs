@@ -45,6 +45,19 @@ pub struct Report {
     /// Capacity of the credential (sum over its profiles), for the answer's health.
     pub capacity: u32,
     pub profiles: Vec<String>,
+    /// The credential is shared by several orgs: the report penalises its org only,
+    /// until another org's runs are penalised too ([`state_key`]).
+    pub shared: bool,
+}
+
+/// The key of the policy state a failure of `org_id`'s run on `credential_id` moves: the
+/// credential's own, or on a shared credential the org's share of it,
+/// `<credential>@<org>` (names hold no `@`).
+pub fn state_key(credential_id: &str, org_id: Option<&str>) -> String {
+    match org_id {
+        Some(org) => format!("{credential_id}@{org}"),
+        None => credential_id.to_owned(),
+    }
 }
 
 /// What a report changed, beyond its answer.

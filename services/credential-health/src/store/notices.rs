@@ -53,12 +53,20 @@ impl Store {
         let cooling = state.cooling_off_for_seconds(now);
         let quarantined = state.quarantined_for_seconds(now);
         let runs = n.runs.join(", ");
+        // A shared credential out for the reporting org only says so.
+        let scope = match n.affected_orgs.as_slice() {
+            [] => String::new(),
+            orgs => format!(
+                " for org {} only (a shared credential: no other org's runs reported it)",
+                orgs.join(", ")
+            ),
+        };
         let (cooling, quarantined, message) = match n.kind {
             "incident_opened" => (
                 cooling,
                 0,
                 format!(
-                    "credential {} cooling off after repeated backend errors, {cooling} s; runs failed: {runs}",
+                    "credential {} cooling off{scope} after repeated backend errors, {cooling} s; runs failed: {runs}",
                     n.credential_id
                 ),
             ),
@@ -66,7 +74,7 @@ impl Store {
                 0,
                 quarantined,
                 format!(
-                    "credential {} quarantined as exhausted (spent), {quarantined} s; run failed: {runs}",
+                    "credential {} quarantined{scope} as exhausted (spent), {quarantined} s; run failed: {runs}",
                     n.credential_id
                 ),
             ),
@@ -86,6 +94,7 @@ impl Store {
                 quarantined_for_seconds: quarantined as i32,
                 created_at_ms: now,
                 pruned: false,
+                affected_orgs: json(&n.affected_orgs),
             }
             .into_active_model(),
         )
@@ -175,6 +184,8 @@ pub(super) struct NewNotice {
     pub(super) credential_id: String,
     pub(super) incident_id: String,
     pub(super) runs: Vec<String>,
+    /// The orgs the penalty is for; empty: every org.
+    pub(super) affected_orgs: Vec<String>,
 }
 
 /// One notice per (org, lead) among the failures that opened an incident, naming that
@@ -198,6 +209,7 @@ pub(super) fn incident_notices(
                 credential_id: credential_id.to_owned(),
                 incident_id: incident_id.to_owned(),
                 runs: vec![e.run_id.clone()],
+                affected_orgs: Vec::new(),
             }),
         }
     }

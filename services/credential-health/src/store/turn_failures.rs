@@ -60,7 +60,12 @@ impl Store {
                 .map_err(|e| DbErr::Custom(format!("stored answer: {e}")))?;
             return Ok(Some((answer, Changes::default())));
         }
-        let (row, mut state) = self.load(&txn, &report.credential_id).await?;
+        // On a shared credential the org's own share of it moves, never the whole.
+        let key = super::state_key(
+            &report.credential_id,
+            report.shared.then_some(report.org_id.as_str()),
+        );
+        let (row, mut state) = self.load(&txn, &key).await?;
         let now = self.now_ms();
         let mut changes = Changes::default();
 
@@ -101,6 +106,7 @@ impl Store {
                         credential_id: report.credential_id.clone(),
                         incident_id: String::new(),
                         runs: vec![report.run_id.clone()],
+                        affected_orgs: Vec::new(),
                     });
                 }
             }
@@ -109,6 +115,28 @@ impl Store {
         if !self.compare_and_set(&txn, &row, &state).await? {
             txn.rollback().await?;
             return Ok(None);
+        }
+        // A penalty of one org on a shared credential is every org's once another org's
+        // runs are penalised too; until then its notices say whose it is.
+        if report.shared && !notices.is_empty() {
+            let everyone = if changes.opened_incident || changes.quarantined {
+                match self.corroborate(&txn, report, &key, &state, now).await? {
+                    Some(everyone) => everyone,
+                    None => {
+                        txn.rollback().await?;
+                        return Ok(None);
+                    }
+                }
+            } else {
+                // A failure absorbed by an open incident: whose it is, as stored.
+                self.whole_penalised(&txn, &report.credential_id, &state, now)
+                    .await?
+            };
+            if !everyone {
+                for n in &mut notices {
+                    n.affected_orgs = vec![report.org_id.clone()];
+                }
+            }
         }
         if let Some(closed) = &expired.closed_incident {
             incident::Entity::update_many()
@@ -175,6 +203,76 @@ impl Store {
         }
         txn.commit().await?;
         Ok(Some((answer, changes)))
+    }
+}
+
+impl Store {
+    /// On shared credential `report.credential_id`, whether another org's share of it is
+    /// penalised the same way as `state` (the reporting org's, under `key`): then the
+    /// penalty becomes the credential's, for every org, and this returns `Some(true)`.
+    /// `None` when another writer changed the credential first.
+    async fn corroborate(
+        &self,
+        txn: &sea_orm::DatabaseTransaction,
+        report: &Report,
+        key: &str,
+        state: &crate::domain::policy::CredentialState,
+        now: i64,
+    ) -> Result<Option<bool>> {
+        let exhausted = report.outcome == credentials_pb::TurnOutcome::BackendExhausted;
+        let prefix = super::state_key(&report.credential_id, Some(""));
+        let others = super::entities::credential::Entity::find()
+            .filter(super::entities::credential::Column::CredentialId.starts_with(&prefix))
+            .filter(super::entities::credential::Column::CredentialId.ne(key))
+            .all(txn)
+            .await?;
+        let corroborated = others
+            .iter()
+            // LIKE's wildcards may match other credentials' rows: the prefix decides.
+            .filter(|row| row.credential_id.starts_with(&prefix))
+            .map(super::credentials::state_of)
+            .any(|mut other| {
+                other.settle(now);
+                match exhausted {
+                    true => other.quarantine_until_ms != 0,
+                    false => other.cool_off_until_ms != 0,
+                }
+            });
+        if !corroborated {
+            return Ok(Some(false));
+        }
+        let (row, mut whole) = self.load(txn, &report.credential_id).await?;
+        whole.settle(now);
+        if exhausted {
+            whole.quarantine_until_ms = whole.quarantine_until_ms.max(state.quarantine_until_ms);
+        } else if whole.cool_off_until_ms == 0 {
+            whole.cool_off_until_ms = state.cool_off_until_ms;
+            whole.open_incident = state.open_incident.clone();
+        }
+        Ok(self
+            .compare_and_set(txn, &row, &whole)
+            .await?
+            .then_some(true))
+    }
+}
+
+impl Store {
+    /// Whether the credential's own state carries `org_state`'s incident.
+    async fn whole_penalised(
+        &self,
+        txn: &sea_orm::DatabaseTransaction,
+        credential_id: &str,
+        org_state: &crate::domain::policy::CredentialState,
+        now: i64,
+    ) -> Result<bool> {
+        let whole = super::entities::credential::Entity::find_by_id(credential_id.to_owned())
+            .one(txn)
+            .await?;
+        Ok(whole.is_some_and(|row| {
+            let mut whole = super::credentials::state_of(&row);
+            whole.settle(now);
+            whole.open_incident.is_some() && whole.open_incident == org_state.open_incident
+        }))
     }
 }
 

@@ -45,11 +45,15 @@ pub struct Gate {
     pub _dbs: (Backend, Backend),
 }
 
+/// A profile on `credential` owned by org `acme`, whose runs these tests make: the
+/// seed's outage and exhaustion rules hold on it as written. A credential shared by
+/// several orgs is `owned(name, credential, &[])`.
 pub fn profile(name: &str, credential: &str) -> ProfileConfig {
     ProfileConfig {
         name: name.into(),
         credential_id: credential.into(),
         capacity: 4,
+        orgs: vec!["acme".into()],
         ..ProfileConfig::default()
     }
 }

@@ -41,6 +41,9 @@ pub struct SlotLimit {
     pub capacity: u32,
     /// Why it takes nothing now; empty when it may.
     pub unavailable: String,
+    /// Orgs whose runs it takes none of now, and why (a shared credential out for one
+    /// org on that org's own evidence).
+    pub unavailable_orgs: HashMap<String, String>,
 }
 
 /// What the plan starts from.
@@ -68,6 +71,8 @@ pub struct Plan {
     pub credential_reasons: BTreeMap<String, String>,
     /// Why every run of an org at its quota waits.
     pub org_reasons: BTreeMap<String, String>,
+    /// Why an org's runs wait on a credential that takes other orgs' runs.
+    pub pair_reasons: BTreeMap<(String, String), String>,
 }
 
 /// `runs` of `org_id`'s runs start on `credential_id`.
@@ -156,7 +161,11 @@ pub fn plan(queue: &Queue<'_>, tenancy: &TenancyConfig, max_runs: u32) -> Plan {
         let mut best: Option<(usize, Rank<'_>)> = None;
         let mut best_of: HashMap<&str, (usize, Rank<'_>)> = HashMap::new();
         for (i, w) in queue.waiting.iter().enumerate() {
-            if left[i] == 0 || free[w.credential_id.as_str()] <= 0 || room[w.org_id.as_str()] <= 0 {
+            if left[i] == 0
+                || free[w.credential_id.as_str()] <= 0
+                || room[w.org_id.as_str()] <= 0
+                || out_for_org(queue, w).is_some()
+            {
                 continue;
             }
             let key = (
@@ -228,6 +237,13 @@ pub fn plan(queue: &Queue<'_>, tenancy: &TenancyConfig, max_runs: u32) -> Plan {
                 w.org_id.clone(),
                 format!("org {} is at its quota of {quota} active runs", w.org_id),
             );
+        } else if let Some(why) = out_for_org(queue, w)
+            && free[w.credential_id.as_str()] > 0
+        {
+            out.pair_reasons.insert(
+                (w.credential_id.clone(), w.org_id.clone()),
+                format!("credential {} is {why}", w.credential_id),
+            );
         } else if let Some(capacity) = queue.capacity
             && free[w.credential_id.as_str()] <= 0
         {
@@ -249,6 +265,12 @@ pub fn plan(queue: &Queue<'_>, tenancy: &TenancyConfig, max_runs: u32) -> Plan {
         }
     }
     out
+}
+
+/// Why `w`'s credential takes none of its org's runs now, though it may take others'.
+fn out_for_org<'a>(queue: &'a Queue<'_>, w: &Waiting) -> Option<&'a str> {
+    let limit = queue.capacity?.get(&w.credential_id)?;
+    limit.unavailable_orgs.get(&w.org_id).map(String::as_str)
 }
 
 #[cfg(test)]
@@ -273,6 +295,7 @@ mod tests {
                     SlotLimit {
                         capacity: *capacity,
                         unavailable: unavailable.to_string(),
+                        ..Default::default()
                     },
                 )
             })

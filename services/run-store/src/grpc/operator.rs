@@ -419,11 +419,25 @@ impl RunService for RunApi {
         for c in &req.credentials {
             validate::name("credentials.credential_id", &c.credential_id)?;
             validate::bounded("credentials.unavailable", &c.unavailable, 0, 256)?;
+            if c.unavailable_orgs.len() > 10_000 {
+                return Err(RunStoreError::invalid(
+                    "credentials.unavailable_orgs",
+                    "at most 10000 entries",
+                )
+                .into());
+            }
+            let mut unavailable_orgs = std::collections::HashMap::new();
+            for o in &c.unavailable_orgs {
+                validate::name("credentials.unavailable_orgs.org_id", &o.org_id)?;
+                validate::bounded("credentials.unavailable_orgs.reason", &o.reason, 1, 256)?;
+                unavailable_orgs.insert(o.org_id.clone(), o.reason.clone());
+            }
             capacity.insert(
                 c.credential_id.clone(),
                 crate::store::SlotLimit {
                     capacity: c.capacity,
                     unavailable: c.unavailable.clone(),
+                    unavailable_orgs,
                 },
             );
         }

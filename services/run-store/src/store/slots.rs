@@ -145,8 +145,8 @@ impl Store {
             .exec_without_returning(&txn)
             .await?;
         }
-        // Why the rest waits, one statement per credential and per org at quota; only
-        // the runs whose reason changes are written.
+        // Why the rest waits, one statement per credential, per org out of a shared
+        // credential and per org at quota; only the runs whose reason changes are written.
         let at_quota: Vec<&String> = plan.org_reasons.keys().collect();
         for (credential_id, why) in &plan.credential_reasons {
             run::Entity::update_many()
@@ -154,6 +154,16 @@ impl Store {
                 .filter(run::Column::State.eq(RunState::Queued))
                 .filter(run::Column::CredentialId.eq(credential_id.as_str()))
                 .filter(run::Column::OrgId.is_not_in(at_quota.iter().map(|o| o.as_str())))
+                .filter(run::Column::WaitingReason.ne(why.as_str()))
+                .exec(&txn)
+                .await?;
+        }
+        for ((credential_id, org_id), why) in &plan.pair_reasons {
+            run::Entity::update_many()
+                .col_expr(run::Column::WaitingReason, Expr::value(why.as_str()))
+                .filter(run::Column::State.eq(RunState::Queued))
+                .filter(run::Column::CredentialId.eq(credential_id.as_str()))
+                .filter(run::Column::OrgId.eq(org_id.as_str()))
                 .filter(run::Column::WaitingReason.ne(why.as_str()))
                 .exec(&txn)
                 .await?;
