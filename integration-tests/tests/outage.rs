@@ -1,8 +1,10 @@
-//! The field report's outage end to end, through the binary: two `runplane run`s on
-//! `runplane dev` die with "API Error: No response from API"; the third is refused as
-//! cooling off, `runplane credentials` shows it, the lead's notice arrives once, and the
-//! roster keeps both runs as backend_error. Nothing here is driven by hand: the runner,
-//! both outboxes and admission run as they do for a user.
+//! The field report's outage end to end, through the binary: two `runplane run`s of org
+//! `dev` on `runplane dev` die with "API Error: No response from API"; the third is
+//! refused as cooling off, `runplane credentials` shows it, the lead's notice arrives
+//! once, and the roster keeps both runs as backend_error. The default credential is
+//! shared by every org, so the cool-off is org `dev`'s alone: a run of another org is
+//! still admitted. Nothing here is driven by hand: the runner, both outboxes and
+//! admission run as they do for a user.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -62,12 +64,11 @@ async fn two_runs_dying_on_a_backend_error_cool_the_credential_off_for_the_third
     // The failures reach credential health through the run store's outbox; the fleet
     // shows the credential cooling off once they did.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    // A cell of the row of credential `local` in the table whose header holds `column`.
     let cell = |table: &str, column: &str| -> String {
-        let header = table.lines().next().unwrap_or_default();
-        let row = table
-            .lines()
-            .find(|l| l.starts_with("local "))
-            .unwrap_or_default();
+        let mut lines = table.lines().skip_while(|l| !l.contains(column));
+        let header = lines.next().unwrap_or_default();
+        let row = lines.find(|l| l.starts_with("local ")).unwrap_or_default();
         let at = header.find(column).expect("column");
         row.get(at..)
             .unwrap_or_default()
@@ -83,23 +84,48 @@ async fn two_runs_dying_on_a_backend_error_cool_the_credential_off_for_the_third
         ))
         .await;
         assert_eq!(code, Some(0), "{stderr}");
-        if cell(&stdout, "COOLING OFF") != "-" || tokio::time::Instant::now() > deadline {
+        if stdout.contains("OUT FOR ORG") || tokio::time::Instant::now() > deadline {
             break stdout;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let cooling = cell(&table, "COOLING OFF");
+    // Out for org dev, whose runs reported it; not for every org.
+    assert_eq!(cell(&table, "OUT FOR ORG"), "dev", "{table}");
+    let org_table = table
+        .split("\n\n")
+        .find(|t| t.contains("OUT FOR ORG"))
+        .expect("the table of orgs a credential is out for");
+    let cooling = cell(org_table, "COOLING OFF");
     let left: u32 = cooling.trim_end_matches('s').parse().expect("seconds");
     assert!((40..=60).contains(&left), "{table}");
-    assert_eq!(cell(&table, "QUARANTINED"), "-", "{table}");
-    assert_eq!(cell(&table, "FREE"), "0", "{table}");
+    assert_eq!(cell(&table, "COOLING OFF"), "-", "{table}");
+    assert_eq!(cell(&table, "FREE"), "8", "{table}");
 
     let (code, _, stderr) = run("echo never runs").await;
     assert_ne!(code, Some(0));
     assert!(
-        stderr.contains("cooling off after repeated backend errors") && stderr.contains("s left"),
+        stderr.contains("cooling off after repeated backend errors")
+            && stderr.contains("for org dev")
+            && stderr.contains("s left"),
         "{stderr}"
     );
+    // Another org's run on the same credential is admitted and runs.
+    let mut other = runplane(
+        data.path(),
+        &[
+            "run",
+            "--endpoint",
+            &endpoint,
+            "--org",
+            "beta",
+            "--lead",
+            "lead-8",
+        ],
+    );
+    other.args(["--", "echo", "beta runs"]);
+    let (code, stdout, stderr) = output(other).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("beta runs"), "{stdout}");
 
     let (code, stdout, stderr) = output(runplane(
         data.path(),
@@ -116,7 +142,10 @@ async fn two_runs_dying_on_a_backend_error_cool_the_credential_off_for_the_third
     .await;
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stdout.contains("incident_opened"), "{stdout}");
-    assert!(stdout.contains("credential local cooling off"), "{stdout}");
+    assert!(
+        stdout.contains("credential local cooling off for org dev only"),
+        "{stdout}"
+    );
 
     let token = std::fs::read_to_string(data.path().join("operator-token")).unwrap();
     let request = runplane_testkit::authed(
