@@ -198,6 +198,20 @@ impl CredentialHealth {
                     Ok(n) => tracing::info!(pruned = n, "notices past retention pruned"),
                     Err(e) => tracing::warn!(error = %e, "notice pruning failed"),
                 }
+                // A retention later, what was pruned goes, with delivered outbox rows.
+                match this
+                    .state
+                    .store
+                    .delete_pruned(now - 2 * this.notice_retention_ms, 1000)
+                    .await
+                {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(
+                        deleted = n,
+                        "pruned notices and delivered outbox rows deleted"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "deleting pruned notices failed"),
+                }
             }
             tokio::select! {
                 () = &mut shutdown => return,

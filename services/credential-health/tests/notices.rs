@@ -213,6 +213,32 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
         "{items:?}"
     );
     assert_eq!(notices_only(&items).len(), 1);
+    // A retention later the pruned notice's row goes too: still one gap, said the same.
+    let deleted = gate
+        .health
+        .store()
+        .delete_pruned(runplane_clock::Clock::now(&gate.clock).timestamp_millis() + 1, 100)
+        .await
+        .unwrap();
+    // The notice and the delivered MarkBackendError outbox rows.
+    assert!(deleted > 1, "{deleted}");
+    use sea_orm::{EntityTrait, PaginatorTrait};
+    let rows = runplane_credential_health::store::entities::notice::Entity::find()
+        .count(gate.health.store().db())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "the pruned notice's row is gone, the later one stays");
+    let items = gate.notices("lead-9", "").await;
+    assert!(
+        matches!(
+            items[0],
+            credentials_pb::watch_notices_response::Item::Gap(credentials_pb::NoticesGap {
+                missed: 1
+            })
+        ),
+        "{items:?}"
+    );
+    assert_eq!(notices_only(&items).len(), 1);
 }
 
 // The suite, on Postgres and on SQLite (as `runplane dev` runs it). What needs

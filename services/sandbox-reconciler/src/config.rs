@@ -17,6 +17,7 @@ impl ReconcileSettings {
             dispatch: r.dispatch,
             local_sandboxes: r.local_sandboxes,
             profiles: crate::domain::placement::ProfileSandboxes::from_config(config),
+            retention: Duration::from_secs(r.ended_sandbox_retention_seconds.into()),
             ..Self::default()
         }
     }

@@ -32,7 +32,90 @@ mod convergence {
         a_wake_of_a_sandbox_whose_run_ended_is_refused_and_deletes_it,
         a_restore_that_races_the_sweep_loses_and_its_node_stops_the_sandbox,
         a_run_id_the_run_store_does_not_take_does_not_stop_the_sweep_of_the_others,
+        ended_records_go_after_their_retention_and_a_stop_still_owed_stays,
     );
+
+    /// Deleted sandboxes whose stop was acknowledged, settled wakes and delivered outbox
+    /// rows stayed for ever. A round now deletes them past retention, and never a
+    /// sandbox still owed a stop (its node has not stopped it yet).
+    async fn ended_records_go_after_their_retention_and_a_stop_still_owed_stays(w: World) {
+        let mut stopped = w.row(
+            "sbx-stopped",
+            &new_id(),
+            "direct",
+            "deleted",
+            Some("node-a"),
+        );
+        stopped.observed_status = "deleted".into();
+        let stopped = w.insert(stopped, None).await;
+        let owed = w
+            .insert(
+                w.row("sbx-owed", &new_id(), "direct", "deleted", Some("node-a")),
+                None,
+            )
+            .await;
+        let live = w
+            .insert(
+                w.row("sbx-live", &new_id(), "direct", "started", Some("node-a")),
+                None,
+            )
+            .await;
+        let settled = wake::Model {
+            id: new_id(),
+            sandbox_id: live.id.clone(),
+            state: "restored".into(),
+            node_id: Some("node-a".into()),
+            attempts: 1,
+            last_error: String::new(),
+            reason: "message".into(),
+            requested_at_us: w.clock.now().timestamp_micros(),
+            settled_at_us: Some(w.clock.now().timestamp_micros()),
+            not_before_us: None,
+        };
+        settled
+            .clone()
+            .into_active_model()
+            .insert(w.store.database())
+            .await
+            .unwrap();
+        let reconciler = Reconciler::new(
+            w.store.clone(),
+            Arc::new(FakeDriver::always(Probe::Alive)),
+            ReconcileSettings {
+                dispatch: false,
+                retention: std::time::Duration::from_secs(60),
+                ..ReconcileSettings::default()
+            },
+        );
+        // Within retention nothing goes.
+        assert_eq!(reconciler.prune().await.unwrap(), Default::default());
+        w.clock.advance(std::time::Duration::from_secs(61));
+        let pruned = reconciler.prune().await.unwrap();
+        assert_eq!((pruned.sandboxes, pruned.wakes), (1, 1), "{pruned:?}");
+        let left: Vec<String> = sandbox::Entity::find()
+            .all(w.store.database())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        assert!(!left.contains(&stopped.id), "{left:?}");
+        assert!(
+            left.contains(&owed.id) && left.contains(&live.id),
+            "{left:?}"
+        );
+        assert!(
+            wake::Entity::find_by_id(settled.id)
+                .one(w.store.database())
+                .await
+                .unwrap()
+                .is_none()
+        );
+        // The node still owes sbx-owed a stop, and is still told to.
+        let owed_stops = w.store.destroys_owed("node-a", 10).await.unwrap();
+        assert_eq!(owed_stops.len(), 1);
+        assert_eq!(owed_stops[0].id, owed.id);
+    }
 
     impl World {
         /// Ends `run_id` the way a service does (FailRun with the service token).

@@ -15,6 +15,10 @@ pub struct SandboxReconcilerConfig {
     pub endpoint: String,
     /// How long a sandbox must stay exited or lost before its run is failed.
     pub loss_grace_seconds: u32,
+    /// How long the record of a deleted sandbox whose stop was acknowledged, a settled
+    /// wake and a delivered outbox row are kept, in seconds (10 at least); then a round
+    /// deletes them in bounded batches.
+    pub ended_sandbox_retention_seconds: u32,
     /// Key that signs route tokens. Empty: one derived from `auth.service_token`. Node
     /// agents never see it, only a key derived from it for their own node id.
     pub route_token_key: Secret,
@@ -239,6 +243,7 @@ impl Default for SandboxReconcilerConfig {
                 .to_owned(),
             endpoint: default_endpoint(),
             loss_grace_seconds: 90,
+            ended_sandbox_retention_seconds: 86_400,
             route_token_key: Secret::default(),
             route_token_ttl_seconds: 60,
             state_dir: ".runplane/sandboxes".to_owned(),
@@ -264,6 +269,11 @@ impl SandboxReconcilerConfig {
             "sandbox_reconciler.loss_grace_seconds",
             self.loss_grace_seconds,
             1..=3600,
+        )?;
+        in_range(
+            "sandbox_reconciler.ended_sandbox_retention_seconds",
+            self.ended_sandbox_retention_seconds,
+            10..=u32::MAX,
         )?;
         if self.sandbox_uid_base < 1000
             || self.sandbox_uid_count == 0

@@ -74,6 +74,8 @@ pub(super) async fn watch_notices(
             let full = batch.len() == 100;
             let mut missed = 0u32;
             for n in batch {
+                // Notices deleted past retention leave a hole in the lead's sequence.
+                missed += u32::try_from(n.seq - cursor - 1).unwrap_or(0);
                 cursor = n.seq;
                 if n.pruned {
                     missed += 1;

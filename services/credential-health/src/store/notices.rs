@@ -144,6 +144,40 @@ impl Store {
 
     /// Removes the bodies of notices created before `before_ms`, keeping the rows so a
     /// watcher behind them learns how many it missed.
+    /// Deletes the notices whose bodies were pruned before `before_ms` (a watcher behind
+    /// them is told of the hole in the lead's sequence), and delivered outbox rows older
+    /// than that; returns how many rows went.
+    pub async fn delete_pruned(&self, before_ms: i64, limit: u64) -> Result<u64> {
+        let old: Vec<(String, String, i64)> = notice::Entity::find()
+            .select_only()
+            .column(notice::Column::OrgId)
+            .column(notice::Column::LeadId)
+            .column(notice::Column::Seq)
+            .filter(notice::Column::Pruned.eq(true))
+            .filter(notice::Column::CreatedAtMs.lt(before_ms))
+            .limit(limit)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        let mut deleted = 0;
+        for (org_id, lead_id, seq) in old {
+            deleted += notice::Entity::delete_many()
+                .filter(notice::Column::OrgId.eq(org_id))
+                .filter(notice::Column::LeadId.eq(lead_id))
+                .filter(notice::Column::Seq.eq(seq))
+                .exec(&self.db)
+                .await?
+                .rows_affected;
+        }
+        deleted += runplane_db::outbox::prune_delivered(
+            &self.db,
+            runplane_clock::ms_to_us(before_ms),
+            limit,
+        )
+        .await?;
+        Ok(deleted)
+    }
+
     pub async fn prune_notices(&self, before_ms: i64) -> Result<u64> {
         let done = notice::Entity::update_many()
             .col_expr(notice::Column::Pruned, Expr::value(true))

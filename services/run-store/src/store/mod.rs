@@ -78,6 +78,8 @@ pub struct Store {
     /// Where the group writer runs as a declared task: the service's group once the run
     /// store joins it ([`Store::with_tasks`]), a group of its own otherwise.
     tasks: runplane_grpc::Tasks,
+    /// The waiting reasons this replica's claims last wrote (`store::slots`).
+    reasons: Arc<slots::WrittenReasons>,
 }
 
 /// `run_store → credential_health.report_turn_failure`.
@@ -233,6 +235,7 @@ impl Store {
             tips: Arc::default(),
             groups: Arc::default(),
             tasks: runplane_grpc::Tasks::new(),
+            reasons: Arc::default(),
         }
     }
 

@@ -1,5 +1,7 @@
 //! Admission: claiming slots for queued runs by fair share (`domain::share`).
 
+use std::collections::BTreeMap;
+
 use runplane_config::TenancyConfig;
 
 use super::*;
@@ -95,45 +97,56 @@ impl Store {
 
         let now = self.now_us();
         let mut claimed = Vec::new();
+        // Per credential: the granted orgs' next runs in one query, claimed in one
+        // statement, whatever the number of orgs.
+        let mut by_credential: BTreeMap<&str, HashMap<&str, u32>> = BTreeMap::new();
         for grant in &plan.grants {
-            // Without their spec: the claim's answer is a list of many runs.
-            let next = basic(run::Entity::find())
+            *by_credential
+                .entry(grant.credential_id.as_str())
+                .or_default()
+                .entry(grant.org_id.as_str())
+                .or_default() += grant.runs;
+        }
+        for (credential_id, orgs) in by_credential {
+            let most = orgs.values().copied().max().unwrap_or(0);
+            let ids: Vec<String> = self
+                .next_runs(&txn, credential_id, orgs.keys().copied(), most)
+                .await?
+                .into_iter()
+                .filter(|(_, org, place)| i64::from(orgs[org.as_str()]) >= *place)
+                .map(|(id, ..)| id)
+                .collect();
+            // Compare-and-set, all at once: a cancel that took a run first keeps it.
+            run::Entity::update_many()
+                .col_expr(run::Column::State, Expr::value(RunState::Starting))
+                .col_expr(run::Column::WaitingReason, Expr::value(""))
+                .col_expr(run::Column::UpdatedAtUs, Expr::value(now))
+                .filter(run::Column::Id.is_in(ids.iter().cloned()))
                 .filter(run::Column::State.eq(RunState::Queued))
-                .filter(run::Column::CredentialId.eq(grant.credential_id.as_str()))
-                .filter(run::Column::OrgId.eq(grant.org_id.as_str()))
-                .order_by(run::Column::Priority, Order::Desc)
-                .order_by(run::Column::CreatedAtUs, Order::Asc)
-                .order_by(run::Column::Id, Order::Asc)
-                .limit(u64::from(grant.runs))
+                .exec(&txn)
+                .await?;
+            // Without their spec: the claim's answer is a list of many runs.
+            let mut runs = basic(run::Entity::find())
+                .filter(run::Column::Id.is_in(ids.iter().cloned()))
+                .filter(run::Column::State.eq(RunState::Starting))
+                .filter(run::Column::UpdatedAtUs.eq(now))
                 .all(&txn)
                 .await?;
-            for mut run in next {
-                // Compare-and-set: a cancel that took the run first keeps it.
-                let done = run::Entity::update_many()
-                    .col_expr(run::Column::State, Expr::value(RunState::Starting))
-                    .col_expr(run::Column::WaitingReason, Expr::value(""))
-                    .col_expr(run::Column::UpdatedAtUs, Expr::value(now))
-                    .filter(run::Column::Id.eq(run.id.as_str()))
-                    .filter(run::Column::State.eq(RunState::Queued))
-                    .exec(&txn)
-                    .await?;
-                if done.rows_affected == 1 {
-                    run.state = RunState::Starting;
-                    run.waiting_reason.clear();
-                    run.updated_at_us = now;
-                    claimed.push(run);
-                }
-            }
+            // In the order the plan granted them, as the answer promises.
+            runs.sort_by_key(|r| ids.iter().position(|id| *id == r.id));
+            claimed.extend(runs);
         }
-        for ((credential_id, org_id), pass) in &plan.passes {
-            org_share::Entity::insert(
-                org_share::Model {
-                    credential_id: credential_id.clone(),
-                    org_id: org_id.clone(),
-                    pass: *pass,
-                }
-                .into_active_model(),
-            )
+        if !plan.passes.is_empty() {
+            org_share::Entity::insert_many(plan.passes.iter().map(
+                |((credential_id, org_id), pass)| {
+                    org_share::Model {
+                        credential_id: credential_id.clone(),
+                        org_id: org_id.clone(),
+                        pass: *pass,
+                    }
+                    .into_active_model()
+                },
+            ))
             .on_conflict(
                 sea_orm::sea_query::OnConflict::columns([
                     org_share::Column::CredentialId,
@@ -146,38 +159,146 @@ impl Store {
             .await?;
         }
         // Why the rest waits, one statement per credential, per org out of a shared
-        // credential and per org at quota; only the runs whose reason changes are written.
+        // credential and per org at quota; only the runs whose reason changes are written,
+        // and where this replica wrote the same reason lately, only the runs created since.
         let at_quota: Vec<&String> = plan.org_reasons.keys().collect();
+        let mut written = Vec::new();
         for (credential_id, why) in &plan.credential_reasons {
+            let key = format!("credential {credential_id} but {at_quota:?}");
+            let since = self.reasons.since(&key, why, now);
             run::Entity::update_many()
                 .col_expr(run::Column::WaitingReason, Expr::value(why.as_str()))
                 .filter(run::Column::State.eq(RunState::Queued))
                 .filter(run::Column::CredentialId.eq(credential_id.as_str()))
                 .filter(run::Column::OrgId.is_not_in(at_quota.iter().map(|o| o.as_str())))
+                .filter(run::Column::CreatedAtUs.gte(since))
                 .filter(run::Column::WaitingReason.ne(why.as_str()))
                 .exec(&txn)
                 .await?;
+            written.push((key, why.clone()));
         }
         for ((credential_id, org_id), why) in &plan.pair_reasons {
+            let key = format!("credential {credential_id} for org {org_id}");
+            let since = self.reasons.since(&key, why, now);
             run::Entity::update_many()
                 .col_expr(run::Column::WaitingReason, Expr::value(why.as_str()))
                 .filter(run::Column::State.eq(RunState::Queued))
                 .filter(run::Column::CredentialId.eq(credential_id.as_str()))
                 .filter(run::Column::OrgId.eq(org_id.as_str()))
+                .filter(run::Column::CreatedAtUs.gte(since))
                 .filter(run::Column::WaitingReason.ne(why.as_str()))
                 .exec(&txn)
                 .await?;
+            written.push((key, why.clone()));
         }
         for (org_id, why) in &plan.org_reasons {
+            let key = format!("org {org_id}");
+            let since = self.reasons.since(&key, why, now);
             run::Entity::update_many()
                 .col_expr(run::Column::WaitingReason, Expr::value(why.as_str()))
                 .filter(run::Column::State.eq(RunState::Queued))
                 .filter(run::Column::OrgId.eq(org_id.as_str()))
+                .filter(run::Column::CreatedAtUs.gte(since))
                 .filter(run::Column::WaitingReason.ne(why.as_str()))
                 .exec(&txn)
                 .await?;
+            written.push((key, why.clone()));
         }
         txn.commit().await?;
+        self.reasons.wrote(written, now);
         Ok(claimed)
+    }
+}
+
+impl Store {
+    /// The next `most` queued runs of each of `orgs` on `credential_id`, by priority then
+    /// age, as (id, org, place within its org from 1): one query over the queue index.
+    async fn next_runs(
+        &self,
+        txn: &DatabaseTransaction,
+        credential_id: &str,
+        orgs: impl Iterator<Item = &str>,
+        most: u32,
+    ) -> Result<Vec<(String, String, i64)>> {
+        use sea_orm::sea_query::{Alias, Func, Query, WindowStatement};
+        let mut window = WindowStatement::partition_by(run::Column::OrgId);
+        window
+            .order_by(run::Column::Priority, Order::Desc)
+            .order_by(run::Column::CreatedAtUs, Order::Asc)
+            .order_by(run::Column::Id, Order::Asc);
+        let queue = Query::select()
+            .column(run::Column::Id)
+            .column(run::Column::OrgId)
+            .expr_window_as(
+                Func::cust(Alias::new("ROW_NUMBER")),
+                window,
+                Alias::new("place"),
+            )
+            .from(run::Entity)
+            .and_where(run::Column::State.eq(RunState::Queued))
+            .and_where(run::Column::CredentialId.eq(credential_id))
+            .and_where(run::Column::OrgId.is_in(orgs.map(str::to_owned)))
+            .to_owned();
+        let next = Query::select()
+            .column(Alias::new("id"))
+            .column(Alias::new("org_id"))
+            .column(Alias::new("place"))
+            .from_subquery(queue, Alias::new("queue"))
+            .and_where(sea_orm::sea_query::ExprTrait::lte(
+                Expr::col(Alias::new("place")),
+                i64::from(most),
+            ))
+            .to_owned();
+        let rows = txn
+            .query_all_raw(txn.get_database_backend().build(&next))
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get::<String>("", "id")?,
+                    row.try_get::<String>("", "org_id")?,
+                    row.try_get::<i64>("", "place")?,
+                ))
+            })
+            .collect::<std::result::Result<_, sea_orm::DbErr>>()
+            .map_err(Into::into)
+    }
+}
+
+/// How long a reason this replica wrote lets its next claims write only the runs created
+/// since; past it a claim writes every run whose reason differs again, which also
+/// catches what another replica or a late commit left.
+const REWRITE_EVERY_US: i64 = 30_000_000;
+/// How far before the last write a "created since" reaches: a run created just before
+/// it may commit just after, and replicas' clocks differ a little.
+const CREATED_MARGIN_US: i64 = 5_000_000;
+
+/// The waiting reasons this replica's claims last wrote, and when: most claims find the
+/// same reasons as the last, and need write only the runs queued since.
+#[derive(Debug, Default)]
+pub(super) struct WrittenReasons(std::sync::Mutex<HashMap<String, (String, i64)>>);
+
+impl WrittenReasons {
+    /// The oldest creation time a claim at `now` writes `why` under `key` for.
+    fn since(&self, key: &str, why: &str, now: i64) -> i64 {
+        match self.0.lock().expect("reasons poisoned").get(key) {
+            Some((last, at)) if last == why && now - at < REWRITE_EVERY_US => {
+                at - CREATED_MARGIN_US
+            }
+            _ => i64::MIN,
+        }
+    }
+
+    /// Records what a committed claim at `now` wrote: a full write starts a new period.
+    fn wrote(&self, written: Vec<(String, String)>, now: i64) {
+        let mut map = self.0.lock().expect("reasons poisoned");
+        for (key, why) in written {
+            match map.get(&key) {
+                Some((last, at)) if *last == why && now - at < REWRITE_EVERY_US => {}
+                _ => {
+                    map.insert(key, (why, now));
+                }
+            }
+        }
     }
 }

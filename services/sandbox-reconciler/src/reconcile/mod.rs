@@ -49,6 +49,8 @@ pub struct ReconcileSettings {
     pub local_sandboxes: bool,
     /// What each profile's sandboxes get that differs from the deployment's.
     pub profiles: crate::domain::placement::ProfileSandboxes,
+    /// How long deleted sandboxes, settled wakes and delivered outbox rows are kept.
+    pub retention: Duration,
 }
 
 impl Default for ReconcileSettings {
@@ -61,6 +63,7 @@ impl Default for ReconcileSettings {
             dispatch: true,
             local_sandboxes: true,
             profiles: Default::default(),
+            retention: Duration::from_secs(86_400),
         }
     }
 }
@@ -84,6 +87,8 @@ pub struct Reconciler {
     settings: ReconcileSettings,
     /// Credential health, for the fleet's capacity; `None` where none runs.
     fleet: Option<crate::clients::FleetClient>,
+    /// When this replica last pruned (`Store::prune`), in store microseconds.
+    pruned_at_us: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl Reconciler {
@@ -93,6 +98,7 @@ impl Reconciler {
             driver,
             settings,
             fleet: None,
+            pruned_at_us: Arc::default(),
         }
     }
 

@@ -58,8 +58,39 @@ impl Reconciler {
         if let Err(e) = deliver_outbox(&self.store, run_store, 100).await {
             tracing::warn!(error = %e, "outbox delivery failed; next round retries");
         }
+        if let Err(e) = self.prune().await {
+            tracing::warn!(error = %e, "pruning ended records failed; next round retries");
+        }
+    }
+
+    /// Deletes what retention let go (`Store::prune`), at most every [`PRUNE_EVERY`] on
+    /// this replica: rounds run often, and the records wait a day.
+    pub async fn prune(&self) -> Result<crate::store::Pruned, crate::error::ReconcilerError> {
+        use std::sync::atomic::Ordering;
+        let now = self.store.now_us();
+        let last = self.pruned_at_us.load(Ordering::Relaxed);
+        if last != 0 && now - last < PRUNE_EVERY.as_micros() as i64 {
+            return Ok(Default::default());
+        }
+        self.pruned_at_us.store(now, Ordering::Relaxed);
+        let before = now - self.settings.retention.as_micros() as i64;
+        let pruned = self.store.prune(before, PRUNE_BATCH).await?;
+        if pruned != Default::default() {
+            tracing::info!(
+                sandboxes = pruned.sandboxes,
+                wakes = pruned.wakes,
+                outbox = pruned.outbox,
+                "pruned ended records past retention"
+            );
+        }
+        Ok(pruned)
     }
 }
+
+/// How often a replica prunes ended records.
+const PRUNE_EVERY: Duration = Duration::from_secs(10);
+/// Most records of each kind one prune deletes.
+const PRUNE_BATCH: u64 = 500;
 
 /// The reconciler's background work, one [`Reconciler::round`] every `interval`, until
 /// `shutdown`.

@@ -165,6 +165,14 @@ pub struct NewSandbox {
     pub traceparent: String,
 }
 
+/// What one [`Store::prune`] deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pruned {
+    pub sandboxes: u64,
+    pub wakes: u64,
+    pub outbox: u64,
+}
+
 impl Store {
     pub fn new(db: DatabaseConnection, clock: SharedClock) -> Self {
         Self { db, clock }
@@ -752,6 +760,59 @@ impl Store {
             .exec(db)
             .await?;
         Ok(done.rows_affected == 1)
+    }
+
+    /// Deletes, up to `limit` of each, what ended before `before_us`: deleted sandboxes
+    /// whose stop was acknowledged (with their route identity and wakes), settled wakes,
+    /// and delivered outbox rows. A sandbox still owed a stop is kept whatever its age.
+    pub async fn prune(&self, before_us: i64, limit: u64) -> Result<Pruned> {
+        let ids: Vec<String> = sandbox::Entity::find()
+            .select_only()
+            .column(sandbox::Column::Id)
+            .filter(sandbox::Column::Status.eq(DELETED))
+            .filter(sandbox::Column::ObservedStatus.eq(DELETED))
+            .filter(sandbox::Column::UpdatedAtUs.lt(before_us))
+            .limit(limit)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        let mut pruned = Pruned::default();
+        if !ids.is_empty() {
+            let txn = self.db.begin().await?;
+            wake::Entity::delete_many()
+                .filter(wake::Column::SandboxId.is_in(ids.iter().cloned()))
+                .exec(&txn)
+                .await?;
+            route_identity::Entity::delete_many()
+                .filter(route_identity::Column::SandboxId.is_in(ids.iter().cloned()))
+                .exec(&txn)
+                .await?;
+            pruned.sandboxes = sandbox::Entity::delete_many()
+                .filter(sandbox::Column::Id.is_in(ids))
+                .filter(sandbox::Column::Status.eq(DELETED))
+                .filter(sandbox::Column::ObservedStatus.eq(DELETED))
+                .exec(&txn)
+                .await?
+                .rows_affected;
+            txn.commit().await?;
+        }
+        let settled: Vec<String> = wake::Entity::find()
+            .select_only()
+            .column(wake::Column::Id)
+            .filter(wake::Column::SettledAtUs.lt(before_us))
+            .limit(limit)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        if !settled.is_empty() {
+            pruned.wakes = wake::Entity::delete_many()
+                .filter(wake::Column::Id.is_in(settled))
+                .exec(&self.db)
+                .await?
+                .rows_affected;
+        }
+        pruned.outbox = runplane_db::outbox::prune_delivered(&self.db, before_us, limit).await?;
+        Ok(pruned)
     }
 
     /// Every outbox row, oldest first.
