@@ -217,7 +217,10 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
     let deleted = gate
         .health
         .store()
-        .delete_pruned(runplane_clock::Clock::now(&gate.clock).timestamp_millis() + 1, 100)
+        .delete_pruned(
+            runplane_clock::Clock::now(&gate.clock).timestamp_millis() + 1,
+            100,
+        )
         .await
         .unwrap();
     // The notice and the delivered MarkBackendError outbox rows.
@@ -227,7 +230,10 @@ async fn notices_resume_from_a_cursor_and_follow_live(gate: Gate) {
         .count(gate.health.store().db())
         .await
         .unwrap();
-    assert_eq!(rows, 1, "the pruned notice's row is gone, the later one stays");
+    assert_eq!(
+        rows, 1,
+        "the pruned notice's row is gone, the later one stays"
+    );
     let items = gate.notices("lead-9", "").await;
     assert!(
         matches!(
