@@ -24,6 +24,8 @@ pub struct RunStoreSettings {
     pub retention: crate::store::Retention,
     /// How often the retention sweep runs.
     pub retention_sweep_interval: Duration,
+    /// Most steers and interrupts a run holds not yet delivered.
+    pub max_queued_steering_messages: u32,
 }
 
 impl RunStoreSettings {
@@ -53,6 +55,7 @@ impl RunStoreSettings {
             ),
             tenancy: config.run_store.tenancy.clone(),
             retention: retention(config),
+            max_queued_steering_messages: config.run_store.max_queued_steering_messages,
             retention_sweep_interval: Duration::from_millis(
                 config.run_store.retention_sweep_interval_ms.into(),
             ),

@@ -35,15 +35,16 @@ pub enum RunStoreError {
     #[error("acknowledgement {index}: a {kind} cannot be dropped; only a steer can")]
     AckDropForbidden { index: usize, kind: &'static str },
 
-    #[error(
-        "org {org} has {limit} {what}, its quota ({quota}); nothing was created: create it again once some have {until}"
-    )]
+    #[error("{holder} {id} has {limit} {what}, its quota ({quota}); nothing was written: {then}")]
     QuotaExceeded {
-        org: String,
+        /// `org` or `run`: what holds the quota.
+        holder: &'static str,
+        id: String,
         quota: &'static str,
         limit: u64,
         what: &'static str,
-        until: &'static str,
+        /// What lets the caller try again.
+        then: &'static str,
     },
 
     #[error("{0}")]
@@ -142,12 +143,16 @@ impl ServiceError for RunStoreError {
             E::CursorInvalid => metadata([("field", "page_token".to_owned())]),
             E::KeyReused { field } => metadata([("field", (*field).to_owned())]),
             E::QuotaExceeded {
-                org, quota, limit, ..
-            } => metadata([
-                ("org_id", org.clone()),
-                ("quota", (*quota).to_owned()),
-                ("limit", limit.to_string()),
-            ]),
+                holder,
+                id,
+                quota,
+                limit,
+                ..
+            } => vec![
+                (format!("{holder}_id"), id.clone()),
+                ("quota".to_owned(), (*quota).to_owned()),
+                ("limit".to_owned(), limit.to_string()),
+            ],
             E::Upstream(_) => metadata([("upstream", "credential_health".to_owned())]),
             E::RunNotFound { run_id } | E::ReceiptNotSealed { run_id } => {
                 metadata([("run_id", run_id.clone())])

@@ -23,6 +23,7 @@ impl Tenancy {
 }
 
 fn configure(config: &mut Config) {
+    config.run_store.max_queued_steering_messages = 3;
     let tenancy = &mut config.run_store.tenancy;
     tenancy.orgs.insert(
         "beta".into(),
@@ -58,6 +59,7 @@ runplane_testkit::on_both_backends!(
     oversized_or_out_of_range_runs_are_refused_by_name_and_write_nothing,
     runs_with_maximal_arguments_fit_every_claim_and_listing,
     a_shared_credential_out_for_one_org_starts_the_other_orgs_runs,
+    a_runs_undelivered_steering_messages_are_bounded_by_name,
 );
 
 fn request(org: &str, credential: &str, id: &str) -> runstore_pb::CreateRunRequest {
@@ -414,5 +416,81 @@ async fn a_shared_credential_out_for_one_org_starts_the_other_orgs_runs(h: Harne
     assert_eq!(
         h.get_run(&acme.id).await.waiting_reason,
         "credential shared is quarantined for 1800 s (exhausted) for org acme"
+    );
+}
+
+/// Steers nobody takes (a wedged runner, a flood) no longer pile up without end: past
+/// `max_queued_steering_messages` (3 here) a steer or interrupt is refused by name, and
+/// nothing is written; once the runner takes some, room returns.
+async fn a_runs_undelivered_steering_messages_are_bounded_by_name(h: Harness) {
+    let (run_id, key) = h.running_run("steered-run").await;
+    let steer = |i: usize| runstore_pb::SteerRequest {
+        run_id: run_id.clone(),
+        text: format!("line {i}"),
+        idempotency_key: format!("steer-bound-{i:04}-key"),
+    };
+    let mut op = h.operator().await;
+    let mut first = None;
+    for i in 0..3 {
+        let sent = op
+            .steer(steer(i))
+            .await
+            .unwrap()
+            .into_inner()
+            .message
+            .unwrap();
+        first.get_or_insert(sent);
+    }
+    let refused = op.steer(steer(3)).await.unwrap_err();
+    assert_reason(
+        &refused,
+        Code::ResourceExhausted,
+        ErrorReason::QuotaExceeded,
+    );
+    let info = error_info(&refused).unwrap();
+    assert_eq!(
+        info.metadata["quota"],
+        "run_store.max_queued_steering_messages"
+    );
+    assert_eq!(info.metadata["run_id"], run_id);
+    assert_eq!(info.metadata["limit"], "3");
+    let interrupt = op
+        .interrupt(runstore_pb::InterruptRequest {
+            run_id: run_id.clone(),
+            reason: "enough".into(),
+            idempotency_key: "interrupt-bound-0001".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_reason(
+        &interrupt,
+        Code::ResourceExhausted,
+        ErrorReason::QuotaExceeded,
+    );
+    // A replay of an accepted steer still answers with its message.
+    let replayed = op
+        .steer(steer(0))
+        .await
+        .unwrap()
+        .into_inner()
+        .message
+        .unwrap();
+    assert_eq!(
+        Some(replayed.id.clone()),
+        first.as_ref().map(|m| m.id.clone())
+    );
+    // The runner takes one: there is room for one more.
+    let mut runner = h.runner(&key).await;
+    poll(&mut runner, &run_id, vec![]).await.unwrap();
+    poll(&mut runner, &run_id, vec![applied(&replayed.id)])
+        .await
+        .unwrap();
+    op.steer(steer(3)).await.expect("room again");
+    let refused_again = op.steer(steer(4)).await.unwrap_err();
+    assert_reason(
+        &refused_again,
+        Code::ResourceExhausted,
+        ErrorReason::QuotaExceeded,
     );
 }

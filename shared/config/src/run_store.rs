@@ -48,6 +48,9 @@ pub struct RunStoreConfig {
     /// How often a replica deletes what retention let go, in milliseconds; each pass
     /// deletes bounded batches.
     pub retention_sweep_interval_ms: u32,
+    /// Most steers and interrupts a run holds not yet delivered to its runner; past it
+    /// Steer and Interrupt are refused RESOURCE_EXHAUSTED (QUOTA_EXCEEDED).
+    pub max_queued_steering_messages: u32,
 }
 
 /// `[run_store.tenancy]`: the slots of a credential are shared across the orgs with runs
@@ -154,6 +157,7 @@ impl Default for RunStoreConfig {
             ended_run_retention_seconds: 30 * 86_400,
             event_retention_seconds: 0,
             retention_sweep_interval_ms: 5000,
+            max_queued_steering_messages: 100,
         }
     }
 }
@@ -212,6 +216,11 @@ impl RunStoreConfig {
                 10..=self.ended_run_retention_seconds,
             )?;
         }
+        in_range(
+            "run_store.max_queued_steering_messages",
+            self.max_queued_steering_messages,
+            1..=100_000,
+        )?;
         in_range(
             "run_store.retention_sweep_interval_ms",
             self.retention_sweep_interval_ms,

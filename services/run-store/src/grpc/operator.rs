@@ -564,6 +564,7 @@ impl RunService for RunApi {
                 payload,
                 &req.idempotency_key,
                 false,
+                Some(s.settings.max_queued_steering_messages),
             )
             .await?;
         s.changes.queued(&req.run_id);
@@ -612,6 +613,7 @@ impl RunService for RunApi {
                 payload,
                 &req.idempotency_key,
                 false,
+                Some(s.settings.max_queued_steering_messages),
             )
             .await?;
         s.changes.queued(&req.run_id);
@@ -667,6 +669,8 @@ impl RunService for RunApi {
                 payload,
                 &req.idempotency_key,
                 on_terminal,
+                // A service's control (a stream resume, an abort) is never refused.
+                None,
             )
             .await?;
         s.changes.queued(&req.run_id);

@@ -87,11 +87,12 @@ impl Store {
                 .await?;
             if queued >= u64::from(quota) {
                 return Err(RunStoreError::QuotaExceeded {
-                    org: run.org_id.clone(),
+                    holder: "org",
+                    id: run.org_id.clone(),
                     quota: "run_store.tenancy.max_queued_runs",
                     limit: quota.into(),
                     what: "runs queued",
-                    until: "started",
+                    then: "create it again once some have started",
                 });
             }
         }

@@ -12,6 +12,7 @@ impl Store {
         payload: Vec<u8>,
         idempotency_key: &str,
         accept_on_terminal: bool,
+        max_pending: Option<u32>,
     ) -> Result<steering_message::Model> {
         let txn = self.write_tx().await?;
         let run = self.lock_run(&txn, run_id).await?;
@@ -31,6 +32,24 @@ impl Store {
         }
         if run.state.is_terminal() && !accept_on_terminal {
             return Err(terminal_error(&run));
+        }
+        // Counted under the run's lock, so concurrent enqueues never pass the bound.
+        if let Some(bound) = max_pending {
+            let pending = steering_message::Entity::find()
+                .filter(steering_message::Column::RunId.eq(run_id))
+                .filter(steering_message::Column::AckedAtUs.is_null())
+                .count(&txn)
+                .await?;
+            if pending >= u64::from(bound) {
+                return Err(RunStoreError::QuotaExceeded {
+                    holder: "run",
+                    id: run_id.to_owned(),
+                    quota: "run_store.max_queued_steering_messages",
+                    limit: bound.into(),
+                    what: "steering messages not yet delivered",
+                    then: "send it again once its runner has taken some",
+                });
+            }
         }
         let now = self.now_us();
         let sequence = run.steering_sequence + 1;
