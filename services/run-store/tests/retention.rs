@@ -17,7 +17,14 @@ use sea_orm::{ConnectionTrait, Statement};
 use tonic::Code;
 
 /// Runs kept 60 s after they end, their events 20 s; profile `keep`'s runs an hour.
+/// An org token of another org than the runs'.
+const GLOBEX_TOKEN: &str = "globex-operator-token-0123456789abcdef012";
+
 fn configure(config: &mut Config) {
+    config
+        .auth
+        .org_tokens
+        .insert("globex".into(), runplane_config::Secret::new(GLOBEX_TOKEN));
     config.run_store.ended_run_retention_seconds = 60;
     config.run_store.event_retention_seconds = 20;
     config.credential_health.profiles.push(ProfileConfig {
@@ -62,6 +69,21 @@ async fn ended_run(h: &Harness, id: &str, lines: usize) -> String {
         .unwrap();
     submit(&mut runner, &run_id, succeeded()).await.unwrap();
     run_id
+}
+
+/// `run_id`'s receipt as `token` may read it.
+async fn receipt_of(
+    h: &Harness,
+    token: &str,
+    run_id: &str,
+) -> Result<runstore_pb::Receipt, tonic::Status> {
+    h.operator_with(token)
+        .await
+        .get_receipt(runstore_pb::GetReceiptRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .map(|r| r.into_inner().receipt.expect("a receipt"))
 }
 
 /// Rows of `table` whose `column` is `run_id`.
@@ -109,17 +131,7 @@ async fn watch_from_start(
 async fn an_ended_run_goes_with_everything_of_it_but_its_receipt(h: Harness) {
     let run_id = ended_run(&h, "gone-run", 5).await;
     let events = h.get_run(&run_id).await.last_sequence;
-    let receipt = h
-        .operator()
-        .await
-        .get_receipt(runstore_pb::GetReceiptRequest {
-            run_id: run_id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .receipt
-        .unwrap();
+    let receipt = receipt_of(&h, SERVICE_TOKEN, &run_id).await.unwrap();
     // Within its time nothing goes.
     h.advance(Duration::from_secs(19));
     assert_eq!(h.store.sweep_retention().await.unwrap().runs, 0);
@@ -147,24 +159,14 @@ async fn an_ended_run_goes_with_everything_of_it_but_its_receipt(h: Harness) {
         .unwrap_err();
     assert_reason(&gone, Code::NotFound, ErrorReason::RunNotFound);
     // The receipt stays, the audit record, for its own org only.
-    let kept = h
-        .operator()
-        .await
-        .get_receipt(runstore_pb::GetReceiptRequest {
-            run_id: run_id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .receipt
-        .unwrap();
-    assert_eq!(kept, receipt);
-    let own_org = h
-        .operator_with(ACME_TOKEN)
-        .await
-        .get_receipt(runstore_pb::GetReceiptRequest { run_id })
-        .await;
-    assert!(own_org.is_ok(), "acme's own receipt: {own_org:?}");
+    assert_eq!(
+        receipt_of(&h, SERVICE_TOKEN, &run_id).await.unwrap(),
+        receipt
+    );
+    let own_org = receipt_of(&h, ACME_TOKEN, &run_id).await;
+    assert_eq!(own_org.unwrap(), receipt, "acme's own receipt");
+    let other_org = receipt_of(&h, GLOBEX_TOKEN, &run_id).await.unwrap_err();
+    assert_reason(&other_org, Code::NotFound, ErrorReason::RunNotFound);
     // A second pass finds nothing more.
     assert_eq!(
         h.store.sweep_retention().await.unwrap(),
@@ -195,15 +197,7 @@ async fn events_removed_before_their_run_are_a_gap_to_a_watcher(h: Harness) {
     assert_eq!(gaps, [(1, run.last_sequence)], "{updates:?}");
     assert!(!updates.iter().any(|u| matches!(u, Update::Event(_))));
     // The receipt still verifies what the run was.
-    let receipt = h
-        .operator()
-        .await
-        .get_receipt(runstore_pb::GetReceiptRequest { run_id })
-        .await
-        .unwrap()
-        .into_inner()
-        .receipt
-        .unwrap();
+    let receipt = receipt_of(&h, SERVICE_TOKEN, &run_id).await.unwrap();
     assert_eq!(receipt.body.unwrap().event_count, run.last_sequence);
 }
 

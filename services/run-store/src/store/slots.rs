@@ -163,46 +163,31 @@ impl Store {
         // and where this replica wrote the same reason lately, only the runs created since.
         let at_quota: Vec<&String> = plan.org_reasons.keys().collect();
         let mut written = Vec::new();
+        let queued = || run::Column::State.eq(RunState::Queued);
         for (credential_id, why) in &plan.credential_reasons {
+            let which = sea_orm::Condition::all()
+                .add(queued())
+                .add(run::Column::CredentialId.eq(credential_id.as_str()))
+                .add(run::Column::OrgId.is_not_in(at_quota.iter().map(|o| o.as_str())));
             let key = format!("credential {credential_id} but {at_quota:?}");
-            let since = self.reasons.since(&key, why, now);
-            run::Entity::update_many()
-                .col_expr(run::Column::WaitingReason, Expr::value(why.as_str()))
-                .filter(run::Column::State.eq(RunState::Queued))
-                .filter(run::Column::CredentialId.eq(credential_id.as_str()))
-                .filter(run::Column::OrgId.is_not_in(at_quota.iter().map(|o| o.as_str())))
-                .filter(run::Column::CreatedAtUs.gte(since))
-                .filter(run::Column::WaitingReason.ne(why.as_str()))
-                .exec(&txn)
-                .await?;
-            written.push((key, why.clone()));
+            written.push(self.write_reason(&txn, which, key, why, now).await?);
         }
         for ((credential_id, org_id), why) in &plan.pair_reasons {
+            let which = sea_orm::Condition::all()
+                .add(queued())
+                .add(run::Column::CredentialId.eq(credential_id.as_str()))
+                .add(run::Column::OrgId.eq(org_id.as_str()));
             let key = format!("credential {credential_id} for org {org_id}");
-            let since = self.reasons.since(&key, why, now);
-            run::Entity::update_many()
-                .col_expr(run::Column::WaitingReason, Expr::value(why.as_str()))
-                .filter(run::Column::State.eq(RunState::Queued))
-                .filter(run::Column::CredentialId.eq(credential_id.as_str()))
-                .filter(run::Column::OrgId.eq(org_id.as_str()))
-                .filter(run::Column::CreatedAtUs.gte(since))
-                .filter(run::Column::WaitingReason.ne(why.as_str()))
-                .exec(&txn)
-                .await?;
-            written.push((key, why.clone()));
+            written.push(self.write_reason(&txn, which, key, why, now).await?);
         }
         for (org_id, why) in &plan.org_reasons {
-            let key = format!("org {org_id}");
-            let since = self.reasons.since(&key, why, now);
-            run::Entity::update_many()
-                .col_expr(run::Column::WaitingReason, Expr::value(why.as_str()))
-                .filter(run::Column::State.eq(RunState::Queued))
-                .filter(run::Column::OrgId.eq(org_id.as_str()))
-                .filter(run::Column::CreatedAtUs.gte(since))
-                .filter(run::Column::WaitingReason.ne(why.as_str()))
-                .exec(&txn)
-                .await?;
-            written.push((key, why.clone()));
+            let which = sea_orm::Condition::all()
+                .add(queued())
+                .add(run::Column::OrgId.eq(org_id.as_str()));
+            written.push(
+                self.write_reason(&txn, which, format!("org {org_id}"), why, now)
+                    .await?,
+            );
         }
         txn.commit().await?;
         self.reasons.wrote(written, now);
@@ -211,6 +196,28 @@ impl Store {
 }
 
 impl Store {
+    /// Writes `why` as the waiting reason of the runs `which` selects whose reason
+    /// differs; where this replica wrote the same under `key` lately, only to the runs
+    /// created since ([`WrittenReasons`]). Returns what to record once committed.
+    async fn write_reason(
+        &self,
+        txn: &DatabaseTransaction,
+        which: sea_orm::Condition,
+        key: String,
+        why: &str,
+        now: i64,
+    ) -> Result<(String, String)> {
+        let since = self.reasons.since(&key, why, now);
+        run::Entity::update_many()
+            .col_expr(run::Column::WaitingReason, Expr::value(why))
+            .filter(which)
+            .filter(run::Column::CreatedAtUs.gte(since))
+            .filter(run::Column::WaitingReason.ne(why))
+            .exec(txn)
+            .await?;
+        Ok((key, why.to_owned()))
+    }
+
     /// The next `most` queued runs of each of `orgs` on `credential_id`, by priority then
     /// age, as (id, org, place within its org from 1): one query over the queue index.
     async fn next_runs(
