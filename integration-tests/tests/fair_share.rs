@@ -1,6 +1,8 @@
 //! Fair share over real processes, as deployed: the run store, credential health and the
-//! coordinator in one `runplane serve` on PostgreSQL, and two sandbox-reconciler replicas
-//! (`runplane serve sandbox-reconciler`) sharing one database, both dispatching.
+//! coordinator in one `runplane serve` on PostgreSQL, two sandbox-reconciler replicas
+//! (`runplane serve sandbox-reconciler`) sharing one database, both dispatching, and a
+//! node agent (given both replicas) that launches the sandboxes. Several reconcilers run
+//! with `local_sandboxes = false`: a local sandbox lives in one replica's process tree.
 //!
 //! The field report: capacity 2, acme queued 24 runs, then beta created one, and beta's
 //! run waited behind acme's whole queue (49 s). Now beta's run takes the next slot that
@@ -8,6 +10,7 @@
 
 use std::time::Duration;
 
+use runplane_integration_tests::sandboxes::{mint_node_credential, start_node_with_credential};
 use runplane_integration_tests::{Process, channel, start_serve};
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
@@ -135,11 +138,29 @@ exhausted_pattern = "quota exceeded"
                 "RUNPLANE_SANDBOX_RECONCILER__TICK_INTERVAL_MS",
                 "200".to_owned(),
             ),
-            // The agents only sleep; containment is not what this test is about.
-            ("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none".to_owned()),
+            // Every sandbox goes to the node agent.
+            (
+                "RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES",
+                "false".to_owned(),
+            ),
         ]);
         replicas.push(start_serve(&["sandbox-reconciler"], &refs(&env)).await);
     }
+    let reconcilers = replicas
+        .iter()
+        .map(Process::endpoint)
+        .collect::<Vec<_>>()
+        .join(",");
+    let _node = start_node_with_credential(
+        "node-f",
+        &free_local_addr().to_string(),
+        &reconcilers,
+        &endpoint,
+        &dir.path().join("node-f"),
+        &mint_node_credential(&replicas[0].endpoint(), TOKEN, "node-f"),
+        // The agents only sleep; containment is not what this test is about.
+        &[("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none")],
+    );
 
     let mut runs = RunServiceClient::new(channel(&endpoint).await);
     for i in 0..24 {

@@ -50,7 +50,22 @@ pub struct SandboxReconciler {
     tasks: runplane_grpc::Tasks,
     /// The driver of this host's own sandboxes, once given.
     local: Option<drivers::ProcessDriver>,
+    /// Held while this process may run local sandboxes (see [`LOCAL_SANDBOXES_ROLE`]): by
+    /// the rounds, which launch them.
+    local_role: Option<Arc<runplane_db::exclusive::Exclusive>>,
 }
+
+/// The advisory lock a reconciler with local sandboxes holds on its database for as long
+/// as it runs (`local` in ASCII). A local sandbox lives in one replica's process tree and
+/// is probed and stopped there; two such replicas on one database would both launch the
+/// sandboxes they read as not started, and each would find the other's lost. A second one
+/// is refused at start; several replicas run with `local_sandboxes = false` and node
+/// agents.
+const LOCAL_SANDBOXES_ROLE: i64 = 0x6c_6f_63_61_6c;
+
+/// How long a reconciler with local sandboxes waits at start for the one before it (just
+/// killed or stopping) to let go of [`LOCAL_SANDBOXES_ROLE`].
+const LOCAL_SANDBOXES_WAIT: Duration = Duration::from_secs(15);
 
 /// The reconcile round. It finishes the round in hand at shutdown. A panic stops the
 /// process: the round owns this host's sandbox processes through the process driver, and
@@ -72,6 +87,23 @@ impl SandboxReconciler {
             &config.sandbox_reconciler.database_url,
         )
         .await?;
+        let local_role = if config.sandbox_reconciler.local_sandboxes {
+            let held =
+                runplane_db::exclusive::hold(&db, LOCAL_SANDBOXES_ROLE, LOCAL_SANDBOXES_WAIT)
+                    .await
+                    .map_err(ReconcilerError::Storage)?;
+            Some(Arc::new(
+                held.ok_or(ReconcilerError::InvalidField {
+                    field: "sandbox_reconciler.local_sandboxes",
+                    reason: "another sandbox reconciler with local sandboxes uses this database; \
+                         a local sandbox lives in one replica's process tree, so several \
+                         replicas need local_sandboxes = false and node agents"
+                        .into(),
+                })?,
+            ))
+        } else {
+            None
+        };
         let token = &config.auth.service_token;
         let route_key = config::route_key(config);
         // The other services, each called with the service token.
@@ -130,6 +162,7 @@ impl SandboxReconciler {
             state_dir: config.sandbox_reconciler.state_dir.clone().into(),
             tasks,
             local: None,
+            local_role: local_role,
         })
     }
 
@@ -169,7 +202,10 @@ impl SandboxReconciler {
         };
         let driver = Arc::new(drivers::RoutedDriver::new(local, store.clone()));
         let this = self.clone();
+        let local_role = self.local_role.clone();
         self.tasks.spawn(ROUNDS_TASK, move |cancelled| {
+            // The rounds launch local sandboxes, so they hold the role while they run.
+            let _held = &local_role;
             let reconciler =
                 reconcile::Reconciler::new(store.clone(), driver.clone(), settings.clone())
                     .with_fleet(this.fleet.clone());

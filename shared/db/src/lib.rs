@@ -4,6 +4,7 @@
 //! runs on SQLite (`sqlite://path`, created when missing, in WAL mode so readers do not
 //! block the writer). Each service owns its own database and migrates it at start.
 
+pub mod exclusive;
 pub mod migrations;
 pub mod notify;
 pub mod outbox;
