@@ -162,7 +162,7 @@ impl SandboxReconciler {
             state_dir: config.sandbox_reconciler.state_dir.clone().into(),
             tasks,
             local: None,
-            local_role: local_role,
+            local_role,
         })
     }
 
