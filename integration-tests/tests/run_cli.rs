@@ -168,3 +168,48 @@ async fn an_agent_that_cannot_start_ends_its_run_at_once_with_the_reason() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("failed (agent_not_started)"), "{err}");
 }
+
+/// An agent that prints past its run's event quota (`run_store.max_events_per_run`, 40
+/// here): the run still succeeds, the first 40 lines are stored and print, and one `events_lost` event,
+/// stored with the verdict, names the quota and counts every line not stored, so none is
+/// lost in silence; the runner stops sending once refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_past_the_runs_event_quota_is_counted_in_one_marker_and_the_run_succeeds() {
+    let data = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let _dev = start_dev_on(
+        data.path(),
+        &addr,
+        &[("RUNPLANE_RUN_STORE__MAX_EVENTS_PER_RUN", "40")],
+    )
+    .await;
+    let cli = run_cli(
+        &addr,
+        data.path(),
+        "for i in $(seq 1 300); do echo $i; done",
+    );
+    let out = tokio::time::timeout(Duration::from_secs(120), cli.wait_with_output())
+        .await
+        .expect("the run ends")
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let printed: Vec<u32> = stdout.lines().map(|l| l.parse().unwrap()).collect();
+    // What fits is stored (the refused batch's parts that fit), the start of the output
+    // in order.
+    assert_eq!(printed.len(), 40, "{stdout}\n{stderr}");
+    assert_eq!(printed, (1..=printed.len() as u32).collect::<Vec<_>>());
+    let markers: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("[events_lost]"))
+        .collect();
+    assert_eq!(markers.len(), 1, "{stderr}");
+    let expected = format!(
+        "{} events were not stored: the run reached its quota run_store.max_events_per_run",
+        300 - printed.len()
+    );
+    assert!(markers[0].contains(&expected), "{stderr}");
+}

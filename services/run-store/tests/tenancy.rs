@@ -24,6 +24,8 @@ impl Tenancy {
 
 fn configure(config: &mut Config) {
     config.run_store.max_queued_steering_messages = 3;
+    config.run_store.max_events_per_run = 12;
+    config.run_store.max_event_bytes_per_run = 2048;
     let tenancy = &mut config.run_store.tenancy;
     tenancy.orgs.insert(
         "beta".into(),
@@ -60,6 +62,8 @@ runplane_testkit::on_both_backends!(
     runs_with_maximal_arguments_fit_every_claim_and_listing,
     a_shared_credential_out_for_one_org_starts_the_other_orgs_runs,
     a_runs_undelivered_steering_messages_are_bounded_by_name,
+    a_runs_stored_events_are_bounded_by_name_and_its_verdict_still_lands,
+    a_runs_stored_event_bytes_are_bounded_by_name,
 );
 
 fn request(org: &str, credential: &str, id: &str) -> runstore_pb::CreateRunRequest {
@@ -493,4 +497,109 @@ async fn a_runs_undelivered_steering_messages_are_bounded_by_name(h: Harness) {
         Code::ResourceExhausted,
         ErrorReason::QuotaExceeded,
     );
+}
+
+/// A runner's appends past `max_events_per_run` (12 here) are refused by name and write
+/// nothing, on the one-statement path and the checked one alike; a replay of an accepted
+/// batch still answers; the verdict's final batch, with the marker that counts what was
+/// refused, is stored all the same.
+async fn a_runs_stored_events_are_bounded_by_name_and_its_verdict_still_lands(h: Harness) {
+    let (run_id, key) = h.running_run("chatty-run").await;
+    let mut runner = h.runner(&key).await;
+    let lines = |from: usize, n: usize| {
+        (from..from + n)
+            .map(|i| line(&format!("line {i}")))
+            .collect()
+    };
+    let first = append(&mut runner, &run_id, "events-bound-0001", lines(0, 10))
+        .await
+        .unwrap();
+    let refused = append(&mut runner, &run_id, "events-bound-0002", lines(10, 3))
+        .await
+        .unwrap_err();
+    assert_reason(
+        &refused,
+        Code::ResourceExhausted,
+        ErrorReason::QuotaExceeded,
+    );
+    let info = error_info(&refused).unwrap();
+    assert_eq!(info.metadata["quota"], "run_store.max_events_per_run");
+    assert_eq!(info.metadata["run_id"], run_id);
+    assert_eq!(info.metadata["limit"], "12");
+    assert!(
+        refused.message().contains("nothing was written"),
+        "{refused:?}"
+    );
+    assert_eq!(h.store.store().count_events(&run_id).await.unwrap(), 10);
+    // Up to the bound still fits; a replay answers as it did.
+    append(&mut runner, &run_id, "events-bound-0003", lines(10, 2))
+        .await
+        .unwrap();
+    let replayed = append(&mut runner, &run_id, "events-bound-0001", lines(0, 10))
+        .await
+        .unwrap();
+    assert_eq!(replayed.last_sequence, first.last_sequence);
+    let full = append(&mut runner, &run_id, "events-bound-0004", lines(12, 1))
+        .await
+        .unwrap_err();
+    assert_reason(&full, Code::ResourceExhausted, ErrorReason::QuotaExceeded);
+    assert_eq!(h.store.store().count_events(&run_id).await.unwrap(), 12);
+    // The verdict and its marker land past the bound: the run ends once, saying so.
+    let marker = runstore_pb::EventInput {
+        kind: runstore_pb::EventKind::EventsLost as i32,
+        name: "events_lost".into(),
+        text: "4 events were not stored: the run reached its quota run_store.max_events_per_run"
+            .into(),
+        ..Default::default()
+    };
+    let ended = runner
+        .submit_result(runstore_pb::SubmitResultRequest {
+            run_id: run_id.clone(),
+            verdict: Some(succeeded()),
+            final_batch_key: "events-bound-final".into(),
+            final_events: vec![marker],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ended.run.unwrap().state(), runstore_pb::RunState::Succeeded);
+    assert_eq!(h.store.store().count_events(&run_id).await.unwrap(), 13);
+}
+
+/// Past `max_event_bytes_per_run` (2048 bytes of text, data and names here) a runner's
+/// append is refused by name and writes nothing; smaller ones that fit still land.
+async fn a_runs_stored_event_bytes_are_bounded_by_name(h: Harness) {
+    let (run_id, key) = h.running_run("wordy-run").await;
+    let mut runner = h.runner(&key).await;
+    let big = |c: char| line(&c.to_string().repeat(900));
+    append(
+        &mut runner,
+        &run_id,
+        "bytes-bound-0001",
+        vec![big('a'), big('b')],
+    )
+    .await
+    .unwrap();
+    let refused = append(&mut runner, &run_id, "bytes-bound-0002", vec![big('c')])
+        .await
+        .unwrap_err();
+    assert_reason(
+        &refused,
+        Code::ResourceExhausted,
+        ErrorReason::QuotaExceeded,
+    );
+    let info = error_info(&refused).unwrap();
+    assert_eq!(info.metadata["quota"], "run_store.max_event_bytes_per_run");
+    assert_eq!(info.metadata["limit"], "2048");
+    assert_eq!(h.store.store().count_events(&run_id).await.unwrap(), 2);
+    append(
+        &mut runner,
+        &run_id,
+        "bytes-bound-0003",
+        vec![line("short")],
+    )
+    .await
+    .unwrap();
+    assert_eq!(h.store.store().count_events(&run_id).await.unwrap(), 3);
 }

@@ -85,12 +85,33 @@ pub struct DrainReport {
     /// Events the full pending buffer dropped (reported by `events_lost` markers, or
     /// counted in `lost` when a marker could not be delivered either).
     pub dropped: u64,
+    /// Events not stored because the run reached its event quota, and that quota's name
+    /// (`run_store.max_events_per_run`, …): once refused, nothing more is sent, and the
+    /// count goes in one `events_lost` event with the verdict ([`refused_event`]).
+    pub refused: u64,
+    pub quota: Option<String>,
 }
 
 /// When the runner saw something, by `clock`: an event's `observed_at` (informational,
 /// never used for ordering).
 pub fn observed_at(clock: &dyn Clock) -> prost_types::Timestamp {
     runplane_clock::to_timestamp(clock.now_us())
+}
+
+/// The one `events_lost` event for `count` events the run store refused past the run's
+/// event quota `quota`.
+pub fn refused_event(count: u64, quota: &str, clock: &dyn Clock) -> runstore_pb::EventInput {
+    let mut event = lost_event(count, clock);
+    event.text = format!("{count} events were not stored: the run reached its quota {quota}");
+    if let Some(data) = event.data.as_mut() {
+        data.fields.insert(
+            "quota".to_owned(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::StringValue(quota.to_owned())),
+            },
+        );
+    }
+    event
 }
 
 /// An `events_lost` event for `count` events.
@@ -334,6 +355,10 @@ async fn send(
             report.lost += batch.real + batch.dropped;
             continue;
         }
+        if report.quota.is_some() {
+            report.refused += batch.real + batch.dropped;
+            continue;
+        }
         batch_number += 1;
         let key = format!("{nonce}-{batch_number}");
         loop {
@@ -366,6 +391,36 @@ async fn send(
                     report.lost += batch.real + batch.dropped;
                     break;
                 }
+                // Past the run's event quota: store the part of the batch that fits, then
+                // count the rest and send nothing more.
+                Err(Stop::OverQuota(_)) => {
+                    match fit_under_quota(client, run_id, &key, &batch.events).await {
+                        Ok(()) => {
+                            report.sent += batch.real;
+                            break;
+                        }
+                        Err((stored, Stop::OverQuota(quota))) => {
+                            tracing::warn!(%quota, "the run reached its event quota; later events are counted, not sent");
+                            report.sent += stored.iter().filter(|e| !is_marker(e)).count() as u64;
+                            report.refused += represented(&batch.events[stored.len()..]);
+                            report.quota = Some(quota);
+                            break;
+                        }
+                        // Anything else: as for the whole batch, sent again with its key, whose
+                        // stored parts answer as replays.
+                        Err((_, Stop::RunTerminal)) => {
+                            ending.terminal();
+                            return report;
+                        }
+                        Err((_, Stop::Outage)) if !pending.closed() => {
+                            tokio::time::sleep(RETRY_PAUSE).await;
+                        }
+                        Err((_, Stop::Outage | Stop::Refused)) => {
+                            report.lost += batch.real + batch.dropped;
+                            break;
+                        }
+                    }
+                }
                 // Refused for good: say so in the stream (unless that was the saying).
                 Err(Stop::Refused) => {
                     if batch.real > 0 {
@@ -381,12 +436,71 @@ async fn send(
     report
 }
 
+/// Appends what of `events` (refused as a whole past the run's event quota) still fits:
+/// halves of the part not stored yet, each under its own key derived from `key` (the
+/// same split, so the same keys, when sent again), down to one event. `Err` carries the
+/// events stored before the refusal that ended it.
+async fn fit_under_quota<'a>(
+    client: &Client,
+    run_id: &str,
+    key: &str,
+    events: &'a [runstore_pb::EventInput],
+) -> Result<(), (&'a [runstore_pb::EventInput], Stop)> {
+    let mut stored = 0;
+    let mut size = events.len().div_ceil(2);
+    let mut part = 0;
+    while stored < events.len() {
+        let take = size.min(events.len() - stored);
+        part += 1;
+        let sent = append(
+            client,
+            run_id,
+            &format!("{key}.{part}"),
+            events[stored..stored + take].to_vec(),
+        )
+        .await;
+        match sent {
+            Ok(()) => stored += take,
+            Err(Stop::OverQuota(_)) if take > 1 => size = take.div_ceil(2),
+            Err(stop) => return Err((&events[..stored], stop)),
+        }
+    }
+    Ok(())
+}
+
+/// An `events_lost` marker (of the pending buffer or of the quota).
+fn is_marker(event: &runstore_pb::EventInput) -> bool {
+    event.kind == runstore_pb::EventKind::EventsLost as i32
+}
+
+/// How many events `events` stand for: one each, and a marker the count it carries.
+fn represented(events: &[runstore_pb::EventInput]) -> u64 {
+    events
+        .iter()
+        .map(|e| {
+            if !is_marker(e) {
+                return 1;
+            }
+            e.data
+                .as_ref()
+                .and_then(|d| d.fields.get("count"))
+                .and_then(|v| match v.kind {
+                    Some(prost_types::value::Kind::NumberValue(n)) => Some(n as u64),
+                    _ => None,
+                })
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
 enum Stop {
     RunTerminal,
     /// Failed on an outage (unavailable, deadline, overload): sending again may work.
     Outage,
     /// Refused for good.
     Refused,
+    /// Refused because the run reached its event quota (named).
+    OverQuota(String),
 }
 
 async fn append(
@@ -406,6 +520,16 @@ async fn append(
     match result {
         Ok(_) => Ok(()),
         Err(status) if crate::verdict::is_run_terminal(&status) => Err(Stop::RunTerminal),
+        Err(status)
+            if runplane_grpc::error_info(&status).is_some_and(|info| {
+                info.reason == runplane_grpc::ErrorReason::QuotaExceeded.as_str_name()
+            }) =>
+        {
+            let quota = runplane_grpc::error_info(&status)
+                .and_then(|info| info.metadata.get("quota").cloned())
+                .unwrap_or_else(|| "unnamed".to_owned());
+            Err(Stop::OverQuota(quota))
+        }
         Err(status) => {
             tracing::error!(code = ?status.code(), message = status.message(), "append failed for good");
             use tonic::Code::*;

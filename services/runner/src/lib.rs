@@ -288,6 +288,13 @@ pub async fn run(
     if drained.lost > 0 {
         final_events.push(events::lost_event(drained.lost, clock.as_ref()));
     }
+    if let Some(quota) = &drained.quota {
+        final_events.push(events::refused_event(
+            drained.refused,
+            quota,
+            clock.as_ref(),
+        ));
+    }
     let failure_tail = if verdict.outcome() == runstore_pb::VerdictOutcome::Succeeded {
         String::new()
     } else {
@@ -299,7 +306,7 @@ pub async fn run(
     Ok(Outcome {
         verdict,
         recorded,
-        events_lost: drained.lost,
+        events_lost: drained.lost + drained.refused,
         ended_elsewhere: false,
     })
 }

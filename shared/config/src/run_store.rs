@@ -51,6 +51,13 @@ pub struct RunStoreConfig {
     /// Most steers and interrupts a run holds not yet delivered to its runner; past it
     /// Steer and Interrupt are refused RESOURCE_EXHAUSTED (QUOTA_EXCEEDED).
     pub max_queued_steering_messages: u32,
+    /// Most events a run stores; past it a runner's AppendEvents is refused
+    /// RESOURCE_EXHAUSTED (QUOTA_EXCEEDED) and writes nothing, and the runner counts what
+    /// it could not store in one `events_lost` event with its verdict.
+    pub max_events_per_run: u32,
+    /// Most bytes of event text, data and names a run stores; past it as
+    /// `max_events_per_run`.
+    pub max_event_bytes_per_run: u64,
 }
 
 /// `[run_store.tenancy]`: the slots of a credential are shared across the orgs with runs
@@ -158,6 +165,8 @@ impl Default for RunStoreConfig {
             event_retention_seconds: 0,
             retention_sweep_interval_ms: 5000,
             max_queued_steering_messages: 100,
+            max_events_per_run: 1_000_000,
+            max_event_bytes_per_run: 1 << 30,
         }
     }
 }
@@ -220,6 +229,16 @@ impl RunStoreConfig {
             "run_store.max_queued_steering_messages",
             self.max_queued_steering_messages,
             1..=100_000,
+        )?;
+        in_range(
+            "run_store.max_events_per_run",
+            self.max_events_per_run,
+            10..=u32::MAX,
+        )?;
+        in_range(
+            "run_store.max_event_bytes_per_run",
+            self.max_event_bytes_per_run,
+            1024..=u64::MAX,
         )?;
         in_range(
             "run_store.retention_sweep_interval_ms",

@@ -113,6 +113,8 @@ struct Pending {
 
 /// A batch whose events were chained from the run's tip at `from_sequence`.
 pub(super) struct Chained {
+    /// What its events add to the run's stored event bytes.
+    pub bytes: i64,
     pub key_hash: String,
     pub run_id: String,
     pub batch_key: String,
@@ -150,6 +152,7 @@ impl AppendGroups {
     pub fn start(
         tasks: &runplane_grpc::Tasks,
         pool: PgPool,
+        quota: super::EventQuota,
         now_us: impl Fn() -> i64 + Send + Sync + 'static,
     ) -> Self {
         let (queue, pending) = mpsc::unbounded_channel();
@@ -160,7 +163,7 @@ impl AppendGroups {
             let (pool, pending, now_us) = (pool.clone(), pending.clone(), now_us.clone());
             async move {
                 let mut pending = pending.lock().await;
-                write_groups(pool, &mut pending, move || now_us()).await;
+                write_groups(pool, &mut pending, quota, move || now_us()).await;
             }
         });
         Self { queue }
@@ -181,6 +184,7 @@ impl AppendGroups {
 async fn write_groups(
     pool: PgPool,
     pending: &mut mpsc::UnboundedReceiver<Pending>,
+    quota: super::EventQuota,
     now_us: impl Fn() -> i64,
 ) {
     let slots = Arc::new(Semaphore::new(GROUPS_IN_FLIGHT));
@@ -217,7 +221,7 @@ async fn write_groups(
         let (pool, writing) = (pool.clone(), writing.clone());
         let now_us = now_us();
         tokio::spawn(async move {
-            let applied = match append_group(&pool, &group, now_us).await {
+            let applied = match append_group(&pool, &group, quota, now_us).await {
                 Ok(applied) => applied,
                 Err(e) => {
                     // The checked path retries each append on its own; a group that did
@@ -238,7 +242,7 @@ async fn write_groups(
 
 /// One statement for a group: for each append, the key must be live and of its run, at
 /// the run's current generation; the run live and still at the tip the events were
-/// chained from; the batch key unused. The `UPDATE` moves the tips of the appends that
+/// chained from, and within its event quota; the batch key unused. The `UPDATE` moves the tips of the appends that
 /// pass, and the inserts, which read its `RETURNING`, write their batch rows and events.
 /// The `UPDATE` rechecks its conditions on the newest row version after a lock wait,
 /// so a concurrent append, supersede or verdict makes that append write nothing. (Two
@@ -247,16 +251,19 @@ async fn write_groups(
 const APPEND_GROUP: &str = r#"
 WITH appends AS (
     SELECT * FROM unnest($1::integer[], $2::text[], $3::text[], $4::text[], $5::text[],
-                         $6::bigint[], $7::bigint[], $8::bytea[])
+                         $6::bigint[], $7::bigint[], $8::bytea[], $20::bigint[])
         AS a(pos, run_id, key_hash, batch_key, batch_digest, from_sequence,
-             to_sequence, head)
+             to_sequence, head, bytes)
 ),
 tip AS (
     UPDATE runs
-    SET last_sequence = a.to_sequence, chain_head = a.head, updated_at_us = $9
+    SET last_sequence = a.to_sequence, chain_head = a.head, updated_at_us = $9,
+        event_bytes = runs.event_bytes + a.bytes
     FROM appends a
     WHERE runs.id = a.run_id
       AND runs.last_sequence = a.from_sequence
+      AND a.to_sequence <= $21
+      AND runs.event_bytes + a.bytes <= $22
       AND runs.state = ANY($10)
       AND runs.sandbox_generation = (
           SELECT k.sandbox_generation FROM run_keys k
@@ -286,7 +293,12 @@ SELECT pos FROM tip
 "#;
 
 /// Writes a group; returns the indexes of the appends that applied.
-async fn append_group(pool: &PgPool, group: &[Pending], now_us: i64) -> Result<Vec<i32>, DbErr> {
+async fn append_group(
+    pool: &PgPool,
+    group: &[Pending],
+    quota: super::EventQuota,
+    now_us: i64,
+) -> Result<Vec<i32>, DbErr> {
     let appends = || group.iter().map(|p| &p.append);
     let rows = || {
         group
@@ -322,6 +334,9 @@ async fn append_group(pool: &PgPool, group: &[Pending], now_us: i64) -> Result<V
         .bind(rows().map(|(_, r)| r.name.as_str()).collect::<Vec<_>>())
         .bind(rows().map(|(_, r)| r.observed_at_us).collect::<Vec<_>>())
         .bind(rows().map(|(_, r)| r.digest.as_slice()).collect::<Vec<_>>())
+        .bind(appends().map(|a| a.bytes).collect::<Vec<_>>())
+        .bind(quota.max_events)
+        .bind(quota.max_bytes)
         .fetch_all(pool)
         .await
         .map_err(query_error)

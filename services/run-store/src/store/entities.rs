@@ -52,6 +52,8 @@ pub mod run {
         pub priority: i32,
         /// Its events up to this sequence were deleted by retention (0: none).
         pub events_pruned_through: i64,
+        /// Bytes of event text, data and names stored for it (see `max_event_bytes_per_run`).
+        pub event_bytes: i64,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,

@@ -58,6 +58,7 @@ impl Store {
             chain_head: last.digest.clone(),
         };
         let batch = append::Chained {
+            bytes: stored_bytes(events),
             key_hash: key_hash.to_owned(),
             run_id: run_id.to_owned(),
             batch_key: batch_key.to_owned(),
@@ -65,7 +66,11 @@ impl Store {
             from_sequence: from.last_sequence,
             rows,
         };
-        if !self.append_groups(pool).append(batch).await {
+        if !self
+            .append_groups(pool, self.event_quota)
+            .append(batch)
+            .await
+        {
             self.tips.forget(run_id);
             return Ok(None);
         }
@@ -74,10 +79,14 @@ impl Store {
         Ok(Some(appended))
     }
 
-    pub(super) fn append_groups(&self, pool: &sea_orm::sqlx::PgPool) -> &append::AppendGroups {
+    pub(super) fn append_groups(
+        &self,
+        pool: &sea_orm::sqlx::PgPool,
+        quota: EventQuota,
+    ) -> &append::AppendGroups {
         self.groups.get_or_init(|| {
             let clock = self.clock.clone();
-            append::AppendGroups::start(&self.tasks, pool.clone(), move || clock.now_us())
+            append::AppendGroups::start(&self.tasks, pool.clone(), quota, move || clock.now_us())
         })
     }
 
@@ -112,6 +121,7 @@ impl Store {
         if run.state.is_terminal() {
             return Err(terminal_error(&run));
         }
+        self.check_event_quota(&run, events)?;
         let appended = self
             .append_locked(&txn, &run, batch_key, &digest, events)
             .await?;
@@ -119,6 +129,36 @@ impl Store {
         self.remember_tip(run_id, &appended);
         runplane_telemetry::metrics::events_appended().add(events.len() as u64, &[]);
         Ok(appended)
+    }
+
+    /// Refuses a runner's batch that would take `run` past its [`EventQuota`].
+    fn check_event_quota(&self, run: &run::Model, events: &[CheckedEvent]) -> Result<()> {
+        let quota = self.event_quota;
+        let refused =
+            |quota: &'static str, limit: i64, what: &'static str| RunStoreError::QuotaExceeded {
+                holder: "run",
+                id: run.id.clone(),
+                quota,
+                limit: limit as u64,
+                what,
+                then: "this run stores no more events; its runner counts the rest in one \
+                       events_lost event with its verdict",
+            };
+        if run.last_sequence + events.len() as i64 > quota.max_events {
+            return Err(refused(
+                "run_store.max_events_per_run",
+                quota.max_events,
+                "events stored at most",
+            ));
+        }
+        if run.event_bytes + stored_bytes(events) > quota.max_bytes {
+            return Err(refused(
+                "run_store.max_event_bytes_per_run",
+                quota.max_bytes,
+                "bytes of events stored at most",
+            ));
+        }
+        Ok(())
     }
 
     pub(super) async fn find_batch(
@@ -204,6 +244,10 @@ impl Store {
         .await?;
         run::Entity::update_many()
             .col_expr(run::Column::LastSequence, Expr::value(sequence))
+            .col_expr(
+                run::Column::EventBytes,
+                Expr::value(run.event_bytes + stored_bytes(events)),
+            )
             .col_expr(run::Column::ChainHead, Expr::value(head))
             .col_expr(run::Column::UpdatedAtUs, Expr::value(now))
             .filter(run::Column::Id.eq(run.id.as_str()))

@@ -80,6 +80,35 @@ pub struct Store {
     tasks: runplane_grpc::Tasks,
     /// The waiting reasons this replica's claims last wrote (`store::slots`).
     reasons: Arc<slots::WrittenReasons>,
+    /// What one run may store of events (`run_store.max_events_per_run`, …).
+    event_quota: EventQuota,
+}
+
+/// Most events and event bytes (text, data and names) one run stores; a runner's append
+/// past either is refused. A verdict's own final events are always stored: they carry
+/// the run's end and the count of what was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventQuota {
+    pub max_events: i64,
+    pub max_bytes: i64,
+}
+
+impl Default for EventQuota {
+    fn default() -> Self {
+        let config = runplane_config::RunStoreConfig::default();
+        Self {
+            max_events: config.max_events_per_run.into(),
+            max_bytes: config.max_event_bytes_per_run.min(i64::MAX as u64) as i64,
+        }
+    }
+}
+
+/// The bytes of `events` a run's event quota counts: their text, data and names.
+pub(super) fn stored_bytes(events: &[CheckedEvent]) -> i64 {
+    events
+        .iter()
+        .map(|e| (e.text.len() + e.data.len() + e.name.len()) as i64)
+        .sum()
 }
 
 /// `run_store → credential_health.report_turn_failure`.
@@ -236,7 +265,14 @@ impl Store {
             groups: Arc::default(),
             tasks: runplane_grpc::Tasks::new(),
             reasons: Arc::default(),
+            event_quota: EventQuota::default(),
         }
+    }
+
+    /// Bounds what one run stores of events ([`EventQuota`]).
+    pub fn with_event_quota(mut self, quota: EventQuota) -> Self {
+        self.event_quota = quota;
+        self
     }
 
     /// Runs the store's own background work (the append-group writer) in `tasks`, the

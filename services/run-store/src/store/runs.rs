@@ -43,6 +43,7 @@ impl Store {
             waiting_reason: String::new(),
             priority: new.priority,
             events_pruned_through: 0,
+            event_bytes: 0,
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,
