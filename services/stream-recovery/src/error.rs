@@ -77,6 +77,12 @@ impl ServiceError for RecoveryError {
                 metadata([("controller_id", controller.clone())])
             }
             E::Store(StoreError::Gap { next }) => metadata([("next_sequence", next.to_string())]),
+            E::Store(StoreError::BudgetExceeded {
+                scope: scope @ "org_buffer",
+            }) => metadata([
+                ("budget_scope", (*scope).to_owned()),
+                ("quota", "stream_recovery.max_org_buffered_bytes".to_owned()),
+            ]),
             E::Store(StoreError::BudgetExceeded { scope }) => {
                 metadata([("budget_scope", (*scope).to_owned())])
             }

@@ -84,7 +84,10 @@ impl StreamRecovery {
                 store,
                 clock,
                 run_store,
-                limits: domain::policy::BufferLimits::default(),
+                limits: domain::policy::BufferLimits {
+                    org_buffer_bytes: config.stream_recovery.max_org_buffered_bytes,
+                    ..domain::policy::BufferLimits::default()
+                },
                 tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
             }),
             sweep_every: domain::policy::SWEEP_EVERY,

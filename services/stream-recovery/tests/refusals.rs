@@ -143,4 +143,71 @@ async fn bad_run_ids_are_refused_and_leave_no_state(backend: Backend) {
 
 on_every_backend! {
     bad_run_ids_are_refused_and_leave_no_state: unknown_and_malformed_runs_are_refused_with_no_keys_on_redis, unknown_and_malformed_runs_are_refused_with_no_keys_on_a_cluster, unknown_and_malformed_runs_are_refused_with_no_state_in_memory;
+    an_orgs_buffered_bytes_are_bounded_by_name: an_orgs_buffered_bytes_are_bounded_on_redis, an_orgs_buffered_bytes_are_bounded_on_a_cluster, an_orgs_buffered_bytes_are_bounded_in_memory;
+}
+
+/// A lease and `n` frames of 32 KiB from `first` for run `run_id` as its runner.
+async fn append_32k(
+    w: &World,
+    run_id: &str,
+    key: &str,
+    first: u64,
+    n: u64,
+) -> Result<recovery_pb::AppendFramesResponse, tonic::Status> {
+    let mut runner = w.runner(key).await;
+    let token = runner
+        .acquire_lease(recovery_pb::AcquireLeaseRequest {
+            run_id: run_id.to_owned(),
+            controller_id: format!("runner-{run_id}"),
+            ttl: None,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .controller_token;
+    runner
+        .append_frames(recovery_pb::AppendFramesRequest {
+            run_id: run_id.to_owned(),
+            controller_token: token,
+            frames: (first..first + n)
+                .map(|sequence| recovery_pb::FrameInput {
+                    sequence,
+                    data: vec![b'x'; 32 << 10],
+                })
+                .collect(),
+            resync: false,
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// `stream_recovery.max_org_buffered_bytes` (1 MiB here) bounds what all of one org's
+/// live streams hold: a second stream of acme's that would pass it is refused by name and
+/// stores nothing, while another org's stream is not touched.
+async fn an_orgs_buffered_bytes_are_bounded_by_name(backend: Backend) {
+    let w = World::configured(backend, |config| {
+        config.stream_recovery.max_org_buffered_bytes = 1 << 20;
+    })
+    .await;
+    let (first, first_key) = w.running_run_of("acme").await;
+    // 24 frames of 32 KiB: 768 KiB of acme's 1 MiB.
+    append_32k(&w, &first, &first_key, 1, 24).await.unwrap();
+    let (second, second_key) = w.running_run_of("acme").await;
+    let refused = append_32k(&w, &second, &second_key, 1, 9)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    let info = runplane_grpc::error_info(&refused).unwrap();
+    assert_eq!(info.reason, "BUDGET_EXCEEDED");
+    assert_eq!(info.metadata["budget_scope"], "org_buffer");
+    assert_eq!(
+        info.metadata["quota"],
+        "stream_recovery.max_org_buffered_bytes"
+    );
+    // Nothing of the refused batch was stored; what fits still does.
+    let fits = append_32k(&w, &second, &second_key, 1, 8).await.unwrap();
+    assert_eq!(fits.next_sequence, 9);
+    // Another org's streams have room of their own.
+    let (beta, beta_key) = w.running_run_of("beta").await;
+    append_32k(&w, &beta, &beta_key, 1, 24).await.unwrap();
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use runplane_clock::ManualClock;
 use runplane_stream_recovery::domain::policy::{
-    BufferLimits, LEASE_GC_FACTOR, MAX_ATTEMPTS, ORG_HOUR_TTL, RESET_AFTER, STATE_TTL, backoff_ms,
+    BufferLimits, LEASE_GC_FACTOR, MAX_ATTEMPTS, RESET_AFTER, STATE_TTL, backoff_ms,
 };
 use runplane_stream_recovery::store::memory::MemoryStore;
 use runplane_stream_recovery::store::redis::RedisStore;
@@ -174,6 +174,8 @@ conformance!(
     concurrent_claims_claim_once,
     a_claim_fences_the_previous_controller,
     an_orgs_hourly_budget_is_reserved_refused_and_refunded,
+    an_orgs_buffers_hold_at_most_its_bound_over_the_buffer_lifetime,
+    a_frame_older_than_the_buffer_ttl_is_trimmed_though_the_stream_goes_on,
     a_run_whose_lease_was_never_granted_is_never_claimed,
     a_lost_lease_is_no_fence_and_a_controller_resyncs_past_lost_frames,
 );
@@ -504,18 +506,104 @@ async fn a_claim_fences_the_previous_controller(s: Arc<dyn RecoveryStore>) {
     .unwrap();
 }
 
+/// Limits with an org's hourly budget `hour` and buffer bound `held`.
+fn org_limits(hour: u64, held: u64) -> BufferLimits {
+    BufferLimits {
+        org_hour_bytes: hour,
+        org_buffer_bytes: held,
+        ..BufferLimits::default()
+    }
+}
+
 async fn an_orgs_hourly_budget_is_reserved_refused_and_refunded(s: Arc<dyn RecoveryStore>) {
-    assert_eq!(s.charge_org("acme", 7, 60, 100).await.unwrap(), 40);
+    let limits = org_limits(100, 1 << 30);
+    assert_eq!(s.charge_org("acme", 7, 60, &limits).await.unwrap(), 40);
     assert_eq!(
-        s.charge_org("acme", 7, 50, 100).await,
+        s.charge_org("acme", 7, 50, &limits).await,
         Err(StoreError::BudgetExceeded { scope: "org_hour" }),
         "a refusal charges nothing"
     );
     s.refund_org("acme", 7, 20).await.unwrap();
-    assert_eq!(s.charge_org("acme", 7, 60, 100).await.unwrap(), 0);
+    assert_eq!(s.charge_org("acme", 7, 60, &limits).await.unwrap(), 0);
     // Another hour, another org: budgets of their own.
-    assert_eq!(s.charge_org("acme", 8, 10, 100).await.unwrap(), 90);
-    assert_eq!(s.charge_org("globex", 7, 10, 100).await.unwrap(), 90);
+    assert_eq!(s.charge_org("acme", 8, 10, &limits).await.unwrap(), 90);
+    assert_eq!(s.charge_org("globex", 7, 10, &limits).await.unwrap(), 90);
+}
+
+/// What an org's buffers may hold (250 here) is checked against everything its streams
+/// appended in the hours a buffer may still hold frames of (the default 24 h ttl: 25
+/// hours): an org within its hourly budget every hour is still refused once the window
+/// holds its bound, by scope; a refund gives room back; another org is not touched; and
+/// once the early hours leave the window, there is room again.
+async fn an_orgs_buffers_hold_at_most_its_bound_over_the_buffer_lifetime(
+    s: Arc<dyn RecoveryStore>,
+) {
+    let limits = org_limits(100, 250);
+    assert_eq!(limits.window_hours(), 25);
+    assert_eq!(s.charge_org("acme", 100, 100, &limits).await.unwrap(), 0);
+    assert_eq!(s.charge_org("acme", 110, 100, &limits).await.unwrap(), 0);
+    assert_eq!(
+        s.charge_org("acme", 124, 60, &limits).await,
+        Err(StoreError::BudgetExceeded {
+            scope: "org_buffer"
+        }),
+        "hour 124's window (100..=124) holds 200 of 250"
+    );
+    assert_eq!(s.charge_org("acme", 124, 50, &limits).await.unwrap(), 50);
+    assert_eq!(
+        s.charge_org("acme", 124, 1, &limits).await,
+        Err(StoreError::BudgetExceeded {
+            scope: "org_buffer"
+        })
+    );
+    s.refund_org("acme", 124, 20).await.unwrap();
+    assert_eq!(s.charge_org("acme", 124, 20, &limits).await.unwrap(), 50);
+    assert_eq!(s.charge_org("globex", 124, 100, &limits).await.unwrap(), 0);
+    // Hour 100 has left hour 125's window: its 100 bytes are no longer held.
+    assert_eq!(s.charge_org("acme", 125, 100, &limits).await.unwrap(), 0);
+}
+
+/// A stream that keeps appending keeps its buffer alive, never its old frames: frames
+/// appended longer than the ttl ago are trimmed at the next append, so an org's buffers
+/// hold only what its window counts, and a late reader is told where the buffer starts.
+async fn a_frame_older_than_the_buffer_ttl_is_trimmed_though_the_stream_goes_on(
+    s: Arc<dyn RecoveryStore>,
+) {
+    let limits = BufferLimits {
+        ttl: Duration::from_secs(3600),
+        ..BufferLimits::default()
+    };
+    s.acquire("run-age", "ctl", "tok", TTL, T0).await.unwrap();
+    s.append("run-age", "tok", &frames(1..=3), T0, &limits, false)
+        .await
+        .unwrap();
+    s.append(
+        "run-age",
+        "tok",
+        &frames(4..=5),
+        T0 + 1_800_000,
+        &limits,
+        false,
+    )
+    .await
+    .unwrap();
+    // An hour and a second after the first three: they go, the later two stay.
+    s.append(
+        "run-age",
+        "tok",
+        &frames(6..=6),
+        T0 + 3_601_000,
+        &limits,
+        false,
+    )
+    .await
+    .unwrap();
+    let replay = s.read("run-age", 1, 100).await.unwrap();
+    assert_eq!(replay.first_available, 4);
+    assert_eq!(
+        replay.frames.iter().map(|f| f.sequence).collect::<Vec<_>>(),
+        [4, 5, 6]
+    );
 }
 
 async fn a_run_whose_lease_was_never_granted_is_never_claimed(s: Arc<dyn RecoveryStore>) {
@@ -673,16 +761,18 @@ async fn an_orgs_hour_is_pruned_and_a_late_refund_leaves_nothing(
     s: Arc<dyn RecoveryStore>,
     t: Time,
 ) {
-    assert_eq!(s.charge_org("acme", 9, 60, 100).await.unwrap(), 40);
-    t.pass(ORG_HOUR_TTL - SECOND).await;
+    let limits = org_limits(100, 1 << 30);
+    let counter_ttl = Duration::from_millis(limits.org_counter_ttl_ms() as u64);
+    assert_eq!(s.charge_org("acme", 9, 60, &limits).await.unwrap(), 40);
+    t.pass(counter_ttl - SECOND).await;
     assert!(
-        s.charge_org("acme", 9, 60, 100).await.is_err(),
+        s.charge_org("acme", 9, 60, &limits).await.is_err(),
         "still counted"
     );
     t.pass(2 * SECOND).await;
     // The counter is gone: a refund for it gives nothing back, and the hour starts at 0.
     s.refund_org("acme", 9, 60).await.unwrap();
-    assert_eq!(s.charge_org("acme", 9, 100, 100).await.unwrap(), 0);
+    assert_eq!(s.charge_org("acme", 9, 100, &limits).await.unwrap(), 0);
 }
 
 async fn the_index_of_runs_expires(s: Arc<dyn RecoveryStore>, t: Time) {

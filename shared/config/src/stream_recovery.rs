@@ -16,6 +16,10 @@ pub struct StreamRecoveryConfig {
     /// hash-tagged `{run:<id>}` so each run's keys share one cluster slot).
     pub key_prefix: String,
     pub endpoint: String,
+    /// Most bytes one org's live streams hold in the replay buffers, counted as what
+    /// they appended in the buffers' lifetime; past it AppendFrames is refused
+    /// RESOURCE_EXHAUSTED (BUDGET_EXCEEDED, `budget_scope` `org_buffer`).
+    pub max_org_buffered_bytes: u64,
 }
 
 impl Default for StreamRecoveryConfig {
@@ -24,6 +28,7 @@ impl Default for StreamRecoveryConfig {
             redis_url: "redis://127.0.0.1:6379".to_owned(),
             key_prefix: "runplane:".to_owned(),
             endpoint: default_endpoint(),
+            max_org_buffered_bytes: 4 << 30,
         }
     }
 }
@@ -38,6 +43,11 @@ impl StreamRecoveryConfig {
         if let Err(reason) = self.target() {
             return Err(ConfigError::invalid("stream_recovery.redis_url", reason));
         }
+        crate::checks::in_range(
+            "stream_recovery.max_org_buffered_bytes",
+            self.max_org_buffered_bytes,
+            (1 << 20)..=u64::MAX,
+        )?;
         // A brace in the prefix would become every key's hash tag: all runs in one slot.
         if self.key_prefix.contains(['{', '}']) {
             return Err(ConfigError::invalid(

@@ -33,8 +33,6 @@ pub const STATE_TTL: Duration = Duration::from_secs(24 * 3600);
 /// A lease key outlives its lease this many times over: a late renewal by the holder is
 /// still fenced by the token, and the key is garbage collected eventually.
 pub const LEASE_GC_FACTOR: i64 = 4;
-/// How long one org's hourly byte counter is kept: its hour and the next.
-pub const ORG_HOUR_TTL: Duration = Duration::from_secs(2 * 3600);
 
 /// Bounds of one run's replay buffer.
 #[derive(Debug, Clone, Copy)]
@@ -45,8 +43,27 @@ pub struct BufferLimits {
     pub stream_bytes: u64,
     /// Bytes one org's streams may append in one clock hour.
     pub org_hour_bytes: u64,
-    /// How long an idle buffer is kept.
+    /// Bytes one org's streams may hold in the buffers at once. A frame is kept at most
+    /// `ttl` after it was appended, so what an org holds is at most what it appended in
+    /// the hours that overlap the last `ttl`; its hourly counters over those hours
+    /// ([`BufferLimits::window_hours`]) are what this bound is checked against.
+    pub org_buffer_bytes: u64,
+    /// How long an idle buffer is kept, and the longest a frame is kept.
     pub ttl: Duration,
+}
+
+impl BufferLimits {
+    /// The clock hours whose appends a buffer may still hold: those that overlap the last
+    /// `ttl`, the current one included.
+    pub fn window_hours(&self) -> i64 {
+        (self.ttl.as_millis() as u64).div_ceil(3_600_000) as i64 + 1
+    }
+
+    /// How long an org's hourly counter is kept: through the window that starts with
+    /// its hour, and an hour more.
+    pub fn org_counter_ttl_ms(&self) -> i64 {
+        (self.window_hours() + 1) * 3_600_000
+    }
 }
 
 impl Default for BufferLimits {
@@ -55,6 +72,7 @@ impl Default for BufferLimits {
             max_frames: 10_000,
             stream_bytes: 64 << 20,
             org_hour_bytes: 1 << 30,
+            org_buffer_bytes: 4 << 30,
             ttl: STATE_TTL,
         }
     }

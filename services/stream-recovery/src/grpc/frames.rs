@@ -28,7 +28,7 @@ pub(super) async fn append(
     let reserved = total as u64;
     let org_left = s
         .store
-        .charge_org(&org, hour, reserved, s.limits.org_hour_bytes)
+        .charge_org(&org, hour, reserved, &s.limits)
         .await
         .map_err(store_error)?;
     let appended = match s

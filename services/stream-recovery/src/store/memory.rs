@@ -20,8 +20,8 @@ use super::{
     StoreError, StoredFrame,
 };
 use crate::domain::policy::{
-    BufferLimits, DEFAULT_LEASE_TTL, LEASE_GC_FACTOR, MAX_ATTEMPTS, ORG_HOUR_TTL, RESET_AFTER,
-    STATE_TTL, backoff_ms,
+    BufferLimits, DEFAULT_LEASE_TTL, LEASE_GC_FACTOR, MAX_ATTEMPTS, RESET_AFTER, STATE_TTL,
+    backoff_ms,
 };
 
 /// When a key expires, on the store's clock; `None` while it has no TTL (Redis's
@@ -335,6 +335,12 @@ impl RecoveryStore for MemoryStore {
                 r.frames.remove(&r.first);
                 r.first += 1;
             }
+            // Frames appended longer than the ttl ago go too (as the Redis script).
+            let oldest = now_ms - limits.ttl.as_millis() as i64;
+            while r.first < r.next && r.frames.get(&r.first).is_some_and(|(_, at)| *at < oldest) {
+                r.frames.remove(&r.first);
+                r.first += 1;
+            }
             r.bytes += add;
             r.meta_until = Some(t + limits.ttl.as_millis() as i64);
             Ok(Appended {
@@ -463,18 +469,30 @@ impl RecoveryStore for MemoryStore {
         self.woke(run, out)
     }
 
-    async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64> {
+    async fn charge_org(
+        &self,
+        org: &str,
+        hour: i64,
+        bytes: u64,
+        limits: &BufferLimits,
+    ) -> Result<u64> {
         let now = self.now();
         let mut hours = self.org_hours.lock().expect("memory store poisoned");
         hours.retain(|_, h| h.until > now);
-        let used = hours.get(&(org.to_owned(), hour)).map_or(0, |h| h.used);
-        if used + bytes > limit {
+        let used = |h: i64| hours.get(&(org.to_owned(), h)).map_or(0, |c| c.used);
+        let held: u64 = (hour - limits.window_hours() + 1..=hour).map(used).sum();
+        if used(hour) + bytes > limits.org_hour_bytes {
             return Err(StoreError::BudgetExceeded { scope: "org_hour" });
+        }
+        if held + bytes > limits.org_buffer_bytes {
+            return Err(StoreError::BudgetExceeded {
+                scope: "org_buffer",
+            });
         }
         let counter = hours.entry((org.to_owned(), hour)).or_default();
         counter.used += bytes;
-        counter.until = now + ORG_HOUR_TTL.as_millis() as i64;
-        Ok(limit - counter.used)
+        counter.until = now + limits.org_counter_ttl_ms();
+        Ok(limits.org_hour_bytes.saturating_sub(counter.used))
     }
 
     async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()> {

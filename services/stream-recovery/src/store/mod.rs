@@ -27,7 +27,7 @@ pub enum StoreError {
     TakeoverRequired,
     #[error("the batch starts past the next expected sequence {next}")]
     Gap { next: u64 },
-    /// `scope` is `stream` or `org_hour`.
+    /// `scope` is `stream`, `org_hour` or `org_buffer`.
     #[error("the {scope} replay budget is spent")]
     BudgetExceeded { scope: &'static str },
     #[error("the recovery store is unavailable: {0}")]
@@ -165,9 +165,17 @@ pub trait RecoveryStore: Send + Sync + 'static {
     /// whose hand-off (index entry, resume_stream message) failed. False when a later
     /// claim or nothing was there to undo.
     async fn unclaim(&self, run: &str, token: &str) -> Result<bool>;
-    /// Reserves `bytes` of an org's budget for the hour `hour` (ms epoch / 3.6e6);
-    /// returns what is left, or refuses without charging.
-    async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64>;
+    /// Reserves `bytes` of an org's budget for the hour `hour` (ms epoch / 3.6e6) within
+    /// `limits.org_hour_bytes`, and of what its buffers may hold within
+    /// `limits.org_buffer_bytes` (the hours of [`BufferLimits::window_hours`] up to
+    /// `hour`); returns what is left of the hour's, or refuses without charging.
+    async fn charge_org(
+        &self,
+        org: &str,
+        hour: i64,
+        bytes: u64,
+        limits: &BufferLimits,
+    ) -> Result<u64>;
     /// Gives back bytes a reservation did not use.
     async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()>;
     /// Parks the run's lease (its sandbox is being suspended): held with no expiry until

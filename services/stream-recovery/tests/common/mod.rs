@@ -139,6 +139,20 @@ impl World {
 
     /// With the coordinator's own sweep running every `sweep_every`.
     pub async fn sweeping(dead_run_store: bool, backend: Backend, sweep_every: Duration) -> Self {
+        Self::build(dead_run_store, backend, sweep_every, |_| {}).await
+    }
+
+    /// With the configuration as `configure` leaves it.
+    pub async fn configured(backend: Backend, configure: fn(&mut Config)) -> Self {
+        Self::build(false, backend, SWEEP_EVERY, configure).await
+    }
+
+    async fn build(
+        dead_run_store: bool,
+        backend: Backend,
+        sweep_every: Duration,
+        configure: fn(&mut Config),
+    ) -> Self {
         let db = TestDatabase::new().await;
         let redis = match backend {
             Backend::Cluster => TestRedis::cluster().await,
@@ -152,6 +166,7 @@ impl World {
             Secret::new(runplane_run_store::domain::receipt::ReceiptSigner::generate().seed_hex());
         // Not about admission: runs are created on the credential they name.
         config.run_store.admission = false;
+        configure(&mut config);
         let run_store = RunStore::open(&config, runplane_clock::SystemClock::shared())
             .await
             .unwrap();
@@ -249,20 +264,30 @@ impl World {
 
     /// A running run and its key.
     pub async fn running_run(&self) -> (String, String) {
-        let run_id = self.queued_run().await;
+        self.running_run_of("acme").await
+    }
+
+    /// A running run of `org`, and its run key.
+    pub async fn running_run_of(&self, org: &str) -> (String, String) {
+        let run_id = self.queued_run_of(org).await;
         let key = self.start(&run_id).await;
         (run_id, key)
     }
 
     /// A run that waits in the queue: no sandbox, no runner.
     pub async fn queued_run(&self) -> String {
+        self.queued_run_of("acme").await
+    }
+
+    /// A queued run of `org`.
+    pub async fn queued_run_of(&self, org: &str) -> String {
         let mut op = RunServiceClient::with_interceptor(
             Self::channel(&self.run_store_endpoint).await,
             Bearer::new(TOKEN),
         );
         op.create_run(runstore_pb::CreateRunRequest {
             client_request_id: format!("recovery-test-request-{}", unique()),
-            org_id: "acme".into(),
+            org_id: org.into(),
             target: Some(runstore_pb::create_run_request::Target::CredentialId(
                 "c".into(),
             )),

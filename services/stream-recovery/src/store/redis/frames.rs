@@ -6,7 +6,7 @@ use redis::{ScriptInvocation, Value};
 use super::connection::RedisStore;
 use super::reply::{bytes, int, text};
 use super::scripts::{APPEND, CHARGE_ORG, READ, REFUND_ORG};
-use crate::domain::policy::{BufferLimits, DEFAULT_LEASE_TTL, ORG_HOUR_TTL};
+use crate::domain::policy::{BufferLimits, DEFAULT_LEASE_TTL};
 use crate::store::{Appended, Replay, Result, StoreError, StoredFrame};
 
 impl RedisStore {
@@ -107,21 +107,29 @@ pub(super) async fn charge_org(
     org: &str,
     hour: i64,
     bytes: u64,
-    limit: u64,
+    limits: &BufferLimits,
 ) -> Result<u64> {
     let mut conn = store.conn.clone();
-    let key = store.org_hour(org, hour);
-    let left: i64 = CHARGE_ORG
-        .key(key)
+    // The window's counters, oldest first; the last is this hour's. One hash tag, so one
+    // slot.
+    let mut charge = CHARGE_ORG.prepare_invoke();
+    for h in hour - limits.window_hours() + 1..=hour {
+        charge.key(store.org_hour(org, h));
+    }
+    let left: i64 = charge
         .arg(bytes)
-        .arg(limit)
-        .arg(ORG_HOUR_TTL.as_millis() as u64)
+        .arg(limits.org_hour_bytes)
+        .arg(limits.org_buffer_bytes)
+        .arg(limits.org_counter_ttl_ms())
         .invoke_async(&mut conn)
         .await?;
-    if left < 0 {
-        return Err(StoreError::BudgetExceeded { scope: "org_hour" });
+    match left {
+        -1 => Err(StoreError::BudgetExceeded { scope: "org_hour" }),
+        -2 => Err(StoreError::BudgetExceeded {
+            scope: "org_buffer",
+        }),
+        left => Ok(left.max(0) as u64),
     }
-    Ok(left as u64)
 }
 
 pub(super) async fn refund_org(store: &RedisStore, org: &str, hour: i64, bytes: u64) -> Result<()> {

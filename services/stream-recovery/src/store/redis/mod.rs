@@ -10,7 +10,7 @@
 //! last grant, renewal or claim (a lost controller stays known as lost) and `limits.ttl`
 //! after its last append; a budget `STATE_TTL` after its last
 //! claim; the index `STATE_TTL` after its last entry; an org's hourly counter
-//! `ORG_HOUR_TTL` after its last charge. The memory store mirrors exactly this.
+//! `limits.org_counter_ttl_ms()` after its last charge. The memory store mirrors exactly this.
 //!
 //! Here are the connection and `RecoveryStore`; each operation lives with its concern:
 //! [`leases`], [`claims`] (the restart budget), [`frames`] (the replay buffer and the
@@ -155,8 +155,14 @@ impl RecoveryStore for RedisStore {
         claims::unclaim(self, run, token).await
     }
 
-    async fn charge_org(&self, org: &str, hour: i64, bytes: u64, limit: u64) -> Result<u64> {
-        frames::charge_org(self, org, hour, bytes, limit).await
+    async fn charge_org(
+        &self,
+        org: &str,
+        hour: i64,
+        bytes: u64,
+        limits: &BufferLimits,
+    ) -> Result<u64> {
+        frames::charge_org(self, org, hour, bytes, limits).await
     }
 
     async fn refund_org(&self, org: &str, hour: i64, bytes: u64) -> Result<()> {

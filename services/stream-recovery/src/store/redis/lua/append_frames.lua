@@ -1,5 +1,6 @@
 -- Appends frames fenced by the token, idempotent by sequence, charged to the stream's
--- byte budget, trimmed to the buffer's length; with resync, a batch that starts past the
+-- byte budget, trimmed to the buffer's length and to frames younger than the buffer ttl
+-- (what an org's buffer bound counts); with resync, a batch that starts past the
 -- next sequence restarts the buffer instead of answering a gap.
 -- KEYS: lease, meta, frames, times.
 -- ARGV: token, now ms, max frames, stream byte budget, buffer ttl ms, lease ttl ms,
@@ -69,6 +70,16 @@ while next - first > max_frames do
   end
   redis.call('HDEL', KEYS[3], unpack(trimmed))
   redis.call('HDEL', KEYS[4], unpack(trimmed))
+end
+-- Frames appended longer than the ttl ago go too (a stream that keeps appending keeps
+-- its keys alive, never its old frames).
+local oldest = tonumber(now) - tonumber(ttl)
+while first < next do
+  local at = redis.call('HGET', KEYS[4], first)
+  if not at or tonumber(at) >= oldest then break end
+  redis.call('HDEL', KEYS[3], first)
+  redis.call('HDEL', KEYS[4], first)
+  first = first + 1
 end
 redis.call('HSET', KEYS[2], 'next', next, 'first', first, 'bytes', bytes + add)
 redis.call('PEXPIRE', KEYS[2], ttl)
