@@ -33,6 +33,7 @@ impl MigratorTrait for Migrator {
             Box::new(AddFairShare),
             Box::new(AddRetention),
             Box::new(AddEventBytes),
+            Box::new(AddQueuedIndex),
         ]
     }
 }
@@ -209,6 +210,40 @@ impl MigrationTrait for AddEventBytes {
                     .to_owned(),
             )
             .await
+    }
+}
+
+/// The queue alone, in the order its runs start within an org: a partial index over the
+/// QUEUED runs only, so a claim's grouped counts read no started or ended run, and each
+/// granted org's next runs are the first entries of its range (`store::slots`).
+struct AddQueuedIndex;
+
+impl MigrationName for AddQueuedIndex {
+    fn name(&self) -> &str {
+        "m0010_queued_index"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddQueuedIndex {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .get_connection()
+            .execute_unprepared(
+                "CREATE INDEX IF NOT EXISTS runs_queued ON runs \
+                 (credential_id, org_id, priority DESC, created_at_us, id) \
+                 WHERE state = 'queued'",
+            )
+            .await
+            .map(drop)
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .get_connection()
+            .execute_unprepared("DROP INDEX IF EXISTS runs_queued")
+            .await
+            .map(drop)
     }
 }
 

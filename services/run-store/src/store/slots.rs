@@ -99,23 +99,19 @@ impl Store {
         let mut claimed = Vec::new();
         // Per credential: the granted orgs' next runs in one query, claimed in one
         // statement, whatever the number of orgs.
-        let mut by_credential: BTreeMap<&str, HashMap<&str, u32>> = BTreeMap::new();
+        // Each credential's orgs in the order the plan first granted them.
+        let mut by_credential: BTreeMap<&str, Vec<(&str, u32)>> = BTreeMap::new();
         for grant in &plan.grants {
-            *by_credential
+            let orgs = by_credential
                 .entry(grant.credential_id.as_str())
-                .or_default()
-                .entry(grant.org_id.as_str())
-                .or_default() += grant.runs;
+                .or_default();
+            match orgs.iter_mut().find(|(org, _)| *org == grant.org_id) {
+                Some((_, runs)) => *runs += grant.runs,
+                None => orgs.push((grant.org_id.as_str(), grant.runs)),
+            }
         }
         for (credential_id, orgs) in by_credential {
-            let most = orgs.values().copied().max().unwrap_or(0);
-            let ids: Vec<String> = self
-                .next_runs(&txn, credential_id, orgs.keys().copied(), most)
-                .await?
-                .into_iter()
-                .filter(|(_, org, place)| i64::from(orgs[org.as_str()]) >= *place)
-                .map(|(id, ..)| id)
-                .collect();
+            let ids = self.next_runs(&txn, credential_id, &orgs).await?;
             // Compare-and-set, all at once: a cancel that took a run first keeps it.
             run::Entity::update_many()
                 .col_expr(run::Column::State, Expr::value(RunState::Starting))
@@ -218,15 +214,41 @@ impl Store {
         Ok((key, why.to_owned()))
     }
 
-    /// The next `most` queued runs of each of `orgs` on `credential_id`, by priority then
-    /// age, as (id, org, place within its org from 1): one query over the queue index.
+    /// The ids of the next queued runs of each org of `orgs` on `credential_id`, as many
+    /// as it is granted, by priority then age: one query. On Postgres each org's are the
+    /// first entries of its range of the `runs_queued` index (a lateral join per org), so
+    /// the query reads only the runs it returns, however deep the queue.
     async fn next_runs(
         &self,
         txn: &DatabaseTransaction,
         credential_id: &str,
-        orgs: impl Iterator<Item = &str>,
-        most: u32,
-    ) -> Result<Vec<(String, String, i64)>> {
+        orgs: &[(&str, u32)],
+    ) -> Result<Vec<String>> {
+        if self.postgres {
+            let (names, counts): (Vec<String>, Vec<i64>) = orgs
+                .iter()
+                .map(|(org, n)| ((*org).to_owned(), i64::from(*n)))
+                .unzip();
+            let rows = txn
+                .query_all_raw(sea_orm::Statement::from_sql_and_values(
+                    sea_orm::DbBackend::Postgres,
+                    "SELECT r.id FROM unnest($2::text[], $3::bigint[]) \
+                         WITH ORDINALITY AS o(org_id, n, turn) \
+                     CROSS JOIN LATERAL ( \
+                         SELECT id, priority, created_at_us FROM runs \
+                         WHERE state = 'queued' AND credential_id = $1 AND org_id = o.org_id \
+                         ORDER BY priority DESC, created_at_us, id LIMIT o.n) r \
+                     ORDER BY o.turn, r.priority DESC, r.created_at_us, r.id",
+                    [credential_id.into(), names.into(), counts.into()],
+                ))
+                .await?;
+            return rows
+                .iter()
+                .map(|row| row.try_get::<String>("", "id"))
+                .collect::<std::result::Result<_, sea_orm::DbErr>>()
+                .map_err(Into::into);
+        }
+        let most = orgs.iter().map(|(_, n)| *n).max().unwrap_or(0);
         use sea_orm::sea_query::{Alias, Func, Query, WindowStatement};
         let mut window = WindowStatement::partition_by(run::Column::OrgId);
         window
@@ -244,7 +266,7 @@ impl Store {
             .from(run::Entity)
             .and_where(run::Column::State.eq(RunState::Queued))
             .and_where(run::Column::CredentialId.eq(credential_id))
-            .and_where(run::Column::OrgId.is_in(orgs.map(str::to_owned)))
+            .and_where(run::Column::OrgId.is_in(orgs.iter().map(|(o, _)| (*o).to_owned())))
             .to_owned();
         let next = Query::select()
             .column(Alias::new("id"))
@@ -259,16 +281,15 @@ impl Store {
         let rows = txn
             .query_all_raw(txn.get_database_backend().build(&next))
             .await?;
-        rows.iter()
-            .map(|row| {
-                Ok((
-                    row.try_get::<String>("", "id")?,
-                    row.try_get::<String>("", "org_id")?,
-                    row.try_get::<i64>("", "place")?,
-                ))
-            })
-            .collect::<std::result::Result<_, sea_orm::DbErr>>()
-            .map_err(Into::into)
+        let mut ids = Vec::new();
+        for row in &rows {
+            let org = row.try_get::<String>("", "org_id")?;
+            let granted = orgs.iter().find(|(o, _)| *o == org).map_or(0, |(_, n)| *n);
+            if i64::from(granted) >= row.try_get::<i64>("", "place")? {
+                ids.push(row.try_get::<String>("", "id")?);
+            }
+        }
+        Ok(ids)
     }
 }
 
