@@ -49,6 +49,7 @@ impl Agent {
     pub fn spawn(
         command: &str,
         args: &[String],
+        environment: &[(&str, String)],
         events: mpsc::Sender<runstore_pb::EventInput>,
         frames: Option<crate::frames::Frames>,
         clock: runplane_clock::SharedClock,
@@ -79,6 +80,7 @@ impl Agent {
         }
         let mut child = command
             .args(args)
+            .envs(environment.iter().map(|(k, v)| (*k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

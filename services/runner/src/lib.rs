@@ -185,6 +185,7 @@ pub async fn run(
     let spawned = child::Agent::spawn(
         &run.command,
         &run.args,
+        &[(ENV_LABELS, labels_environment(&run.labels))],
         events_tx.clone(),
         Some(live.clone()),
         clock.clone(),
@@ -334,3 +335,17 @@ async fn submit(
 
 /// The poll wait the runner asks for; the server caps it.
 pub const POLL_WAIT: Duration = Duration::from_secs(20);
+
+/// The run's labels, as the agent finds them: `k=v` pairs, comma-separated, in key order
+/// (a label's key and value never hold a comma or an `=`).
+pub const ENV_LABELS: &str = "RUNPLANE_LABELS";
+
+fn labels_environment(labels: &std::collections::HashMap<String, String>) -> String {
+    let mut pairs: Vec<(&String, &String)> = labels.iter().collect();
+    pairs.sort_unstable();
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}

@@ -73,6 +73,9 @@ pub struct RunsArgs {
     /// Only runs of this profile.
     #[arg(long, value_name = "PROFILE")]
     profile: Option<String>,
+    /// Only runs these labels select: `k=v`, `k!=v`, `k`, `!k`, comma = and.
+    #[arg(long = "label", value_name = "SELECTOR")]
+    label: Option<String>,
     /// At most this many runs, newest first (default: every page).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     limit: Option<u32>,
@@ -116,8 +119,8 @@ pub struct LogsArgs {
 pub struct CancelArgs {
     #[command(flatten)]
     connect: RunStoreConnect,
-    /// Run id.
-    run: String,
+    #[command(flatten)]
+    target: Target,
     /// Why, recorded as the verdict message (default "cancelled by an operator").
     #[arg(long, value_name = "R")]
     reason: Option<String>,
@@ -127,18 +130,51 @@ pub struct CancelArgs {
 pub struct SteerArgs {
     #[command(flatten)]
     connect: RunStoreConnect,
-    /// Run id.
-    run: String,
-    /// The line written to the agent's stdin.
-    text: String,
+    /// RUN TEXT: the run and the line written to its agent's stdin; with --label, TEXT
+    /// alone.
+    #[arg(value_name = "RUN TEXT", required = true, num_args = 1..=2)]
+    words: Vec<String>,
+    #[command(flatten)]
+    bulk: Bulk,
+}
+
+/// One run by id, or every live run a label selector picks (`--label`).
+#[derive(Debug, clap::Args)]
+pub struct Target {
+    /// Run id, or none with --label.
+    #[arg(required_unless_present = "label", conflicts_with = "label")]
+    run: Option<String>,
+    #[command(flatten)]
+    bulk: Bulk,
+}
+
+/// What a bulk action acts on and how far it may go.
+#[derive(Debug, clap::Args)]
+pub struct Bulk {
+    /// Act on every live run (queued, starting or running) these labels select, within
+    /// the org: `k=v`, `k!=v`, `k`, `!k`, comma = and. Each run is one keyed call, keyed
+    /// by the action, the selector, what it sends and the run, so the same command again
+    /// acts on no run twice.
+    #[arg(long, value_name = "SELECTOR")]
+    label: Option<String>,
+    /// Only the org's runs (required with an operator token that acts for every org).
+    #[arg(long, value_name = "ORG", requires = "label")]
+    org: Option<String>,
+    /// List the runs that match without acting.
+    #[arg(long, requires = "label")]
+    dry_run: bool,
+    /// Refuse to act when more runs than this match.
+    #[arg(long, value_name = "N", default_value_t = 1000, requires = "label",
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    max: u32,
 }
 
 #[derive(Debug, clap::Args)]
 pub struct InterruptArgs {
     #[command(flatten)]
     connect: RunStoreConnect,
-    /// Run id.
-    run: String,
+    #[command(flatten)]
+    target: Target,
     /// Why, recorded in the verdict message.
     #[arg(long, value_name = "R")]
     reason: Option<String>,
@@ -174,6 +210,7 @@ pub async fn runs(
                 page_token: page_token.clone(),
                 run_ids: Vec::new(),
                 with_pending_messages: false,
+                label_selector: args.label.clone().unwrap_or_default(),
                 // The table shows no spec; --json shows every field.
                 view: match args.json {
                     true => runstore_pb::RunView::Full,
@@ -342,85 +379,256 @@ pub async fn logs(config_file: Option<&Path>, args: LogsArgs) -> anyhow::Result<
     Ok(())
 }
 
-/// `runplane cancel RUN`.
+/// `runplane cancel RUN`, or `runplane cancel --label SELECTOR`.
 pub async fn cancel(
     config_file: Option<&Path>,
     args: CancelArgs,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
-    let run = client
-        .cancel_run(runstore_pb::CancelRunRequest {
-            run_id: args.run.clone(),
-            reason: args.reason.unwrap_or_default(),
-            idempotency_key: idempotency_key("cancel"),
-        })
-        .await
-        .map_err(rpc)?
-        .into_inner()
-        .run
-        .context("the run store answered without a run")?;
-    let ending = run
-        .verdict
-        .as_ref()
-        .map_or_else(|| state_name(run.state()), output::verdict);
-    writeln!(out, "run {}: {ending}", run.id)?;
-    Ok(())
+    let reason = args.reason.unwrap_or_default();
+    let one = |client: RunStoreClient, run_id: String, key: String| {
+        let reason = reason.clone();
+        async move {
+            let run = client
+                .clone()
+                .cancel_run(runstore_pb::CancelRunRequest {
+                    run_id,
+                    reason,
+                    idempotency_key: key,
+                })
+                .await
+                .map_err(rpc)?
+                .into_inner()
+                .run
+                .context("the run store answered without a run")?;
+            Ok(run
+                .verdict
+                .as_ref()
+                .map_or_else(|| state_name(run.state()), output::verdict))
+        }
+    };
+    match args.target.run {
+        Some(run_id) => {
+            let ending = one(client, run_id.clone(), idempotency_key("cancel")).await?;
+            writeln!(out, "run {run_id}: {ending}")?;
+            Ok(())
+        }
+        None => {
+            let runs = live_runs(&mut client, &args.target.bulk).await?;
+            bulk(
+                out,
+                &args.target.bulk,
+                "cancel",
+                &reason,
+                runs,
+                |run_id, key| one(client.clone(), run_id, key),
+            )
+            .await
+        }
+    }
 }
 
-/// `runplane steer RUN TEXT`.
+/// `runplane steer RUN TEXT`, or `runplane steer --label SELECTOR TEXT`.
 pub async fn steer(
     config_file: Option<&Path>,
     args: SteerArgs,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
-    let message = client
-        .steer(runstore_pb::SteerRequest {
-            run_id: args.run.clone(),
-            text: args.text,
-            idempotency_key: idempotency_key("steer"),
-        })
-        .await
-        .map_err(rpc)?
-        .into_inner()
-        .message
-        .context("the run store answered without a message")?;
-    writeln!(out, "steer {} queued for run {}", message.id, args.run)?;
-    Ok(())
+    let (run, text) = match (&args.bulk.label, args.words.as_slice()) {
+        (None, [run, text]) => (Some(run.clone()), text.clone()),
+        (Some(_), [text]) => (None, text.clone()),
+        (None, _) => anyhow::bail!("runplane steer RUN TEXT: give the run and the line"),
+        (Some(_), _) => anyhow::bail!("runplane steer --label SELECTOR TEXT: give the line alone"),
+    };
+    let one = |client: RunStoreClient, run_id: String, key: String| {
+        let text = text.clone();
+        async move {
+            let message = client
+                .clone()
+                .steer(runstore_pb::SteerRequest {
+                    run_id,
+                    text,
+                    idempotency_key: key,
+                })
+                .await
+                .map_err(rpc)?
+                .into_inner()
+                .message
+                .context("the run store answered without a message")?;
+            Ok(format!("steer {} queued", message.id))
+        }
+    };
+    match run {
+        Some(run_id) => {
+            let done = one(client, run_id.clone(), idempotency_key("steer")).await?;
+            writeln!(out, "{done} for run {run_id}")?;
+            Ok(())
+        }
+        None => {
+            let runs = live_runs(&mut client, &args.bulk).await?;
+            bulk(out, &args.bulk, "steer", &text, runs, |run_id, key| {
+                one(client.clone(), run_id, key)
+            })
+            .await
+        }
+    }
 }
 
-/// `runplane interrupt RUN`.
+/// `runplane interrupt RUN`, or `runplane interrupt --label SELECTOR`.
 pub async fn interrupt(
     config_file: Option<&Path>,
     args: InterruptArgs,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     let mut client = crate::connect::run_store(config_file, &args.connect)?;
-    let answer = client
-        .interrupt(runstore_pb::InterruptRequest {
-            run_id: args.run.clone(),
-            reason: args.reason.unwrap_or_default(),
-            grace: args.grace.map(crate::duration::to_proto),
-            idempotency_key: idempotency_key("interrupt"),
-        })
-        .await
-        .map_err(rpc)?
-        .into_inner();
-    match (answer.message, answer.run) {
-        (Some(message), _) => {
-            writeln!(out, "interrupt {} queued for run {}", message.id, args.run)?
+    let reason = args.reason.unwrap_or_default();
+    let grace = args.grace;
+    let one = |client: RunStoreClient, run_id: String, key: String| {
+        let reason = reason.clone();
+        async move {
+            let answer = client
+                .clone()
+                .interrupt(runstore_pb::InterruptRequest {
+                    run_id,
+                    reason,
+                    grace: grace.map(crate::duration::to_proto),
+                    idempotency_key: key,
+                })
+                .await
+                .map_err(rpc)?
+                .into_inner();
+            Ok(match (answer.message, answer.run) {
+                (Some(message), _) => format!("interrupt {} queued", message.id),
+                // A queued run has no agent to signal: the run store cancelled it directly.
+                (None, Some(run)) => format!(
+                    "was still queued: {} before it started",
+                    state_name(run.state())
+                ),
+                (None, None) => "interrupt accepted".to_owned(),
+            })
         }
-        // A queued run has no agent to signal: the run store cancelled it directly.
-        (None, Some(run)) => writeln!(
+    };
+    match args.target.run {
+        Some(run_id) => {
+            let done = one(client, run_id.clone(), idempotency_key("interrupt")).await?;
+            writeln!(out, "run {run_id}: {done}")?;
+            Ok(())
+        }
+        None => {
+            let payload = format!("{reason}|{grace:?}");
+            let runs = live_runs(&mut client, &args.target.bulk).await?;
+            bulk(
+                out,
+                &args.target.bulk,
+                "interrupt",
+                &payload,
+                runs,
+                |run_id, key| one(client.clone(), run_id, key),
+            )
+            .await
+        }
+    }
+}
+
+type RunStoreClient = crate::connect::RunStoreClient;
+
+/// The live runs (queued, starting, running) `bulk`'s selector picks, read page by page;
+/// refused, naming the count, when more than `--max` match.
+async fn live_runs(
+    client: &mut RunStoreClient,
+    bulk: &Bulk,
+) -> anyhow::Result<Vec<runstore_pb::Run>> {
+    let selector = bulk.label.clone().unwrap_or_default();
+    let mut runs = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_runs(runstore_pb::ListRunsRequest {
+                org_id: bulk.org.clone().unwrap_or_default(),
+                states: [
+                    runstore_pb::RunState::Queued,
+                    runstore_pb::RunState::Starting,
+                    runstore_pb::RunState::Running,
+                ]
+                .map(|s| s as i32)
+                .to_vec(),
+                page_size: MAX_PAGE,
+                page_token,
+                label_selector: selector.clone(),
+                view: runstore_pb::RunView::Basic as i32,
+                ..Default::default()
+            })
+            .await
+            .map_err(rpc)?
+            .into_inner();
+        runs.extend(page.runs);
+        if runs.len() > bulk.max as usize {
+            anyhow::bail!(
+                "more than {} live runs match {selector:?} (--max {}): nothing was done; \
+                 narrow the selector or raise --max",
+                bulk.max,
+                bulk.max
+            );
+        }
+        page_token = page.next_page_token;
+        if page_token.is_empty() {
+            return Ok(runs);
+        }
+    }
+}
+
+/// Acts on each of `runs` with `act(run_id, key)`, one keyed call each: the key is the
+/// action's, the selector's, the payload's and the run's digest, so the same command
+/// again replays rather than acts twice. Prints how many matched and what happened to
+/// each; fails when any call failed. `--dry-run` lists them and does nothing.
+async fn bulk<F, Fut>(
+    out: &mut impl Write,
+    bulk: &Bulk,
+    action: &str,
+    payload: &str,
+    runs: Vec<runstore_pb::Run>,
+    act: F,
+) -> anyhow::Result<()>
+where
+    F: Fn(String, String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<String>>,
+{
+    let selector = bulk.label.as_deref().unwrap_or_default();
+    if bulk.dry_run {
+        writeln!(
             out,
-            "run {} was still queued: {} before it started",
-            run.id,
-            state_name(run.state())
-        )?,
-        (None, None) => writeln!(out, "interrupt accepted for run {}", args.run)?,
+            "{} live runs match {selector:?}; dry run, nothing was done:",
+            runs.len()
+        )?;
+        write_runs(&runs, SystemClock::new().now(), out)?;
+        return Ok(());
+    }
+    writeln!(out, "{} live runs match {selector:?}", runs.len())?;
+    let mut failed = 0;
+    for run in &runs {
+        let key = bulk_key(action, selector, payload, &run.id);
+        match act(run.id.clone(), key).await {
+            Ok(done) => writeln!(out, "run {}: {done}", run.id)?,
+            Err(e) => {
+                failed += 1;
+                writeln!(out, "run {}: failed: {e:#}", run.id)?;
+            }
+        }
+    }
+    if failed > 0 {
+        anyhow::bail!("{action}: {failed} of {} runs failed", runs.len());
     }
     Ok(())
+}
+
+/// The idempotency key of one run's call in a bulk action.
+fn bulk_key(action: &str, selector: &str, payload: &str, run_id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("{action}\n{selector}\n{payload}\n{run_id}"));
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("cli-bulk-{action}-{hex}")
 }
 
 #[cfg(test)]

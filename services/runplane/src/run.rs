@@ -35,6 +35,10 @@ pub struct RunArgs {
     /// higher starts first. Default: the profile's priority (0 for a credential).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i32).range(0..=9))]
     priority: Option<i32>,
+    /// A label, `key=value` (repeatable): keys 1–63 of a-z 0-9 . - /, values 0–63 of
+    /// A-Z a-z 0-9 . _ -. `runplane runs --label` and the bulk actions select by them.
+    #[arg(long = "label", value_name = "K=V", value_parser = parse_label)]
+    labels: Vec<(String, String)>,
     /// How often the server is asked for a heartbeat while the run is quiet, 1s to 60s.
     /// A stream silent for three heartbeats (a wedged replica, a proxy that stopped
     /// forwarding) is re-opened after the last event printed, on a new connection.
@@ -65,7 +69,7 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
             target: Some(target),
             command: command.clone(),
             args: rest.to_vec(),
-            labels: Default::default(),
+            labels: args.labels.iter().cloned().collect(),
             max_duration: args.max_duration.map(crate::duration::to_proto),
             priority: args.priority,
         })
@@ -108,4 +112,12 @@ pub async fn run(config_file: Option<&Path>, args: RunArgs) -> anyhow::Result<i3
             .filter(|c| (1..=255).contains(c))
             .unwrap_or(1),
     })
+}
+
+/// `--label key=value`; the run store checks the key's and value's characters.
+fn parse_label(text: &str) -> Result<(String, String), String> {
+    let (key, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not key=value"))?;
+    Ok((key.to_owned(), value.to_owned()))
 }

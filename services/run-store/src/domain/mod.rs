@@ -2,6 +2,7 @@
 
 pub mod chain;
 pub mod ids;
+pub mod labels;
 pub mod limits;
 pub mod receipt;
 pub mod share;

@@ -111,8 +111,12 @@ pub fn check_create_run(
     {
         return Err(RunStoreError::invalid("priority", "must be 0 to 9"));
     }
-    if req.labels.len() > 32 {
-        return Err(RunStoreError::invalid("labels", "at most 32 labels"));
+    use crate::domain::labels::{self, MAX_LABELS};
+    if req.labels.len() > MAX_LABELS {
+        return Err(RunStoreError::invalid(
+            "labels",
+            format!("at most {MAX_LABELS} labels, not {}", req.labels.len()),
+        ));
     }
     let labels: std::collections::BTreeMap<String, String> = req
         .labels
@@ -120,8 +124,9 @@ pub fn check_create_run(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     for (k, v) in &labels {
-        validate::bounded("labels", k, 1, 63)?;
-        validate::bounded("labels", v, 0, 256)?;
+        if let Some(why) = labels::check(k, v) {
+            return Err(RunStoreError::invalid("labels", why));
+        }
     }
     let max_duration = match req.max_duration.as_ref() {
         None => None,
@@ -300,6 +305,8 @@ impl RunService for RunApi {
         }
         let limit = runplane_grpc::page_size(req.page_size, 50)
             .map_err(|reason| RunStoreError::invalid("page_size", reason))?;
+        let selector = crate::domain::labels::Selector::parse(&req.label_selector)
+            .map_err(|reason| RunStoreError::invalid("label_selector", reason))?;
         let mut filter = RunFilter {
             org_id,
             lead_id: (!req.lead_id.is_empty()).then(|| req.lead_id.clone()),
@@ -308,6 +315,7 @@ impl RunService for RunApi {
             states,
             run_ids: req.run_ids.clone(),
             with_pending_messages: req.with_pending_messages,
+            labels: selector.terms,
             after: None,
             limit: u64::from(limit) + 1,
             basic: req.view() == runstore_pb::RunView::Basic,
@@ -914,14 +922,15 @@ impl RunService for RunApi {
 pub(super) fn page_filter_digest(filter: &RunFilter) -> String {
     digest_hex(
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}",
             filter.org_id,
             filter.lead_id,
             filter.credential_id,
             filter.profile,
             filter.states.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
             filter.run_ids,
-            filter.with_pending_messages
+            filter.with_pending_messages,
+            filter.labels
         )
         .as_bytes(),
     )[..16]

@@ -256,3 +256,24 @@ pub mod org_share {
 
     impl ActiveModelBehavior for ActiveModel {}
 }
+
+pub mod run_label {
+    use sea_orm::entity::prelude::*;
+
+    /// One label of a run, a row per key, so a label selector reads the `(key, value)`
+    /// index instead of every run's labels (`runs.labels` keeps the map as given).
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "run_labels")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub run_id: String,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub key: String,
+        pub value: String,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

@@ -34,6 +34,7 @@ impl MigratorTrait for Migrator {
             Box::new(AddRetention),
             Box::new(AddEventBytes),
             Box::new(AddQueuedIndex),
+            Box::new(AddRunLabels),
         ]
     }
 }
@@ -244,6 +245,66 @@ impl MigrationTrait for AddQueuedIndex {
             .execute_unprepared("DROP INDEX IF EXISTS runs_queued")
             .await
             .map(drop)
+    }
+}
+
+/// A run's labels a row each (`run_labels`), indexed by key and value for selectors;
+/// the runs that have labels already get theirs copied from `runs.labels`.
+struct AddRunLabels;
+
+impl MigrationName for AddRunLabels {
+    fn name(&self) -> &str {
+        "m0011_run_labels"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddRunLabels {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("run_labels"))
+                    .col(text("run_id"))
+                    .col(text("key"))
+                    .col(text("value"))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("run_id"))
+                            .col(Alias::new("key")),
+                    )
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index(
+                "run_labels_key_value",
+                "run_labels",
+                &["key", "value", "run_id"],
+                false,
+            ))
+            .await?;
+        // Runs created before this migration: their labels from `runs.labels`.
+        let db = manager.get_connection();
+        let sql = match db.get_database_backend() {
+            sea_orm::DbBackend::Postgres => {
+                "INSERT INTO run_labels (run_id, key, value) \
+                 SELECT r.id, l.key, l.value FROM runs r, json_each_text(r.labels::json) l \
+                 WHERE r.labels <> '{}' ON CONFLICT DO NOTHING"
+            }
+            _ => {
+                "INSERT OR IGNORE INTO run_labels (run_id, key, value) \
+                 SELECT r.id, l.key, l.value FROM runs r, json_each(r.labels) l \
+                 WHERE r.labels <> '{}'"
+            }
+        };
+        db.execute_unprepared(sql).await.map(drop)
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(Alias::new("run_labels")).to_owned())
+            .await
     }
 }
 

@@ -50,7 +50,9 @@ use crate::domain::state::RunState;
 use crate::domain::validate::CheckedEvent;
 use crate::domain::verdict::{Verdict, VerdictOutcome};
 use crate::error::RunStoreError;
-use entities::{event, event_batch, keyed_answer, receipt, run, run_key, steering_message};
+use entities::{
+    event, event_batch, keyed_answer, receipt, run, run_key, run_label, steering_message,
+};
 
 type Result<T> = std::result::Result<T, RunStoreError>;
 
@@ -170,6 +172,8 @@ pub struct RunFilter {
     pub run_ids: Vec<String>,
     /// Only runs with a steering message not yet acknowledged.
     pub with_pending_messages: bool,
+    /// Only runs these label selector terms all select.
+    pub labels: Vec<crate::domain::labels::Term>,
     /// Start after this (created_at_us, id), newest first.
     pub after: Option<(i64, String)>,
     pub limit: u64,

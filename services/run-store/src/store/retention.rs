@@ -216,6 +216,10 @@ impl Store {
                 .filter(keyed_answer::Column::RunId.eq(run_id))
                 .exec(&txn)
                 .await?;
+            run_label::Entity::delete_many()
+                .filter(run_label::Column::RunId.eq(run_id))
+                .exec(&txn)
+                .await?;
         }
         txn.commit().await?;
         Ok(gone)

@@ -105,6 +105,20 @@ impl Store {
         {
             return Ok(Err(e));
         }
+        let labels: std::collections::BTreeMap<String, String> =
+            serde_json::from_str(&run.labels).unwrap_or_default();
+        if !labels.is_empty() {
+            run_label::Entity::insert_many(labels.into_iter().map(|(key, value)| {
+                run_label::Model {
+                    run_id: run.id.clone(),
+                    key,
+                    value,
+                }
+                .into_active_model()
+            }))
+            .exec_without_returning(&txn)
+            .await?;
+        }
         txn.commit().await?;
         Ok(Ok(()))
     }
@@ -193,6 +207,9 @@ impl Store {
         }
         if !filter.run_ids.is_empty() {
             query = query.filter(run::Column::Id.is_in(filter.run_ids.iter().cloned()));
+        }
+        for term in &filter.labels {
+            query = query.filter(label_condition(term));
         }
         if filter.with_pending_messages {
             // EXISTS on the run's own messages (the (run_id, sequence) index), not a scan
@@ -291,5 +308,31 @@ impl Store {
             }
         }
         Ok(counts)
+    }
+}
+
+/// The condition a selector's term puts on runs: EXISTS (or NOT EXISTS) on the run's own
+/// label rows, through the `(key, value, run_id)` index.
+fn label_condition(term: &crate::domain::labels::Term) -> sea_orm::Condition {
+    use crate::domain::labels::Term;
+    let has = |key: &str, value: Option<&str>| {
+        let mut rows = sea_orm::sea_query::Query::select();
+        rows.expr(Expr::val(1))
+            .from(run_label::Entity)
+            .and_where(sea_orm::sea_query::ExprTrait::equals(
+                Expr::col((run_label::Entity, run_label::Column::RunId)),
+                (run::Entity, run::Column::Id),
+            ))
+            .and_where(run_label::Column::Key.eq(key));
+        if let Some(value) = value {
+            rows.and_where(run_label::Column::Value.eq(value));
+        }
+        Expr::exists(rows.to_owned())
+    };
+    match term {
+        Term::Equals(k, v) => sea_orm::Condition::all().add(has(k, Some(v))),
+        Term::NotEquals(k, v) => sea_orm::Condition::all().add(has(k, Some(v))).not(),
+        Term::Exists(k) => sea_orm::Condition::all().add(has(k, None)),
+        Term::NotExists(k) => sea_orm::Condition::all().add(has(k, None)).not(),
     }
 }
