@@ -435,13 +435,19 @@ pub async fn steer(
     args: SteerArgs,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let (run, text) = match (&args.bulk.label, args.words.as_slice()) {
         (None, [run, text]) => (Some(run.clone()), text.clone()),
         (Some(_), [text]) => (None, text.clone()),
-        (None, _) => anyhow::bail!("runplane steer RUN TEXT: give the run and the line"),
-        (Some(_), _) => anyhow::bail!("runplane steer --label SELECTOR TEXT: give the line alone"),
+        // A usage error, as clap's own (exit status 2), before anything is called.
+        (None, _) => usage(
+            "the following required arguments were not provided: <RUN> <TEXT> \
+             (runplane steer RUN TEXT)",
+        ),
+        (Some(_), _) => {
+            usage("with --label, the one argument is <TEXT> (runplane steer --label SELECTOR TEXT)")
+        }
     };
+    let mut client = crate::connect::run_store(config_file, &args.connect)?;
     let one = |client: RunStoreClient, run_id: String, key: String| {
         let text = text.clone();
         async move {
@@ -513,7 +519,10 @@ pub async fn interrupt(
     match args.target.run {
         Some(run_id) => {
             let done = one(client, run_id.clone(), idempotency_key("interrupt")).await?;
-            writeln!(out, "run {run_id}: {done}")?;
+            match done.strip_prefix("was still queued") {
+                Some(_) => writeln!(out, "run {run_id} {done}")?,
+                None => writeln!(out, "{done} for run {run_id}")?,
+            }
             Ok(())
         }
         None => {
@@ -533,6 +542,15 @@ pub async fn interrupt(
 }
 
 type RunStoreClient = crate::connect::RunStoreClient;
+
+/// Ends the process as clap does for a usage error: the message, exit status 2.
+fn usage(message: &str) -> ! {
+    clap::Error::raw(
+        clap::error::ErrorKind::WrongNumberOfValues,
+        format!("{message}\n"),
+    )
+    .exit()
+}
 
 /// The live runs (queued, starting, running) `bulk`'s selector picks, read page by page;
 /// refused, naming the count, when more than `--max` match.
