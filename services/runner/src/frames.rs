@@ -23,6 +23,19 @@ use tonic::service::interceptor::InterceptedService;
 /// Frames kept for re-sending after a takeover.
 const RING: usize = 10_000;
 const RENEW_EVERY: Duration = Duration::from_secs(10);
+/// The pause before the first AcquireLease is sent again after the coordinator did not
+/// answer it; it doubles up to [`ACQUIRE_RETRY_CAP`].
+const ACQUIRE_RETRY_FIRST: Duration = Duration::from_secs(1);
+const ACQUIRE_RETRY_CAP: Duration = Duration::from_secs(30);
+
+/// Where the runner's own AcquireLease stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Acquire {
+    /// Not answered yet: sent again after a pause.
+    Due,
+    /// Granted, refused for good, or overtaken by a claim.
+    Done,
+}
 const LEASE_TTL: Duration = Duration::from_secs(30);
 
 pub type RecoveryClient = StreamRecoveryServiceClient<
@@ -207,27 +220,48 @@ fn ttl() -> prost_types::Duration {
 /// Streams frames until `frames` is finished and everything was sent (or the stream
 /// cannot continue).
 pub async fn stream(client: RecoveryClient, run_id: String, controller_id: String, frames: Frames) {
-    match client
-        .clone()
-        .acquire_lease(recovery_pb::AcquireLeaseRequest {
-            run_id: run_id.clone(),
-            controller_id,
-            ttl: Some(ttl()),
-        })
-        .await
-    {
-        Ok(lease) => {
-            let lease = lease.into_inner();
-            frames.resume(lease.controller_token, lease.next_sequence);
-        }
-        // Another controller, or one was already granted: wait for a claim.
-        Err(status) => {
-            tracing::warn!(code = ?status.code(), "stream lease not acquired; waiting for a recovery claim")
-        }
-    }
+    // Acquired, refused for good (another controller, or a claim will hand it over), or
+    // to be tried again: a coordinator unreachable past the transport's budget at the
+    // start must not leave the run without a live stream for its whole life.
+    let mut acquire = Acquire::Due;
+    let mut acquire_pause = ACQUIRE_RETRY_FIRST;
+    let mut next_acquire = tokio::time::Instant::now();
     let mut last_renewal = tokio::time::Instant::now();
     loop {
+        if acquire == Acquire::Due && tokio::time::Instant::now() >= next_acquire {
+            match client
+                .clone()
+                .acquire_lease(recovery_pb::AcquireLeaseRequest {
+                    run_id: run_id.clone(),
+                    controller_id: controller_id.clone(),
+                    ttl: Some(ttl()),
+                })
+                .await
+            {
+                Ok(lease) => {
+                    let lease = lease.into_inner();
+                    frames.resume(lease.controller_token, lease.next_sequence);
+                    acquire = Acquire::Done;
+                    last_renewal = tokio::time::Instant::now();
+                }
+                Err(status) if reason_is(&status, ErrorReason::RunTerminal) => return,
+                // Another controller, or one was already granted: wait for a claim.
+                Err(status) if runplane_grpc::error::is_definite_refusal(&status) => {
+                    tracing::warn!(code = ?status.code(), "stream lease not acquired; waiting for a recovery claim");
+                    acquire = Acquire::Done;
+                }
+                Err(status) => {
+                    tracing::warn!(code = ?status.code(), retry_in = ?acquire_pause, "stream lease not acquired yet: the coordinator did not answer");
+                    next_acquire = tokio::time::Instant::now() + acquire_pause;
+                    acquire_pause = (acquire_pause * 2).min(ACQUIRE_RETRY_CAP);
+                }
+            }
+        }
         let (token, batch, resync, finished) = frames.pending();
+        // A claim's token arrived meanwhile: nothing left to acquire.
+        if token.is_some() {
+            acquire = Acquire::Done;
+        }
         if let Some(token) = &token {
             if !batch.is_empty() {
                 match client
@@ -308,6 +342,12 @@ pub async fn stream(client: RecoveryClient, run_id: String, controller_id: Strin
         } else if finished {
             // No lease and nothing more will come: a claim would find nothing to resume.
             return;
+        }
+        if acquire == Acquire::Due {
+            let wait = next_acquire.saturating_duration_since(tokio::time::Instant::now());
+            let _ = tokio::time::timeout(wait.min(Duration::from_secs(1)), frames.wake.notified())
+                .await;
+            continue;
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), frames.wake.notified()).await;
     }
