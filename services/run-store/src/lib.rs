@@ -87,13 +87,7 @@ impl RunStore {
         };
         let store = store::Store::new(db, clock)
             .with_failure_reports(config.run_store.admission)
-            .with_event_quota(store::EventQuota {
-                max_events: config.run_store.max_events_per_run.into(),
-                max_bytes: config
-                    .run_store
-                    .max_event_bytes_per_run
-                    .min(i64::MAX as u64) as i64,
-            })
+            .with_event_quota(store::EventQuota::from_config(&config.run_store))
             .with_tasks(tasks.clone());
         // The watchers' safety net: one query per re-check for every watched run.
         tasks.spawn(RECHECK_TASK, {

@@ -385,13 +385,12 @@ pub async fn cancel(
     args: CancelArgs,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let client = crate::connect::run_store(config_file, &args.connect)?;
     let reason = args.reason.unwrap_or_default();
-    let one = |client: RunStoreClient, run_id: String, key: String| {
+    let one = |mut client: RunStoreClient, run_id: String, key: String| {
         let reason = reason.clone();
         async move {
             let run = client
-                .clone()
                 .cancel_run(runstore_pb::CancelRunRequest {
                     run_id,
                     reason,
@@ -414,18 +413,7 @@ pub async fn cancel(
             writeln!(out, "run {run_id}: {ending}")?;
             Ok(())
         }
-        None => {
-            let runs = live_runs(&mut client, &args.target.bulk).await?;
-            bulk(
-                out,
-                &args.target.bulk,
-                "cancel",
-                &reason,
-                runs,
-                |run_id, key| one(client.clone(), run_id, key),
-            )
-            .await
-        }
+        None => bulk(out, client, &args.target.bulk, "cancel", &reason, one).await,
     }
 }
 
@@ -447,12 +435,11 @@ pub async fn steer(
             usage("with --label, the one argument is <TEXT> (runplane steer --label SELECTOR TEXT)")
         }
     };
-    let mut client = crate::connect::run_store(config_file, &args.connect)?;
-    let one = |client: RunStoreClient, run_id: String, key: String| {
+    let client = crate::connect::run_store(config_file, &args.connect)?;
+    let one = |mut client: RunStoreClient, run_id: String, key: String| {
         let text = text.clone();
         async move {
             let message = client
-                .clone()
                 .steer(runstore_pb::SteerRequest {
                     run_id,
                     text,
@@ -472,13 +459,7 @@ pub async fn steer(
             writeln!(out, "{done} for run {run_id}")?;
             Ok(())
         }
-        None => {
-            let runs = live_runs(&mut client, &args.bulk).await?;
-            bulk(out, &args.bulk, "steer", &text, runs, |run_id, key| {
-                one(client.clone(), run_id, key)
-            })
-            .await
-        }
+        None => bulk(out, client, &args.bulk, "steer", &text, one).await,
     }
 }
 
@@ -488,14 +469,13 @@ pub async fn interrupt(
     args: InterruptArgs,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let mut client = crate::connect::run_store(config_file, &args.connect)?;
+    let client = crate::connect::run_store(config_file, &args.connect)?;
     let reason = args.reason.unwrap_or_default();
     let grace = args.grace;
-    let one = |client: RunStoreClient, run_id: String, key: String| {
+    let one = |mut client: RunStoreClient, run_id: String, key: String| {
         let reason = reason.clone();
         async move {
             let answer = client
-                .clone()
                 .interrupt(runstore_pb::InterruptRequest {
                     run_id,
                     reason,
@@ -527,16 +507,7 @@ pub async fn interrupt(
         }
         None => {
             let payload = format!("{reason}|{grace:?}");
-            let runs = live_runs(&mut client, &args.target.bulk).await?;
-            bulk(
-                out,
-                &args.target.bulk,
-                "interrupt",
-                &payload,
-                runs,
-                |run_id, key| one(client.clone(), run_id, key),
-            )
-            .await
+            bulk(out, client, &args.target.bulk, "interrupt", &payload, one).await
         }
     }
 }
@@ -597,22 +568,23 @@ async fn live_runs(
     }
 }
 
-/// Acts on each of `runs` with `act(run_id, key)`, one keyed call each: the key is the
+/// Acts on each live run `bulk` selects with `act(client, run_id, key)`, one keyed call each: the key is the
 /// action's, the selector's, the payload's and the run's digest, so the same command
 /// again replays rather than acts twice. Prints how many matched and what happened to
 /// each; fails when any call failed. `--dry-run` lists them and does nothing.
 async fn bulk<F, Fut>(
     out: &mut impl Write,
+    mut client: RunStoreClient,
     bulk: &Bulk,
     action: &str,
     payload: &str,
-    runs: Vec<runstore_pb::Run>,
     act: F,
 ) -> anyhow::Result<()>
 where
-    F: Fn(String, String) -> Fut,
+    F: Fn(RunStoreClient, String, String) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<String>>,
 {
+    let runs = live_runs(&mut client, bulk).await?;
     let selector = bulk.label.as_deref().unwrap_or_default();
     if bulk.dry_run {
         writeln!(
@@ -627,7 +599,7 @@ where
     let mut failed = 0;
     for run in &runs {
         let key = bulk_key(action, selector, payload, &run.id);
-        match act(run.id.clone(), key).await {
+        match act(client.clone(), run.id.clone(), key).await {
             Ok(done) => writeln!(out, "run {}: {done}", run.id)?,
             Err(e) => {
                 failed += 1;

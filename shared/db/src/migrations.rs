@@ -11,38 +11,60 @@ pub struct AddTextColumn {
     pub column: &'static str,
 }
 
-impl MigrationName for AddTextColumn {
-    fn name(&self) -> &str {
-        self.name
-    }
+/// Adds a `NOT NULL` 64-bit integer column defaulting to 0, named by hand as
+/// [`AddTextColumn`].
+pub struct AddBigIntColumn {
+    pub name: &'static str,
+    pub table: &'static str,
+    pub column: &'static str,
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for AddTextColumn {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new(self.table))
-                    .add_column(
-                        ColumnDef::new(Alias::new(self.column))
-                            .text()
-                            .not_null()
-                            .default(""),
+/// Generates the `MigrationName` and `MigrationTrait` of a one-column migration whose
+/// column is `$column` (a `ColumnDef` for the column's name).
+macro_rules! add_column {
+    ($migration:ident, $column:expr) => {
+        impl MigrationName for $migration {
+            fn name(&self) -> &str {
+                self.name
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl MigrationTrait for $migration {
+            async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+                #[allow(clippy::redundant_closure_call)]
+                let column: ColumnDef = ($column)(Alias::new(self.column));
+                manager
+                    .alter_table(
+                        Table::alter()
+                            .table(Alias::new(self.table))
+                            .add_column(column)
+                            .to_owned(),
                     )
-                    .to_owned(),
-            )
-            .await
-    }
+                    .await
+            }
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new(self.table))
-                    .drop_column(Alias::new(self.column))
-                    .to_owned(),
-            )
-            .await
-    }
+            async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+                manager
+                    .alter_table(
+                        Table::alter()
+                            .table(Alias::new(self.table))
+                            .drop_column(Alias::new(self.column))
+                            .to_owned(),
+                    )
+                    .await
+            }
+        }
+    };
 }
+
+add_column!(AddTextColumn, |name| ColumnDef::new(name)
+    .text()
+    .not_null()
+    .default("")
+    .to_owned());
+add_column!(AddBigIntColumn, |name| ColumnDef::new(name)
+    .big_integer()
+    .not_null()
+    .default(0)
+    .to_owned());

@@ -124,15 +124,6 @@ impl Selector {
     }
 }
 
-/// `RUNPLANE_LABELS` for an agent: `k=v` pairs, comma-separated, keys in order.
-pub fn environment(labels: &BTreeMap<String, String>) -> String {
-    labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,14 +189,5 @@ mod tests {
             .collect::<Vec<_>>()
             .join(",");
         assert!(Selector::parse(&many).unwrap_err().contains("at most 32"));
-    }
-
-    #[test]
-    fn the_environment_lists_every_label_in_key_order() {
-        assert_eq!(
-            environment(&labels(&[("tier", "gold"), ("team", "infra")])),
-            "team=infra,tier=gold"
-        );
-        assert_eq!(environment(&BTreeMap::new()), "");
     }
 }

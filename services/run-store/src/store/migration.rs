@@ -32,7 +32,13 @@ impl MigratorTrait for Migrator {
             }),
             Box::new(AddFairShare),
             Box::new(AddRetention),
-            Box::new(AddEventBytes),
+            // A run's stored event bytes (`runs.event_bytes`: text, data and names), which
+            // `run_store.max_event_bytes_per_run` bounds.
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0009_event_bytes",
+                table: "runs",
+                column: "event_bytes",
+            }),
             Box::new(AddQueuedIndex),
             Box::new(AddRunLabels),
         ]
@@ -173,41 +179,6 @@ impl MigrationTrait for AddRetention {
                 Table::alter()
                     .table(Alias::new("runs"))
                     .drop_column(Alias::new("events_pruned_through"))
-                    .to_owned(),
-            )
-            .await
-    }
-}
-
-/// A run's stored event bytes (`runs.event_bytes`: text, data and names), which
-/// `run_store.max_event_bytes_per_run` bounds.
-struct AddEventBytes;
-
-impl MigrationName for AddEventBytes {
-    fn name(&self) -> &str {
-        "m0009_event_bytes"
-    }
-}
-
-#[async_trait::async_trait]
-impl MigrationTrait for AddEventBytes {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("runs"))
-                    .add_column(int64("event_bytes").default(0).to_owned())
-                    .to_owned(),
-            )
-            .await
-    }
-
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Alias::new("runs"))
-                    .drop_column(Alias::new("event_bytes"))
                     .to_owned(),
             )
             .await

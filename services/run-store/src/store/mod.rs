@@ -95,13 +95,19 @@ pub struct EventQuota {
     pub max_bytes: i64,
 }
 
-impl Default for EventQuota {
-    fn default() -> Self {
-        let config = runplane_config::RunStoreConfig::default();
+impl EventQuota {
+    /// `run_store.max_events_per_run` and `max_event_bytes_per_run`.
+    pub fn from_config(config: &runplane_config::RunStoreConfig) -> Self {
         Self {
             max_events: config.max_events_per_run.into(),
             max_bytes: config.max_event_bytes_per_run.min(i64::MAX as u64) as i64,
         }
+    }
+}
+
+impl Default for EventQuota {
+    fn default() -> Self {
+        Self::from_config(&runplane_config::RunStoreConfig::default())
     }
 }
 
