@@ -2,16 +2,21 @@
 //!
 //! - [`runner`]: RunnerService, what a sandbox's runner calls with its run key;
 //! - [`operator`]: RunService, what operators and services call;
+//! - [`create`]: CreateRun's checks, pure;
+//! - [`page`]: ListRuns' page tokens;
 //! - [`watch`]: WatchRun's stream;
 //! - [`service_state`]: what every call of both works with;
 //! - [`fields`]: request fields both decode alike.
 
+mod create;
 mod fields;
 mod operator;
+mod page;
 mod runner;
 mod service_state;
 mod watch;
 
-pub use operator::{CheckedCreateRun, RunApi, check_create_run};
+pub use create::{CheckedCreateRun, check_create_run};
+pub use operator::RunApi;
 pub use runner::{RunnerApi, check_acks};
 pub use service_state::ServiceState;

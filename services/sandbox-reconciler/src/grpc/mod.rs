@@ -92,7 +92,7 @@ impl ReconcilerState {
             .mark_deleted(&row.id, row.execution_generation)
             .await?
         {
-            tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "wake refused: the run has ended; sandbox destroyed");
+            tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "wake refused: the run has ended; sandbox deleted, its stop owed");
         }
         let now = self.store.sandbox(&row.id).await?;
         Err(ReconcilerError::SandboxEnded {

@@ -7,7 +7,7 @@ use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_sandbox::{Driver, Launch, SandboxSpec};
 use tracing::Instrument;
 
-use super::RunStoreClient;
+use crate::clients::RunStoreClient;
 use crate::domain::placement::{DispatchPlan, LOCAL_NODE, NodeRoom, choose_node, plan_dispatch};
 use crate::error::ReconcilerError;
 use crate::store::Store;

@@ -5,8 +5,9 @@ use futures::StreamExt;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_sandbox::{Driver, SandboxSpec};
 
+use super::reconciler::Reconciler;
 use super::runs::{RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
-use super::{Reconciler, RunStoreClient};
+use crate::clients::RunStoreClient;
 use crate::domain::placement::LOCAL_NODE;
 use crate::error::ReconcilerError;
 use crate::store::Store;
@@ -53,7 +54,7 @@ impl Reconciler {
                     .await?
                 {
                     deleted += 1;
-                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, status = %row.status, "the run has ended; sandbox destroyed");
+                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, status = %row.status, "the run has ended; sandbox deleted, its stop owed");
                 }
             }
             if !full {

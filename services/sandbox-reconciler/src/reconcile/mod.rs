@@ -9,102 +9,21 @@
 //! The parts: [`tick`] (the loss-grace tick), [`dispatch`] (queued runs to sandboxes),
 //! [`ended`] (the sweep of ended runs and the stops it owes), [`wakes`] (parked runs with
 //! a message waiting), [`outbox`] (FailRun delivery) and [`round`] (one round of all of
-//! them, and the loop that runs it).
+//! them, and the loop that runs it). [`Reconciler`] is what each of them works with.
 
 pub mod dispatch;
 pub mod ended;
 pub mod outbox;
+mod reconciler;
 pub mod round;
 mod runs;
 pub mod tick;
 pub mod wakes;
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use runplane_sandbox::Driver;
-
 pub use crate::clients::RunStoreClient;
-use crate::store::Store;
 pub use dispatch::{RunnerEndpoints, dispatch};
 pub use ended::{TERMINAL_RUN_STATES, stop_local};
 pub use outbox::deliver_outbox;
+pub use reconciler::{ReconcileSettings, Reconciler, TickReport};
 pub use round::run_loop;
 pub use wakes::MESSAGE_WAKE_REASON;
-
-/// The tick's numbers.
-#[derive(Debug, Clone)]
-pub struct ReconcileSettings {
-    /// How long a loss must last before the run is failed (default 90 s).
-    pub loss_grace: Duration,
-    /// Probes in flight at once.
-    pub probe_concurrency: usize,
-    /// Rows read per batch.
-    pub batch: u64,
-    /// Idle time after which a node agent suspends a sandbox; zero for never.
-    pub idle_timeout: Duration,
-    /// Whether queued runs get sandboxes.
-    pub dispatch: bool,
-    /// Whether a run may get a local sandbox when no node agent is ready.
-    pub local_sandboxes: bool,
-    /// What each profile's sandboxes get that differs from the deployment's.
-    pub profiles: crate::domain::placement::ProfileSandboxes,
-    /// How long deleted sandboxes, settled wakes and delivered outbox rows are kept.
-    pub retention: Duration,
-}
-
-impl Default for ReconcileSettings {
-    fn default() -> Self {
-        Self {
-            loss_grace: Duration::from_secs(90),
-            probe_concurrency: 32,
-            batch: 500,
-            idle_timeout: Duration::ZERO,
-            dispatch: true,
-            local_sandboxes: true,
-            profiles: Default::default(),
-            retention: Duration::from_secs(86_400),
-        }
-    }
-}
-
-/// What one tick did.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct TickReport {
-    pub probed: u64,
-    pub stamped: u64,
-    pub cleared: u64,
-    /// Losses this tick confirmed (it won the compare-and-set and queued the FailRun).
-    pub confirmed: u64,
-    /// Writes whose compare-and-set found the row changed since it was read.
-    pub lost_races: u64,
-}
-
-#[derive(Clone)]
-pub struct Reconciler {
-    store: Store,
-    driver: Arc<dyn Driver>,
-    settings: ReconcileSettings,
-    /// Credential health, for the fleet's capacity; `None` where none runs.
-    fleet: Option<crate::clients::FleetClient>,
-    /// When this replica last pruned (`Store::prune`), in store microseconds.
-    pruned_at_us: Arc<std::sync::atomic::AtomicI64>,
-}
-
-impl Reconciler {
-    pub fn new(store: Store, driver: Arc<dyn Driver>, settings: ReconcileSettings) -> Self {
-        Self {
-            store,
-            driver,
-            settings,
-            fleet: None,
-            pruned_at_us: Arc::default(),
-        }
-    }
-
-    /// Dispatch fills credentials only up to the capacity credential health reports.
-    pub fn with_fleet(mut self, fleet: Option<crate::clients::FleetClient>) -> Self {
-        self.fleet = fleet;
-        self
-    }
-}

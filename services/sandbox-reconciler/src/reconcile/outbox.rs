@@ -5,7 +5,7 @@ use prost::Message;
 use runplane_proto::runstore::v1 as runstore_pb;
 use tracing::Instrument;
 
-use super::RunStoreClient;
+use crate::clients::RunStoreClient;
 use crate::error::ReconcilerError;
 use crate::store::Store;
 

@@ -9,7 +9,10 @@ use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_telemetry::metrics;
 use tracing::Instrument;
 
-use super::{Reconciler, RunStoreClient, RunnerEndpoints, deliver_outbox, dispatch};
+use super::dispatch::{RunnerEndpoints, dispatch};
+use super::outbox::deliver_outbox;
+use super::reconciler::Reconciler;
+use crate::clients::RunStoreClient;
 
 impl Reconciler {
     /// One round of the reconciler's background work: dispatch, the sweep of ended runs,

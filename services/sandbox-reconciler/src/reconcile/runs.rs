@@ -5,7 +5,7 @@ use runplane_ids::RunId;
 use runplane_proto::limits::MAX_LIST_RUNS_RUN_IDS;
 use runplane_proto::runstore::v1 as runstore_pb;
 
-use super::RunStoreClient;
+use crate::clients::RunStoreClient;
 use crate::error::ReconcilerError;
 use crate::store::entities::sandbox;
 

@@ -8,7 +8,7 @@ use prost::Message;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_sandbox::{Probe, SandboxSpec};
 
-use super::{Reconciler, TickReport};
+use super::reconciler::{Reconciler, TickReport};
 use crate::domain::loss::{Decision, decide};
 use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;

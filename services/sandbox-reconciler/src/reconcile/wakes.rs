@@ -3,8 +3,9 @@
 
 use runplane_proto::runstore::v1 as runstore_pb;
 
+use super::reconciler::Reconciler;
 use super::runs::{RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
-use super::{Reconciler, RunStoreClient};
+use crate::clients::RunStoreClient;
 use crate::error::ReconcilerError;
 
 impl Reconciler {

@@ -30,7 +30,7 @@ use runplane_config::{PullPolicy, SandboxLimits};
 
 use super::{Engine, LABEL_OWNER, container_name, ensure_image};
 use crate::contract::{WORKSPACE, WORKSPACE_DIR};
-use crate::process::Enforcer;
+use crate::process::limits::Enforcer;
 
 /// The label of a warm container not yet taken: its warm id.
 pub const LABEL_WARM: &str = "dev.runplane.warm";

@@ -58,6 +58,7 @@ use crate::container::Engine;
 use crate::container::warm::{PoolSpec, Taken, WarmPool};
 use crate::contract::{self, RunnerPolls};
 use crate::driver::{Driver, DriverError, Launch, Probe, SandboxSpec};
+pub use procfs::DESTROY_GRACE;
 use procfs::{alive, session_members, stop_orphans};
 
 #[derive(Debug, Clone)]
@@ -519,9 +520,6 @@ impl ProcessDriver {
         }
     }
 }
-
-/// How long a destroyed sandbox gets between SIGTERM and SIGKILL.
-pub const DESTROY_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Driver for ProcessDriver {
     fn create(

@@ -5,9 +5,11 @@ use std::path::Path;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
-use super::DESTROY_GRACE;
 use crate::contract::ENV_SANDBOX_DIR;
 use crate::driver::DriverError;
+
+/// How long a destroyed sandbox gets between SIGTERM and SIGKILL.
+pub const DESTROY_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Whether `pid` names a process that has not exited (a zombie has, in all but name).
 pub(super) fn alive(pid: i32) -> bool {
