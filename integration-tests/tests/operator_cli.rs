@@ -35,9 +35,13 @@ impl Dev {
     }
 
     async fn restart(&mut self) {
+        self.restart_with(&[]).await;
+    }
+
+    async fn restart_with(&mut self, env: &[(&str, &str)]) {
         assert!(self.process.terminate().await.success());
         let addr = self.process.address.clone();
-        self.process = start_dev_on(self.data.path(), &addr, &[]).await;
+        self.process = start_dev_on(self.data.path(), &addr, env).await;
     }
 
     fn token_file(&self) -> PathBuf {
@@ -532,6 +536,104 @@ async fn receipt_get_piped_into_receipt_verify_passes() {
         .await
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{out:?}");
+}
+
+/// `runplane receipt keygen`'s signing key and public key, as an operator copies them.
+async fn keygen() -> (String, String) {
+    let out = Command::new(runplane_bin())
+        .args(["receipt", "keygen"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = text(&out.stdout);
+    let field = |prefix: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("keygen prints {prefix}: {stdout}"))
+            .trim()
+            .trim_matches('"')
+            .to_owned()
+    };
+    (field("receipt_signing_key = "), field("# public key:"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_verifies_after_its_signing_key_is_rotated() {
+    let (old_key, old_public) = keygen().await;
+    let (new_key, _) = keygen().await;
+    let mut dev = Dev::start_restartable().await;
+    dev.restart_with(&[("RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY", &old_key)])
+        .await;
+    let (child, id, output) = dev.start_run(&[], &["echo", "sealed"]).await;
+    let (code, _, stderr) = finish(child, output).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let old_id = receipt_key_id(&dev, &id).await;
+    let file = dev.data.path().join("receipt.json");
+    let out = dev.cli(&["receipt", "get", &id]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    std::fs::write(&file, &out.stdout).unwrap();
+    let file = file.to_str().unwrap();
+
+    // Rotated: the new signing key, the old one's public half retired.
+    let retired = format!("[\"{old_public}\"]");
+    dev.restart_with(&[
+        ("RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY", &new_key),
+        ("RUNPLANE_RUN_STORE__RETIRED_RECEIPT_PUBLIC_KEYS", &retired),
+    ])
+    .await;
+    let out = dev.cli(&["receipt", "verify", file]).await;
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.starts_with(&format!("receipt verified: signed by {old_id}")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("run      {id} (org dev)")),
+        "{stdout}"
+    );
+    // New runs are signed with the new key.
+    let (child, new_run, output) = dev.start_run(&[], &["true"]).await;
+    assert_eq!(finish(child, output).await.0, Some(0));
+    assert_ne!(receipt_key_id(&dev, &new_run).await, old_id);
+
+    // Without the retired key the server cannot vouch for the old receipt.
+    dev.restart_with(&[("RUNPLANE_RUN_STORE__RECEIPT_SIGNING_KEY", &new_key)])
+        .await;
+    let out = dev.cli(&["receipt", "verify", file]).await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        text(&out.stderr).contains("RECEIPT_KEY_UNKNOWN"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Offline, with the key the operator kept, it still verifies.
+    let out = dev
+        .cli(&["receipt", "verify", file, "--public-key", &old_public])
+        .await;
+    assert!(out.status.success(), "{out:?}");
+
+    // A retired key that is not a public key stops the run store at start, naming it.
+    assert!(dev.process.terminate().await.success());
+    let bad = Command::new(runplane_bin())
+        .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dev.data.path())
+        .env(
+            "RUNPLANE_RUN_STORE__RETIRED_RECEIPT_PUBLIC_KEYS",
+            "[\"not-a-key\"]",
+        )
+        .env_remove("RUNPLANE_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("run_store.retired_receipt_public_keys[0]"),
+        "{}",
+        text(&bad.stderr)
+    );
 }
 
 async fn receipt_key_id(dev: &Dev, id: &str) -> String {

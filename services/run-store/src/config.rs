@@ -1,11 +1,12 @@
 //! What the run store takes from runplane's configuration.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use runplane_config::Config;
 
 use crate::domain::limits::Limits;
-use crate::domain::receipt::ReceiptSigner;
+use crate::domain::receipt::{ReceiptSigner, public_key_from_hex};
 use crate::error::RunStoreError;
 
 /// The run store's settings.
@@ -14,6 +15,9 @@ pub struct RunStoreSettings {
     pub database_url: String,
     pub limits: Limits,
     pub signer: ReceiptSigner,
+    /// Public keys of retired signing keys, by key id (`[run_store]
+    /// retired_receipt_public_keys`): GetReceiptPublicKey answers for them too.
+    pub retired_receipt_keys: BTreeMap<String, [u8; 32]>,
     /// The longest deadline a run may have (`[run_store] max_run_duration_seconds`).
     pub max_run_duration_seconds: u32,
     /// How often the deadline sweep runs.
@@ -40,6 +44,20 @@ impl RunStoreSettings {
         }
         let signer =
             ReceiptSigner::from_hex(key).map_err(|e| RunStoreError::SigningKey(e.to_string()))?;
+        let mut retired_receipt_keys = BTreeMap::new();
+        for (i, public) in config
+            .run_store
+            .retired_receipt_public_keys
+            .iter()
+            .enumerate()
+        {
+            let (key_id, public) = public_key_from_hex(public).map_err(|e| {
+                RunStoreError::SigningKey(format!(
+                    "run_store.retired_receipt_public_keys[{i}]: {e}"
+                ))
+            })?;
+            retired_receipt_keys.insert(key_id, public);
+        }
         Ok(Self {
             database_url: config.run_store.database_url.clone(),
             limits: Limits {
@@ -49,6 +67,7 @@ impl RunStoreSettings {
                 ..Limits::default()
             },
             signer,
+            retired_receipt_keys,
             max_run_duration_seconds: config.run_store.max_run_duration_seconds,
             deadline_sweep_interval: Duration::from_millis(
                 config.run_store.deadline_sweep_interval_ms.into(),

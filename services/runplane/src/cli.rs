@@ -135,15 +135,11 @@ pub enum ReceiptCommand {
     /// Print a new Ed25519 receipt signing key (for run_store.receipt_signing_key) and its
     /// public key.
     Keygen,
-    /// Verify a receipt offline: its Ed25519 signature and the body it signs.
-    Verify {
-        /// The receipt as JSON: what `runplane receipt get` prints (grpcurl's output of
-        /// RunService/GetReceipt).
-        file: PathBuf,
-        /// The signer's public key, 64 hex digits or base64 (GetReceiptPublicKey prints it).
-        #[arg(long, value_name = "KEY")]
-        public_key: String,
-    },
+    /// Verify a receipt: its Ed25519 signature and the body it signs. With --public-key
+    /// it is checked offline; without, the signer's public key is fetched from the run
+    /// store by the receipt's key id (the current key's or a retired one's).
+    #[command(after_help = EXIT_STATUS)]
+    Verify(crate::receipt::ReceiptVerifyArgs),
 }
 
 impl Command {
@@ -201,8 +197,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Recovery(RecoveryCommand::Sweep(args)) => {
             crate::recovery::sweep(config, args, &mut stdout).await?
         }
-        Command::Receipt(ReceiptCommand::Verify { file, public_key }) => {
-            crate::receipt::verify_file(&file, &public_key, &mut stdout)?
+        Command::Receipt(ReceiptCommand::Verify(args)) => {
+            crate::receipt::verify(config, args, &mut stdout).await?
         }
     }
     Ok(0)

@@ -1,14 +1,14 @@
 //! `runplane receipt`: make a signing key, verify a receipt offline.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use base64::Engine;
 use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_proto::runstore::v1::Receipt;
 use runplane_run_store::domain::ids::hex;
-use runplane_run_store::domain::receipt::{ReceiptSigner, verify};
+use runplane_run_store::domain::receipt::{self, ReceiptSigner};
 
 /// Prints a new receipt signing key and its public key.
 pub fn keygen(out: &mut impl Write) -> anyhow::Result<()> {
@@ -72,11 +72,58 @@ pub struct ReceiptGetArgs {
 
 const GET_RECEIPT_RESPONSE: &str = "runplane.runstore.v1.GetReceiptResponse";
 
-/// Verifies the receipt in `file` (what `receipt get` prints: grpcurl's JSON of
-/// GetReceipt, or of a Receipt alone) against `public_key` (64 hex digits or base64, as
-/// GetReceiptPublicKey prints it). Only the signed payload is trusted: the body shown is
-/// the one the signature covers, not the file's `body` field.
-pub fn verify_file(file: &Path, public_key: &str, out: &mut impl Write) -> anyhow::Result<()> {
+#[derive(Debug, clap::Args)]
+pub struct ReceiptVerifyArgs {
+    /// The receipt as JSON: what `runplane receipt get` prints (grpcurl's output of
+    /// RunService/GetReceipt).
+    file: PathBuf,
+    /// The signer's public key, 64 hex digits or base64 (GetReceiptPublicKey prints it):
+    /// the receipt is then checked offline. Without it the key is fetched from the run
+    /// store by the receipt's key id.
+    #[arg(long, value_name = "KEY")]
+    public_key: Option<String>,
+    #[command(flatten)]
+    connect: crate::connect::RunStoreConnect,
+}
+
+/// `runplane receipt verify FILE`: [`verify_file`] with the key given, or the one the run
+/// store serves for the receipt's key id.
+pub async fn verify(
+    config_file: Option<&Path>,
+    args: ReceiptVerifyArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let receipt = read_receipt(&args.file)?;
+    let public_key = match args.public_key {
+        Some(key) => parse_public_key(&key)?,
+        None => {
+            if receipt.key_id.is_empty() {
+                bail!("the receipt names no keyId: give its signer's key with --public-key");
+            }
+            let mut client = crate::connect::run_store(config_file, &args.connect)?;
+            let answer = client
+                .get_receipt_public_key(runstore_pb::GetReceiptPublicKeyRequest {
+                    key_id: receipt.key_id.clone(),
+                })
+                .await
+                .map_err(crate::connect::rpc)?
+                .into_inner();
+            <[u8; 32]>::try_from(answer.public_key.as_slice()).map_err(|_| {
+                anyhow::anyhow!(
+                    "the run store served a public key of {} bytes for {}",
+                    answer.public_key.len(),
+                    receipt.key_id
+                )
+            })?
+        }
+    };
+    print_verified(&receipt, &public_key, out)
+}
+
+/// The receipt in `file`: what `receipt get` prints (grpcurl's JSON of GetReceipt), or
+/// a Receipt alone. Only the signed payload is trusted: the body shown is the one the
+/// signature covers, not the file's `body` field.
+fn read_receipt(file: &Path) -> anyhow::Result<Receipt> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
     let json: serde_json::Value =
@@ -94,8 +141,11 @@ pub fn verify_file(file: &Path, public_key: &str, out: &mut impl Write) -> anyho
     if receipt.signature.is_empty() {
         bail!("the receipt has no signature");
     }
-    let key = parse_public_key(public_key)?;
-    let body = verify(&receipt, &key)?;
+    Ok(receipt)
+}
+
+fn print_verified(receipt: &Receipt, key: &[u8; 32], out: &mut impl Write) -> anyhow::Result<()> {
+    let body = receipt::verify(receipt, key)?;
     let verdict = body.verdict.clone().unwrap_or_default();
     writeln!(out, "receipt verified: signed by {}", body.key_id)?;
     writeln!(out, "  run      {} (org {})", body.run_id, body.org_id)?;

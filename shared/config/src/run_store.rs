@@ -20,6 +20,11 @@ pub struct RunStoreConfig {
     /// Ed25519 seed (64 hex digits) that signs receipts; required to serve the run store.
     /// `runplane receipt keygen` makes one.
     pub receipt_signing_key: Secret,
+    /// The public halves (64 hex digits each) of receipt signing keys no longer in use,
+    /// so GetReceiptPublicKey still answers for receipts they signed. Never keep an old
+    /// signing key to verify with: retire it by its public key (`runplane receipt keygen`
+    /// printed it; docs/operations.md says how to rotate).
+    pub retired_receipt_public_keys: Vec<String>,
     /// Most events in one AppendEvents batch.
     pub max_batch_events: u32,
     /// Most bytes of events in one batch.
@@ -154,6 +159,7 @@ impl Default for RunStoreConfig {
             database_url: "postgres://postgres@127.0.0.1:5432/runplane_run_store".to_owned(),
             endpoint: default_endpoint(),
             receipt_signing_key: Secret::default(),
+            retired_receipt_public_keys: Vec::new(),
             max_batch_events: 1000,
             max_batch_bytes: 1 << 20,
             max_poll_wait_seconds: 30,
@@ -181,6 +187,15 @@ impl RunStoreConfig {
                 "run_store.receipt_signing_key",
                 "must be 64 hex digits (an Ed25519 seed; `runplane receipt keygen` makes one)",
             ));
+        }
+        for (i, public) in self.retired_receipt_public_keys.iter().enumerate() {
+            if public.len() != 64 || !public.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(ConfigError::invalid(
+                    format!("run_store.retired_receipt_public_keys[{i}]"),
+                    "must be 64 hex digits (an Ed25519 public key, as `runplane receipt keygen` \
+                     printed it), never the signing key",
+                ));
+            }
         }
         in_range(
             "run_store.max_batch_events",

@@ -15,6 +15,16 @@ use super::ids::hex;
 pub enum ReceiptKeyError {
     #[error("a receipt signing key is 64 hex digits (a 32-byte Ed25519 seed)")]
     Malformed,
+    #[error("a receipt public key is 64 hex digits of a valid Ed25519 public key")]
+    MalformedPublic,
+}
+
+/// The public key written as 64 hex digits, with its key id: a retired key that still
+/// verifies the receipts it signed.
+pub fn public_key_from_hex(public_hex: &str) -> Result<(String, [u8; 32]), ReceiptKeyError> {
+    let raw = decode_hex_32(public_hex.trim()).ok_or(ReceiptKeyError::MalformedPublic)?;
+    let key = VerifyingKey::from_bytes(&raw).map_err(|_| ReceiptKeyError::MalformedPublic)?;
+    Ok((key_id_of(&key), raw))
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -785,15 +785,19 @@ impl RunService for RunApi {
         s.org_scope(&request)?;
         let key_id = &request.get_ref().key_id;
         let signer = &s.settings.signer;
-        if key_id != signer.key_id() {
+        let public_key = if key_id == signer.key_id() {
+            signer.public_key()
+        } else if let Some(retired) = s.settings.retired_receipt_keys.get(key_id) {
+            *retired
+        } else {
             return Err(RunStoreError::ReceiptKeyUnknown {
                 key_id: key_id.clone(),
             }
             .into());
-        }
+        };
         Ok(Response::new(runstore_pb::GetReceiptPublicKeyResponse {
             key_id: key_id.clone(),
-            public_key: signer.public_key().to_vec(),
+            public_key: public_key.to_vec(),
             algorithm: "ed25519".into(),
         }))
     }
