@@ -11,6 +11,7 @@ pub mod otlp;
 pub mod outside;
 pub mod sandboxes;
 pub mod split;
+pub mod webhook_receiver;
 pub mod wedge;
 
 use std::path::{Path, PathBuf};

@@ -14,6 +14,7 @@ pub mod error;
 pub mod grpc;
 pub mod outbox;
 pub mod store;
+pub mod webhooks;
 
 use std::sync::Arc;
 
@@ -54,6 +55,14 @@ const ROUNDS_TASK: runplane_grpc::Task = runplane_grpc::Task {
     on_panic: runplane_grpc::OnPanic::Restart,
 };
 
+/// Lifecycle webhook delivery: each endpoint's loop, safe to stop mid-attempt (a claimed
+/// delivery is due again when its claim lapses) and restarted on a panic.
+const WEBHOOKS_TASK: runplane_grpc::Task = runplane_grpc::Task {
+    name: "run-store.webhooks",
+    on_cancel: runplane_grpc::OnCancel::Abort,
+    on_panic: runplane_grpc::OnPanic::Restart,
+};
+
 impl RunStore {
     /// Opens and migrates the run store's database (`[run_store].database_url`).
     pub async fn open(
@@ -61,6 +70,10 @@ impl RunStore {
         clock: SharedClock,
     ) -> Result<Self, RunStoreError> {
         let settings = RunStoreSettings::from_config(config)?;
+        let webhooks = webhooks::Webhooks::from_config(
+            &config.run_store.webhooks,
+            &config.run_store.webhook_delivery,
+        )?;
         let db =
             runplane_db::connect_and_migrate::<store::Migrator>(&settings.database_url).await?;
         let credential_health = if config.run_store.admission {
@@ -88,6 +101,7 @@ impl RunStore {
         let store = store::Store::new(db, clock)
             .with_failure_reports(config.run_store.admission)
             .with_event_quota(store::EventQuota::from_config(&config.run_store))
+            .with_webhooks(webhooks::Webhooks::routes(&config.run_store.webhooks))
             .with_tasks(tasks.clone());
         // The watchers' safety net: one query per re-check for every watched run.
         tasks.spawn(RECHECK_TASK, {
@@ -112,19 +126,27 @@ impl RunStore {
                 tokens: runplane_grpc::auth::Tokens::from_config(&config.auth),
                 changes,
                 credential_health,
+                webhooks,
             }),
         })
     }
 
     /// Starts the run store's rounds in the background: the deadline sweep every
     /// `[run_store] deadline_sweep_interval_ms`, the retention sweep every
-    /// `retention_sweep_interval_ms`, and (with admission) the outbox of
-    /// failed turns owed to credential health. A round that fails is retried by the next;
+    /// `retention_sweep_interval_ms`, (with admission) the outbox of failed turns owed to
+    /// credential health, and (with `[[run_store.webhooks]]`) webhook delivery. A round that fails is retried by the next;
     /// they stop at the server's shutdown ([`RunStore::register`]).
     pub fn start(&self) {
         let this = self.clone();
         self.tasks
             .spawn(ROUNDS_TASK, move |cancelled| this.clone().rounds(cancelled));
+        if !self.state.webhooks.is_empty() {
+            let state = self.state.clone();
+            self.tasks.spawn(WEBHOOKS_TASK, move |_| {
+                let state = state.clone();
+                async move { state.webhooks.run(&state.store).await }
+            });
+        }
     }
 
     async fn rounds(self, cancelled: runplane_grpc::Cancelled) {

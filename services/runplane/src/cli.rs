@@ -109,6 +109,11 @@ pub enum Command {
     Notices(crate::credentials::NoticesArgs),
     /// Print every RPC's replay-safety policy, as the proto method options declare it.
     Policies,
+    /// List the lifecycle webhook endpoints ([[run_store.webhooks]]): their filters, how
+    /// many deliveries wait, were delivered and were given up, and the last delivery and
+    /// failure. With the operator token; secrets are never shown.
+    #[command(after_help = EXIT_STATUS)]
+    Webhooks(crate::webhooks::WebhooksArgs),
     /// Receipts: fetch one, make a signing key, verify a receipt offline.
     #[command(subcommand)]
     Receipt(ReceiptCommand),
@@ -190,6 +195,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         }
         Command::Notices(args) => crate::credentials::notices(config, args, &mut stdout).await?,
         Command::Policies => crate::policies::print(&mut stdout)?,
+        Command::Webhooks(args) => crate::webhooks::list(config, args, &mut stdout).await?,
         Command::Receipt(ReceiptCommand::Get(args)) => {
             crate::receipt::get(config, args, &mut stdout).await?
         }

@@ -19,6 +19,7 @@ mod sandbox_container;
 mod serve;
 mod startup;
 mod watch;
+mod webhooks;
 
 use std::process::ExitCode;
 

@@ -17,6 +17,7 @@ mod server;
 mod stream_recovery;
 mod telemetry;
 mod tls;
+mod webhooks;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -41,6 +42,10 @@ pub use server::{DEFAULT_LISTEN, ServerConfig};
 pub use stream_recovery::{RedisTarget, StreamRecoveryConfig, redact_url};
 pub use telemetry::{LogFormat, TelemetryConfig};
 pub use tls::TlsConfig;
+pub use webhooks::{
+    WEBHOOK_EVENTS, WebhookConfig, WebhookDeliveryConfig, WebhookTarget, is_private_target,
+    webhook_secret_key,
+};
 
 /// Prefix of every environment override.
 pub const ENV_PREFIX: &str = "RUNPLANE_";
@@ -108,6 +113,8 @@ impl Config {
         self.tls.validate()?;
         self.run_store.validate_deadlines()?;
         self.run_store.tenancy.validate()?;
+        webhooks::validate_webhooks(&self.run_store.webhooks)?;
+        self.run_store.webhook_delivery.validate()?;
         for (field, url) in [
             ("run_store.database_url", &self.run_store.database_url),
             (

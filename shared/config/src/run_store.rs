@@ -63,6 +63,10 @@ pub struct RunStoreConfig {
     /// Most bytes of event text, data and names a run stores; past it as
     /// `max_events_per_run`.
     pub max_event_bytes_per_run: u64,
+    /// Endpoints sent run lifecycle events (`[[run_store.webhooks]]`).
+    pub webhooks: Vec<crate::webhooks::WebhookConfig>,
+    /// How webhook deliveries are retried and bounded.
+    pub webhook_delivery: crate::webhooks::WebhookDeliveryConfig,
 }
 
 /// `[run_store.tenancy]`: the slots of a credential are shared across the orgs with runs
@@ -173,6 +177,8 @@ impl Default for RunStoreConfig {
             max_queued_steering_messages: 100,
             max_events_per_run: 1_000_000,
             max_event_bytes_per_run: 1 << 30,
+            webhooks: Vec::new(),
+            webhook_delivery: Default::default(),
         }
     }
 }

@@ -38,6 +38,13 @@ const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
         "credential_health.profiles[].ended_run_retention_seconds",
         "unset",
     ),
+    // Webhooks are off by default: an entry in the example would turn one on.
+    ("run_store.webhooks[].url", "required"),
+    ("run_store.webhooks[].secret", "required"),
+    ("run_store.webhooks[].events", "`[]`"),
+    ("run_store.webhooks[].orgs", "`[]`"),
+    ("run_store.webhooks[].allow_private_targets", "`false`"),
+    ("run_store.webhooks[].ca_file", "`\"\"`"),
 ];
 
 fn repo_file(relative: &str) -> PathBuf {

@@ -9,3 +9,4 @@ pub mod share;
 pub mod state;
 pub mod validate;
 pub mod verdict;
+pub mod webhook;

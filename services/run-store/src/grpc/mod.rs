@@ -5,6 +5,7 @@
 //! - [`create`]: CreateRun's checks, pure;
 //! - [`page`]: ListRuns' page tokens;
 //! - [`watch`]: WatchRun's stream;
+//! - [`webhooks`]: ListWebhooks, the webhook endpoints and their deliveries;
 //! - [`service_state`]: what every call of both works with;
 //! - [`fields`]: request fields both decode alike.
 
@@ -15,6 +16,7 @@ mod page;
 mod runner;
 mod service_state;
 mod watch;
+mod webhooks;
 
 pub use create::{CheckedCreateRun, check_create_run};
 pub use operator::RunApi;

@@ -801,4 +801,11 @@ impl RunService for RunApi {
             algorithm: "ed25519".into(),
         }))
     }
+
+    async fn list_webhooks(
+        &self,
+        _request: Request<runstore_pb::ListWebhooksRequest>,
+    ) -> std::result::Result<Response<runstore_pb::ListWebhooksResponse>, Status> {
+        Ok(Response::new(super::webhooks::list(&self.state).await?))
+    }
 }

@@ -43,6 +43,9 @@ pub struct ServiceState {
     /// Credential health, asked for admission and told of failed turns; `None` when
     /// `[run_store] admission` is off.
     pub credential_health: Option<CredentialHealthClient>,
+    /// The lifecycle webhook endpoints (`[[run_store.webhooks]]`), delivered by the
+    /// service's webhooks task and listed by ListWebhooks.
+    pub webhooks: crate::webhooks::Webhooks,
 }
 
 /// How long CreateRun waits for credential health's admission before answering

@@ -187,11 +187,15 @@ impl Store {
         if run.state != RunState::Running {
             active.state = sea_orm::Set(RunState::Running);
         }
-        if run.started_at_us.is_none() {
+        let first_start = run.started_at_us.is_none();
+        if first_start {
             active.started_at_us = sea_orm::Set(Some(now));
         }
         active.updated_at_us = sea_orm::Set(now);
         let run = active.update(&txn).await?;
+        if first_start {
+            self.owe_webhooks(&txn, &run, "run.started", now).await?;
+        }
         txn.commit().await?;
         Ok((run, now))
     }

@@ -41,6 +41,7 @@ impl MigratorTrait for Migrator {
             }),
             Box::new(AddQueuedIndex),
             Box::new(AddRunLabels),
+            Box::new(AddWebhookDeliveries),
         ]
     }
 }
@@ -275,6 +276,63 @@ impl MigrationTrait for AddRunLabels {
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
         manager
             .drop_table(Table::drop().table(Alias::new("run_labels")).to_owned())
+            .await
+    }
+}
+
+/// Lifecycle webhook deliveries, one row per endpoint and event, written in the
+/// transaction of the run's change and delivered by `crate::webhooks` until the endpoint
+/// answers 2xx or the delivery is given up. Due rows are read per endpoint.
+struct AddWebhookDeliveries;
+
+impl MigrationName for AddWebhookDeliveries {
+    fn name(&self) -> &str {
+        "m0012_webhook_deliveries"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddWebhookDeliveries {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("webhook_deliveries"))
+                    .if_not_exists()
+                    .col(text("id").primary_key())
+                    .col(text("endpoint_id"))
+                    .col(text("run_id"))
+                    .col(text("org_id"))
+                    .col(text("event_type"))
+                    .col(text("body"))
+                    .col(int64("created_at_us"))
+                    .col(int64("next_attempt_at_us"))
+                    .col(int32("attempts"))
+                    .col(int32_null("last_status"))
+                    .col(text("last_error"))
+                    .col(int64_null("last_attempt_at_us"))
+                    .col(int64_null("delivered_at_us"))
+                    .col(int64_null("given_up_at_us"))
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index(
+                "webhook_deliveries_due",
+                "webhook_deliveries",
+                &["endpoint_id", "delivered_at_us", "next_attempt_at_us"],
+                false,
+            ))
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(
+                Table::drop()
+                    .table(Alias::new("webhook_deliveries"))
+                    .to_owned(),
+            )
             .await
     }
 }

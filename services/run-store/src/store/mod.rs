@@ -25,6 +25,7 @@ mod runs;
 mod slots;
 mod steering;
 mod terminal;
+pub mod webhooks;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -84,6 +85,8 @@ pub struct Store {
     reasons: Arc<slots::WrittenReasons>,
     /// What one run may store of events (`run_store.max_events_per_run`, …).
     event_quota: EventQuota,
+    /// The webhook endpoints and the events each takes (`[[run_store.webhooks]]`).
+    webhooks: Arc<crate::domain::webhook::Routes>,
 }
 
 /// Most events and event bytes (text, data and names) one run stores; a runner's append
@@ -276,7 +279,14 @@ impl Store {
             tasks: runplane_grpc::Tasks::new(),
             reasons: Arc::default(),
             event_quota: EventQuota::default(),
+            webhooks: Arc::default(),
         }
+    }
+
+    /// Owes lifecycle events to these endpoints ([`crate::domain::webhook::Routes`]).
+    pub fn with_webhooks(mut self, routes: crate::domain::webhook::Routes) -> Self {
+        self.webhooks = Arc::new(routes);
+        self
     }
 
     /// Bounds what one run stores of events ([`EventQuota`]).

@@ -256,10 +256,10 @@ impl Store {
                 active.state = sea_orm::Set(RunState::BackendError);
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
-                (
-                    runstore_pb::MarkBackendErrorOutcome::Marked,
-                    active.update(&txn).await?,
-                )
+                let run = active.update(&txn).await?;
+                self.owe_webhooks(&txn, &run, "run.backend_error", now)
+                    .await?;
+                (runstore_pb::MarkBackendErrorOutcome::Marked, run)
             }
             _ => {
                 // Done already (succeeded or failed): the receipt stays as sealed; the
@@ -268,10 +268,10 @@ impl Store {
                 active.state = sea_orm::Set(RunState::BackendError);
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
-                (
-                    runstore_pb::MarkBackendErrorOutcome::Marked,
-                    active.update(&txn).await?,
-                )
+                let run = active.update(&txn).await?;
+                self.owe_webhooks(&txn, &run, "run.backend_error", now)
+                    .await?;
+                (runstore_pb::MarkBackendErrorOutcome::Marked, run)
             }
         };
         self.commit_keyed(
@@ -433,6 +433,9 @@ impl Store {
         )
         .exec_without_returning(txn)
         .await?;
+        if let Some(event) = crate::domain::webhook::event_of(run.state) {
+            self.owe_webhooks(txn, &run, event, now).await?;
+        }
         Ok(run)
     }
 
