@@ -244,28 +244,46 @@ mod node_protocol {
             .sandbox
             .unwrap();
         assert_eq!(restored.active_node_id, "node-b");
-        assert_eq!(restored.route_identity.unwrap().current_node_id, "node-b");
+        assert_eq!(
+            restored.route_identity.as_ref().unwrap().current_node_id,
+            "node-b"
+        );
         assert!(
             w.store.open_wake(&row.id).await.unwrap().is_none(),
             "the wake is settled"
         );
-        // The same report again finds the wake settled.
-        let again = client
-            .report_restored(authed(
+        // The same report again (its answer was lost) gets the same answer, as the
+        // method's replay safety says, and writes nothing.
+        let report = |attempt: u32, node: &str, epoch: u64| {
+            authed(
                 reconciler_pb::ReportRestoredRequest {
-                    node_id: "node-b".into(),
-                    epoch: b,
+                    node_id: node.into(),
+                    epoch,
                     wake_id: wake.id.clone(),
                     sandbox_id: row.id.clone(),
                     execution_generation: 1,
-                    wake_attempt: 1,
+                    wake_attempt: attempt,
                 },
-                &node_token("node-b"),
-            ))
+                &node_token(node),
+            )
+        };
+        let before = w.store.sandbox(&row.id).await.unwrap();
+        let again = client
+            .report_restored(report(1, "node-b", b))
+            .await
+            .unwrap()
+            .into_inner()
+            .sandbox
+            .unwrap();
+        assert_eq!(again, restored);
+        assert_eq!(w.store.sandbox(&row.id).await.unwrap(), before);
+        // Another attempt's report finds the wake settled.
+        let other = client
+            .report_restored(report(2, "node-b", b))
             .await
             .unwrap_err();
         assert_eq!(
-            error_info(&again).unwrap().reason,
+            error_info(&other).unwrap().reason,
             ErrorReason::WakeSettled.as_str_name()
         );
     }

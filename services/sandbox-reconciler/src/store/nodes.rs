@@ -431,7 +431,8 @@ impl Store {
     /// the restore is refused (SANDBOX_ENDED) and its wake settles failed. The sandbox row
     /// is written before the wake, the order a deletion takes too, so the two serialize:
     /// a deletion that committed first wins, and one that comes after destroys the
-    /// restored sandbox.
+    /// restored sandbox. The same report again (this node, this attempt) answers with the
+    /// sandbox as it is and writes nothing.
     pub async fn report_restored(
         &self,
         node_id: &str,
@@ -452,6 +453,15 @@ impl Store {
             .one(&txn)
             .await?
             .ok_or_else(settled)?;
+        if wake.state == "restored"
+            && wake.node_id.as_deref() == Some(node_id)
+            && wake.attempts == attempt
+        {
+            // A replay of the report that settled it (its answer was lost): the same
+            // answer, nothing written.
+            txn.commit().await?;
+            return self.sandbox(&wake.sandbox_id).await;
+        }
         let row = sandbox::Entity::find_by_id(wake.sandbox_id.clone())
             .one(&txn)
             .await?
