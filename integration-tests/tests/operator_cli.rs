@@ -668,7 +668,10 @@ async fn a_run_past_its_max_duration_fails_deadline_exceeded() {
         .await;
     let (code, _, stderr) = finish(child, output).await;
     assert_eq!(code, Some(1), "{stderr}");
-    assert!(stderr.contains("failed (deadline_exceeded"), "{stderr}");
+    assert!(
+        stderr.contains("failed (deadline_exceeded): the run outlived its 2 s deadline"),
+        "the verdict's message is printed, not only its reason: {stderr}"
+    );
     let run = dev.get_json(&id).await;
     assert_eq!(run["state"], "RUN_STATE_FAILED");
     assert_eq!(run["verdict"]["reason"], "deadline_exceeded");

@@ -52,15 +52,29 @@ pub fn verdict(verdict: &runstore_pb::Verdict) -> String {
 }
 
 /// How a run ended, as `runplane run` and `runplane logs` close: `succeeded (exit_zero,
-/// exit code 0)`, `failed (deadline_exceeded)`.
+/// exit code 0)`, `failed (deadline_exceeded): the run outlived its 2 s deadline`. The
+/// verdict's message is its first line, at most [`MESSAGE_SHOWN`] characters.
 pub fn ending(run: &runstore_pb::Run) -> String {
     let verdict = run.verdict.clone().unwrap_or_default();
     let exit = verdict
         .exit_code
         .map(|c| format!(", exit code {c}"))
         .unwrap_or_default();
-    format!("{} ({}{exit})", state_name(run.state()), verdict.reason)
+    let message = verdict.message.lines().next().unwrap_or_default().trim();
+    let message = match message.char_indices().nth(MESSAGE_SHOWN) {
+        Some((cut, _)) => format!(": {}…", &message[..cut]),
+        None if message.is_empty() => String::new(),
+        None => format!(": {message}"),
+    };
+    format!(
+        "{} ({}{exit}){message}",
+        state_name(run.state()),
+        verdict.reason
+    )
 }
+
+/// Most characters of a verdict's message [`ending`] shows.
+const MESSAGE_SHOWN: usize = 200;
 
 /// Why a run that did not succeed ended (the roster's reason), else the verdict's reason.
 /// Why a run ended, or why a queued run still waits.
