@@ -25,6 +25,7 @@ runplane_testkit::on_both_backends!(
     concurrent_claims_never_overfill_a_credential,
     numbers_past_their_columns_are_invalid_argument_and_change_nothing,
     a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not,
+    a_watch_open_at_shutdown_ends_unavailable_saying_shutting_down,
 );
 
 fn slots(credential: &str, capacity: u32, unavailable: &str) -> runstore_pb::CredentialSlots {
@@ -404,6 +405,43 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
         .cloned()
         .collect();
     assert_eq!(events, ["event:2:b", "event:3:c"]);
+}
+
+/// A watch open when the run store begins its shutdown ends UNAVAILABLE with an
+/// ErrorInfo (SHUTTING_DOWN, the run) that tells clients to resume elsewhere, like every
+/// other refusal.
+async fn a_watch_open_at_shutdown_ends_unavailable_saying_shutting_down(h: Harness) {
+    let (run_id, _key) = h.running_run("watch-shutdown").await;
+    let mut stream = h
+        .operator()
+        .await
+        .watch_run(runstore_pb::WatchRunRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+            states_only: true,
+            heartbeat_interval: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(matches!(
+        first.update,
+        Some(runstore_pb::watch_run_response::Update::Run(_))
+    ));
+    h.store.begin_shutdown();
+    let status = loop {
+        match tokio::time::timeout(std::time::Duration::from_secs(60), stream.next())
+            .await
+            .expect("the watch ends within the re-check")
+        {
+            Some(Ok(_)) => continue,
+            Some(Err(status)) => break status,
+            None => panic!("the watch ended without a status"),
+        }
+    };
+    assert_reason(&status, Code::Unavailable, ErrorReason::ShuttingDown);
+    assert_eq!(error_info(&status).unwrap().metadata["run_id"], run_id);
 }
 
 /// A SubmitResult whose first attempt committed and was dropped before it woke anyone

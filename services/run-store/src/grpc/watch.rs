@@ -94,8 +94,11 @@ pub(super) async fn watch(
         }
         if s.changes.is_closing() {
             // Shutting down: end the stream; the watcher resumes from its last sequence.
-            return Err(Status::unavailable(
+            return Err(runplane_grpc::error::status_with_reason(
+                tonic::Code::Unavailable,
+                runplane_grpc::ErrorReason::ShuttingDown,
                 "the run store is shutting down; resume the watch from the last sequence",
+                [("run_id", req.run_id.clone())],
             ));
         }
         // What this stream has: the re-check wakes it if the stored run moved past that.

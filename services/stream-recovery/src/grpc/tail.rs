@@ -145,7 +145,15 @@ async fn serve(
                 RunSeen::Gone(status) => return Err(status),
                 RunSeen::Unknown => {
                     if followed.changed().await.is_err() {
-                        return Err(Status::unavailable("the run's state cannot be followed"));
+                        return Err(runplane_grpc::error::status_with_reason(
+                            tonic::Code::Unavailable,
+                            ErrorReason::UpstreamUnavailable,
+                            "the run's state cannot be followed from the run store; retry",
+                            [
+                                ("run_id", req.run_id.clone()),
+                                ("upstream", "run_store".to_owned()),
+                            ],
+                        ));
                     }
                 }
             }
