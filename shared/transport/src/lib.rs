@@ -44,7 +44,7 @@
 //! fresh one.
 
 mod attempt;
-mod classify;
+pub mod classify;
 mod config;
 mod deadline;
 mod retry;
