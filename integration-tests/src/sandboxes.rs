@@ -165,6 +165,34 @@ impl ControlPlane {
             .unwrap();
     }
 
+    /// The run once `done` holds of it (within 60 s).
+    pub async fn run_when(
+        &self,
+        run_id: &str,
+        what: &str,
+        done: impl Fn(&runstore_pb::Run) -> bool,
+    ) -> runstore_pb::Run {
+        let runs = self.runs();
+        let done = &done;
+        eventually(Duration::from_secs(60), what, || {
+            let mut runs = runs.clone();
+            let run_id = run_id.to_owned();
+            async move {
+                let run = runs
+                    .get_run(runplane_testkit::authed(
+                        runstore_pb::GetRunRequest { run_id },
+                        &self.token,
+                    ))
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .run?;
+                done(&run).then_some(run)
+            }
+        })
+        .await
+    }
+
     /// The run once it ended (within 60 s).
     pub async fn ended(&self, run_id: &str) -> runstore_pb::Run {
         let runs = self.runs();

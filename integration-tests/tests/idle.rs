@@ -198,6 +198,62 @@ async fn an_agent_waiting_for_input_is_suspended_woken_by_a_reattach_and_steered
     assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
 }
 
+/// A node reports its agents' waits for input: the run shows `waiting_for_input` while
+/// its agent reads its stdin, still after the idle suspend froze it, and no longer once
+/// a steer has set it working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_agents_parked_agent_shows_waiting_for_input_through_its_suspend() {
+    let node_endpoint = runplane_testkit::free_local_addr().to_string();
+    let cluster = Cluster::start(node_endpoint.as_str()).await;
+    let run = cluster
+        .create_run(
+            "idle-waiting-request-001",
+            "read line; echo got-$line; sleep 300",
+        )
+        .await;
+    let waiting = cluster
+        .run_when(&run.id, "the run to wait for input", |r| {
+            r.waiting_for_input_since.is_some()
+        })
+        .await;
+    assert_eq!(waiting.state(), runstore_pb::RunState::Running);
+    let sandbox = cluster
+        .sandbox_when(&run.id, "the idle suspend", parked)
+        .await;
+    let _reap = cluster.reap(&sandbox.id);
+    let frozen = cluster
+        .run_when(&run.id, "the run after the suspend", |_| true)
+        .await;
+    assert_eq!(
+        frozen.waiting_for_input_since, waiting.waiting_for_input_since,
+        "a suspended agent still waits, since the same time"
+    );
+
+    cluster.steer_go(&run.id, "idle-waiting-steer-00001").await;
+    cluster
+        .run_when(&run.id, "the agent to work again", |r| {
+            r.state() == runstore_pb::RunState::Running && r.waiting_for_input_since.is_none()
+        })
+        .await;
+    assert_eq!(cluster.stdout(&run.id).await, ["got-go"]);
+    cluster
+        .runs
+        .clone()
+        .cancel_run(authed(
+            runstore_pb::CancelRunRequest {
+                run_id: run.id.clone(),
+                reason: "done".into(),
+                idempotency_key: "idle-waiting-cancel-0001".into(),
+            },
+            TOKEN,
+        ))
+        .await
+        .unwrap();
+    let ended = cluster.ended(&run.id).await;
+    assert_eq!(ended.state(), runstore_pb::RunState::Cancelled);
+    assert_eq!(ended.waiting_for_input_since, None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whatever_is_addressed_to_a_parked_run_wakes_it_without_a_reattach() {
     let node_endpoint = runplane_testkit::free_local_addr().to_string();

@@ -121,10 +121,21 @@ impl Dev {
 
     /// Polls `get --json` until the run reaches `state` (a RunState name).
     async fn wait_for_state(&self, id: &str, state: &str) -> serde_json::Value {
+        self.wait_until(id, state, |run| run["state"] == state)
+            .await
+    }
+
+    /// Polls `get --json` until `done` holds of the run (`what` names it for the panic).
+    async fn wait_until(
+        &self,
+        id: &str,
+        what: &str,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
         let wait = async {
             loop {
                 let run = self.get_json(id).await;
-                if run["state"] == state {
+                if done(&run) {
                     return run;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -132,7 +143,7 @@ impl Dev {
         };
         tokio::time::timeout(Duration::from_secs(60), wait)
             .await
-            .unwrap_or_else(|_| panic!("run {id} reached {state} within 60 s"))
+            .unwrap_or_else(|_| panic!("run {id}: {what} within 60 s"))
     }
 }
 
@@ -390,6 +401,54 @@ async fn steer_reaches_the_agent() {
         text(&out.stderr).starts_with("error: FAILED_PRECONDITION: "),
         "{}",
         text(&out.stderr)
+    );
+}
+
+/// An agent blocked reading its stdin waits for input: `get`, `runs` and `runplane run`
+/// say so, and a steer that sets it working clears it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_waiting_for_input_says_so_until_a_steer_sets_its_agent_working() {
+    let dev = Dev::start().await;
+    let (child, id, output) = dev
+        .start_run(&[], &["sh", "-c", "read l; echo got $l; sleep 300"])
+        .await;
+    let run = dev
+        .wait_until(&id, "waiting for input", |run| {
+            run["waitingForInputSince"].is_string()
+        })
+        .await;
+    assert_eq!(run["state"], "RUN_STATE_RUNNING");
+    let out = dev.cli(&["get", &id]).await;
+    assert!(
+        text(&out.stdout)
+            .lines()
+            .any(|l| l == "state               running (waiting_for_input)"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = dev.cli(&["runs"]).await;
+    let row = text(&out.stdout)
+        .lines()
+        .find(|l| l.starts_with(&id))
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert!(row.contains("running (waiting_for_input)"), "{row}");
+
+    let out = dev.cli(&["steer", &id, "hello"]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    dev.wait_until(&id, "working again", |run| {
+        run["state"] == "RUN_STATE_RUNNING" && run["waitingForInputSince"].is_null()
+    })
+    .await;
+    let out = dev.cli(&["cancel", &id, "--reason", "done"]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let (_, stdout, stderr) = finish(child, output).await;
+    assert_eq!(stdout, "got hello\n", "{stderr}");
+    let waiting = stderr.find("runplane: waiting for input");
+    let working = stderr.find("runplane: working");
+    assert!(
+        waiting.is_some() && working > waiting,
+        "runplane run says when the agent waits and when it works again: {stderr}"
     );
 }
 

@@ -33,6 +33,7 @@ use tonic::service::interceptor::InterceptedService;
 use runplane_sandbox::{Containment, Driver, Launch, Probe, ProcessDriver, SandboxSpec};
 
 use crate::error::AgentError;
+use crate::refusals::LaunchRefusals;
 use crate::session::Sessions;
 
 /// What a node agent needs.
@@ -75,6 +76,8 @@ struct Local {
     /// adoption); None while its steering loop has not started.
     polls_at_start: Option<u64>,
     suspended: bool,
+    /// Whether its agent waits for input, as last published; None before the first.
+    waiting_published: Option<bool>,
 }
 
 impl Local {
@@ -86,6 +89,7 @@ impl Local {
             row,
             idle_since: Instant::now(),
             suspended: false,
+            waiting_published: None,
         }
     }
 
@@ -308,80 +312,6 @@ const SESSIONS_TASK: runplane_grpc::Task = runplane_grpc::Task {
     on_panic: runplane_grpc::OnPanic::Stop,
 };
 
-/// A sandbox generation whose launch the reconciler refused.
-struct Refusal {
-    /// The answer will not change: never claimed again.
-    terminal: bool,
-    failures: u32,
-    retry_at: Instant,
-}
-
-/// ClaimLaunch refusals, by sandbox generation, so a RUN assignment that is listed on
-/// every poll is not claimed (and warned about) on every poll. A refusal that says
-/// something about the sandbox (FAILED_PRECONDITION: ended, superseded, claimed;
-/// PERMISSION_DENIED: not this node's; NOT_FOUND; INVALID_ARGUMENT) is terminal for that
-/// assignment; anything else (the reconciler or run store unavailable) is retried after
-/// a backoff, 1 s doubling to 30 s. Each is logged once. An assignment that is no longer
-/// listed is forgotten.
-#[derive(Default)]
-struct LaunchRefusals {
-    refused: HashMap<(String, u64), Refusal>,
-}
-
-impl LaunchRefusals {
-    const BACKOFF_CAP: Duration = Duration::from_secs(30);
-
-    fn may_claim(&self, launch: &(String, u64)) -> bool {
-        self.refused
-            .get(launch)
-            .is_none_or(|r| !r.terminal && Instant::now() >= r.retry_at)
-    }
-
-    fn record(&mut self, launch: (String, u64), status: &tonic::Status) {
-        let terminal = matches!(
-            status.code(),
-            tonic::Code::FailedPrecondition
-                | tonic::Code::PermissionDenied
-                | tonic::Code::NotFound
-                | tonic::Code::InvalidArgument
-        );
-        let reason = runplane_grpc::error_info(status)
-            .map(|i| i.reason)
-            .unwrap_or_default();
-        let sandbox_id = launch.0.clone();
-        let entry = self.refused.entry(launch).or_insert(Refusal {
-            terminal,
-            failures: 0,
-            retry_at: Instant::now(),
-        });
-        entry.terminal = terminal;
-        entry.failures += 1;
-        let wait = Duration::from_secs(1)
-            .saturating_mul(1 << (entry.failures - 1).min(5))
-            .min(Self::BACKOFF_CAP);
-        entry.retry_at = Instant::now() + wait;
-        if entry.failures == 1 {
-            if terminal {
-                tracing::warn!(%sandbox_id, code = ?status.code(), %reason, "launch not claimed; not asked again for this generation");
-            } else {
-                tracing::warn!(%sandbox_id, code = ?status.code(), %reason, "launch not claimed; retrying with backoff");
-            }
-        } else {
-            tracing::debug!(%sandbox_id, code = ?status.code(), %reason, failures = entry.failures, "launch not claimed again");
-        }
-    }
-
-    /// Forgets refusals of assignments no longer listed.
-    fn keep_listed(&mut self, assignments: &[reconciler_pb::Assignment]) {
-        let listed: std::collections::HashSet<(&str, u64)> = assignments
-            .iter()
-            .map(|a| (a.sandbox_id.as_str(), a.execution_generation))
-            .collect();
-        self.refused
-            .retain(|(id, generation), _| listed.contains(&(id.as_str(), *generation)));
-    }
-}
-
 /// Sandbox stops in flight: each runs as a task (a stop waits out its grace), at most one
 /// per sandbox, and every failure is logged when the task is reaped.
 #[derive(Default)]
@@ -482,6 +412,22 @@ async fn publish(
     placed: bool,
     exit_code: Option<i32>,
 ) {
+    publish_observed(client, config, epoch, row, status, placed, exit_code, None).await;
+}
+
+/// [`publish`], saying whether the agent waits for input when `waiting` is set; whether
+/// the reconciler took it.
+#[allow(clippy::too_many_arguments)]
+async fn publish_observed(
+    client: &Client,
+    config: &AgentConfig,
+    epoch: u64,
+    row: &SandboxSpec,
+    status: reconciler_pb::SandboxStatus,
+    placed: bool,
+    exit_code: Option<i32>,
+    waiting: Option<bool>,
+) -> bool {
     let result = client
         .clone()
         .publish_sandbox_state(reconciler_pb::PublishSandboxStateRequest {
@@ -494,11 +440,13 @@ async fn publish(
             placed,
             exit_code,
             observed_at: Some(runplane_clock::to_timestamp(config.clock.now_us())),
+            waiting_for_input: waiting,
         })
         .await;
-    if let Err(s) = result {
+    if let Err(s) = &result {
         tracing::warn!(sandbox_id = %row.id, code = ?s.code(), "publication refused");
     }
+    result.is_ok()
 }
 
 /// The spec of the sandbox `a` assigns, found again by `handle` (empty: not started).
@@ -717,8 +665,8 @@ async fn act(
     None
 }
 
-/// Suspends sandboxes parked past their idle timeout ([`Local::idle_past_timeout`]) and
-/// publishes exits.
+/// Suspends sandboxes parked past their idle timeout ([`Local::idle_past_timeout`]),
+/// publishes exits and whether each agent waits for input.
 async fn look_after(
     client: &Client,
     config: &AgentConfig,
@@ -745,6 +693,24 @@ async fn look_after(
             .await;
             ended.push(local.row.id.clone());
             continue;
+        }
+        // Whether the agent waits for input, published as it changes (and once after a
+        // launch or restore), so the run shows it whether or not it is suspended later.
+        let waiting = driver.parked(&local.row);
+        if local.waiting_published != Some(waiting)
+            && publish_observed(
+                client,
+                config,
+                epoch,
+                &local.row,
+                reconciler_pb::SandboxStatus::Started,
+                true,
+                None,
+                Some(waiting),
+            )
+            .await
+        {
+            local.waiting_published = Some(waiting);
         }
         // A stream that could not be parked stays running this time: suspended, its
         // runner would stop renewing and the lapsed lease be taken over as if lost.

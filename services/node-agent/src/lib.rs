@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod error;
+mod refusals;
 pub mod session;
 
 pub use agent::{AgentConfig, run};

@@ -66,6 +66,8 @@ pub fn run(model: &run::Model) -> runstore_pb::Run {
             String::new()
         },
         priority: model.priority,
+        waiting_for_input_since: (model.state == RunState::Running && model.waiting_since_us > 0)
+            .then(|| timestamp(model.waiting_since_us)),
     }
 }
 

@@ -26,6 +26,7 @@ runplane_testkit::on_both_backends!(
     numbers_past_their_columns_are_invalid_argument_and_change_nothing,
     a_replayed_verdict_wakes_the_watchers_its_first_attempt_did_not,
     a_watch_open_at_shutdown_ends_unavailable_saying_shutting_down,
+    waiting_for_input_follows_the_newest_observation_and_wakes_watchers,
 );
 
 fn slots(credential: &str, capacity: u32, unavailable: &str) -> runstore_pb::CredentialSlots {
@@ -405,6 +406,92 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
         .cloned()
         .collect();
     assert_eq!(events, ["event:2:b", "event:3:c"]);
+}
+
+/// ReportWaitingForInput keeps the newest observation by (generation, seq): a replay or
+/// an older report changes nothing, a new generation wins, a change wakes the run's
+/// watchers, and only the service token may report.
+async fn waiting_for_input_follows_the_newest_observation_and_wakes_watchers(h: Harness) {
+    let (run_id, key) = h.running_run("waiting").await;
+    let service = || async { h.operator_with(runplane_testkit::SERVICE_TOKEN).await };
+    let report =
+        |generation: u64, seq: u64, waiting: bool| runstore_pb::ReportWaitingForInputRequest {
+            run_id: run_id.clone(),
+            execution_generation: generation,
+            observation_seq: seq,
+            waiting,
+        };
+    let applied = |r: runstore_pb::ReportWaitingForInputRequest| async {
+        service()
+            .await
+            .report_waiting_for_input(r)
+            .await
+            .unwrap()
+            .into_inner()
+            .applied
+    };
+    let since = || async { h.get_run(&run_id).await.waiting_for_input_since };
+    assert_eq!(since().await, None, "a working run waits for nothing");
+
+    let mut stream = h
+        .operator()
+        .await
+        .watch_run(runstore_pb::WatchRunRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+            states_only: true,
+            heartbeat_interval: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(matches!(
+        first.update,
+        Some(runstore_pb::watch_run_response::Update::Run(ref r)) if r.waiting_for_input_since.is_none()
+    ));
+
+    assert!(applied(report(1, 5, true)).await);
+    let parked_at = since().await.expect("waiting");
+    let next = tokio::time::timeout(std::time::Duration::from_secs(10), stream.next())
+        .await
+        .expect("the watcher is woken by the change")
+        .unwrap()
+        .unwrap();
+    match next.update {
+        Some(runstore_pb::watch_run_response::Update::Run(r)) => {
+            assert_eq!(r.waiting_for_input_since, Some(parked_at))
+        }
+        other => panic!("a snapshot, not {other:?}"),
+    }
+    // Still parked: the first time stays.
+    assert!(applied(report(1, 6, true)).await);
+    assert_eq!(since().await, Some(parked_at));
+    // A replay and an older report change nothing.
+    assert!(!applied(report(1, 6, false)).await);
+    assert!(!applied(report(1, 2, false)).await);
+    assert_eq!(since().await, Some(parked_at));
+    // Newer: working again.
+    assert!(applied(report(1, 7, false)).await);
+    assert_eq!(since().await, None);
+    // A new execution's first observation wins over the old one's counter.
+    assert!(applied(report(2, 1, true)).await);
+    assert!(since().await.is_some());
+
+    // Operators may not report.
+    let refused = h
+        .operator()
+        .await
+        .report_waiting_for_input(report(3, 1, false))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+
+    // An ended run is left alone, and shows no wait.
+    let mut runner = h.runner(&key).await;
+    submit(&mut runner, &run_id, succeeded()).await.unwrap();
+    assert!(!applied(report(3, 1, true)).await);
+    assert_eq!(since().await, None);
 }
 
 /// A watch open when the run store begins its shutdown ends UNAVAILABLE with an

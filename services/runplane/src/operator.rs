@@ -260,7 +260,7 @@ pub fn write_runs(
             .map_or_else(|| "-".into(), |t| crate::duration::short(now - t));
         rows.push(vec![
             run.id.clone(),
-            state_name(run.state()),
+            output::state_of(run),
             or_dash(&run.lead_id),
             or_dash(&run.credential_id),
             age,
@@ -317,7 +317,8 @@ pub fn write_run(
         ("id", run.id.clone()),
         ("org", or_dash(&run.org_id)),
         ("lead", or_dash(&run.lead_id)),
-        ("state", state_name(run.state())),
+        ("state", output::state_of(run)),
+        ("waiting_for_input", when(&run.waiting_for_input_since)),
         (
             "verdict",
             run.verdict.as_ref().map_or("-".into(), |v| {
@@ -700,6 +701,7 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         for line in [
             "state               cancelled",
+            "waiting_for_input   -",
             "verdict             cancelled (cancelled)",
             "message             not needed",
             "reason              cancelled",
@@ -713,6 +715,27 @@ mod tests {
             "started             -",
             "deadline            2027-01-15T08:02:00Z (in 1m)",
             "labels              team=infra",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_run_whose_agent_waits_for_input_says_so_and_since_when() {
+        let at = |seconds| prost_types::Timestamp { seconds, nanos: 0 };
+        let now = chrono::DateTime::from_timestamp(1_800_000_060, 0).unwrap();
+        let run = runstore_pb::Run {
+            id: "r-2".into(),
+            state: runstore_pb::RunState::Running as i32,
+            waiting_for_input_since: Some(at(1_800_000_030)),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        write_run(&run, now, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        for line in [
+            "state               running (waiting_for_input)",
+            "waiting_for_input   2027-01-15T08:00:30Z (30s ago)",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }

@@ -31,6 +31,17 @@ pub fn state_name(state: runstore_pb::RunState) -> String {
         .to_lowercase()
 }
 
+/// The run's state, and its sub-state when its agent waits for input:
+/// `running (waiting_for_input)`.
+pub fn state_of(run: &runstore_pb::Run) -> String {
+    let state = state_name(run.state());
+    if run.waiting_for_input_since.is_some() {
+        format!("{state} (waiting_for_input)")
+    } else {
+        state
+    }
+}
+
 /// `succeeded (exit_zero, exit code 0)`, `cancelled (cancelled: no longer needed)`.
 pub fn verdict(verdict: &runstore_pb::Verdict) -> String {
     let outcome = verdict

@@ -47,6 +47,7 @@ pub async fn print_events(
     heartbeat: Duration,
 ) -> anyhow::Result<runstore_pb::Run> {
     let mut last_state = runstore_pb::RunState::Unspecified;
+    let mut last_waiting = false;
     let mut last_run: Option<runstore_pb::Run> = None;
     // For Until::Now: the last sequence stored when the first snapshot was taken.
     let mut stop_at: Option<u64> = None;
@@ -109,6 +110,19 @@ pub async fn print_events(
                         if !last_state.is_terminal() {
                             eprintln!("runplane: {}", state_name(last_state));
                         }
+                    }
+                    // The agent's wait for input, as it starts and ends.
+                    let waiting = run.waiting_for_input_since.is_some();
+                    if waiting != last_waiting && !last_state.is_terminal() {
+                        last_waiting = waiting;
+                        eprintln!(
+                            "runplane: {}",
+                            if waiting {
+                                "waiting for input"
+                            } else {
+                                "working"
+                            }
+                        );
                     }
                     if until == Until::Now && stop_at.is_none() {
                         stop_at = Some(run.last_sequence);

@@ -390,6 +390,7 @@ mod convergence {
                         placed: false,
                         exit_code: None,
                         observed_at: None,
+                        waiting_for_input: None,
                     },
                     &node_token("node-a"),
                 ))

@@ -59,6 +59,7 @@ proptest! {
             placed,
             exit_code,
             observed_at: None,
+            waiting_for_input: None,
         };
         if let Ok((checked_epoch, observation)) = check_publication(&req) {
             prop_assert_eq!(checked_epoch as u64, epoch);

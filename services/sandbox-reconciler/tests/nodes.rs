@@ -353,6 +353,7 @@ mod node_protocol {
                     placed: true,
                     exit_code: None,
                     observed_at: None,
+                    waiting_for_input: None,
                 },
                 &node_token("node-b"),
             ))

@@ -86,4 +86,10 @@ pub trait Driver: Send + Sync + 'static {
     /// anywhere.
     fn resume(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>>;
     fn destroy(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>>;
+    /// Whether `sandbox`'s agent is parked (waiting for input, with no steer pending),
+    /// where this driver can see it from its host; `None` where it cannot (a sandbox a
+    /// node agent runs: that node reports it).
+    fn waiting_for_input(&self, _sandbox: &SandboxSpec) -> Option<bool> {
+        None
+    }
 }

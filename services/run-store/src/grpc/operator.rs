@@ -808,4 +808,25 @@ impl RunService for RunApi {
     ) -> std::result::Result<Response<runstore_pb::ListWebhooksResponse>, Status> {
         Ok(Response::new(super::webhooks::list(&self.state).await?))
     }
+
+    async fn report_waiting_for_input(
+        &self,
+        request: Request<runstore_pb::ReportWaitingForInputRequest>,
+    ) -> std::result::Result<Response<runstore_pb::ReportWaitingForInputResponse>, Status> {
+        let s = &self.state;
+        let req = request.get_ref();
+        validate::run_id(&req.run_id)?;
+        let generation = validate::int64("execution_generation", req.execution_generation)?;
+        let seq = validate::int64("observation_seq", req.observation_seq)?;
+        let applied = s
+            .store
+            .report_waiting(&req.run_id, generation, seq, req.waiting)
+            .await?;
+        if applied {
+            s.changes.notify(&req.run_id);
+        }
+        Ok(Response::new(runstore_pb::ReportWaitingForInputResponse {
+            applied,
+        }))
+    }
 }

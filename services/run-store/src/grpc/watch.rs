@@ -32,6 +32,8 @@ pub(super) async fn watch(
     };
     let mut last_state = first.state;
     let mut last_updated = first.updated_at_us;
+    // Whether the agent waits for input is a sub-state: its change is a snapshot too.
+    let mut last_waiting = first.waiting_since_us;
     if !send(Update::Run(convert::run(&first))).await {
         return Ok(());
     }
@@ -81,10 +83,13 @@ pub(super) async fn watch(
             pruned_through = run.events_pruned_through as u64;
             continue;
         }
-        if run.state != last_state || (run.state.is_terminal() && run.updated_at_us != last_updated)
+        if run.state != last_state
+            || (run.state.is_terminal() && run.updated_at_us != last_updated)
+            || run.waiting_since_us != last_waiting
         {
             last_state = run.state;
             last_updated = run.updated_at_us;
+            last_waiting = run.waiting_since_us;
             if !send(Update::Run(convert::run(&run))).await {
                 return Ok(());
             }

@@ -54,6 +54,11 @@ pub mod run {
         pub events_pruned_through: i64,
         /// Bytes of event text, data and names stored for it (see `max_event_bytes_per_run`).
         pub event_bytes: i64,
+        /// Since when its agent has been seen parked, waiting for input (0: working, or
+        /// not known), as of the newest observation (`waiting_generation`, `waiting_seq`).
+        pub waiting_since_us: i64,
+        pub waiting_generation: i64,
+        pub waiting_seq: i64,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,

@@ -42,6 +42,23 @@ impl MigratorTrait for Migrator {
             Box::new(AddQueuedIndex),
             Box::new(AddRunLabels),
             Box::new(AddWebhookDeliveries),
+            // Whether a run's agent waits for input, as the newest observation said
+            // (`Store::report_waiting`).
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0013_waiting_since",
+                table: "runs",
+                column: "waiting_since_us",
+            }),
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0014_waiting_generation",
+                table: "runs",
+                column: "waiting_generation",
+            }),
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0015_waiting_seq",
+                table: "runs",
+                column: "waiting_seq",
+            }),
         ]
     }
 }

@@ -44,6 +44,9 @@ impl Store {
             priority: new.priority,
             events_pruned_through: 0,
             event_bytes: 0,
+            waiting_since_us: 0,
+            waiting_generation: 0,
+            waiting_seq: 0,
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,
@@ -334,5 +337,50 @@ fn label_condition(term: &crate::domain::labels::Term) -> sea_orm::Condition {
         Term::NotEquals(k, v) => sea_orm::Condition::all().add(has(k, Some(v))).not(),
         Term::Exists(k) => sea_orm::Condition::all().add(has(k, None)),
         Term::NotExists(k) => sea_orm::Condition::all().add(has(k, None)).not(),
+    }
+}
+
+impl Store {
+    /// Records whether `run_id`'s agent waits for input, as observed at `(generation,
+    /// seq)`: one compare-and-set UPDATE, so an observation no newer than the stored one,
+    /// or one for a run that is not RUNNING, changes nothing (`false`). A parked agent
+    /// keeps the time it was first seen parked.
+    pub async fn report_waiting(
+        &self,
+        run_id: &str,
+        generation: i64,
+        seq: i64,
+        waiting: bool,
+    ) -> Result<bool> {
+        use sea_orm::sea_query::{Cond, Expr, SimpleExpr};
+        let now = self.now_us();
+        let since: SimpleExpr = if waiting {
+            Expr::case(
+                run::Column::WaitingSinceUs.gt(0),
+                Expr::col(run::Column::WaitingSinceUs),
+            )
+            .finally(now)
+            .into()
+        } else {
+            Expr::value(0i64)
+        };
+        let newer = Cond::any()
+            .add(run::Column::WaitingGeneration.lt(generation))
+            .add(
+                Cond::all()
+                    .add(run::Column::WaitingGeneration.eq(generation))
+                    .add(run::Column::WaitingSeq.lt(seq)),
+            );
+        let updated = run::Entity::update_many()
+            .col_expr(run::Column::WaitingSinceUs, since)
+            .col_expr(run::Column::WaitingGeneration, Expr::value(generation))
+            .col_expr(run::Column::WaitingSeq, Expr::value(seq))
+            .col_expr(run::Column::UpdatedAtUs, Expr::value(now))
+            .filter(run::Column::Id.eq(run_id))
+            .filter(run::Column::State.eq(RunState::Running))
+            .filter(newer)
+            .exec(&self.db)
+            .await?;
+        Ok(updated.rows_affected == 1)
     }
 }

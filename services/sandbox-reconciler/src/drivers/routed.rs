@@ -99,4 +99,11 @@ impl Driver for RoutedDriver {
     fn destroy(&self, sandbox: &SandboxSpec) -> BoxFuture<'static, Result<(), DriverError>> {
         self.local.destroy(sandbox)
     }
+
+    fn waiting_for_input(&self, sandbox: &SandboxSpec) -> Option<bool> {
+        // A node's own sandboxes are its to report (PublishSandboxState).
+        Self::is_local(sandbox)
+            .then(|| self.local.waiting_for_input(sandbox))
+            .flatten()
+    }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_service_server::NodeService;
+use runplane_proto::runstore::v1 as runstore_pb;
 use tonic::{Request, Response, Status};
 
 use super::convert::{assignment_of, node_of, revision, sandbox_of, wake_of};
@@ -197,6 +198,22 @@ impl NodeService for NodeApi {
             .store
             .publish_observation(&req.node_id, epoch, &observation)
             .await?;
+        // Whether its agent waits for input goes on to the run store, ordered there by
+        // the node's own (generation, sequence); the node publishes again if this fails.
+        if let Some(waiting) = req.waiting_for_input
+            && applied
+        {
+            s.run_store
+                .clone()
+                .report_waiting_for_input(runstore_pb::ReportWaitingForInputRequest {
+                    run_id: row.run_id.clone(),
+                    execution_generation: req.execution_generation,
+                    observation_seq: req.observation_seq,
+                    waiting,
+                })
+                .await
+                .map_err(ReconcilerError::Upstream)?;
+        }
         let placement = s.store.placement(&row.id).await?;
         Ok(Response::new(reconciler_pb::PublishSandboxStateResponse {
             applied,

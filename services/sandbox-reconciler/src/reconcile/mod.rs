@@ -9,7 +9,8 @@
 //! The parts: [`tick`] (the loss-grace tick), [`dispatch`] (queued runs to sandboxes),
 //! [`ended`] (the sweep of ended runs and the stops it owes), [`wakes`] (parked runs with
 //! a message waiting), [`outbox`] (FailRun delivery) and [`round`] (one round of all of
-//! them, and the loop that runs it). [`Reconciler`] is what each of them works with.
+//! them, and the loop that runs it), and [`waiting`] (whether local agents wait for
+//! input, told to the run store). [`Reconciler`] is what each of them works with.
 
 pub mod dispatch;
 pub mod ended;
@@ -18,6 +19,7 @@ mod reconciler;
 pub mod round;
 mod runs;
 pub mod tick;
+pub mod waiting;
 pub mod wakes;
 
 pub use crate::clients::RunStoreClient;

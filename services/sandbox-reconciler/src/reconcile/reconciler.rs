@@ -64,6 +64,9 @@ pub struct Reconciler {
     pub(super) fleet: Option<crate::clients::FleetClient>,
     /// When this replica last pruned (`Store::prune`), in store microseconds.
     pub(super) pruned_at_us: Arc<std::sync::atomic::AtomicI64>,
+    /// What this replica last told the run store of each local sandbox's agent waiting
+    /// for input: (generation, waiting).
+    pub(super) waiting: Arc<std::sync::Mutex<std::collections::HashMap<String, (i64, bool)>>>,
 }
 
 impl Reconciler {
@@ -74,6 +77,7 @@ impl Reconciler {
             settings,
             fleet: None,
             pruned_at_us: Arc::default(),
+            waiting: Arc::default(),
         }
     }
 

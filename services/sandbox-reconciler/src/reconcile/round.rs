@@ -45,6 +45,11 @@ impl Reconciler {
         if let Err(e) = self.wake_sandboxes_with_messages(run_store).await {
             tracing::warn!(error = %e, "waking parked runs with messages failed; next round retries");
         }
+        if self.settings.local_sandboxes
+            && let Err(e) = self.report_local_waiting(run_store).await
+        {
+            tracing::warn!(error = %e, "reporting whether local agents wait for input failed; next round retries");
+        }
         if let Err(e) = self.store.assign_wakes(self.store.silent_since()).await {
             tracing::warn!(error = %e, "wake assignment failed; next round retries");
         }

@@ -503,6 +503,22 @@ impl Store {
             .await
     }
 
+    /// Started sandboxes this reconciler runs itself (node `local`), by id after `after`.
+    pub async fn local_started(
+        &self,
+        after: Option<&str>,
+        limit: u64,
+    ) -> Result<Vec<sandbox::Model>> {
+        self.sandboxes_page(
+            sea_orm::Condition::all()
+                .add(sandbox::Column::Status.eq(SandboxStatus::Started))
+                .add(sandbox::Column::ActiveNodeId.eq(crate::domain::placement::LOCAL_NODE)),
+            after,
+            limit,
+        )
+        .await
+    }
+
     /// The sandboxes `filter` selects, by id after `after`, at most `limit`.
     async fn sandboxes_page(
         &self,

@@ -474,6 +474,7 @@ pub fn publish(
             placed,
             exit_code: None,
             observed_at: None,
+            waiting_for_input: None,
         },
         &node_token(node),
     )

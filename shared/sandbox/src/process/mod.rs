@@ -698,6 +698,10 @@ impl Driver for ProcessDriver {
             stopped
         })
     }
+
+    fn waiting_for_input(&self, sandbox: &SandboxSpec) -> Option<bool> {
+        Some(self.parked(sandbox))
+    }
 }
 
 impl ProcessDriver {
