@@ -74,7 +74,7 @@ impl CredentialHealth {
         clock: SharedClock,
     ) -> Result<Self, CredentialHealthError> {
         let profiles = domain::profiles::Profiles::compile(config)?;
-        if !config.auth.org_tokens.is_empty() {
+        if !config.auth.org_tokens.is_empty() || !config.auth.org_token_sha256.is_empty() {
             for p in profiles.all().iter().filter(|p| p.orgs.is_empty()) {
                 tracing::warn!(
                     profile = %p.name,

@@ -291,6 +291,31 @@ async fn create_run_is_keyed_by_client_request_id(h: Harness) {
     assert_eq!(listed.runs.len(), 1, "the refused request wrote nothing");
 }
 
+/// `[auth]` with the operator and org tokens replaced by their SHA-256 digests.
+fn only_digests(config: &mut runplane_config::Config) {
+    let hex = |token: &str| {
+        runplane_grpc::auth::sha256(token)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    config.auth.operator_token = Default::default();
+    config.auth.operator_token_sha256 = hex(SERVICE_TOKEN);
+    config.auth.org_tokens.clear();
+    config
+        .auth
+        .org_token_sha256
+        .insert("acme".into(), hex(ACME_TOKEN));
+}
+
+/// A server that holds only the digests of the operator and org tokens admits the
+/// tokens themselves as before: operators everywhere, an org token in its org alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_holding_only_token_digests_admits_the_tokens() {
+    let h = Harness::start_with(runplane_testkit::Backend::sqlite().await, only_digests).await;
+    org_tokens_are_confined_to_their_org(h).await;
+}
+
 async fn org_tokens_are_confined_to_their_org(h: Harness) {
     let mut service = h.operator().await;
     let mut globex = create_request("globex-run");

@@ -21,18 +21,38 @@ pub struct AuthConfig {
     /// Org-scoped operator tokens: org id to token (each at least 32 characters). A call
     /// with one of these acts only in its org.
     pub org_tokens: BTreeMap<String, Secret>,
+    /// The SHA-256 (64 hex digits) of the operator token, in place of `operator_token`: a
+    /// server admits operators with only this, so it never holds the token itself
+    /// (`printf %s "$TOKEN" | sha256sum`). Set one of the two.
+    pub operator_token_sha256: String,
+    /// Org id to the SHA-256 (64 hex digits) of its token, in place of `org_tokens`.
+    pub org_token_sha256: BTreeMap<String, String>,
+}
+
+/// The 32 bytes of a SHA-256 written as 64 hex digits.
+pub fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim();
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, pair) in hex.as_bytes().chunks(2).enumerate() {
+        out[i] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(out)
 }
 
 impl AuthConfig {
-    /// Serving needs an operator token; the error says how to set one.
-    pub fn require_operator_token(&self) -> Result<&Secret, ConfigError> {
-        if self.operator_token.is_empty() {
+    /// Serving needs the operator token or its digest; the error says how to set one.
+    pub fn require_operator_token(&self) -> Result<(), ConfigError> {
+        if self.operator_token.is_empty() && self.operator_token_sha256.is_empty() {
             return Err(ConfigError::invalid(
                 "auth.operator_token",
-                "required to serve; set it in the config file or RUNPLANE_AUTH__OPERATOR_TOKEN",
+                "required to serve; set it (or its SHA-256 as auth.operator_token_sha256) in \
+                 the config file or RUNPLANE_AUTH__OPERATOR_TOKEN",
             ));
         }
-        Ok(&self.operator_token)
+        Ok(())
     }
 
     /// Serving needs the service token too; the error says how to set one.
@@ -49,6 +69,35 @@ impl AuthConfig {
     /// Tokens that are set are long enough and distinct; whether they are required
     /// depends on the role (see the `require_` methods).
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if !self.operator_token_sha256.is_empty() {
+            if parse_sha256(&self.operator_token_sha256).is_none() {
+                return Err(ConfigError::invalid(
+                    "auth.operator_token_sha256",
+                    "must be 64 hex digits: the SHA-256 of the operator token",
+                ));
+            }
+            if !self.operator_token.is_empty() {
+                return Err(ConfigError::invalid(
+                    "auth.operator_token_sha256",
+                    "set auth.operator_token or its SHA-256, not both",
+                ));
+            }
+        }
+        for (org, digest) in &self.org_token_sha256 {
+            if org.is_empty() || parse_sha256(digest).is_none() {
+                return Err(ConfigError::invalid(
+                    "auth.org_token_sha256",
+                    "every entry needs a non-empty org id and 64 hex digits: the SHA-256 of \
+                     its token",
+                ));
+            }
+            if self.org_tokens.contains_key(org) {
+                return Err(ConfigError::invalid(
+                    "auth.org_token_sha256",
+                    format!("org {org} has a token in auth.org_tokens too: set one of the two"),
+                ));
+            }
+        }
         if !self.operator_token.is_empty() && self.operator_token.expose().len() < 32 {
             return Err(ConfigError::invalid(
                 "auth.operator_token",

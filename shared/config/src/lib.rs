@@ -26,7 +26,7 @@ use figment::Figment;
 use figment::providers::{Env, Format, Toml};
 use serde::Deserialize;
 
-pub use auth::AuthConfig;
+pub use auth::{AuthConfig, parse_sha256};
 pub use checks::{is_image_reference, is_name};
 use checks::{validate_database_url, validate_endpoint_list};
 pub use credential_health::{CredentialHealthConfig, ProfileConfig, ProfileLimits};
@@ -151,7 +151,7 @@ impl Config {
     }
 
     /// Serving needs an operator token; the error says how to set one.
-    pub fn require_operator_token(&self) -> Result<&Secret, ConfigError> {
+    pub fn require_operator_token(&self) -> Result<(), ConfigError> {
         self.auth.require_operator_token()
     }
 

@@ -401,3 +401,45 @@ fn a_profile_names_its_own_image_once_and_as_a_reference() {
     .to_string();
     assert!(twice.contains("two images"), "{twice}");
 }
+
+#[test]
+fn the_operator_token_may_be_given_by_its_digest_alone() {
+    let digest = "a".repeat(64);
+    let config = load_with(
+        &format!("[auth]\noperator_token_sha256 = \"{digest}\"\n[auth.org_token_sha256]\nacme = \"{digest}\"\n"),
+        &[],
+    )
+    .expect("digests load");
+    assert!(
+        config.require_operator_token().is_ok(),
+        "a digest is enough to serve"
+    );
+
+    let bad = load_with("[auth]\noperator_token_sha256 = \"not-hex\"\n", &[]).unwrap_err();
+    assert!(
+        bad.to_string()
+            .contains("auth.operator_token_sha256: must be 64 hex digits"),
+        "{bad}"
+    );
+    let both = load_with(
+        &format!(
+            "[auth]\noperator_token = \"{}\"\noperator_token_sha256 = \"{digest}\"\n",
+            "o".repeat(40)
+        ),
+        &[],
+    )
+    .unwrap_err();
+    assert!(both.to_string().contains("not both"), "{both}");
+    let org_twice = load_with(
+        &format!(
+            "[auth.org_tokens]\nacme = \"{}\"\n[auth.org_token_sha256]\nacme = \"{digest}\"\n",
+            "t".repeat(40)
+        ),
+        &[],
+    )
+    .unwrap_err();
+    assert!(
+        org_twice.to_string().contains("org acme has a token"),
+        "{org_twice}"
+    );
+}

@@ -143,15 +143,21 @@ impl std::fmt::Debug for Tokens {
 
 impl Tokens {
     /// `[auth]`'s operator, service and org tokens; an empty one matches nothing.
+    /// A token given by its digest (`operator_token_sha256`, `org_token_sha256`) is
+    /// admitted the same: only the digest is ever compared.
     pub fn from_config(auth: &runplane_config::AuthConfig) -> Self {
         let hash = |s: &runplane_config::Secret| (!s.is_empty()).then(|| sha256(s.expose()));
         Self {
-            operator: hash(&auth.operator_token),
+            operator: hash(&auth.operator_token)
+                .or_else(|| runplane_config::parse_sha256(&auth.operator_token_sha256)),
             service: hash(&auth.service_token),
             orgs: auth
                 .org_tokens
                 .iter()
                 .map(|(org, token)| (sha256(token.expose()), org.clone()))
+                .chain(auth.org_token_sha256.iter().filter_map(|(org, digest)| {
+                    runplane_config::parse_sha256(digest).map(|d| (d, org.clone()))
+                }))
                 .collect(),
         }
     }
