@@ -133,6 +133,83 @@ async fn runplane_dev_keeps_node_credentials_on_sqlite_and_refuses_a_bad_node_id
     );
 }
 
+/// A credential made with `--max-capacity` bounds the capacity its node may register
+/// with: above it is INVALID_ARGUMENT naming capacity, and nothing is registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_credential_bounds_the_capacity_its_node_may_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = runplane_integration_tests::start_dev_with_env(
+        &dir.path().join(".runplane"),
+        &[("RUNPLANE_SANDBOX_RECONCILER__ISOLATION", "none")],
+    )
+    .await;
+    let endpoint = dev.endpoint();
+    let operator = std::fs::read_to_string(dir.path().join(".runplane/operator-token"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let created = token_command(
+        &endpoint,
+        &operator,
+        &["create", "node-c", "--max-capacity", "4"],
+    )
+    .await;
+    assert!(created.status.success(), "{created:?}");
+    let own = String::from_utf8(created.stdout).unwrap().trim().to_owned();
+    let listed =
+        String::from_utf8(token_command(&endpoint, &operator, &["list"]).await.stdout).unwrap();
+    assert!(
+        listed.lines().next().unwrap().contains("MAX CAPACITY"),
+        "{listed}"
+    );
+    let row: Vec<&str> = listed.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!((row[1], row[3]), ("node-c", "4"), "{listed}");
+
+    let mut nodes = NodeServiceClient::new(channel(&endpoint).await);
+    let claim = |capacity: u32| reconciler_pb::RegisterNodeRequest {
+        capacity,
+        ..register("node-c")
+    };
+    let status = nodes
+        .register_node(authed(claim(5), &own))
+        .await
+        .expect_err("above the ceiling");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    let info = runplane_grpc::error_info(&status).unwrap();
+    assert_eq!(info.metadata["field"], "capacity", "{status:?}");
+    assert!(status.message().contains("at most 4"), "{status:?}");
+    let mut sandboxes = SandboxServiceClient::new(channel(&endpoint).await);
+    let listed = sandboxes
+        .list_nodes(authed(
+            reconciler_pb::ListNodesRequest::default(),
+            &operator,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.nodes.is_empty(), "nothing registered: {listed:?}");
+    let node = nodes
+        .register_node(authed(claim(4), &own))
+        .await
+        .expect("at the ceiling")
+        .into_inner()
+        .node
+        .unwrap();
+    assert_eq!(node.capacity, 4);
+
+    let bad = token_command(
+        &endpoint,
+        &operator,
+        &["create", "node-d", "--max-capacity", "10001"],
+    )
+    .await;
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("max_capacity"),
+        "{bad:?}"
+    );
+}
+
 /// The gRPC code and ErrorInfo reason of a refusal.
 fn refusal<T: std::fmt::Debug>(answer: Result<T, tonic::Status>) -> (tonic::Code, String) {
     let status = answer.expect_err("refused");
@@ -354,7 +431,8 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
             credentials
                 .create_node_credential(authed(
                     reconciler_pb::CreateNodeCredentialRequest {
-                        node_id: "node-b".into()
+                        node_id: "node-b".into(),
+                        max_capacity: 0,
                     },
                     &own
                 ))

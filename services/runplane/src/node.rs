@@ -52,6 +52,11 @@ enum TokenCommand {
     Create {
         /// The node id ([node].id of the node that will use it).
         node: String,
+        /// The most capacity the node may register with ([node].capacity); a
+        /// registration above it is refused, so a stolen credential cannot claim more
+        /// room. 0: no ceiling of its own (10000).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        max_capacity: u32,
         #[command(flatten)]
         connect: Connect,
     },
@@ -174,10 +179,13 @@ async fn token(
     )?;
     let mut client = NodeCredentialServiceClient::new(channel);
     match command {
-        TokenCommand::Create { node, .. } => {
+        TokenCommand::Create {
+            node, max_capacity, ..
+        } => {
             let answer = client
                 .create_node_credential(reconciler_pb::CreateNodeCredentialRequest {
                     node_id: node,
+                    max_capacity,
                 })
                 .await
                 .map_err(crate::connect::rpc)?
@@ -211,16 +219,21 @@ async fn token(
                 .into_inner();
             writeln!(
                 out,
-                "{:<36}  {:<24}  {:<20}  REVOKED",
-                "ID", "NODE", "CREATED"
+                "{:<36}  {:<24}  {:<20}  {:<12}  REVOKED",
+                "ID", "NODE", "CREATED", "MAX CAPACITY"
             )?;
             for c in answer.credentials {
+                let ceiling = match c.max_capacity {
+                    0 => "-".to_owned(),
+                    n => n.to_string(),
+                };
                 writeln!(
                     out,
-                    "{:<36}  {:<24}  {:<20}  {}",
+                    "{:<36}  {:<24}  {:<20}  {:<12}  {}",
                     c.id,
                     c.node_id,
                     c.created_at.map(rfc3339).unwrap_or_default(),
+                    ceiling,
                     c.revoked_at.map(rfc3339).unwrap_or_else(|| "-".into())
                 )?;
             }

@@ -33,6 +33,9 @@ pub mod limits {
     /// Most ids in `ListRunsRequest.run_ids` (500): the reconciler asks about its
     /// sandboxes' runs at most this many at a time.
     pub const MAX_LIST_RUNS_RUN_IDS: usize = 500;
+    /// Most sandboxes a node may declare it runs at once (RegisterNode's `capacity`, a
+    /// node credential's `max_capacity`).
+    pub const MAX_NODE_CAPACITY: u32 = 10_000;
 }
 
 /// Generated code is checked by the proto build, not by clippy.

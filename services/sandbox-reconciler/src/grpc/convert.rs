@@ -123,5 +123,6 @@ pub(super) fn node_credential_of(
         node_id: c.node_id.clone(),
         created_at: Some(runplane_clock::to_timestamp(c.created_at_us)),
         revoked_at: c.revoked_at_us.map(runplane_clock::to_timestamp),
+        max_capacity: c.max_capacity.clamp(0, i64::from(u32::MAX)) as u32,
     }
 }

@@ -160,7 +160,7 @@ impl ReconcilerState {
         &self,
         request: &Request<T>,
         node_id: &str,
-    ) -> Result<(), ReconcilerError> {
+    ) -> Result<crate::store::entities::node_credential::Model, ReconcilerError> {
         let presented = runplane_grpc::auth::caller(request)
             .and_then(runplane_grpc::auth::Caller::presented)
             .ok_or(ReconcilerError::Unauthenticated)?;
@@ -189,7 +189,7 @@ impl ReconcilerState {
                 node_id: node_id.to_owned(),
             });
         }
-        Ok(())
+        Ok(credential)
     }
 }
 

@@ -1,6 +1,7 @@
 //! `runplane.reconciler.v1.NodeCredentialService`: operators make and revoke node
 //! agents' own credentials.
 
+use runplane_proto::limits::MAX_NODE_CAPACITY;
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_credential_service_server::NodeCredentialService;
 use tonic::{Request, Response, Status};
@@ -8,6 +9,7 @@ use tonic::{Request, Response, Status};
 use super::NodeCredentialApi;
 use super::convert::node_credential_of;
 use super::validate::node_name;
+use crate::error::ReconcilerError;
 
 #[tonic::async_trait]
 impl NodeCredentialService for NodeCredentialApi {
@@ -20,7 +22,17 @@ impl NodeCredentialService for NodeCredentialApi {
         s.authenticate(&request)?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
-        let (row, token) = s.store.create_node_credential(&req.node_id).await?;
+        if req.max_capacity > MAX_NODE_CAPACITY {
+            return Err(ReconcilerError::InvalidField {
+                field: "max_capacity",
+                reason: format!("must be 0 (none) to {MAX_NODE_CAPACITY}"),
+            }
+            .into());
+        }
+        let (row, token) = s
+            .store
+            .create_node_credential(&req.node_id, req.max_capacity)
+            .await?;
         // The secret is in the answer only, never in a log line.
         tracing::info!(credential_id = %row.id, "node credential created");
         Ok(Response::new(reconciler_pb::CreateNodeCredentialResponse {

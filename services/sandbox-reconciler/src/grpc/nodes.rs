@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use runplane_proto::limits::MAX_NODE_CAPACITY;
 use runplane_proto::reconciler::v1 as reconciler_pb;
 use runplane_proto::reconciler::v1::node_service_server::NodeService;
 use runplane_proto::runstore::v1 as runstore_pb;
@@ -23,7 +24,8 @@ impl NodeService for NodeApi {
         request: Request<reconciler_pb::RegisterNodeRequest>,
     ) -> Result<Response<reconciler_pb::RegisterNodeResponse>, Status> {
         let s = &self.state;
-        s.authenticate_node(&request, &request.get_ref().node_id)
+        let credential = s
+            .authenticate_node(&request, &request.get_ref().node_id)
             .await?;
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
@@ -41,10 +43,23 @@ impl NodeService for NodeApi {
             }
             .into());
         }
-        if !(1..=10_000).contains(&req.capacity) {
+        if !(1..=MAX_NODE_CAPACITY).contains(&req.capacity) {
             return Err(ReconcilerError::InvalidField {
                 field: "capacity",
-                reason: "must be 1 to 10000".into(),
+                reason: format!("must be 1 to {MAX_NODE_CAPACITY}"),
+            }
+            .into());
+        }
+        // What the operator allowed this node when making its credential: a stolen
+        // credential cannot claim more room, and draw more runs, than that.
+        if credential.max_capacity > 0 && i64::from(req.capacity) > credential.max_capacity {
+            tracing::warn!(credential_id = %credential.id, capacity = req.capacity, ceiling = credential.max_capacity, "node registration above its credential's capacity ceiling; refused");
+            return Err(ReconcilerError::InvalidField {
+                field: "capacity",
+                reason: format!(
+                    "must be at most {}: the ceiling set with this node's credential",
+                    credential.max_capacity
+                ),
             }
             .into());
         }

@@ -188,6 +188,8 @@ pub mod node_credential {
         /// Lower-case hex of the secret's SHA-256; unique.
         pub token_sha256: String,
         pub created_at_us: i64,
+        /// The most capacity the node may register with (0: no ceiling of its own).
+        pub max_capacity: i64,
         /// NULL while live.
         pub revoked_at_us: Option<i64>,
     }

@@ -39,6 +39,13 @@ impl MigratorTrait for Migrator {
                 table: "sandboxes",
                 column: "image",
             }),
+            // The capacity an operator allows a node's credential to register with
+            // (`node_credentials.max_capacity`, 0: the protocol's 10000).
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0008_node_credential_max_capacity",
+                table: "node_credentials",
+                column: "max_capacity",
+            }),
         ]
     }
 }

@@ -31,6 +31,7 @@ impl Store {
     pub async fn create_node_credential(
         &self,
         node_id: &str,
+        max_capacity: u32,
     ) -> Result<(node_credential::Model, String)> {
         let token = format!(
             "{TOKEN_PREFIX}{}{}",
@@ -42,6 +43,7 @@ impl Store {
             node_id: node_id.to_owned(),
             token_sha256: token_sha256(&token),
             created_at_us: self.now_us(),
+            max_capacity: max_capacity.into(),
             revoked_at_us: None,
         };
         node_credential::Entity::insert(node_credential::ActiveModel::from(row.clone()))

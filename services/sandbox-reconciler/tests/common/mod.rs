@@ -179,6 +179,7 @@ impl World {
                             &node_token(node),
                         ),
                     created_at_us: 0,
+                    max_capacity: 0,
                     revoked_at_us: None,
                 },
             ))
