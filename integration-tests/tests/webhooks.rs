@@ -306,6 +306,51 @@ async fn an_endpoint_down_for_a_minute_then_receives_every_event() {
     assert_eq!(&row[4..7], ["0", "6", "0"], "{listing}");
 }
 
+/// An endpoint that accepts connections and never answers holds only its own
+/// deliveries: runs end as usual and another endpoint gets every event meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_never_answers_delays_no_run_and_no_other_endpoint() {
+    let black_hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("http://{}/hook", black_hole.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = black_hole.accept().await {
+            open.push(socket);
+        }
+    });
+    let receiver = Receiver::start("127.0.0.1:0").await;
+    let dev = Dev::start(&webhook_config(
+        &[
+            (&silent_url, FAILED_ONLY_SECRET, ""),
+            (&receiver.url(), SECRET, ""),
+        ],
+        "timeout_ms = 60000\nmax_in_flight = 2",
+    ))
+    .await;
+    let mut runs = Vec::new();
+    for i in 0..3 {
+        let (id, code) = dev.run(&[], &["echo", &i.to_string()]).await;
+        assert_eq!(code, Some(0));
+        runs.push(id);
+    }
+    receiver
+        .wait_for(Duration::from_secs(30), |r| {
+            runs.iter()
+                .all(|run| has(r, run, "run.started") && has(r, run, "run.succeeded"))
+        })
+        .await;
+    let out = dev.cli(&["webhooks"]).await;
+    let listing = text(&out.stdout);
+    let row: Vec<&str> = listing
+        .lines()
+        .find(|l| l.contains(&silent_url))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(&row[4..7], ["6", "0", "0"], "the silent endpoint's wait: {listing}");
+    held.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_that_is_not_http_or_targets_a_private_address_stops_the_start() {
     for (entry, expected) in [
