@@ -17,8 +17,9 @@ use deploy_common::{
 /// Stand-ins for the compose variables of deploy/.env that have no default.
 const COMPOSE_VARIABLES: [(&str, &str); 3] = [
     (
-        "RUNPLANE_OPERATOR_TOKEN",
-        "test-operator-token-test-operator-token-0123",
+        "RUNPLANE_OPERATOR_TOKEN_SHA256",
+        // SHA-256 of "test-operator-token-test-operator-token-0123".
+        "a385cd2b1238e40c4629021cedd8afdac0361a5f6fbc683ce955c8fce9088072",
     ),
     (
         "RUNPLANE_SERVICE_TOKEN",
@@ -326,4 +327,20 @@ fn compose_runs_one_reconciler_with_local_sandboxes() {
     );
     let replicas = reconciler["deploy"]["replicas"].as_u64().unwrap_or(1);
     assert_no_local_sandboxes_with_replicas("compose", replicas, &env);
+}
+
+/// No container holds the operator token: they get its SHA-256 alone; the CLI keeps the
+/// token in deploy/.env.
+#[test]
+fn no_container_gets_the_operator_token_itself() {
+    let text = read(&deploy().join("compose.yaml"));
+    for line in text.lines() {
+        assert!(
+            !line
+                .trim_start()
+                .starts_with("RUNPLANE_AUTH__OPERATOR_TOKEN:"),
+            "compose.yaml hands a container the operator token: {line}"
+        );
+    }
+    assert!(text.contains("RUNPLANE_AUTH__OPERATOR_TOKEN_SHA256:"));
 }

@@ -555,7 +555,7 @@ fn k8s_reconciler_runs_no_local_sandboxes_when_it_can_have_several_replicas() {
 fn the_config_check_catches_a_misspelt_field_and_a_bad_value() {
     let mut env: BTreeMap<String, String> = [
         ("RUNPLANE_SERVER__LISTEN", "0.0.0.0:7070"),
-        ("RUNPLANE_AUTH__OPERATOR_TOKEN", SECRET_KEYS[0].1),
+        ("RUNPLANE_AUTH__OPERATOR_TOKEN_SHA256", SECRET_KEYS[0].1),
         ("RUNPLANE_AUTH__SERVICE_TOKEN", SECRET_KEYS[1].1),
     ]
     .into_iter()
@@ -577,4 +577,23 @@ fn the_config_check_catches_a_misspelt_field_and_a_bad_value() {
     );
     let error = config_error(&env).expect("a placeholder key is refused");
     assert!(error.contains("run_store.receipt_signing_key"), "{error}");
+}
+
+/// No pod holds the operator token: the services get its SHA-256 alone
+/// (`auth.operator_token_sha256`), from the Secret's `operator-token-sha256`.
+#[test]
+fn no_manifest_gives_a_pod_the_operator_token_itself() {
+    for path in yaml_files(&k8s()) {
+        let text = deploy_common::read(&path);
+        for line in text.lines() {
+            let line = line.trim();
+            assert_ne!(
+                line,
+                "- name: RUNPLANE_AUTH__OPERATOR_TOKEN",
+                "{} hands a pod the operator token",
+                path.display()
+            );
+            assert_ne!(line, "key: operator-token", "{}", path.display());
+        }
+    }
 }

@@ -347,7 +347,11 @@ async fn an_endpoint_that_never_answers_delays_no_run_and_no_other_endpoint() {
         .unwrap()
         .split_whitespace()
         .collect();
-    assert_eq!(&row[4..7], ["6", "0", "0"], "the silent endpoint's wait: {listing}");
+    assert_eq!(
+        &row[4..7],
+        ["6", "0", "0"],
+        "the silent endpoint's wait: {listing}"
+    );
     held.abort();
 }
 

@@ -51,8 +51,9 @@ pub const POD_IP: &str = "10.244.1.17";
 /// The keys of the Secret `runplane-secrets`, with stand-in values that pass validation.
 pub const SECRET_KEYS: [(&str, &str); 4] = [
     (
-        "operator-token",
-        "test-operator-token-test-operator-token-0123",
+        "operator-token-sha256",
+        // SHA-256 of "test-operator-token-test-operator-token-0123".
+        "a385cd2b1238e40c4629021cedd8afdac0361a5f6fbc683ce955c8fce9088072",
     ),
     (
         "service-token",
