@@ -304,7 +304,7 @@ async fn no_run_key_reaches_the_container_or_the_engines_view_of_it(start: Start
     let runs_token = std::fs::read_to_string(dev.data.join("operator-token")).unwrap();
     let steer = Command::new(runplane_bin())
         .args(["steer", "--endpoint", &dev.dev.endpoint()])
-        .arg(run_id_of(&sandbox))
+        .arg(run_id_of(&sandbox).await)
         .arg("go")
         .env("RUNPLANE_TOKEN", runs_token.trim())
         .env_remove("RUNPLANE_CONFIG")
@@ -333,17 +333,25 @@ async fn no_run_key_reaches_the_container_or_the_engines_view_of_it(start: Start
     );
 }
 
-/// The run a sandbox directory's runner runs (from its log).
-fn run_id_of(sandbox: &Path) -> String {
-    let log = std::fs::read_to_string(sandbox.join("runner.log")).unwrap_or_default();
-    log.split("run_id=")
-        .nth(1)
-        .and_then(|rest| {
-            rest.split(|c: char| !(c.is_ascii_hexdigit() || c == '-'))
-                .next()
-        })
-        .map(str::to_owned)
-        .unwrap_or_else(|| panic!("no run id in {log}"))
+/// The run a sandbox directory's runner runs, from its log once the runner wrote it
+/// there (its first lines come before it knows its run).
+async fn run_id_of(sandbox: &Path) -> String {
+    runplane_integration_tests::sandboxes::eventually(
+        Duration::from_secs(30),
+        "the runner to log its run id",
+        || async {
+            let log = std::fs::read_to_string(sandbox.join("runner.log")).unwrap_or_default();
+            log.split("run_id=")
+                .nth(1)
+                .and_then(|rest| {
+                    rest.split(|c: char| !(c.is_ascii_hexdigit() || c == '-'))
+                        .next()
+                })
+                .filter(|id| id.len() == 36)
+                .map(str::to_owned)
+        },
+    )
+    .await
 }
 
 async fn a_cancelled_container_run_leaves_no_container(start: Start) {
@@ -371,7 +379,7 @@ async fn a_cancelled_container_run_leaves_no_container(start: Start) {
     let token = std::fs::read_to_string(dev.data.join("operator-token")).unwrap();
     let cancel = Command::new(runplane_bin())
         .args(["cancel", "--endpoint", &dev.dev.endpoint()])
-        .arg(run_id_of(&sandbox))
+        .arg(run_id_of(&sandbox).await)
         .env("RUNPLANE_TOKEN", token.trim())
         .env_remove("RUNPLANE_CONFIG")
         .output()

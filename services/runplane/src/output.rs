@@ -64,7 +64,8 @@ pub fn verdict(verdict: &runstore_pb::Verdict) -> String {
 
 /// How a run ended, as `runplane run` and `runplane logs` close: `succeeded (exit_zero,
 /// exit code 0)`, `failed (deadline_exceeded): the run outlived its 2 s deadline`. The
-/// verdict's message is its first line, at most [`MESSAGE_SHOWN`] characters.
+/// verdict's message is its first line, at most [`MESSAGE_SHOWN`] characters, and left
+/// out when it only restates the exit status.
 pub fn ending(run: &runstore_pb::Run) -> String {
     let verdict = run.verdict.clone().unwrap_or_default();
     let exit = verdict
@@ -72,6 +73,14 @@ pub fn ending(run: &runstore_pb::Run) -> String {
         .map(|c| format!(", exit code {c}"))
         .unwrap_or_default();
     let message = verdict.message.lines().next().unwrap_or_default().trim();
+    // A message that only restates the exit status shown already says nothing more.
+    let restated = verdict
+        .exit_code
+        .is_some_and(|c| message == format!("exited with status {c}"))
+        || verdict
+            .signal
+            .is_some_and(|s| message == format!("killed by signal {s}"));
+    let message = if restated { "" } else { message };
     let message = match message.char_indices().nth(MESSAGE_SHOWN) {
         Some((cut, _)) => format!(": {}…", &message[..cut]),
         None if message.is_empty() => String::new(),
@@ -165,5 +174,46 @@ mod tests {
             "sh -c 'read l; echo got $l'"
         );
         assert_eq!(command_line("echo", &["it's".into()]), r"echo 'it'\''s'");
+    }
+}
+
+#[cfg(test)]
+mod ending_tests {
+    use super::*;
+
+    fn run(reason: &str, exit_code: Option<i32>, message: &str) -> runstore_pb::Run {
+        runstore_pb::Run {
+            state: runstore_pb::RunState::Failed as i32,
+            verdict: Some(runstore_pb::Verdict {
+                outcome: runstore_pb::VerdictOutcome::Failed as i32,
+                reason: reason.into(),
+                exit_code,
+                message: message.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_message_follows_the_reason_unless_it_restates_the_exit_status() {
+        assert_eq!(
+            ending(&run(
+                "deadline_exceeded",
+                None,
+                "the run outlived its 2 s deadline\nmore"
+            )),
+            "failed (deadline_exceeded): the run outlived its 2 s deadline"
+        );
+        assert_eq!(
+            ending(&run("exit_nonzero", Some(7), "exited with status 7")),
+            "failed (exit_nonzero, exit code 7)"
+        );
+        assert_eq!(ending(&run("x", None, "")), "failed (x)");
+        let long = "m".repeat(300);
+        assert_eq!(
+            ending(&run("x", None, &long)),
+            format!("failed (x): {}…", "m".repeat(200))
+        );
     }
 }
