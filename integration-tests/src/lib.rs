@@ -348,6 +348,12 @@ pub async fn start_serve(services: &[&str], env: &[(&str, &str)]) -> Process {
         .env_remove("RUNPLANE_CONFIG")
         // What every deployment gives its services; `env` may name another.
         .env("RUNPLANE_AUTH__SERVICE_TOKEN", SERVICE_TOKEN)
+        // Tests run local sandboxes in the serving process, one trusted tenant: the
+        // risk is named, as a deployment doing so must (`env` may turn it off).
+        .env(
+            "RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES_BESIDE_SECRETS",
+            "true",
+        )
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -18,6 +18,10 @@ fn reconciler_env(database_url: &str, state_dir: &std::path::Path) -> Vec<(Strin
     vec![
         ("RUNPLANE_SERVER__LISTEN".into(), listen.clone()),
         ("RUNPLANE_AUTH__OPERATOR_TOKEN".into(), TOKEN.into()),
+        (
+            "RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES_BESIDE_SECRETS".into(),
+            "true".into(),
+        ),
         ("RUNPLANE_RUN_STORE__ENDPOINT".into(), elsewhere.clone()),
         (
             "RUNPLANE_CREDENTIAL_HEALTH__ENDPOINT".into(),

@@ -178,3 +178,31 @@ exhaustedPattern = "credit balance is too low"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// A reconciler with local sandboxes would run agents beside the process's secrets:
+/// `runplane serve` refuses it, naming the setting and the way out, unless the risk is
+/// accepted by name.
+#[tokio::test]
+async fn a_reconciler_with_local_sandboxes_beside_its_secrets_is_refused_unless_accepted() {
+    let output = tokio::process::Command::new(runplane_bin())
+        .args(["serve", "sandbox-reconciler"])
+        .env("RUNPLANE_AUTH__OPERATOR_TOKEN", TOKEN)
+        .env(
+            "RUNPLANE_AUTH__SERVICE_TOKEN",
+            runplane_integration_tests::SERVICE_TOKEN,
+        )
+        .env_remove("RUNPLANE_CONFIG")
+        .env_remove("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES_BESIDE_SECRETS")
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(
+            "sandbox_reconciler.local_sandboxes: agents would run beside this process's secrets"
+        ) && stderr.contains("local_sandboxes_beside_secrets"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(TOKEN), "a token in the error: {stderr}");
+}

@@ -40,11 +40,15 @@ pub async fn serve(config_file: Option<&Path>, names: &[ServiceName]) -> anyhow:
     let config = Config::load(config_file)?;
     config.require_operator_token()?;
     config.require_service_token()?;
+    let selection = Selection::from_names(names);
+    if selection.sandbox_reconciler {
+        config.require_agents_apart_from_secrets()?;
+    }
     let _telemetry = init_telemetry(&config, &telemetry_name(names))?;
     runplane_grpc::tls::install(&config.tls)?;
     let shutdown = runplane_grpc::shutdown_signal();
     let listener = bind(&config.server.listen).await?;
-    let services = open(&config, Selection::from_names(names), None).await?;
+    let services = open(&config, selection, None).await?;
     run_until(listener, services, &config, shutdown).await
 }
 

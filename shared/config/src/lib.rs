@@ -150,7 +150,24 @@ impl Config {
         self.server.listen_addr()
     }
 
-    /// Serving needs an operator token; the error says how to set one.
+    /// A reconciler served with local sandboxes would run agents beside this process's
+    /// secrets; it needs `local_sandboxes_beside_secrets` to say that is meant.
+    pub fn require_agents_apart_from_secrets(&self) -> Result<(), ConfigError> {
+        let reconciler = &self.sandbox_reconciler;
+        if reconciler.local_sandboxes && !reconciler.local_sandboxes_beside_secrets {
+            return Err(ConfigError::invalid(
+                "sandbox_reconciler.local_sandboxes",
+                "agents would run beside this process's secrets (the service token, the \
+                 database URL, the operator token): an agent that escapes its containment \
+                 reaches them. Run agents on node agents (local_sandboxes = false and \
+                 `runplane node`), or set sandbox_reconciler.local_sandboxes_beside_secrets \
+                 = true to accept that risk (one trusted tenant, a trial)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Serving needs an operator token (or its digest); the error says how to set one.
     pub fn require_operator_token(&self) -> Result<(), ConfigError> {
         self.auth.require_operator_token()
     }

@@ -38,6 +38,13 @@ pub struct SandboxReconcilerConfig {
     /// sandboxes live in one replica's process tree, which the others cannot probe or
     /// signal; queued runs then wait for a node agent (`runplane node`).
     pub local_sandboxes: bool,
+    /// Let `runplane serve` run a reconciler with local sandboxes although the process
+    /// holds control-plane secrets (the service token, its database URL, the operator
+    /// token or its digest): an agent that escapes its containment reaches them. Off,
+    /// such a reconciler refuses to start; run agents on node agents instead
+    /// (`local_sandboxes = false`). `runplane dev` runs everything in one process and
+    /// says so; it is for trying runplane, not for strangers' agents.
+    pub local_sandboxes_beside_secrets: bool,
     /// What a sandbox is: `process` (the default: the agent as a host process under
     /// `isolation`) or `container` (the agent in a container of
     /// `[sandbox_reconciler.container]`'s image, through the Docker Engine API).
@@ -251,6 +258,7 @@ impl Default for SandboxReconcilerConfig {
             idle_timeout_seconds: 0,
             dispatch: true,
             local_sandboxes: true,
+            local_sandboxes_beside_secrets: false,
             driver: DriverKind::Process,
             container: ContainerConfig::default(),
             isolation: Isolation::Bwrap,
