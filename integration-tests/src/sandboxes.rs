@@ -195,24 +195,8 @@ impl ControlPlane {
 
     /// The run once it ended (within 60 s).
     pub async fn ended(&self, run_id: &str) -> runstore_pb::Run {
-        let runs = self.runs();
-        eventually(Duration::from_secs(60), "the run to end", || {
-            let mut runs = runs.clone();
-            let run_id = run_id.to_owned();
-            async move {
-                let run = runs
-                    .get_run(runplane_testkit::authed(
-                        runstore_pb::GetRunRequest { run_id },
-                        &self.token,
-                    ))
-                    .await
-                    .ok()?
-                    .into_inner()
-                    .run?;
-                run.state().is_terminal().then_some(run)
-            }
-        })
-        .await
+        self.run_when(run_id, "the run to end", |run| run.state().is_terminal())
+            .await
     }
 
     /// The run's events so far, in order: every event stored comes before the first

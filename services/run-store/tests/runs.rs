@@ -433,6 +433,30 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
     assert_eq!(events, ["event:2:b", "event:3:c"]);
 }
 
+/// A states-only WatchRun of `run_id`, and its first message (the run's snapshot).
+async fn watch_states(
+    h: &Harness,
+    run_id: &str,
+) -> (
+    tonic::Streaming<runstore_pb::WatchRunResponse>,
+    runstore_pb::WatchRunResponse,
+) {
+    let mut stream = h
+        .operator()
+        .await
+        .watch_run(runstore_pb::WatchRunRequest {
+            run_id: run_id.to_owned(),
+            after_sequence: 0,
+            states_only: true,
+            heartbeat_interval: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    (stream, first)
+}
+
 /// ReportWaitingForInput keeps the newest observation by (generation, seq): a replay or
 /// an older report changes nothing, a new generation wins, a change wakes the run's
 /// watchers, and only the service token may report.
@@ -458,19 +482,7 @@ async fn waiting_for_input_follows_the_newest_observation_and_wakes_watchers(h: 
     let since = || async { h.get_run(&run_id).await.waiting_for_input_since };
     assert_eq!(since().await, None, "a working run waits for nothing");
 
-    let mut stream = h
-        .operator()
-        .await
-        .watch_run(runstore_pb::WatchRunRequest {
-            run_id: run_id.clone(),
-            after_sequence: 0,
-            states_only: true,
-            heartbeat_interval: None,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = stream.next().await.unwrap().unwrap();
+    let (mut stream, first) = watch_states(&h, &run_id).await;
     assert!(matches!(
         first.update,
         Some(runstore_pb::watch_run_response::Update::Run(ref r)) if r.waiting_for_input_since.is_none()
@@ -524,19 +536,7 @@ async fn waiting_for_input_follows_the_newest_observation_and_wakes_watchers(h: 
 /// other refusal.
 async fn a_watch_open_at_shutdown_ends_unavailable_saying_shutting_down(h: Harness) {
     let (run_id, _key) = h.running_run("watch-shutdown").await;
-    let mut stream = h
-        .operator()
-        .await
-        .watch_run(runstore_pb::WatchRunRequest {
-            run_id: run_id.clone(),
-            after_sequence: 0,
-            states_only: true,
-            heartbeat_interval: None,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = stream.next().await.unwrap().unwrap();
+    let (mut stream, first) = watch_states(&h, &run_id).await;
     assert!(matches!(
         first.update,
         Some(runstore_pb::watch_run_response::Update::Run(_))
