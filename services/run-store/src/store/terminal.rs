@@ -257,7 +257,10 @@ impl Store {
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
                 let run = active.update(&txn).await?;
-                self.owe_webhooks(&txn, &run, "run.backend_error", now)
+                // After the run's own end event (its run.failed may carry this very
+                // transaction's time), so deliveries go out in that order.
+                let at = run.ended_at_us.map_or(now, |ended| ended + 1).max(now);
+                self.owe_webhooks(&txn, &run, "run.backend_error", at)
                     .await?;
                 (runstore_pb::MarkBackendErrorOutcome::Marked, run)
             }
@@ -269,7 +272,10 @@ impl Store {
                 active.backend_error = sea_orm::Set(Some(outcome_json.to_owned()));
                 active.updated_at_us = sea_orm::Set(now);
                 let run = active.update(&txn).await?;
-                self.owe_webhooks(&txn, &run, "run.backend_error", now)
+                // After the run's own end event (its run.failed may carry this very
+                // transaction's time), so deliveries go out in that order.
+                let at = run.ended_at_us.map_or(now, |ended| ended + 1).max(now);
+                self.owe_webhooks(&txn, &run, "run.backend_error", at)
                     .await?;
                 (runstore_pb::MarkBackendErrorOutcome::Marked, run)
             }
