@@ -101,7 +101,13 @@ impl Local {
     /// a restored sandbox from being frozen again before its runner heard what was sent to
     /// it while it was frozen (the steer its reattach was for). A working agent restarts
     /// the idle clock, so silence alone never suspends one.
-    fn idle_past_timeout(&mut self, driver: &ProcessDriver, sessions: &Sessions) -> bool {
+    /// `parked` is [`ProcessDriver::parked`] as this round read it.
+    fn idle_past_timeout(
+        &mut self,
+        driver: &ProcessDriver,
+        sessions: &Sessions,
+        parked: bool,
+    ) -> bool {
         let timeout = Duration::from_millis(self.row.idle_timeout_ms.max(0) as u64);
         if timeout.is_zero() {
             return false;
@@ -109,7 +115,7 @@ impl Local {
         if let Some(attached) = sessions.last_attach(&self.row.id) {
             self.idle_since = self.idle_since.max(attached);
         }
-        if !driver.parked(&self.row) {
+        if !parked {
             self.idle_since = Instant::now();
             return false;
         }
@@ -715,7 +721,7 @@ async fn look_after(
         // A stream that could not be parked stays running this time: suspended, its
         // runner would stop renewing and the lapsed lease be taken over as if lost.
         // The next round tries again.
-        if local.idle_past_timeout(driver, sessions)
+        if local.idle_past_timeout(driver, sessions, waiting)
             && park(client, config, epoch, &local.row).await
             && driver.suspend(&local.row).await.is_ok()
         {

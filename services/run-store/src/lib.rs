@@ -101,7 +101,7 @@ impl RunStore {
         let store = store::Store::new(db, clock)
             .with_failure_reports(config.run_store.admission)
             .with_event_quota(store::EventQuota::from_config(&config.run_store))
-            .with_webhooks(webhooks::Webhooks::routes(&config.run_store.webhooks))
+            .with_webhooks(webhooks.routes())
             .with_tasks(tasks.clone());
         // The watchers' safety net: one query per re-check for every watched run.
         tasks.spawn(RECHECK_TASK, {

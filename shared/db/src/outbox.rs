@@ -258,7 +258,9 @@ pub fn retry_backoff_us(attempts: i32) -> i64 {
     (1_000_000i64 << attempts.clamp(0, 6)).min(60_000_000)
 }
 
-fn bounded(error: &str) -> String {
+/// At most 512 bytes of an error, cut on a character boundary, as the outbox tables
+/// store it.
+pub fn bounded(error: &str) -> String {
     let mut end = error.len().min(512);
     while !error.is_char_boundary(end) {
         end -= 1;

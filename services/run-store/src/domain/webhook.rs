@@ -29,19 +29,6 @@ pub struct Route {
 pub struct Routes(pub Vec<Route>);
 
 impl Routes {
-    pub fn from_config(webhooks: &[runplane_config::WebhookConfig]) -> Self {
-        Self(
-            webhooks
-                .iter()
-                .map(|w| Route {
-                    endpoint_id: endpoint_id(&w.url),
-                    events: w.events.iter().cloned().collect(),
-                    orgs: w.orgs.iter().cloned().collect(),
-                })
-                .collect(),
-        )
-    }
-
     /// The endpoints that want `event` of a run of `org`.
     pub fn matching<'a>(&'a self, event: &'a str, org: &'a str) -> impl Iterator<Item = &'a str> {
         self.0

@@ -189,7 +189,10 @@ impl Store {
             Attempt::Failed { status, error } => {
                 let update = update
                     .col_expr(Column::LastStatus, Expr::value(status.map(i32::from)))
-                    .col_expr(Column::LastError, Expr::value(bounded(error)));
+                    .col_expr(
+                        Column::LastError,
+                        Expr::value(runplane_db::outbox::bounded(error)),
+                    );
                 if now + retry_after_us > give_up_at_us {
                     update.col_expr(Column::GivenUpAtUs, Expr::value(now))
                 } else {
@@ -280,13 +283,4 @@ impl Store {
             .all(&self.db)
             .await?)
     }
-}
-
-/// At most 512 bytes of an error, cut on a character boundary.
-fn bounded(error: &str) -> String {
-    let mut end = error.len().min(512);
-    while !error.is_char_boundary(end) {
-        end -= 1;
-    }
-    error[..end].to_owned()
 }

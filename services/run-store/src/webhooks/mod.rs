@@ -97,9 +97,18 @@ impl Webhooks {
         })
     }
 
-    /// The routes the store owes events by.
-    pub fn routes(webhooks: &[WebhookConfig]) -> Routes {
-        Routes::from_config(webhooks)
+    /// The routes the store owes events by: each endpoint's id and filters.
+    pub fn routes(&self) -> Routes {
+        Routes(
+            self.endpoints
+                .iter()
+                .map(|e| crate::domain::webhook::Route {
+                    endpoint_id: e.id.clone(),
+                    events: e.events.iter().cloned().collect(),
+                    orgs: e.orgs.iter().cloned().collect(),
+                })
+                .collect(),
+        )
     }
 
     pub fn is_empty(&self) -> bool {
@@ -160,7 +169,7 @@ impl Webhooks {
             .await?;
         let attempted = rows.len() as u64;
         let booked = join_all(rows.into_iter().map(|row| async move {
-            let attempt = self.attempt(endpoint, &row, timeout).await;
+            let attempt = self.attempt(endpoint, &row, timeout, store.now_us()).await;
             let retry_after = webhook::backoff(
                 row.attempts,
                 Duration::from_secs(self.settings.max_backoff_seconds.into()),
@@ -178,7 +187,13 @@ impl Webhooks {
         Ok(attempted)
     }
 
-    async fn attempt(&self, endpoint: &Endpoint, row: &Delivery, timeout: Duration) -> Attempt {
+    async fn attempt(
+        &self,
+        endpoint: &Endpoint,
+        row: &Delivery,
+        timeout: Duration,
+        now_us: i64,
+    ) -> Attempt {
         let span = tracing::info_span!(
             "webhook.deliver",
             endpoint = %endpoint.id,
@@ -188,7 +203,8 @@ impl Webhooks {
             attempt = row.attempts + 1,
         );
         async {
-            let timestamp = wall_seconds();
+            // Unix seconds of the attempt, which receivers compare with their own clock.
+            let timestamp = now_us.div_euclid(1_000_000);
             let headers = [
                 ("webhook-id", row.id.clone()),
                 ("webhook-timestamp", timestamp.to_string()),
@@ -239,13 +255,4 @@ impl Webhooks {
         }
         Ok(out)
     }
-}
-
-/// Now in Unix seconds, as `webhook-timestamp` carries it: the wall clock, since the
-/// receiver compares it with its own.
-fn wall_seconds() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or_default()
 }
