@@ -5,7 +5,8 @@
 //! placed on it (claiming their run key), restores the ones a wake assigned to it and
 //! reports the restore, suspends a sandbox parked longer than its idle timeout and
 //! publishes it unplaced (its route identity still names this node, which a reattach must
-//! not follow), publishes exits, and stops every deleted sandbox it is handed a DESTROY
+//! not follow), suspends the same way a sandbox whose run was paused (a SUSPEND
+//! assignment, whatever its agent is doing), publishes exits, and stops every deleted sandbox it is handed a DESTROY
 //! for, suspended ones included, acknowledging each stop with a DELETED publication.
 //! Idle means parked, not silent: its agent waits for input and no session reached it for
 //! the whole timeout ([`Local::idle_past_timeout`]). Sessions reach a sandbox at the
@@ -666,6 +667,19 @@ async fn act(
                 }
             }
         }
+        reconciler_pb::AssignmentIntent::Suspend => {
+            // Its run is paused: suspended now, whatever its agent is doing. One this
+            // boot has not taken on (it restarted) is adopted first.
+            if !locals.contains_key(&a.sandbox_id) {
+                adopt_or_report_lost(client, config, epoch, driver, locals, &a).await;
+            }
+            if let Some(local) = locals.get_mut(&a.sandbox_id)
+                && !local.suspended
+                && suspend_here(client, config, epoch, driver, local).await
+            {
+                tracing::info!(sandbox_id = %a.sandbox_id, "paused: suspended and published unplaced");
+            }
+        }
         _ => {}
     }
     None
@@ -722,26 +736,45 @@ async fn look_after(
         // runner would stop renewing and the lapsed lease be taken over as if lost.
         // The next round tries again.
         if local.idle_past_timeout(driver, sessions, waiting)
-            && park(client, config, epoch, &local.row).await
-            && driver.suspend(&local.row).await.is_ok()
+            && suspend_here(client, config, epoch, driver, local).await
         {
-            local.suspended = true;
-            publish(
-                client,
-                config,
-                epoch,
-                &local.row,
-                reconciler_pb::SandboxStatus::Suspended,
-                false,
-                None,
-            )
-            .await;
             tracing::info!(sandbox_id = %local.row.id, "idle: suspended and published unplaced");
         }
     }
     for id in ended {
         locals.remove(&id);
     }
+}
+
+/// Parks `local`'s stream, suspends it and publishes it SUSPENDED and unplaced; whether
+/// it did. A stream that could not be parked leaves it running (the caller tries again
+/// later): frozen, its runner would stop renewing and the lapsed lease be taken over.
+async fn suspend_here(
+    client: &Client,
+    config: &AgentConfig,
+    epoch: u64,
+    driver: &ProcessDriver,
+    local: &mut Local,
+) -> bool {
+    if !park(client, config, epoch, &local.row).await {
+        return false;
+    }
+    if let Err(e) = driver.suspend(&local.row).await {
+        tracing::warn!(sandbox_id = %local.row.id, error = %e, "sandbox not suspended");
+        return false;
+    }
+    local.suspended = true;
+    publish(
+        client,
+        config,
+        epoch,
+        &local.row,
+        reconciler_pb::SandboxStatus::Suspended,
+        false,
+        None,
+    )
+    .await;
+    true
 }
 
 /// How long a park or unpark may take before the agent moves on.

@@ -146,6 +146,13 @@ impl Changes {
         self.notify(RECONCILER_WORK);
     }
 
+    /// `run_id` was paused or resumed: its watchers see it, and the reconciler suspends or
+    /// restores its sandbox.
+    pub fn paused(&self, run_id: &str) {
+        self.notify(run_id);
+        self.notify(RECONCILER_WORK);
+    }
+
     /// A call that ends `run_id` found it already ended: a replay, whose first attempt may
     /// have committed and then been dropped (a client deadline, a closed connection)
     /// before it woke anyone. Wakes as [`Changes::ended`] does, without counting it again;

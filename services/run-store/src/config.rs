@@ -8,6 +8,7 @@ use runplane_config::Config;
 use crate::domain::limits::Limits;
 use crate::domain::receipt::{ReceiptSigner, public_key_from_hex};
 use crate::error::RunStoreError;
+use crate::store::PauseRule;
 
 /// The run store's settings.
 #[derive(Debug, Clone)]
@@ -30,6 +31,43 @@ pub struct RunStoreSettings {
     pub retention_sweep_interval: Duration,
     /// Most steers and interrupts a run holds not yet delivered.
     pub max_queued_steering_messages: u32,
+    /// What a pause of each profile's runs may do.
+    pub pauses: PauseRules,
+}
+
+/// How long a pause may last and whether it counts toward the deadline, by profile
+/// (`max_pause_seconds`, `deadline_counts_paused_time`); a profile that says nothing
+/// gets 24 hours, counted.
+#[derive(Debug, Clone, Default)]
+pub struct PauseRules {
+    by_profile: BTreeMap<String, PauseRule>,
+}
+
+impl PauseRules {
+    pub fn from_profiles(profiles: &[runplane_config::ProfileConfig]) -> Self {
+        let by_profile = profiles
+            .iter()
+            .map(|p| {
+                let seconds = p
+                    .max_pause_seconds
+                    .unwrap_or(runplane_config::DEFAULT_MAX_PAUSE_SECONDS);
+                let rule = PauseRule {
+                    max_us: i64::from(seconds) * 1_000_000,
+                    counts_toward_deadline: p.deadline_counts_paused_time.unwrap_or(true),
+                };
+                (p.name.clone(), rule)
+            })
+            .collect();
+        Self { by_profile }
+    }
+
+    /// The rule of `profile`'s runs.
+    pub fn of(&self, profile: &str) -> PauseRule {
+        self.by_profile.get(profile).copied().unwrap_or(PauseRule {
+            max_us: i64::from(runplane_config::DEFAULT_MAX_PAUSE_SECONDS) * 1_000_000,
+            counts_toward_deadline: true,
+        })
+    }
 }
 
 impl RunStoreSettings {
@@ -75,6 +113,7 @@ impl RunStoreSettings {
             tenancy: config.run_store.tenancy.clone(),
             retention: retention(config),
             max_queued_steering_messages: config.run_store.max_queued_steering_messages,
+            pauses: PauseRules::from_profiles(&config.credential_health.profiles),
             retention_sweep_interval: Duration::from_millis(
                 config.run_store.retention_sweep_interval_ms.into(),
             ),

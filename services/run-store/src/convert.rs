@@ -68,6 +68,8 @@ pub fn run(model: &run::Model) -> runstore_pb::Run {
         priority: model.priority,
         waiting_for_input_since: (model.state == RunState::Running && model.waiting_since_us > 0)
             .then(|| timestamp(model.waiting_since_us)),
+        paused_since: (!model.state.is_terminal() && model.paused_at_us > 0)
+            .then(|| timestamp(model.paused_at_us)),
     }
 }
 

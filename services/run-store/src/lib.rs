@@ -180,9 +180,10 @@ impl RunStore {
         }
     }
 
-    /// Ends the runs past their deadline as `deadline_exceeded`: one bounded query for
-    /// the due runs, then each is ended under its own lock, so replicas sweeping at the
-    /// same time end each run once. Returns how many this call ended.
+    /// Ends the runs past their deadline as `deadline_exceeded`, and the runs paused past
+    /// their profile's `max_pause_seconds` as `paused_too_long`: one bounded query for
+    /// each kind of due run, then each is ended under its own lock, so replicas sweeping
+    /// at the same time end each run once. Returns how many this call ended.
     pub async fn sweep_deadlines(&self) -> Result<u64, RunStoreError> {
         let s = &self.state;
         let mut ended = 0;
@@ -190,6 +191,13 @@ impl RunStore {
             if let Some(run) = s.store.expire(&run_id, &s.settings.signer).await? {
                 s.changes.ended(&run.id, run.state);
                 tracing::info!(run_id = %run.id, "run ended: deadline exceeded");
+                ended += 1;
+            }
+        }
+        for run_id in s.store.past_pause(DEADLINE_SWEEP_BATCH).await? {
+            if let Some(run) = s.store.end_pause(&run_id, &s.settings.signer).await? {
+                s.changes.ended(&run.id, run.state);
+                tracing::info!(run_id = %run.id, "run ended: paused too long");
                 ended += 1;
             }
         }

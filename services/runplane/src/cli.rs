@@ -86,6 +86,15 @@ pub enum Command {
     /// still queued is cancelled at once).
     #[command(after_help = EXIT_STATUS)]
     Interrupt(crate::operator::InterruptArgs),
+    /// Pause a live run: its sandbox is suspended whatever its agent is doing (its output
+    /// stops, nothing is lost), it keeps its slot, and steers and interrupts wait for the
+    /// resume. Its deadline keeps counting unless its profile says otherwise; a pause past
+    /// the profile's max_pause_seconds (default 24h) ends it FAILED paused_too_long.
+    #[command(after_help = EXIT_STATUS)]
+    Pause(crate::operator::PauseArgs),
+    /// Resume a paused run: its sandbox is restored where it was and the run goes on.
+    #[command(after_help = EXIT_STATUS)]
+    Resume(crate::operator::PauseArgs),
     /// Run a node agent of the direct substrate ([node] config): register with the
     /// reconciler at [sandbox_reconciler].endpoint, run, suspend and restore sandboxes,
     /// their agents under bubblewrap ([sandbox_reconciler] isolation). It authenticates
@@ -190,6 +199,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Cancel(args) => crate::operator::cancel(config, args, &mut stdout).await?,
         Command::Steer(args) => crate::operator::steer(config, args, &mut stdout).await?,
         Command::Interrupt(args) => crate::operator::interrupt(config, args, &mut stdout).await?,
+        Command::Pause(args) => crate::operator::pause(config, args, true, &mut stdout).await?,
+        Command::Resume(args) => crate::operator::pause(config, args, false, &mut stdout).await?,
         Command::Credentials(args) => {
             crate::credentials::credentials(config, args, &mut stdout).await?
         }

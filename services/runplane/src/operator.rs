@@ -76,6 +76,9 @@ pub struct RunsArgs {
     /// Only runs these labels select: `k=v`, `k!=v`, `k`, `!k`, comma = and.
     #[arg(long = "label", value_name = "SELECTOR")]
     label: Option<String>,
+    /// Only paused runs (`runplane pause`).
+    #[arg(long)]
+    paused: bool,
     /// At most this many runs, newest first (default: every page).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     limit: Option<u32>,
@@ -148,6 +151,15 @@ pub struct Target {
     bulk: Bulk,
 }
 
+/// `runplane pause|resume RUN`, or `--label SELECTOR` for every live run it selects.
+#[derive(Debug, clap::Args)]
+pub struct PauseArgs {
+    #[command(flatten)]
+    connect: RunStoreConnect,
+    #[command(flatten)]
+    target: Target,
+}
+
 /// What a bulk action acts on and how far it may go.
 #[derive(Debug, clap::Args)]
 pub struct Bulk {
@@ -211,6 +223,7 @@ pub async fn runs(
                 run_ids: Vec::new(),
                 with_pending_messages: false,
                 label_selector: args.label.clone().unwrap_or_default(),
+                paused_only: args.paused,
                 // The table shows no spec; --json shows every field.
                 view: match args.json {
                     true => runstore_pb::RunView::Full,
@@ -319,6 +332,7 @@ pub fn write_run(
         ("lead", or_dash(&run.lead_id)),
         ("state", output::state_of(run)),
         ("waiting_for_input", when(&run.waiting_for_input_since)),
+        ("paused", when(&run.paused_since)),
         (
             "verdict",
             run.verdict.as_ref().map_or("-".into(), |v| {
@@ -573,6 +587,60 @@ async fn live_runs(
 /// action's, the selector's, the payload's and the run's digest, so the same command
 /// again replays rather than acts twice. Prints how many matched and what happened to
 /// each; fails when any call failed. `--dry-run` lists them and does nothing.
+/// `runplane pause RUN` (`pause`) or `runplane resume RUN` (`!pause`), or either with
+/// `--label SELECTOR`: one keyed PauseRun or ResumeRun per run.
+pub async fn pause(
+    config_file: Option<&Path>,
+    args: PauseArgs,
+    pause: bool,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let client = crate::connect::run_store(config_file, &args.connect)?;
+    let action = if pause { "pause" } else { "resume" };
+    let one = |mut client: RunStoreClient, run_id: String, key: String| async move {
+        let run = if pause {
+            client
+                .pause_run(runstore_pb::PauseRunRequest {
+                    run_id,
+                    idempotency_key: key,
+                })
+                .await
+                .map_err(rpc)?
+                .into_inner()
+                .run
+        } else {
+            client
+                .resume_run(runstore_pb::ResumeRunRequest {
+                    run_id,
+                    idempotency_key: key,
+                })
+                .await
+                .map_err(rpc)?
+                .into_inner()
+                .run
+        }
+        .context("the run store answered without a run")?;
+        let now = SystemClock::new().now();
+        Ok(match run.paused_since.as_ref().and_then(output::time) {
+            Some(at) => format!(
+                "{}, paused since {} ({} ago)",
+                output::state_of(&run),
+                rfc3339(run.paused_since.as_ref().expect("set")),
+                crate::duration::short(now - at)
+            ),
+            None => output::state_of(&run),
+        })
+    };
+    match args.target.run {
+        Some(run_id) => {
+            let done = one(client, run_id.clone(), idempotency_key(action)).await?;
+            writeln!(out, "run {run_id}: {done}")?;
+            Ok(())
+        }
+        None => bulk(out, client, &args.target.bulk, action, "", one).await,
+    }
+}
+
 async fn bulk<F, Fut>(
     out: &mut impl Write,
     mut client: RunStoreClient,
@@ -702,6 +770,7 @@ mod tests {
         for line in [
             "state               cancelled",
             "waiting_for_input   -",
+            "paused              -",
             "verdict             cancelled (cancelled)",
             "message             not needed",
             "reason              cancelled",

@@ -31,14 +31,22 @@ pub fn state_name(state: runstore_pb::RunState) -> String {
         .to_lowercase()
 }
 
-/// The run's state, and its sub-state when its agent waits for input:
-/// `running (waiting_for_input)`.
+/// The run's state, and its sub-states: paused (`runplane pause`), its agent waiting for
+/// input: `running (paused)`, `running (waiting_for_input)`, `running (paused,
+/// waiting_for_input)`.
 pub fn state_of(run: &runstore_pb::Run) -> String {
     let state = state_name(run.state());
-    if run.waiting_for_input_since.is_some() {
-        format!("{state} (waiting_for_input)")
-    } else {
+    let sub: Vec<&str> = [
+        run.paused_since.is_some().then_some("paused"),
+        run.waiting_for_input_since.is_some().then_some("waiting_for_input"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if sub.is_empty() {
         state
+    } else {
+        format!("{state} ({})", sub.join(", "))
     }
 }
 

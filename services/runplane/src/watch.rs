@@ -48,6 +48,7 @@ pub async fn print_events(
 ) -> anyhow::Result<runstore_pb::Run> {
     let mut last_state = runstore_pb::RunState::Unspecified;
     let mut last_waiting = false;
+    let mut last_paused = false;
     let mut last_run: Option<runstore_pb::Run> = None;
     // For Until::Now: the last sequence stored when the first snapshot was taken.
     let mut stop_at: Option<u64> = None;
@@ -123,6 +124,12 @@ pub async fn print_events(
                                 "working"
                             }
                         );
+                    }
+                    // A pause, as it starts and ends.
+                    let paused = run.paused_since.is_some();
+                    if paused != last_paused && !last_state.is_terminal() {
+                        last_paused = paused;
+                        eprintln!("runplane: {}", if paused { "paused" } else { "resumed" });
                     }
                     if until == Until::Now && stop_at.is_none() {
                         stop_at = Some(run.last_sequence);

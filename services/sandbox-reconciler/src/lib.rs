@@ -208,7 +208,8 @@ impl SandboxReconciler {
             let _held = &local_role;
             let reconciler =
                 reconcile::Reconciler::new(store.clone(), driver.clone(), settings.clone())
-                    .with_fleet(this.fleet.clone());
+                    .with_fleet(this.fleet.clone())
+                    .with_recovery(Some(this.state.recovery.clone()));
             reconcile::run_loop(
                 reconciler,
                 this.state.run_store.clone(),

@@ -100,7 +100,20 @@ pub struct ProfileConfig {
     /// that runs processes refuses to start a sandbox whose profile names one.
     #[serde(default)]
     pub image: Option<String>,
+    /// How long a run of this profile may stay paused (PauseRun) before it ends FAILED
+    /// `paused_too_long`, in seconds (1 to 30 days); unset, 24 hours.
+    #[serde(default)]
+    pub max_pause_seconds: Option<u32>,
+    /// Whether the time a run of this profile spends paused counts toward its deadline;
+    /// unset, it does. `false` moves the deadline on by each pause's length.
+    #[serde(default)]
+    pub deadline_counts_paused_time: Option<bool>,
 }
+
+/// How long a run may stay paused when its profile does not say.
+pub const DEFAULT_MAX_PAUSE_SECONDS: u32 = 24 * 3600;
+/// The longest `max_pause_seconds` a profile may set: 30 days.
+pub const MAX_PAUSE_SECONDS: u32 = 30 * 24 * 3600;
 
 /// A profile's own limits; an unset one is the deployment's.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
@@ -242,6 +255,26 @@ impl CredentialHealthConfig {
                     ),
                 ));
             }
+            if let Some(seconds) = p.max_pause_seconds {
+                in_range(
+                    format!("{field}.max_pause_seconds"),
+                    seconds,
+                    1..=MAX_PAUSE_SECONDS,
+                )?;
+            }
+            if let Some(other) = self.profiles.iter().find(|o| {
+                o.name == p.name
+                    && (o.max_pause_seconds, o.deadline_counts_paused_time)
+                        != (p.max_pause_seconds, p.deadline_counts_paused_time)
+            }) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.max_pause_seconds"),
+                    format!(
+                        "profile `{}` says two things of its pauses (on credentials `{}` and `{}`); say max_pause_seconds and deadline_counts_paused_time once, the same on every entry",
+                        p.name, other.credential_id, p.credential_id
+                    ),
+                ));
+            }
             if let Some(image) = &p.image
                 && !crate::checks::is_image_reference(image)
             {
@@ -299,6 +332,8 @@ impl Default for ProfileConfig {
             network: None,
             limits: ProfileLimits::default(),
             image: None,
+            max_pause_seconds: None,
+            deadline_counts_paused_time: None,
         }
     }
 }

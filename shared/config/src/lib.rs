@@ -29,7 +29,10 @@ use serde::Deserialize;
 pub use auth::{AuthConfig, parse_sha256};
 pub use checks::{is_image_reference, is_name};
 use checks::{validate_database_url, validate_endpoint_list};
-pub use credential_health::{CredentialHealthConfig, ProfileConfig, ProfileLimits};
+pub use credential_health::{
+    CredentialHealthConfig, DEFAULT_MAX_PAUSE_SECONDS, MAX_PAUSE_SECONDS, ProfileConfig,
+    ProfileLimits,
+};
 pub use error::ConfigError;
 pub use node::NodeConfig;
 pub use run_store::{OrgTenancy, RunStoreConfig, TenancyConfig};

@@ -12,12 +12,15 @@ use crate::error::ConfigError;
 use crate::secret::Secret;
 
 /// Every lifecycle event a webhook can be sent, in the order a run meets them.
-pub const WEBHOOK_EVENTS: [&str; 5] = [
+pub const WEBHOOK_EVENTS: [&str; 8] = [
     "run.started",
     "run.succeeded",
     "run.failed",
     "run.cancelled",
     "run.backend_error",
+    "run.paused",
+    "run.resumed",
+    "run.waiting_for_input",
 ];
 
 /// One endpoint runplane POSTs run lifecycle events to.

@@ -4,6 +4,7 @@
 //! - [`operator`]: RunService, what operators and services call;
 //! - [`create`]: CreateRun's checks, pure;
 //! - [`page`]: ListRuns' page tokens;
+//! - [`pause`]: PauseRun and ResumeRun;
 //! - [`watch`]: WatchRun's stream;
 //! - [`webhooks`]: ListWebhooks, the webhook endpoints and their deliveries;
 //! - [`service_state`]: what every call of both works with;
@@ -13,6 +14,7 @@ mod create;
 mod fields;
 mod operator;
 mod page;
+mod pause;
 mod runner;
 mod service_state;
 mod watch;

@@ -195,6 +195,7 @@ impl RunService for RunApi {
             states,
             run_ids: req.run_ids.clone(),
             with_pending_messages: req.with_pending_messages,
+            paused_only: req.paused_only,
             labels: selector.terms,
             after: None,
             limit: u64::from(limit) + 1,
@@ -800,6 +801,40 @@ impl RunService for RunApi {
             public_key: public_key.to_vec(),
             algorithm: "ed25519".into(),
         }))
+    }
+
+    async fn pause_run(
+        &self,
+        request: Request<runstore_pb::PauseRunRequest>,
+    ) -> std::result::Result<Response<runstore_pb::PauseRunResponse>, Status> {
+        let scope = self.state.org_scope(&request)?;
+        let req = request.get_ref();
+        let run = super::pause::toggle(
+            &self.state,
+            &scope,
+            &req.run_id,
+            &req.idempotency_key,
+            super::pause::Toggle::Pause,
+        )
+        .await?;
+        Ok(Response::new(runstore_pb::PauseRunResponse { run: Some(run) }))
+    }
+
+    async fn resume_run(
+        &self,
+        request: Request<runstore_pb::ResumeRunRequest>,
+    ) -> std::result::Result<Response<runstore_pb::ResumeRunResponse>, Status> {
+        let scope = self.state.org_scope(&request)?;
+        let req = request.get_ref();
+        let run = super::pause::toggle(
+            &self.state,
+            &scope,
+            &req.run_id,
+            &req.idempotency_key,
+            super::pause::Toggle::Resume,
+        )
+        .await?;
+        Ok(Response::new(runstore_pb::ResumeRunResponse { run: Some(run) }))
     }
 
     async fn list_webhooks(

@@ -12,7 +12,7 @@ type Result<T> = std::result::Result<T, RunStoreError>;
 pub(super) fn page_filter_digest(filter: &RunFilter) -> String {
     digest_hex(
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}",
             filter.org_id,
             filter.lead_id,
             filter.credential_id,
@@ -20,7 +20,8 @@ pub(super) fn page_filter_digest(filter: &RunFilter) -> String {
             filter.states.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
             filter.run_ids,
             filter.with_pending_messages,
-            filter.labels
+            filter.labels,
+            filter.paused_only
         )
         .as_bytes(),
     )[..16]

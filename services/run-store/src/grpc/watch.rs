@@ -32,8 +32,10 @@ pub(super) async fn watch(
     };
     let mut last_state = first.state;
     let mut last_updated = first.updated_at_us;
-    // Whether the agent waits for input is a sub-state: its change is a snapshot too.
+    // Whether the agent waits for input, and whether the run is paused, are sub-states:
+    // a change of either is a snapshot too.
     let mut last_waiting = first.waiting_since_us;
+    let mut last_paused = first.paused_at_us;
     if !send(Update::Run(convert::run(&first))).await {
         return Ok(());
     }
@@ -86,10 +88,12 @@ pub(super) async fn watch(
         if run.state != last_state
             || (run.state.is_terminal() && run.updated_at_us != last_updated)
             || run.waiting_since_us != last_waiting
+            || run.paused_at_us != last_paused
         {
             last_state = run.state;
             last_updated = run.updated_at_us;
             last_waiting = run.waiting_since_us;
+            last_paused = run.paused_at_us;
             if !send(Update::Run(convert::run(&run))).await {
                 return Ok(());
             }

@@ -59,6 +59,15 @@ pub mod run {
         pub waiting_since_us: i64,
         pub waiting_generation: i64,
         pub waiting_seq: i64,
+        /// Since when it has been paused (PauseRun); 0: not paused.
+        pub paused_at_us: i64,
+        /// When its pause ends it `paused_too_long` (the pause plus its profile's
+        /// `max_pause_seconds`); 0 while it is not paused.
+        pub pause_ends_at_us: i64,
+        /// 1 when its profile says paused time does not count toward its deadline: while
+        /// paused the deadline sweep leaves it alone, and ResumeRun moves the deadline on
+        /// by the pause's length.
+        pub pause_holds_deadline: i64,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,

@@ -59,6 +59,17 @@ impl MigratorTrait for Migrator {
                 table: "runs",
                 column: "waiting_seq",
             }),
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0016_paused_at",
+                table: "runs",
+                column: "paused_at_us",
+            }),
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0017_pause_holds_deadline",
+                table: "runs",
+                column: "pause_holds_deadline",
+            }),
+            Box::new(AddPauseEnd),
         ]
     }
 }
@@ -95,6 +106,44 @@ impl MigrationTrait for AddDeadline {
                 Table::alter()
                     .table(Alias::new("runs"))
                     .drop_column(Alias::new("deadline_at_us"))
+                    .to_owned(),
+            )
+            .await
+    }
+}
+
+/// When a paused run's pause ends it `paused_too_long` (`runs.pause_ends_at_us`, 0 while
+/// it is not paused), indexed so the deadline sweep reads only the pauses that are due.
+struct AddPauseEnd;
+
+impl MigrationName for AddPauseEnd {
+    fn name(&self) -> &str {
+        "m0018_pause_ends_at"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddPauseEnd {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .add_column(int64("pause_ends_at_us").default(0).to_owned())
+                    .to_owned(),
+            )
+            .await?;
+        manager
+            .create_index(index("runs_pause_ends", "runs", &["pause_ends_at_us"], false))
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .alter_table(
+                Table::alter()
+                    .table(Alias::new("runs"))
+                    .drop_column(Alias::new("pause_ends_at_us"))
                     .to_owned(),
             )
             .await

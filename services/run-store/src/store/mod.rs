@@ -20,6 +20,7 @@ pub mod entities;
 mod events;
 mod keys;
 pub mod migration;
+mod pause;
 mod retention;
 mod runs;
 mod slots;
@@ -42,6 +43,7 @@ use sea_orm::{
 };
 
 pub use migration::Migrator;
+pub use pause::{PauseRule, Paused, REASON_PAUSED_TOO_LONG};
 pub use retention::{Retention, Swept};
 
 use crate::domain::chain::{self, ChainedEvent};
@@ -181,6 +183,8 @@ pub struct RunFilter {
     pub run_ids: Vec<String>,
     /// Only runs with a steering message not yet acknowledged.
     pub with_pending_messages: bool,
+    /// Only paused runs.
+    pub paused_only: bool,
     /// Only runs these label selector terms all select.
     pub labels: Vec<crate::domain::labels::Term>,
     /// Start after this (created_at_us, id), newest first.

@@ -47,6 +47,9 @@ impl Store {
             waiting_since_us: 0,
             waiting_generation: 0,
             waiting_seq: 0,
+            paused_at_us: 0,
+            pause_ends_at_us: 0,
+            pause_holds_deadline: 0,
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,
@@ -214,6 +217,9 @@ impl Store {
         for term in &filter.labels {
             query = query.filter(label_condition(term));
         }
+        if filter.paused_only {
+            query = query.filter(run::Column::PausedAtUs.gt(0));
+        }
         if filter.with_pending_messages {
             // EXISTS on the run's own messages (the (run_id, sequence) index), not a scan
             // of every message ever queued.
@@ -371,6 +377,7 @@ impl Store {
                     .add(run::Column::WaitingGeneration.eq(generation))
                     .add(run::Column::WaitingSeq.lt(seq)),
             );
+        let txn = self.write_tx().await?;
         let updated = run::Entity::update_many()
             .col_expr(run::Column::WaitingSinceUs, since)
             .col_expr(run::Column::WaitingGeneration, Expr::value(generation))
@@ -379,8 +386,19 @@ impl Store {
             .filter(run::Column::Id.eq(run_id))
             .filter(run::Column::State.eq(RunState::Running))
             .filter(newer)
-            .exec(&self.db)
+            .exec(&txn)
             .await?;
-        Ok(updated.rows_affected == 1)
+        let applied = updated.rows_affected == 1;
+        // A wait that began with this observation is owed to the webhooks, once per wait.
+        if applied
+            && waiting
+            && let Some(run) = run::Entity::find_by_id(run_id.to_owned()).one(&txn).await?
+            && run.waiting_since_us == now
+        {
+            self.owe_webhooks_of(&txn, &run, "run.waiting_for_input", now, Some(now))
+                .await?;
+        }
+        txn.commit().await?;
+        Ok(applied)
     }
 }

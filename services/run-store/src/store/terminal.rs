@@ -181,6 +181,12 @@ impl Store {
             .select_only()
             .column(run::Column::Id)
             .filter(run::Column::DeadlineAtUs.lte(self.now_us()))
+            // A pause that holds the deadline stops its clock (ResumeRun moves it on).
+            .filter(
+                sea_orm::Condition::any()
+                    .add(run::Column::PausedAtUs.eq(0))
+                    .add(run::Column::PauseHoldsDeadline.eq(0)),
+            )
             .filter(run::Column::State.is_in(RunState::LIVE))
             .order_by(run::Column::DeadlineAtUs, Order::Asc)
             .limit(limit)
@@ -196,7 +202,8 @@ impl Store {
         let txn = self.write_tx().await?;
         let run = self.lock_run(&txn, run_id).await?;
         let now = self.now_us();
-        if run.state.is_terminal() || run.deadline_at_us.is_none_or(|d| d > now) {
+        let held = run.paused_at_us > 0 && run.pause_holds_deadline != 0;
+        if run.state.is_terminal() || held || run.deadline_at_us.is_none_or(|d| d > now) {
             return Ok(None);
         }
         let limit_s = (run.deadline_at_us.unwrap_or(now) - run.created_at_us) / 1_000_000;
@@ -299,7 +306,7 @@ impl Store {
     /// A keyed call's start: its write transaction, the run locked in it, and the outcome
     /// stored for `idempotency_key` when this call replays one already answered (the same
     /// key with another request is refused).
-    async fn begin_keyed(
+    pub(super) async fn begin_keyed(
         &self,
         run_id: &str,
         method: &str,
@@ -342,7 +349,7 @@ impl Store {
     }
 
     /// A keyed call's end: stores `answer` under its key, then commits.
-    async fn commit_keyed(
+    pub(super) async fn commit_keyed(
         &self,
         txn: DatabaseTransaction,
         run_id: &str,
@@ -386,6 +393,8 @@ impl Store {
         active.verdict_exit_code = sea_orm::Set(verdict.exit_code);
         active.verdict_signal = sea_orm::Set(verdict.signal);
         active.verdict_message = sea_orm::Set(Some(verdict.message.clone()));
+        // An ended run's pause is over: the pause sweep no longer reads it.
+        active.pause_ends_at_us = sea_orm::Set(0);
         active.failure_tail =
             sea_orm::Set(failure_tail.filter(|t| !t.is_empty()).map(str::to_owned));
         active.ended_at_us = sea_orm::Set(Some(now));

@@ -84,6 +84,20 @@ impl Store {
         event: &str,
         now_us: i64,
     ) -> Result<()> {
+        self.owe_webhooks_of(txn, run, event, now_us, None).await
+    }
+
+    /// [`Store::owe_webhooks`] for an event a run can have more than once (a pause, a
+    /// resume, a wait for input): `occurrence` (the time it began) tells them apart, so
+    /// each is owed once.
+    pub(super) async fn owe_webhooks_of(
+        &self,
+        txn: &DatabaseTransaction,
+        run: &run::Model,
+        event: &str,
+        now_us: i64,
+        occurrence: Option<i64>,
+    ) -> Result<()> {
         let endpoints: Vec<&str> = self.webhooks.matching(event, &run.org_id).collect();
         if endpoints.is_empty() {
             return Ok(());
@@ -99,7 +113,10 @@ impl Store {
         let body = webhook::body(event, now_us, &facts);
         let rows = endpoints.into_iter().map(|endpoint| {
             Delivery {
-                id: webhook::message_id(endpoint, &run.id, event),
+                id: match occurrence {
+                    None => webhook::message_id(endpoint, &run.id, event),
+                    Some(at) => webhook::message_id(endpoint, &run.id, &format!("{event}@{at}")),
+                },
                 endpoint_id: endpoint.to_owned(),
                 run_id: run.id.clone(),
                 org_id: run.org_id.clone(),

@@ -27,6 +27,7 @@ pub(super) fn assignment_of(a: &Assigned) -> reconciler_pb::Assignment {
         Assigned::Run(row) => (row, reconciler_pb::AssignmentIntent::Run, None),
         Assigned::Restore(row, wake) => (row, reconciler_pb::AssignmentIntent::Restore, Some(wake)),
         Assigned::Destroy(row) => (row, reconciler_pb::AssignmentIntent::Destroy, None),
+        Assigned::Suspend(row) => (row, reconciler_pb::AssignmentIntent::Suspend, None),
     };
     reconciler_pb::Assignment {
         sandbox_id: row.id.clone(),

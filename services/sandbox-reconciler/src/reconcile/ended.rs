@@ -6,7 +6,7 @@ use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_sandbox::{Driver, SandboxSpec};
 
 use super::reconciler::Reconciler;
-use super::runs::{RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
+use super::runs::{Only, RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
 use crate::clients::RunStoreClient;
 use crate::domain::placement::LOCAL_NODE;
 use crate::error::ReconcilerError;
@@ -90,7 +90,7 @@ async fn ended_runs(
     run_store: &RunStoreClient,
     run_ids: Vec<String>,
 ) -> Result<std::collections::HashSet<String>, ReconcilerError> {
-    runs_among(run_store, run_ids, &TERMINAL_RUN_STATES, false).await
+    runs_among(run_store, run_ids, &TERMINAL_RUN_STATES, Only::Any).await
 }
 
 /// Stops a deleted local sandbox's process and acknowledges the stop; `false` (logged)

@@ -8,13 +8,15 @@
 //!
 //! The parts: [`tick`] (the loss-grace tick), [`dispatch`] (queued runs to sandboxes),
 //! [`ended`] (the sweep of ended runs and the stops it owes), [`wakes`] (parked runs with
-//! a message waiting), [`outbox`] (FailRun delivery) and [`round`] (one round of all of
+//! a message waiting), [`pauses`] (paused runs' sandboxes suspended, resumed ones
+//! restored), [`outbox`] (FailRun delivery) and [`round`] (one round of all of
 //! them, and the loop that runs it), and [`waiting`] (whether local agents wait for
 //! input, told to the run store). [`Reconciler`] is what each of them works with.
 
 pub mod dispatch;
 pub mod ended;
 pub mod outbox;
+pub mod pauses;
 mod reconciler;
 pub mod round;
 mod runs;
@@ -28,4 +30,5 @@ pub use ended::{TERMINAL_RUN_STATES, stop_local};
 pub use outbox::deliver_outbox;
 pub use reconciler::{ReconcileSettings, Reconciler, TickReport};
 pub use round::run_loop;
+pub use pauses::RESUME_WAKE_REASON;
 pub use wakes::MESSAGE_WAKE_REASON;

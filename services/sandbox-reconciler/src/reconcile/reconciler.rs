@@ -62,6 +62,9 @@ pub struct Reconciler {
     pub(super) settings: ReconcileSettings,
     /// Credential health, for the fleet's capacity; `None` where none runs.
     pub(super) fleet: Option<crate::clients::FleetClient>,
+    /// The stream recovery coordinator, to park and unpark the streams of the local
+    /// sandboxes it suspends for a pause; `None`: nothing to park.
+    pub(super) recovery: Option<crate::clients::RecoveryClient>,
     /// When this replica last pruned (`Store::prune`), in store microseconds.
     pub(super) pruned_at_us: Arc<std::sync::atomic::AtomicI64>,
     /// What this replica last told the run store of each local sandbox's agent waiting
@@ -76,6 +79,7 @@ impl Reconciler {
             driver,
             settings,
             fleet: None,
+            recovery: None,
             pruned_at_us: Arc::default(),
             waiting: Arc::default(),
         }
@@ -84,6 +88,12 @@ impl Reconciler {
     /// Dispatch fills credentials only up to the capacity credential health reports.
     pub fn with_fleet(mut self, fleet: Option<crate::clients::FleetClient>) -> Self {
         self.fleet = fleet;
+        self
+    }
+
+    /// Streams of the local sandboxes a pause suspends are parked at this coordinator.
+    pub fn with_recovery(mut self, recovery: Option<crate::clients::RecoveryClient>) -> Self {
+        self.recovery = recovery;
         self
     }
 }

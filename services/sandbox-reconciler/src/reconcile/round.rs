@@ -16,7 +16,7 @@ use crate::clients::RunStoreClient;
 
 impl Reconciler {
     /// One round of the reconciler's background work: dispatch, the sweep of ended runs,
-    /// local stops, wakes of parked runs with messages, wake assignment, the loss tick and
+    /// local stops, wakes of parked runs with messages, pauses and resumes, wake assignment, the loss tick and
     /// outbox delivery. Each step logs its
     /// failure and the next round retries it. The sweep comes before wake assignment, so a
     /// wake of a sandbox whose run ended is settled, not assigned.
@@ -44,6 +44,10 @@ impl Reconciler {
         }
         if let Err(e) = self.wake_sandboxes_with_messages(run_store).await {
             tracing::warn!(error = %e, "waking parked runs with messages failed; next round retries");
+        }
+        // Before wake assignment: a resumed run's wake is assigned this round.
+        if let Err(e) = self.follow_pauses(run_store).await {
+            tracing::warn!(error = %e, "following paused runs failed; next round retries");
         }
         if self.settings.local_sandboxes
             && let Err(e) = self.report_local_waiting(run_store).await

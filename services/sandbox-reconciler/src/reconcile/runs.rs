@@ -25,15 +25,26 @@ pub(super) fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
     run_ids
 }
 
-/// Which of `run_ids` (at most [`RUN_IDS_PER_QUESTION`]) are in one of `states` (and,
-/// with `pending`, have a message not yet acknowledged), every page of the answer read. The answer is checked
-/// here too (id asked for, state one of those asked for), so a run store that ignored a
-/// filter could make the caller act on no run it should not.
+/// What else a run must be for [`runs_among`] to answer with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Only {
+    /// Nothing else.
+    Any,
+    /// It has a steering or control message not yet acknowledged.
+    WithPendingMessages,
+    /// It is paused (PauseRun).
+    Paused,
+}
+
+/// Which of `run_ids` (at most [`RUN_IDS_PER_QUESTION`]) are in one of `states` (and
+/// what `only` says), every page of the answer read. The answer is checked here too (id
+/// asked for, state one of those asked for, paused when asked), so a run store that
+/// ignored a filter could make the caller act on no run it should not.
 pub(super) async fn runs_among(
     run_store: &RunStoreClient,
     run_ids: Vec<String>,
     states: &[runstore_pb::RunState],
-    pending: bool,
+    only: Only,
 ) -> Result<std::collections::HashSet<String>, ReconcilerError> {
     let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
     let mut found = std::collections::HashSet::new();
@@ -44,7 +55,8 @@ pub(super) async fn runs_among(
             .list_runs(runstore_pb::ListRunsRequest {
                 run_ids: run_ids.clone(),
                 states: states.iter().map(|s| *s as i32).collect(),
-                with_pending_messages: pending,
+                with_pending_messages: only == Only::WithPendingMessages,
+                paused_only: only == Only::Paused,
                 page_size: RUN_IDS_PER_QUESTION as u32,
                 page_token,
                 view: runstore_pb::RunView::Basic as i32,
@@ -56,6 +68,7 @@ pub(super) async fn runs_among(
             page.runs
                 .into_iter()
                 .filter(|r| states.contains(&r.state()) && asked.contains(&r.id))
+                .filter(|r| only != Only::Paused || r.paused_since.is_some())
                 .map(|r| r.id),
         );
         if page.next_page_token.is_empty() {

@@ -4,7 +4,7 @@
 use runplane_proto::runstore::v1 as runstore_pb;
 
 use super::reconciler::Reconciler;
-use super::runs::{RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
+use super::runs::{Only, RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
 use crate::clients::RunStoreClient;
 use crate::error::ReconcilerError;
 
@@ -75,5 +75,5 @@ async fn runs_with_messages(
         runstore_pb::RunState::Starting,
         runstore_pb::RunState::Running,
     ];
-    runs_among(run_store, run_ids, &live, true).await
+    runs_among(run_store, run_ids, &live, Only::WithPendingMessages).await
 }

@@ -46,6 +46,10 @@ pub mod sandbox {
         /// The image its run's profile names for the container driver; empty: the
         /// deployment's `sandbox_reconciler.container.image`.
         pub image: String,
+        /// 1 while its run is paused, as the run store last said (PauseRun): it is held
+        /// suspended (a node is handed a SUSPEND, a local one is suspended here) and its
+        /// wakes wait; 0 otherwise.
+        pub paused: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -54,6 +58,11 @@ pub mod sandbox {
     impl ActiveModelBehavior for ActiveModel {}
 
     impl Model {
+        /// Whether its run is paused.
+        pub fn is_paused(&self) -> bool {
+            self.paused != 0
+        }
+
         /// What a node or probe last reported; `None` before anything was.
         pub fn observed(&self) -> Option<SandboxStatus> {
             self.observed_status.parse().ok()

@@ -46,6 +46,13 @@ impl MigratorTrait for Migrator {
                 table: "node_credentials",
                 column: "max_capacity",
             }),
+            // Whether the sandbox's run is paused (`sandboxes.paused`, 1: yes), as the run
+            // store last said: its sandbox is held suspended and no wake is assigned.
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0009_sandbox_paused",
+                table: "sandboxes",
+                column: "paused",
+            }),
         ]
     }
 }

@@ -20,6 +20,7 @@ pub mod entities;
 pub mod migration;
 pub mod node_credentials;
 pub mod nodes;
+mod pause;
 
 use runplane_clock::SharedClock;
 use sea_orm::sea_query::{Expr, Order};
@@ -110,6 +111,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         network,
         limits,
         image,
+        paused: 0,
     }
 }
 
@@ -713,9 +715,11 @@ impl Store {
         after: Option<&str>,
         limit: u64,
     ) -> Result<Vec<sandbox::Model>> {
+        // A paused run's sandbox is not woken by a message: it waits for ResumeRun.
         let parked = sea_orm::Condition::all()
             .add(sandbox::Column::Status.eq(SandboxStatus::Suspended))
-            .add(sandbox::Column::ActiveNodeId.is_null());
+            .add(sandbox::Column::ActiveNodeId.is_null())
+            .add(sandbox::Column::Paused.eq(0));
         self.sandboxes_page(parked, after, limit).await
     }
 

@@ -33,6 +33,8 @@ pub enum Assigned {
     Run(sandbox::Model),
     /// Restore this unplaced sandbox: the wake and its attempt number.
     Restore(sandbox::Model, wake::Model),
+    /// Its run is paused: suspend this running sandbox and publish it unplaced.
+    Suspend(sandbox::Model),
     /// Stop this deleted sandbox's process, then acknowledge with a DELETED publication.
     Destroy(sandbox::Model),
 }
@@ -191,7 +193,15 @@ impl Store {
             .all(&self.db)
             .await?
             .into_iter()
-            .map(Assigned::Run)
+            .map(|row| {
+                // A paused run's started sandbox is to be suspended; once it is, it is
+                // unplaced and no longer listed here.
+                if row.is_paused() && row.status == SandboxStatus::Started {
+                    Assigned::Suspend(row)
+                } else {
+                    Assigned::Run(row)
+                }
+            })
             .collect();
         let wakes = wake::Entity::find()
             .filter(wake::Column::NodeId.eq(node_id))
@@ -379,6 +389,10 @@ impl Store {
                 Store::settle_wakes_of_ended(&self.db, &w.sandbox_id, now).await?;
                 continue;
             };
+            // A paused run's sandbox stays suspended: its wake waits for ResumeRun.
+            if row.is_paused() {
+                continue;
+            }
             if gone_on_holder(&row.placement()) {
                 self.settle_wake_failed(w, super::WAKE_GONE_ON_HOLDER)
                     .await?;

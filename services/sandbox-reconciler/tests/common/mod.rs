@@ -347,6 +347,7 @@ impl World {
             observed_status: String::new(),
             created_at_us: now,
             updated_at_us: now,
+            paused: 0,
             traceparent: String::new(),
             network: String::new(),
             limits: String::new(),
