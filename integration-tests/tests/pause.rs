@@ -102,6 +102,7 @@ async fn pause_a_working_run(
     dir: &std::path::Path,
     request_id: &str,
     suspended: impl Fn(&reconciler_pb::Sandbox) -> bool,
+    restores: impl Fn() -> usize,
 ) {
     let run = control_plane
         .create_script_run(request_id, COUNT_TO_100)
@@ -126,6 +127,11 @@ async fn pause_a_working_run(
         all_stopped(session.0),
         "every process of the paused sandbox is stopped"
     );
+    // A steer does not wake a paused run (it waits for the resume; this agent never
+    // reads it).
+    control_plane
+        .steer(&run.id, "ignored", &format!("{request_id}-steer"))
+        .await;
     // Lines already written when the agent froze may still be on their way.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = lines_so_far(control_plane, &run.id).await;
@@ -135,6 +141,8 @@ async fn pause_a_working_run(
         before,
         "a paused run printed"
     );
+    assert!(all_stopped(session.0), "a paused run was woken");
+    assert_eq!(restores(), 0, "a paused run was restored");
     assert!(before < 100, "the run finished before it was paused");
     let still = control_plane
         .run_when(&run.id, "the run still paused", |r| r.paused_since.is_some())
@@ -153,9 +161,14 @@ async fn a_paused_working_agent_on_the_process_driver_is_frozen_and_resumes_with
 {
     let control_plane = ControlPlane::start(TOKEN, &[]).await;
     let dir = control_plane.state.path().join("reconciler");
-    pause_a_working_run(&control_plane, &dir, "pause-local-request-0001", |s| {
-        s.status() == reconciler_pb::SandboxStatus::Suspended
-    })
+    // The reconciler restores its own sandboxes only for a resume.
+    pause_a_working_run(
+        &control_plane,
+        &dir,
+        "pause-local-request-0001",
+        |s| s.status() == reconciler_pb::SandboxStatus::Suspended,
+        || 0,
+    )
     .await;
 }
 
@@ -168,6 +181,7 @@ async fn a_paused_working_agent_on_a_node_agent_is_frozen_and_resumes_with_every
     .await;
     let node_endpoint = runplane_testkit::free_local_addr().to_string();
     let dir = control_plane.state.path().join("node-p");
+    let log = control_plane.state.path().join("node-p.log");
     let _node = start_node_logging(
         "node-p",
         &node_endpoint,
@@ -175,12 +189,22 @@ async fn a_paused_working_agent_on_a_node_agent_is_frozen_and_resumes_with_every
         &control_plane.endpoint,
         &dir,
         TOKEN,
-        &control_plane.state.path().join("node-p.log"),
+        &log,
     );
-    // Suspended by its node and published unplaced, as an idle suspend is.
-    pause_a_working_run(&control_plane, &dir, "pause-node-request-00001", |s| {
-        s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty()
-    })
+    // Suspended by its node and published unplaced, as an idle suspend is; restored by
+    // its node (which logs each restore) only after the resume.
+    pause_a_working_run(
+        &control_plane,
+        &dir,
+        "pause-node-request-00001",
+        |s| s.status() == reconciler_pb::SandboxStatus::Suspended && s.active_node_id.is_empty(),
+        || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .matches("sandbox restored")
+                .count()
+        },
+    )
     .await;
 }
 

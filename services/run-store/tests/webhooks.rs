@@ -13,6 +13,7 @@ runplane_testkit::on_both_backends!(
     Owing::start =>
     a_backend_error_is_owed_after_the_failure_to_the_endpoints_that_take_it,
     a_replayed_verdict_owes_its_event_once,
+    a_wait_for_input_is_owed_once_per_wait,
 );
 
 /// Two endpoints on a closed port (deliveries are retried, never made): one takes every
@@ -103,4 +104,34 @@ async fn a_replayed_verdict_owes_its_event_once(h: Harness) {
         .map(|(_, e)| e)
         .collect();
     assert_eq!(events, ["run.started", "run.succeeded"]);
+}
+
+async fn a_wait_for_input_is_owed_once_per_wait(h: Harness) {
+    let (run_id, _) = h.running_run("owed-waiting").await;
+    let mut svc = h.operator_with(runplane_testkit::SERVICE_TOKEN).await;
+    let report = |seq: u64, waiting: bool| runstore_pb::ReportWaitingForInputRequest {
+        run_id: run_id.clone(),
+        execution_generation: 1,
+        observation_seq: seq,
+        waiting,
+    };
+    // Waiting, seen again, replayed: one wait. Working, then waiting again: a second.
+    for (seq, waiting) in [(1, true), (2, true), (2, true), (3, false), (4, true)] {
+        svc.report_waiting_for_input(report(seq, waiting))
+            .await
+            .unwrap();
+    }
+    let events: Vec<String> = owed(&h, &run_id)
+        .await
+        .into_iter()
+        .map(|(_, e)| e)
+        .collect();
+    assert_eq!(
+        events,
+        [
+            "run.started",
+            "run.waiting_for_input",
+            "run.waiting_for_input"
+        ]
+    );
 }
