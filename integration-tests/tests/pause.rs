@@ -145,7 +145,9 @@ async fn pause_a_working_run(
     assert_eq!(restores(), 0, "a paused run was restored");
     assert!(before < 100, "the run finished before it was paused");
     let still = control_plane
-        .run_when(&run.id, "the run still paused", |r| r.paused_since.is_some())
+        .run_when(&run.id, "the run still paused", |r| {
+            r.paused_since.is_some()
+        })
         .await;
     assert_eq!(still.state(), runstore_pb::RunState::Running);
 
@@ -157,8 +159,7 @@ async fn pause_a_working_run(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_working_agent_on_the_process_driver_is_frozen_and_resumes_with_every_line_once()
-{
+async fn a_paused_working_agent_on_the_process_driver_is_frozen_and_resumes_with_every_line_once() {
     let control_plane = ControlPlane::start(TOKEN, &[]).await;
     let dir = control_plane.state.path().join("reconciler");
     // The reconciler restores its own sandboxes only for a resume.
@@ -292,8 +293,11 @@ async fn the_cli_pauses_and_resumes_and_a_pause_past_its_limit_ends_the_run_paus
         profile_toml("brief", "max_pause_seconds = 2") + &profile_toml("default", ""),
     )
     .unwrap();
-    let dev = start_dev_with_env(data.path(), &[("RUNPLANE_CONFIG", config.to_str().unwrap())])
-        .await;
+    let dev = start_dev_with_env(
+        data.path(),
+        &[("RUNPLANE_CONFIG", config.to_str().unwrap())],
+    )
+    .await;
     let cli = |args: &[&str]| {
         let mut command = tokio::process::Command::new(runplane_bin());
         command
@@ -317,10 +321,7 @@ async fn the_cli_pauses_and_resumes_and_a_pause_past_its_limit_ends_the_run_paus
             )
         }
     };
-    let (_, stdout, stderr) = cli(&[
-        "runs", "--json",
-    ])
-    .await;
+    let (_, stdout, stderr) = cli(&["runs", "--json"]).await;
     assert_eq!(stdout.trim(), "[]", "{stderr}");
 
     let mut run = tokio::process::Command::new(runplane_bin());
@@ -350,7 +351,9 @@ async fn the_cli_pauses_and_resumes_and_a_pause_past_its_limit_ends_the_run_paus
     );
     let (_, stdout, _) = cli(&["get", &id]).await;
     assert!(
-        stdout.lines().any(|l| l.starts_with("paused              20")),
+        stdout
+            .lines()
+            .any(|l| l.starts_with("paused              20")),
         "{stdout}"
     );
     let (_, stdout, _) = cli(&["runs", "--paused"]).await;
@@ -385,7 +388,10 @@ async fn the_cli_pauses_and_resumes_and_a_pause_past_its_limit_ends_the_run_paus
     // Refused: an ended run, and an id that is not one.
     let (code, _, stderr) = cli(&["pause", &id]).await;
     assert_eq!(code, Some(1), "{stderr}");
-    assert!(stderr.starts_with("error: FAILED_PRECONDITION: "), "{stderr}");
+    assert!(
+        stderr.starts_with("error: FAILED_PRECONDITION: "),
+        "{stderr}"
+    );
     assert!(stderr.contains("RUN_TERMINAL"), "{stderr}");
     let (code, _, stderr) = cli(&["resume", "not-a-run"]).await;
     assert_eq!(code, Some(1), "{stderr}");

@@ -26,15 +26,14 @@ runplane_testkit::on_both_backends!(
 /// may last 10 s), one webhook endpoint on a closed port (deliveries are owed, never
 /// made), on a clock the test moves.
 fn configure(config: &mut runplane_config::Config) {
-    let profile = |name: &str, max_pause: Option<u32>, counts: Option<bool>| {
-        runplane_config::ProfileConfig {
+    let profile =
+        |name: &str, max_pause: Option<u32>, counts: Option<bool>| runplane_config::ProfileConfig {
             name: name.into(),
             credential_id: "cred-a".into(),
             max_pause_seconds: max_pause,
             deadline_counts_paused_time: counts,
             ..Default::default()
-        }
-    };
+        };
     config.credential_health.profiles = vec![
         profile("held", None, Some(false)),
         profile("brief", Some(10), None),
@@ -138,10 +137,10 @@ async fn a_pause_is_keyed_replayed_once_and_owed_to_the_webhooks_once_per_pause(
         .into_inner()
         .run
         .unwrap();
-    let since = first.paused_since.clone().expect("paused");
+    let since = first.paused_since.expect("paused");
     assert_eq!(first.state(), runstore_pb::RunState::Running);
     assert!(listed_paused(&h, &run_id).await);
-    assert_eq!(h.get_run(&run_id).await.paused_since, Some(since.clone()));
+    assert_eq!(h.get_run(&run_id).await.paused_since, Some(since));
 
     // The same key again, and another pause: nothing changes.
     h.advance(Duration::from_secs(1));
@@ -152,7 +151,7 @@ async fn a_pause_is_keyed_replayed_once_and_owed_to_the_webhooks_once_per_pause(
         .into_inner()
         .run
         .unwrap();
-    assert_eq!(replay.paused_since, Some(since.clone()));
+    assert_eq!(replay.paused_since, Some(since));
     let again = op
         .pause_run(pause(&run_id, "pause-keyed-0000002"))
         .await
@@ -200,11 +199,12 @@ async fn a_pause_is_keyed_replayed_once_and_owed_to_the_webhooks_once_per_pause(
 async fn a_pause_of_an_ended_run_or_with_bad_input_is_refused_and_writes_nothing(h: Harness) {
     let (run_id, key) = h.running_run("pause-refused").await;
     let mut op = h.operator().await;
-    let bad_key = op
-        .pause_run(pause(&run_id, "short"))
-        .await
-        .unwrap_err();
-    assert_reason(&bad_key, tonic::Code::InvalidArgument, ErrorReason::InvalidField);
+    let bad_key = op.pause_run(pause(&run_id, "short")).await.unwrap_err();
+    assert_reason(
+        &bad_key,
+        tonic::Code::InvalidArgument,
+        ErrorReason::InvalidField,
+    );
     assert!(bad_key.message().contains("idempotency_key"), "{bad_key:?}");
     let bad_id = op
         .pause_run(pause("not-a-run", "pause-refused-00001"))
@@ -253,7 +253,10 @@ async fn paused_time_counts_toward_the_deadline_unless_the_profile_says_not(h: H
     let ended = h.get_run(&counted).await;
     assert_eq!(ended.state(), runstore_pb::RunState::Failed);
     assert_eq!(ended.verdict.unwrap().reason, "deadline_exceeded");
-    assert_eq!(h.get_run(&held).await.state(), runstore_pb::RunState::Running);
+    assert_eq!(
+        h.get_run(&held).await.state(),
+        runstore_pb::RunState::Running
+    );
 
     // Resumed after 100 s paused: its deadline moved on by those 100 s.
     h.advance(Duration::from_secs(39));

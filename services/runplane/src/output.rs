@@ -38,7 +38,9 @@ pub fn state_of(run: &runstore_pb::Run) -> String {
     let state = state_name(run.state());
     let sub: Vec<&str> = [
         run.paused_since.is_some().then_some("paused"),
-        run.waiting_for_input_since.is_some().then_some("waiting_for_input"),
+        run.waiting_for_input_since
+            .is_some()
+            .then_some("waiting_for_input"),
     ]
     .into_iter()
     .flatten()

@@ -85,6 +85,7 @@ async fn main() {
                 network: String::new(),
                 limits: String::new(),
                 image: String::new(),
+                paused: 0,
             })
             .collect();
         for chunk in rows.chunks(1000) {

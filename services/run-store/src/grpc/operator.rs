@@ -817,7 +817,9 @@ impl RunService for RunApi {
             super::pause::Toggle::Pause,
         )
         .await?;
-        Ok(Response::new(runstore_pb::PauseRunResponse { run: Some(run) }))
+        Ok(Response::new(runstore_pb::PauseRunResponse {
+            run: Some(run),
+        }))
     }
 
     async fn resume_run(
@@ -834,7 +836,9 @@ impl RunService for RunApi {
             super::pause::Toggle::Resume,
         )
         .await?;
-        Ok(Response::new(runstore_pb::ResumeRunResponse { run: Some(run) }))
+        Ok(Response::new(runstore_pb::ResumeRunResponse {
+            run: Some(run),
+        }))
     }
 
     async fn list_webhooks(

@@ -56,10 +56,12 @@ pub(super) async fn toggle(
         }
     };
     if changed {
-        span.in_scope(|| tracing::info!(toggle = ?toggle, "run {}", match toggle {
-            Toggle::Pause => "paused",
-            Toggle::Resume => "resumed",
-        }));
+        span.in_scope(|| {
+            tracing::info!(toggle = ?toggle, "run {}", match toggle {
+                Toggle::Pause => "paused",
+                Toggle::Resume => "resumed",
+            })
+        });
     }
     // Woken on a replay too: its first attempt may have committed and then been dropped
     // before it woke anyone; a wake with nothing new costs one read.

@@ -134,7 +134,12 @@ impl MigrationTrait for AddPauseEnd {
             )
             .await?;
         manager
-            .create_index(index("runs_pause_ends", "runs", &["pause_ends_at_us"], false))
+            .create_index(index(
+                "runs_pause_ends",
+                "runs",
+                &["pause_ends_at_us"],
+                false,
+            ))
             .await
     }
 

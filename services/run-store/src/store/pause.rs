@@ -152,7 +152,11 @@ impl Store {
     /// Ends `run_id` FAILED `paused_too_long` if it is still live, paused and past its
     /// pause's end under the run's lock, so of several replicas sweeping at once exactly
     /// one ends it. `None` when nothing changed.
-    pub async fn end_pause(&self, run_id: &str, signer: &ReceiptSigner) -> Result<Option<run::Model>> {
+    pub async fn end_pause(
+        &self,
+        run_id: &str,
+        signer: &ReceiptSigner,
+    ) -> Result<Option<run::Model>> {
         let txn = self.write_tx().await?;
         let run = self.lock_run(&txn, run_id).await?;
         let now = self.now_us();

@@ -28,7 +28,7 @@ pub use crate::clients::RunStoreClient;
 pub use dispatch::{RunnerEndpoints, dispatch};
 pub use ended::{TERMINAL_RUN_STATES, stop_local};
 pub use outbox::deliver_outbox;
+pub use pauses::RESUME_WAKE_REASON;
 pub use reconciler::{ReconcileSettings, Reconciler, TickReport};
 pub use round::run_loop;
-pub use pauses::RESUME_WAKE_REASON;
 pub use wakes::MESSAGE_WAKE_REASON;

@@ -90,7 +90,11 @@ impl Reconciler {
             (true, SandboxStatus::Started, true) => self.suspend_local(row).await,
             (false, SandboxStatus::Suspended, true) => self.restore_local(row).await,
             (false, SandboxStatus::Suspended, false) if row.active_node_id.is_none() => {
-                match self.store.queue_wake_once(&row.id, RESUME_WAKE_REASON).await {
+                match self
+                    .store
+                    .queue_wake_once(&row.id, RESUME_WAKE_REASON)
+                    .await
+                {
                     Ok((_, true)) => {
                         tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "run resumed; wake queued for its holder");
                         Ok(())
@@ -163,10 +167,12 @@ impl Reconciler {
         };
         let parked = tokio::time::timeout(
             PARK_TIMEOUT,
-            recovery.clone().park_stream(recovery_pb::ParkStreamRequest {
-                run_id: row.run_id.clone(),
-                sandbox_id: row.id.clone(),
-            }),
+            recovery
+                .clone()
+                .park_stream(recovery_pb::ParkStreamRequest {
+                    run_id: row.run_id.clone(),
+                    sandbox_id: row.id.clone(),
+                }),
         )
         .await;
         match parked {
@@ -190,10 +196,12 @@ impl Reconciler {
         };
         let unparked = tokio::time::timeout(
             PARK_TIMEOUT,
-            recovery.clone().unpark_stream(recovery_pb::UnparkStreamRequest {
-                run_id: row.run_id.clone(),
-                ttl: Some(runplane_grpc::proto_duration(UNPARK_TTL)),
-            }),
+            recovery
+                .clone()
+                .unpark_stream(recovery_pb::UnparkStreamRequest {
+                    run_id: row.run_id.clone(),
+                    ttl: Some(runplane_grpc::proto_duration(UNPARK_TTL)),
+                }),
         )
         .await;
         if !matches!(unparked, Ok(Ok(_))) {
