@@ -7,7 +7,9 @@
 //! engine, and once woken (by the steer that gives it its line, or by a reattach) its
 //! container is unpaused and the agent takes its line and finishes. Each test runs with a
 //! container made for the sandbox (`::cold`) and one taken from the warm pool (`::warm`),
-//! and leaves no container behind, failing or not.
+//! and leaves no container behind, failing or not. A run paused while its agent works
+//! (PauseRun) has its container paused in the engine too, prints nothing while paused, and
+//! after ResumeRun ends with every line once.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -37,6 +39,7 @@ runplane_integration_tests::on_both_starts!(
     a_quiet_but_working_container_agent_is_never_suspended_and_finishes,
     a_parked_container_agent_is_paused_and_a_steer_unpauses_it_to_its_end,
     a_reattach_unpauses_a_parked_container_and_a_steer_ends_it,
+    a_paused_working_container_agent_is_paused_in_the_engine_and_resumes_to_its_end,
 );
 
 /// Removes, when dropped, everything the node's driver made and a test's end may have
@@ -441,5 +444,69 @@ async fn a_launched_container_agent_blocked_reading_its_stdin_is_paused_and_a_st
         cluster.log()
     );
     assert_eq!(cluster.stdout(&run.id).await, ["started", "go", "done"]);
+    cluster.container_gone(&sandbox.id).await;
+}
+
+async fn a_paused_working_container_agent_is_paused_in_the_engine_and_resumes_to_its_end(
+    start: Start,
+) {
+    use runplane_proto::runstore::v1::run_service_client::RunServiceClient;
+    let cluster = Cluster::start(start).await;
+    let run = cluster
+        .create_run(
+            "cidle-pausing-request-01",
+            "i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo line $i; sleep 0.1; done",
+        )
+        .await;
+    let sandbox = cluster
+        .sandbox_when(&run.id, "the sandbox on the node", running_on_its_node)
+        .await;
+    let _reap = cluster.reap(&sandbox.id).await;
+    cluster
+        .run_when(&run.id, "the agent to print", |r| r.last_sequence >= 3)
+        .await;
+    let lines = async || {
+        cluster
+            .events(&run.id)
+            .await
+            .iter()
+            .filter(|e| e.kind() == runstore_pb::EventKind::Stdout)
+            .count()
+    };
+    let mut runs = RunServiceClient::new(channel(&cluster.endpoint).await);
+    runs.pause_run(runplane_testkit::authed(
+        runstore_pb::PauseRunRequest {
+            run_id: run.id.clone(),
+            idempotency_key: "cidle-pausing-pause-0001".into(),
+        },
+        TOKEN,
+    ))
+    .await
+    .expect("PauseRun");
+    cluster
+        .sandbox_when(&run.id, "the paused run's sandbox suspended", parked)
+        .await;
+    let state = cluster.container_state(&sandbox.id).expect("its container");
+    assert!(is_paused(&state), "{state}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = lines().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(lines().await, before, "a paused run printed");
+    assert!(before < 60, "the run ended before it was paused");
+
+    runs.resume_run(runplane_testkit::authed(
+        runstore_pb::ResumeRunRequest {
+            run_id: run.id.clone(),
+            idempotency_key: "cidle-pausing-resume-001".into(),
+        },
+        TOKEN,
+    ))
+    .await
+    .expect("ResumeRun");
+    let ended = cluster.ended(&run.id).await;
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
+    let expected: Vec<String> = (1..=60).map(|i| format!("line {i}")).collect();
+    assert_eq!(cluster.stdout(&run.id).await, expected);
+    assert_eq!(cluster.suspends(), 0, "the pause is not an idle suspend");
     cluster.container_gone(&sandbox.id).await;
 }

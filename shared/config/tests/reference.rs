@@ -34,8 +34,14 @@ const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
     ("credential_health.profiles[].limits.pids", "unset"),
     ("credential_health.profiles[].limits.disk_mib", "unset"),
     ("credential_health.profiles[].image", "unset"),
-    ("credential_health.profiles[].max_pause_seconds", "unset (24 h)"),
-    ("credential_health.profiles[].deadline_counts_paused_time", "unset (true)"),
+    (
+        "credential_health.profiles[].max_pause_seconds",
+        "unset (24 h)",
+    ),
+    (
+        "credential_health.profiles[].deadline_counts_paused_time",
+        "unset (true)",
+    ),
     (
         "credential_health.profiles[].ended_run_retention_seconds",
         "unset",
