@@ -136,6 +136,41 @@ async fn a_bulk_cancel_by_label_acts_on_the_callers_org_only_once_and_within_its
     }
     assert_eq!(listed(&dev, ACME, "team=infra").await, acme_infra);
 
+    // A token of every org names the one it acts in: across two orgs, refused.
+    let operator =
+        std::fs::read_to_string(dev.data.path().join("data").join("operator-token")).unwrap();
+    let out = dev
+        .cli(operator.trim(), &["cancel", "--label", "team=infra"])
+        .await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains(
+            "live runs of 2 orgs match \"team=infra\" (acme, beta): nothing was done; name one with --org"
+        ),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(listed(&dev, ACME, "team=infra").await, acme_infra);
+    let out = dev
+        .cli(
+            operator.trim(),
+            &[
+                "cancel",
+                "--label",
+                "team=infra",
+                "--org",
+                "beta",
+                "--dry-run",
+            ],
+        )
+        .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).starts_with("1 live runs match \"team=infra\"; dry run"),
+        "{}",
+        text(&out.stdout)
+    );
+
     // Past the cap: refused, nothing done.
     let out = dev
         .cli(ACME, &["cancel", "--label", "team=infra", "--max", "1"])

@@ -578,15 +578,22 @@ async fn live_runs(
         }
         page_token = page.next_page_token;
         if page_token.is_empty() {
-            return Ok(runs);
+            break;
         }
     }
+    // A token that acts for every org sees every org's runs: a bulk action stays within
+    // one org, so one named with --org.
+    let orgs: std::collections::BTreeSet<&str> = runs.iter().map(|r| r.org_id.as_str()).collect();
+    if bulk.org.is_none() && orgs.len() > 1 {
+        anyhow::bail!(
+            "live runs of {} orgs match {selector:?} ({}): nothing was done; name one with --org",
+            orgs.len(),
+            orgs.into_iter().collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(runs)
 }
 
-/// Acts on each live run `bulk` selects with `act(client, run_id, key)`, one keyed call each: the key is the
-/// action's, the selector's, the payload's and the run's digest, so the same command
-/// again replays rather than acts twice. Prints how many matched and what happened to
-/// each; fails when any call failed. `--dry-run` lists them and does nothing.
 /// `runplane pause RUN` (`pause`) or `runplane resume RUN` (`!pause`), or either with
 /// `--label SELECTOR`: one keyed PauseRun or ResumeRun per run.
 pub async fn pause(
@@ -641,6 +648,10 @@ pub async fn pause(
     }
 }
 
+/// Acts on each live run `bulk` selects with `act(client, run_id, key)`, one keyed call each: the key is the
+/// action's, the selector's, the payload's and the run's digest, so the same command
+/// again replays rather than acts twice. Prints how many matched and what happened to
+/// each; fails when any call failed. `--dry-run` lists them and does nothing.
 async fn bulk<F, Fut>(
     out: &mut impl Write,
     mut client: RunStoreClient,
