@@ -1,6 +1,8 @@
 //! Loss grace through the tick (`common`): one loss observation only stamps, the run
 //! fails once after the grace, and fake-driver probes replay the races between ticks
-//! that clear, stamp and confirm the same row.
+//! that clear, stamp and confirm the same row; a runner exit the driver recorded is
+//! certain and ends the run in the round that sees it, changing nothing of a run that
+//! already has its verdict.
 
 mod common;
 
@@ -22,11 +24,12 @@ runplane_testkit::on_both_backends!(
     a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive,
     a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read,
     grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once,
+    a_recorded_runner_exit_ends_the_run_at_once_and_leaves_a_verdict_alone,
 );
 
 async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace(w: World) {
     let (row, key) = w.running_sandbox("grace").await;
-    let lost = w.reconciler(FakeDriver::always(Probe::Exited(Some(137))));
+    let lost = w.reconciler(FakeDriver::always(Probe::Lost));
 
     let first = lost.tick().await.unwrap();
     assert_eq!(first.stamped, 1);
@@ -52,10 +55,7 @@ async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace(w: W
     w.clock.advance(Duration::from_secs(1));
     assert_eq!(lost.tick().await.unwrap().confirmed, 1);
     let sandbox = w.store.sandbox(&row.id).await.unwrap();
-    assert_eq!(
-        (sandbox.status.as_str(), sandbox.exit_code),
-        ("exited", Some(137))
-    );
+    assert_eq!((sandbox.status.as_str(), sandbox.exit_code), ("lost", None));
     assert_eq!(
         deliver_outbox(&w.store, &w.outbox_client().await, 10)
             .await
@@ -191,4 +191,56 @@ async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once(w: World
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
+}
+
+async fn a_recorded_runner_exit_ends_the_run_at_once_and_leaves_a_verdict_alone(w: World) {
+    let (row, _) = w.running_sandbox("runner-killed").await;
+    let exited = w.reconciler(FakeDriver::always(Probe::Exited(Some(137))));
+    // No time passes: the exit is certain, the grace is for what is unknown.
+    assert_eq!(exited.tick().await.unwrap().confirmed, 1);
+    let sandbox = w.store.sandbox(&row.id).await.unwrap();
+    assert_eq!(
+        (sandbox.status.as_str(), sandbox.exit_code),
+        ("exited", Some(137))
+    );
+    assert_eq!(exited.tick().await.unwrap().confirmed, 0, "ended once");
+    assert_eq!(
+        deliver_outbox(&w.store, &w.outbox_client().await, 10)
+            .await
+            .unwrap(),
+        1
+    );
+    let run = w.run_state(&row.run_id).await;
+    assert_eq!(run.state(), runstore_pb::RunState::Failed);
+    assert_eq!(run.failure_reason, "runner_exited");
+    let verdict = run.verdict.unwrap();
+    assert_eq!(
+        verdict.message,
+        format!(
+            "the runner of sandbox {} was killed by signal 9 without a verdict",
+            row.id
+        )
+    );
+
+    // A runner that submitted its verdict and then exited: its run keeps its verdict.
+    let (row, key) = w.running_sandbox("runner-done").await;
+    w.submit_success(&row.run_id, &key).await;
+    assert_eq!(
+        w.reconciler(FakeDriver::always(Probe::Exited(Some(0))))
+            .tick()
+            .await
+            .unwrap()
+            .confirmed,
+        1
+    );
+    assert_eq!(
+        deliver_outbox(&w.store, &w.outbox_client().await, 10)
+            .await
+            .unwrap(),
+        1,
+        "the FailRun is delivered and answered with the verdict"
+    );
+    let run = w.run_state(&row.run_id).await;
+    assert_eq!(run.state(), runstore_pb::RunState::Succeeded);
+    assert_eq!(run.verdict.unwrap().reason, "exit_zero");
 }

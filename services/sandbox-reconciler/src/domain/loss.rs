@@ -1,9 +1,15 @@
-//! Loss grace: one observation never fails a run.
+//! Loss grace: one observation of what is unknown never fails a run; what is certain ends
+//! it at once.
 //!
-//! The first `exited`/`lost` probe only stamps `loss_observed_at`; a later probe that sees
-//! the sandbox alive clears the stamp; the run is failed only when the loss outlives the
-//! grace. Every one of these writes is a compare-and-set against the stamp the tick read
-//! (see `store`), so a tick holding a stale snapshot loses to one that saw more recently.
+//! A runner whose exit status the driver recorded (the process driver's exit file, which
+//! the sandbox's shell writes when the runner returns, however it ended: a verdict, a
+//! crash, a SIGKILL at an OOM) has exited for good: nothing in the sandbox runs it again.
+//! That is certain, and its run ends in the round that sees it ([`Decision::ConfirmExit`]).
+//! Anything else (a probe that cannot find the sandbox, a node gone silent) is unknown: the
+//! first such probe only stamps `loss_observed_at`; a later probe that sees the sandbox
+//! alive clears the stamp; the run is failed only when the loss outlives the grace. Every
+//! one of these writes is a compare-and-set against the stamp the tick read (see
+//! `store`), so a tick holding a stale snapshot loses to one that saw more recently.
 
 use std::time::Duration;
 
@@ -22,10 +28,14 @@ pub enum Decision {
     ClearLoss,
     /// The loss outlived the grace: fail the run (once, by compare-and-set on the stamp).
     ConfirmLoss,
+    /// The runner's exit is recorded: it exited for good, so the run ends now (once, by
+    /// compare-and-set on the stamp as read), whatever the grace.
+    ConfirmExit,
 }
 
 pub fn decide(stamp_us: Option<i64>, probe: &Probe, now_us: i64, grace: Duration) -> Decision {
     match (probe, stamp_us) {
+        (Probe::Exited(Some(_)), _) => Decision::ConfirmExit,
         (Probe::Alive, Some(_)) => Decision::ClearLoss,
         (Probe::Alive, None) => Decision::Nothing,
         (_, None) => Decision::StampLoss,
@@ -43,10 +53,10 @@ mod tests {
     const S: i64 = 1_000_000_000;
 
     #[test]
-    fn one_observation_only_stamps() {
+    fn one_observation_of_what_is_unknown_only_stamps() {
         assert_eq!(decide(None, &Probe::Lost, S, GRACE), Decision::StampLoss);
         assert_eq!(
-            decide(None, &Probe::Exited(Some(1)), S, GRACE),
+            decide(None, &Probe::Exited(None), S, GRACE),
             Decision::StampLoss
         );
         assert_eq!(decide(None, &Probe::Alive, S, GRACE), Decision::Nothing);
@@ -73,5 +83,16 @@ mod tests {
             decide(Some(S + 10), &Probe::Lost, S, GRACE),
             Decision::ReplaceStamp
         );
+    }
+
+    /// A recorded exit is certain: the run ends now, with or without a stamp.
+    #[test]
+    fn a_recorded_exit_ends_the_run_at_once() {
+        for stamp in [None, Some(S - 1), Some(S + 10)] {
+            assert_eq!(
+                decide(stamp, &Probe::Exited(Some(137)), S, GRACE),
+                Decision::ConfirmExit
+            );
+        }
     }
 }

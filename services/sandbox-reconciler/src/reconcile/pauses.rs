@@ -59,15 +59,21 @@ impl Reconciler {
             for mut row in rows {
                 let want = paused.contains(&row.run_id);
                 if row.is_paused() != want {
+                    // A resume owes the sandbox its restore until it runs again.
+                    let next = if want {
+                        sandbox::PAUSED
+                    } else {
+                        sandbox::RESUME_OWED
+                    };
                     if !self
                         .store
-                        .set_paused(&row.id, row.execution_generation, want)
+                        .set_paused(&row.id, row.execution_generation, row.paused, next)
                         .await?
                     {
                         continue;
                     }
                     changed += 1;
-                    row.paused = i64::from(want);
+                    row.paused = next;
                     tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, paused = want, "run {}", if want { "paused" } else { "resumed" });
                 }
                 self.carry_out_pause(&row).await?;
@@ -80,16 +86,26 @@ impl Reconciler {
     }
 
     /// Makes `row`'s sandbox what its pause says, where this reconciler can: a local one
-    /// running while paused is suspended here, a local one suspended while not is
-    /// restored here, and a node's suspended one not paused gets a wake for its holder.
-    /// A node's running one while paused is its node's to suspend (a SUSPEND assignment).
-    /// A step that fails is logged and the next round tries again.
+    /// running while paused is suspended here, a local one suspended and owed its resume
+    /// is restored here, and a node's suspended one owed its resume gets a wake for its
+    /// holder (an idle-suspended one, owed nothing, is left for a message or a reattach to
+    /// wake). A node's running one while paused is its node's to suspend (a SUSPEND
+    /// assignment). Once a resumed sandbox runs again, nothing more is owed. A step that
+    /// fails is logged and the next round tries again.
     async fn carry_out_pause(&self, row: &sandbox::Model) -> Result<(), ReconcilerError> {
         let local = row.active_node_id.as_deref() == Some(LOCAL_NODE);
-        match (row.is_paused(), row.status, local) {
-            (true, SandboxStatus::Started, true) => self.suspend_local(row).await,
-            (false, SandboxStatus::Suspended, true) => self.restore_local(row).await,
-            (false, SandboxStatus::Suspended, false) if row.active_node_id.is_none() => {
+        if row.is_paused() {
+            if local && row.status == SandboxStatus::Started {
+                self.suspend_local(row).await?;
+            }
+            return Ok(());
+        }
+        if !row.resume_owed() {
+            return Ok(());
+        }
+        match row.status {
+            SandboxStatus::Suspended if local => self.restore_local(row).await,
+            SandboxStatus::Suspended if row.active_node_id.is_none() => {
                 match self
                     .store
                     .queue_wake_once(&row.id, RESUME_WAKE_REASON)
@@ -102,6 +118,13 @@ impl Reconciler {
                     Ok(_) | Err(ReconcilerError::SandboxEnded { .. }) => Ok(()),
                     Err(e) => Err(e),
                 }
+            }
+            // Running again (restored, or never suspended): the resume is done.
+            SandboxStatus::Started | SandboxStatus::Creating => {
+                self.store
+                    .set_paused(&row.id, row.execution_generation, sandbox::RESUME_OWED, 0)
+                    .await?;
+                Ok(())
             }
             _ => Ok(()),
         }

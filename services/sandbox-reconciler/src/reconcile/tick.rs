@@ -92,7 +92,6 @@ impl Reconciler {
                 won
             }
             Decision::ConfirmLoss => {
-                let stamp = row.loss_observed_at_us.expect("a stamp to confirm");
                 let (status, exit_code, what) = match probe {
                     Probe::Exited(code) => (
                         SandboxStatus::Exited,
@@ -104,11 +103,32 @@ impl Reconciler {
                 let fail = fail_run_row(&row, &what, self.settings.loss_grace, now);
                 let won = self
                     .store
-                    .confirm_loss(&row, stamp, status, exit_code, fail)
+                    .confirm_loss(&row, row.loss_observed_at_us, status, exit_code, fail)
                     .await?;
                 if won {
                     report.confirmed += 1;
                     tracing::warn!(sandbox_id = %row.id, run_id = %row.run_id, "loss outlived the grace; failing the run");
+                }
+                won
+            }
+            Decision::ConfirmExit => {
+                let Probe::Exited(code) = probe else {
+                    unreachable!("only a recorded exit is certain")
+                };
+                let fail = runner_exited_row(&row, code, now);
+                let won = self
+                    .store
+                    .confirm_loss(
+                        &row,
+                        row.loss_observed_at_us,
+                        SandboxStatus::Exited,
+                        code,
+                        fail,
+                    )
+                    .await?;
+                if won {
+                    report.confirmed += 1;
+                    tracing::warn!(sandbox_id = %row.id, run_id = %row.run_id, exit_code = ?code, "the runner exited; ending the run unless it has a verdict");
                 }
                 won
             }
@@ -122,15 +142,55 @@ impl Reconciler {
 
 /// The FailRun this reconciler owes the run store for `row`, as an outbox row.
 fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) -> outbox::Model {
-    let request = runstore_pb::FailRunRequest {
-        run_id: row.run_id.clone(),
-        reason: "sandbox_lost".into(),
-        message: format!(
+    owed_fail_run(
+        row,
+        "sandbox_lost",
+        format!(
             "sandbox {} {what} for longer than the {} s loss grace",
             row.id,
             grace.as_secs()
         ),
-        idempotency_key: format!("sandbox-lost:{}:{}", row.id, row.execution_generation),
+        format!("sandbox-lost:{}:{}", row.id, row.execution_generation),
+        now_us,
+    )
+}
+
+/// The FailRun owed for `row` whose runner exited with `code` (recorded by its driver).
+/// A runner that submitted its verdict before it exited left its run terminal, and the
+/// run store answers this one with that verdict, changing nothing.
+fn runner_exited_row(row: &sandbox::Model, code: Option<i32>, now_us: i64) -> outbox::Model {
+    let status = code.map_or("exited".to_owned(), |c| match c {
+        // The shell's convention: 128 + the signal that killed it.
+        129..=192 => format!("was killed by signal {}", c - 128),
+        c => format!("exited with status {c}"),
+    });
+    owed_fail_run(
+        row,
+        REASON_RUNNER_EXITED,
+        format!(
+            "the runner of sandbox {} {status} without a verdict",
+            row.id
+        ),
+        format!("runner-exited:{}:{}", row.id, row.execution_generation),
+        now_us,
+    )
+}
+
+/// Why a run ends when its runner exited without a verdict.
+pub const REASON_RUNNER_EXITED: &str = "runner_exited";
+
+fn owed_fail_run(
+    row: &sandbox::Model,
+    reason: &str,
+    message: String,
+    idempotency_key: String,
+    now_us: i64,
+) -> outbox::Model {
+    let request = runstore_pb::FailRunRequest {
+        run_id: row.run_id.clone(),
+        reason: reason.into(),
+        message,
+        idempotency_key,
         // Only the sandbox and execution this reconciler watched: a run that moved on (to
         // a newer generation, or to a replacement sandbox, which starts at generation 1
         // again) is left alone.

@@ -46,9 +46,10 @@ pub mod sandbox {
         /// The image its run's profile names for the container driver; empty: the
         /// deployment's `sandbox_reconciler.container.image`.
         pub image: String,
-        /// 1 while its run is paused, as the run store last said (PauseRun): it is held
-        /// suspended (a node is handed a SUSPEND, a local one is suspended here) and its
-        /// wakes wait; 0 otherwise.
+        /// Its run's pause, as the run store last said ([`PAUSED`], [`RESUME_OWED`], 0:
+        /// neither): while paused it is held suspended (a node is handed a SUSPEND, a
+        /// local one is suspended here) and its wakes wait; once resumed, its restore is
+        /// owed until it runs again (which an idle suspend, 0, never asks for).
         pub paused: i64,
     }
 
@@ -57,10 +58,20 @@ pub mod sandbox {
 
     impl ActiveModelBehavior for ActiveModel {}
 
+    /// [`Model::paused`]: its run is paused.
+    pub const PAUSED: i64 = 1;
+    /// [`Model::paused`]: its run was resumed and it is not running again yet.
+    pub const RESUME_OWED: i64 = 2;
+
     impl Model {
         /// Whether its run is paused.
         pub fn is_paused(&self) -> bool {
-            self.paused != 0
+            self.paused == PAUSED
+        }
+
+        /// Whether its run was resumed and its restore is still owed.
+        pub fn resume_owed(&self) -> bool {
+            self.paused == RESUME_OWED
         }
 
         /// What a node or probe last reported; `None` before anything was.

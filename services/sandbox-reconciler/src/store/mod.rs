@@ -584,13 +584,14 @@ impl Store {
         Ok(done.rows_affected == 1)
     }
 
-    /// Confirms a loss that outlived the grace: one compare-and-set on the stamp the tick
-    /// read, and the FailRun for the run store in the same transaction. Only the winner
-    /// gets `true` (and its outbox row).
+    /// Confirms a loss that outlived the grace, or an exit that is certain at once: one
+    /// compare-and-set on the stamp the tick read (none, for an exit seen first), and the
+    /// FailRun for the run store in the same transaction. Only the winner gets `true` (and
+    /// its outbox row).
     pub async fn confirm_loss(
         &self,
         row: &sandbox::Model,
-        read_stamp: i64,
+        read_stamp: Option<i64>,
         final_status: SandboxStatus,
         exit_code: Option<i32>,
         fail_run: outbox::Model,
@@ -603,7 +604,7 @@ impl Store {
             .filter(Self::loss_guard(
                 &row.id,
                 row.execution_generation,
-                Some(read_stamp),
+                read_stamp,
             ))
             .exec(&txn)
             .await?;
@@ -719,7 +720,7 @@ impl Store {
         let parked = sea_orm::Condition::all()
             .add(sandbox::Column::Status.eq(SandboxStatus::Suspended))
             .add(sandbox::Column::ActiveNodeId.is_null())
-            .add(sandbox::Column::Paused.eq(0));
+            .add(sandbox::Column::Paused.ne(sandbox::PAUSED));
         self.sandboxes_page(parked, after, limit).await
     }
 

@@ -12,15 +12,22 @@ use crate::error::ReconcilerError;
 type Result<T> = std::result::Result<T, ReconcilerError>;
 
 impl Store {
-    /// Records whether `id`'s run is paused, compare-and-set on its generation and a live
-    /// status; whether it changed.
-    pub async fn set_paused(&self, id: &str, generation: i64, paused: bool) -> Result<bool> {
+    /// Records `id`'s pause ([`sandbox::Model::paused`]: 0, [`sandbox::PAUSED`] or
+    /// [`sandbox::RESUME_OWED`]), compare-and-set on its generation, the value read and a
+    /// live status; whether it changed.
+    pub async fn set_paused(
+        &self,
+        id: &str,
+        generation: i64,
+        read: i64,
+        paused: i64,
+    ) -> Result<bool> {
         let done = sandbox::Entity::update_many()
-            .col_expr(sandbox::Column::Paused, Expr::value(i64::from(paused)))
+            .col_expr(sandbox::Column::Paused, Expr::value(paused))
             .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
             .filter(sandbox::Column::Id.eq(id))
             .filter(sandbox::Column::ExecutionGeneration.eq(generation))
-            .filter(sandbox::Column::Paused.ne(i64::from(paused)))
+            .filter(sandbox::Column::Paused.eq(read))
             .filter(sandbox::Column::Status.is_in(super::LIVE))
             .exec(&self.db)
             .await?;

@@ -1,0 +1,107 @@
+//! A runner that exits without a verdict (here SIGKILLed, as an OOM kill or a crash would
+//! end it) is certain to be gone: its sandbox's shell records its exit status, and the run
+//! ends `runner_exited` in the round that sees it, on the reconciler's own process driver
+//! and on a node agent, instead of holding its slot and keys for the whole loss grace (90 s
+//! here, longer than these tests wait). The agent it leaves behind is stopped with its
+//! sandbox.
+
+use std::time::Duration;
+
+use runplane_integration_tests::sandboxes::{
+    ControlPlane, ReapSession, eventually, session_members, start_node_logging,
+};
+use runplane_proto::reconciler::v1 as reconciler_pb;
+use runplane_proto::runstore::v1 as runstore_pb;
+
+const TOKEN: &str = "runner-exit-operator-token-0123456789abcdef";
+
+/// The direct children of `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// Starts a run whose agent prints and then sleeps, SIGKILLs its runner (the sandbox
+/// shell's only child) and checks the run ends `runner_exited` well within the loss grace
+/// and nothing of it keeps running. `dir` is where the driver records its sandboxes.
+async fn kill_the_runner(control_plane: &ControlPlane, dir: &std::path::Path, request_id: &str) {
+    let run = control_plane
+        .create_script_run(request_id, "echo started; exec sleep 600")
+        .await;
+    let sandbox = control_plane
+        .sandbox_when(&run.id, "the sandbox", |s| {
+            s.status() == reconciler_pb::SandboxStatus::Started
+        })
+        .await;
+    let shell: u32 = std::fs::read_to_string(dir.join(&sandbox.id).join("pid"))
+        .expect("the driver recorded the sandbox's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    assert!(shell > 1);
+    let session = ReapSession(shell);
+    control_plane
+        .run_when(&run.id, "the agent to print", |r| r.last_sequence >= 1)
+        .await;
+    let runner = match children(shell).as_slice() {
+        [runner] => *runner,
+        other => panic!("the sandbox shell {shell} has one child, its runner: {other:?}"),
+    };
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-KILL", &runner.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+
+    let ended = control_plane.ended(&run.id).await;
+    assert_eq!(ended.state(), runstore_pb::RunState::Failed, "{ended:?}");
+    let verdict = ended.verdict.unwrap();
+    assert_eq!(verdict.reason, "runner_exited");
+    assert_eq!(
+        verdict.message,
+        format!(
+            "the runner of sandbox {} was killed by signal 9 without a verdict",
+            sandbox.id
+        )
+    );
+    assert_eq!(control_plane.stdout(&run.id).await, ["started"]);
+    eventually(
+        Duration::from_secs(30),
+        "the orphaned agent stopped with its sandbox",
+        || async { session_members(session.0).is_empty().then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_runner_ends_its_run_at_once_on_the_process_driver() {
+    let control_plane = ControlPlane::start(TOKEN, &[]).await;
+    let dir = control_plane.state.path().join("reconciler");
+    kill_the_runner(&control_plane, &dir, "runner-exit-local-000001").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_runner_ends_its_run_at_once_on_a_node_agent() {
+    let control_plane = ControlPlane::start(
+        TOKEN,
+        &[("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false")],
+    )
+    .await;
+    let node_endpoint = runplane_testkit::free_local_addr().to_string();
+    let dir = control_plane.state.path().join("node-x");
+    let _node = start_node_logging(
+        "node-x",
+        &node_endpoint,
+        &control_plane.endpoint,
+        &control_plane.endpoint,
+        &dir,
+        TOKEN,
+        &control_plane.state.path().join("node-x.log"),
+    );
+    kill_the_runner(&control_plane, &dir, "runner-exit-node-0000001").await;
+}
