@@ -673,11 +673,27 @@ async fn act(
             if !locals.contains_key(&a.sandbox_id) {
                 adopt_or_report_lost(client, config, epoch, driver, locals, &a).await;
             }
-            if let Some(local) = locals.get_mut(&a.sandbox_id)
-                && !local.suspended
-                && suspend_here(client, config, epoch, driver, local).await
-            {
-                tracing::info!(sandbox_id = %a.sandbox_id, "paused: suspended and published unplaced");
+            match locals.get_mut(&a.sandbox_id) {
+                Some(local) if !local.suspended => {
+                    if suspend_here(client, config, epoch, driver, local).await {
+                        tracing::info!(sandbox_id = %a.sandbox_id, "paused: suspended and published unplaced");
+                    }
+                }
+                // Suspended here, but the reconciler still lists it running: the
+                // publication was lost. Say it again (an observation is idempotent).
+                Some(local) => {
+                    publish(
+                        client,
+                        config,
+                        epoch,
+                        &local.row,
+                        reconciler_pb::SandboxStatus::Suspended,
+                        false,
+                        None,
+                    )
+                    .await;
+                }
+                None => {}
             }
         }
         _ => {}

@@ -1,6 +1,7 @@
 //! The orphan sweep, on demand and on its own schedule: it ends runs whose budget is
-//! spent, deletes the state of ended runs, and leaves alone what a claim would start
-//! afresh.
+//! spent, deletes the state of ended runs, takes over a lapsed controller with nobody
+//! watching (a budget a claim would start afresh included), and leaves alone a run with
+//! no controller yet, a held lease and a parked one.
 
 mod common;
 
@@ -119,13 +120,8 @@ async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
 
 async fn the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(backend: Backend) {
     let w = World::sweeping(false, backend, Duration::from_millis(100)).await;
-    // A run whose budget was spent more than 5 minutes ago: a claim would start afresh.
-    let (quiet, key) = w.running_run().await;
-    w.acquire(&quiet, &key).await;
-    spend_budget(&w, &quiet).await;
-    // One jump, while the fifth claim's lease is still held, past the reset window.
-    w.clock.advance(Duration::from_secs(5 * 60 + 1));
-    // A run whose budget is spent now.
+    // A run whose budget is spent now. (The sweep may claim some of these takeovers
+    // itself: whoever claims, each lapse is one attempt.)
     let (spent, key) = w.running_run().await;
     w.acquire(&spent, &key).await;
     spend_budget(&w, &spent).await;
@@ -152,13 +148,24 @@ async fn the_scheduled_sweep_ends_spent_runs_and_respects_the_reset(backend: Bac
     })
     .await;
 
-    // The quiet run was left alone, and its next takeover starts a fresh budget.
-    left_alone_and_claimed_afresh(&w, &quiet).await;
+    // A run whose budget was spent more than 5 minutes ago: a claim starts afresh, so the
+    // sweep does not end it but takes its lapsed controller over, as the first takeover
+    // of a fresh budget.
+    let (quiet, key) = w.running_run().await;
+    w.acquire(&quiet, &key).await;
+    spend_budget(&w, &quiet).await;
+    // One jump, while the fifth claim's lease is still held, past the reset window.
+    w.clock.advance(Duration::from_secs(5 * 60 + 1));
+    wait_for("the sweep taking the quiet run over", async || {
+        w.budget(&quiet).await.budget.unwrap().attempts == 1
+    })
+    .await;
+    taken_over_afresh(&w, &quiet).await;
 }
 
-/// `run_id` is still running with no abort sent, and its next takeover is claimed as the
-/// first of a fresh budget.
-async fn left_alone_and_claimed_afresh(w: &World, run_id: &str) {
+/// `run_id` is still running with no abort sent, and its takeover was claimed as the
+/// first of a fresh budget: its lease is held and a resume_stream is on its way.
+async fn taken_over_afresh(w: &World, run_id: &str) {
     assert_eq!(
         w.run_state(run_id).await.state(),
         runstore_pb::RunState::Running
@@ -168,20 +175,24 @@ async fn left_alone_and_claimed_afresh(w: &World, run_id: &str) {
             .await
             .is_empty()
     );
-    let fresh = w
+    assert_eq!(w.budget(run_id).await.budget.unwrap().attempts, 1);
+    let again = w
         .operator()
         .await
         .plan_recovery(plan(run_id))
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(fresh.decision(), recovery_pb::RecoveryDecision::Claimed);
-    assert_eq!(fresh.budget.unwrap().attempts, 1);
+    assert_eq!(
+        again.decision(),
+        recovery_pb::RecoveryDecision::LeaseHeld,
+        "the claim holds the lease"
+    );
 }
 
 /// A sweep held up reading the run judges the budget at the run store's answer, not at
 /// the time it asked: a spent budget whose window lapsed meanwhile starts afresh on the
-/// next claim, so the run is left alone.
+/// next claim, so the run is not ended but taken over afresh.
 async fn a_sweep_held_up_by_the_run_store_judges_the_budget_when_it_answers(backend: Backend) {
     let w = World::on(false, backend).await;
     let (run_id, key) = w.running_run().await;
@@ -212,11 +223,108 @@ async fn a_sweep_held_up_by_the_run_store_judges_the_budget_when_it_answers(back
     let swept = sweep.await.unwrap();
 
     let action = swept.results.iter().find(|r| r.run_id == run_id).unwrap();
-    assert_eq!(action.action(), recovery_pb::OrphanAction::Skipped);
-    left_alone_and_claimed_afresh(&w, &run_id).await;
+    assert_eq!(action.action(), recovery_pb::OrphanAction::TakeoverPlanned);
+    taken_over_afresh(&w, &run_id).await;
+}
+
+/// A running run whose controller's lease lapsed, and nobody tails it: the sweep plans
+/// its takeover (a resume_stream for its runner), once; a dry run only names it. A run
+/// whose runner never acquired, a queued run, a held lease and a parked one are left
+/// alone.
+async fn a_lapsed_controller_is_taken_over_by_the_sweep_with_nobody_watching(backend: Backend) {
+    let w = World::on(false, backend).await;
+    let (lapsed, key) = w.running_run().await;
+    w.acquire(&lapsed, &key).await;
+    let (never_acquired, _) = w.running_run().await;
+    let queued = w.queued_run().await;
+    let (held, key) = w.running_run().await;
+    let (parked, parked_key) = w.running_run().await;
+    w.acquire(&parked, &parked_key).await;
+    w.operator()
+        .await
+        .park_stream(recovery_pb::ParkStreamRequest {
+            run_id: parked.clone(),
+            sandbox_id: "sbx".into(),
+        })
+        .await
+        .unwrap();
+    // Every lease lapses; then one controller acquires again.
+    w.clock.advance(Duration::from_secs(61));
+    w.acquire(&held, &key).await;
+
+    let sweep = |dry_run| {
+        let w = &w;
+        async move {
+            let swept = w
+                .operator()
+                .await
+                .sweep_orphans(recovery_pb::SweepOrphansRequest {
+                    cursor: String::new(),
+                    limit: 100,
+                    dry_run,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            move |run_id: &str| {
+                swept
+                    .results
+                    .iter()
+                    .find(|r| r.run_id == run_id)
+                    .map(|r| r.action())
+            }
+        }
+    };
+    let dry = sweep(true).await;
+    assert_eq!(
+        dry(&lapsed),
+        Some(recovery_pb::OrphanAction::TakeoverPlanned)
+    );
+    assert_eq!(w.budget(&lapsed).await.budget.unwrap().attempts, 0);
+
+    let swept = sweep(false).await;
+    assert_eq!(
+        swept(&lapsed),
+        Some(recovery_pb::OrphanAction::TakeoverPlanned)
+    );
+    for alone in [&held, &parked] {
+        assert_eq!(
+            swept(alone),
+            Some(recovery_pb::OrphanAction::Skipped),
+            "{alone}"
+        );
+    }
+    // With no controller ever, the coordinator keeps nothing of them to sweep.
+    for nothing in [&never_acquired, &queued] {
+        assert!(
+            matches!(
+                swept(nothing),
+                None | Some(recovery_pb::OrphanAction::Skipped)
+            ),
+            "{nothing} has no controller to replace"
+        );
+    }
+    assert_eq!(
+        w.messages(&lapsed, runstore_pb::SteeringKind::ResumeStream)
+            .await
+            .len(),
+        1
+    );
+    for untouched in [&never_acquired, &held, &parked] {
+        assert!(
+            w.messages(untouched, runstore_pb::SteeringKind::ResumeStream)
+                .await
+                .is_empty()
+        );
+    }
+    // A second pass finds the claim's lease held: nothing twice.
+    let again = sweep(false).await;
+    assert_eq!(again(&lapsed), Some(recovery_pb::OrphanAction::Skipped));
+    assert_eq!(w.budget(&lapsed).await.budget.unwrap().attempts, 1);
 }
 
 on_every_backend! {
+    a_lapsed_controller_is_taken_over_by_the_sweep_with_nobody_watching: the_sweep_takes_over_a_lapsed_controller_on_redis, the_sweep_takes_over_a_lapsed_controller_on_a_cluster, the_sweep_takes_over_a_lapsed_controller_in_memory;
     the_scheduled_sweep_ends_spent_runs_and_respects_the_reset: the_sweep_runs_by_itself_and_respects_the_reset_on_redis, the_sweep_runs_by_itself_and_respects_the_reset_on_a_cluster, the_sweep_runs_by_itself_and_respects_the_reset_in_memory;
     a_sweep_held_up_by_the_run_store_judges_the_budget_when_it_answers: a_slow_run_store_does_not_make_the_sweep_end_a_reset_run_on_redis, a_slow_run_store_does_not_make_the_sweep_end_a_reset_run_on_a_cluster, a_slow_run_store_does_not_make_the_sweep_end_a_reset_run_in_memory;
 }

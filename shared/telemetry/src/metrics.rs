@@ -71,7 +71,7 @@ counter!(
     /// Runs whose stream recovery budget ran out.
     recovery_exhaustions, "runplane.recovery.exhaustions", "Runs ended by an exhausted recovery budget");
 counter!(
-    /// Runs the orphan sweep settled, by `action` (keys_deleted, run_ended).
+    /// Runs the orphan sweep settled, by `action` (keys_deleted, run_ended, takeover_planned).
     recovery_sweep_settled, "runplane.recovery.sweep.settled", "Runs settled by the orphan sweep, by action");
 counter!(
     /// Outage incidents opened (each starts a cool-off).

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use runplane_proto::recovery::v1 as recovery_pb;
+use runplane_proto::runstore::v1 as runstore_pb;
 use tonic::{Code, Request, Response, Status};
 
 use super::state::{CoordinatorState, store_error};
@@ -15,10 +16,14 @@ impl CoordinatorState {
     /// run store reports terminal or unknown lose their keys; a live run whose lease is
     /// free, not parked, and whose budget is spent within the reset window is ended as
     /// exhausted. The reset rule is a claim's: a spent budget whose last takeover is more
-    /// than RESET_AFTER old would start afresh on the next claim, so it is left alone.
-    /// Every settlement is guarded and keyed, so replicas sweeping at once, or a batch
-    /// replayed, change nothing twice. Returns the results and the next cursor (empty at
-    /// the end of a pass).
+    /// than RESET_AFTER old would start afresh on the next claim. A running run whose
+    /// lease is free otherwise (its controller lapsed, or a reset budget) gets a takeover
+    /// planned as a Tail would plan it ([`CoordinatorState::plan`]: within its budget,
+    /// only for a controller that existed, not before its backoff), so recovery does not
+    /// wait for someone to watch the run. Every settlement is guarded and keyed, and a
+    /// claim holds the lease it takes, so replicas sweeping at once, or a batch replayed,
+    /// change nothing twice. A dry run names the runs it would settle or try to take over.
+    /// Returns the results and the next cursor (empty at the end of a pass).
     pub async fn sweep(
         &self,
         cursor: &str,
@@ -34,7 +39,7 @@ impl CoordinatorState {
                 }
                 Err(status) => return Err(status),
                 Ok(run) if run.state().is_terminal() => recovery_pb::OrphanAction::KeysDeleted,
-                Ok(_) => {
+                Ok(run) => {
                     // The time is read after the run store answers, however long that
                     // took: the lease and the window are judged at the same moment the
                     // store reads them, or a spent budget whose window lapsed meanwhile
@@ -48,20 +53,32 @@ impl CoordinatorState {
                         && (b.exhausted || (b.attempts >= MAX_ATTEMPTS && in_window))
                     {
                         recovery_pb::OrphanAction::RunEnded
+                    } else if b.lease.is_none()
+                        && !b.parked
+                        && run.state() == runstore_pb::RunState::Running
+                    {
+                        recovery_pb::OrphanAction::TakeoverPlanned
                     } else {
                         recovery_pb::OrphanAction::Skipped
                     }
                 }
             };
-            if !dry_run {
+            let action = if dry_run {
+                action
+            } else {
                 match action {
                     recovery_pb::OrphanAction::KeysDeleted => {
-                        self.store.forget(run_id).await.map_err(store_error)?
+                        self.store.forget(run_id).await.map_err(store_error)?;
+                        action
                     }
-                    recovery_pb::OrphanAction::RunEnded => self.end_exhausted(run_id).await?,
-                    _ => {}
+                    recovery_pb::OrphanAction::RunEnded => {
+                        self.end_exhausted(run_id).await?;
+                        action
+                    }
+                    recovery_pb::OrphanAction::TakeoverPlanned => self.sweep_plan(run_id).await?,
+                    _ => action,
                 }
-            }
+            };
             results.push(recovery_pb::OrphanResult {
                 run_id: run_id.clone(),
                 action: action as i32,
@@ -73,6 +90,31 @@ impl CoordinatorState {
             String::new()
         };
         Ok((results, next))
+    }
+}
+
+impl CoordinatorState {
+    /// Plans a takeover of `run_id` for the sweep: claimed (TAKEOVER_PLANNED), ended
+    /// because its budget is spent (RUN_ENDED), or nothing to do yet (SKIPPED: no
+    /// controller ever held the lease, a holder came back, the backoff runs).
+    async fn sweep_plan(&self, run_id: &str) -> Result<recovery_pb::OrphanAction, Status> {
+        use runplane_grpc::ErrorReason;
+        match self.plan(run_id, "sweep").await {
+            Ok((recovery_pb::RecoveryDecision::Claimed, _)) => {
+                Ok(recovery_pb::OrphanAction::TakeoverPlanned)
+            }
+            Ok(_) => Ok(recovery_pb::OrphanAction::Skipped),
+            Err(status) => {
+                let reason = runplane_grpc::error_info(&status).map(|i| i.reason);
+                if reason.as_deref() == Some(ErrorReason::RecoveryNotBefore.as_str_name()) {
+                    Ok(recovery_pb::OrphanAction::Skipped)
+                } else if reason.as_deref() == Some(ErrorReason::RecoveryExhausted.as_str_name()) {
+                    Ok(recovery_pb::OrphanAction::RunEnded)
+                } else {
+                    Err(status)
+                }
+            }
+        }
     }
 }
 
@@ -90,11 +132,16 @@ pub async fn sweep_forever(state: Arc<CoordinatorState>, every: Duration, batch:
                 let count = |a: recovery_pb::OrphanAction| {
                     results.iter().filter(|r| r.action() == a).count()
                 };
-                let (deleted, ended) = (
+                let (deleted, ended, planned) = (
                     count(recovery_pb::OrphanAction::KeysDeleted),
                     count(recovery_pb::OrphanAction::RunEnded),
+                    count(recovery_pb::OrphanAction::TakeoverPlanned),
                 );
-                for (action, n) in [("keys_deleted", deleted), ("run_ended", ended)] {
+                for (action, n) in [
+                    ("keys_deleted", deleted),
+                    ("run_ended", ended),
+                    ("takeover_planned", planned),
+                ] {
                     if n > 0 {
                         runplane_telemetry::metrics::recovery_sweep_settled().add(
                             n as u64,
@@ -102,11 +149,12 @@ pub async fn sweep_forever(state: Arc<CoordinatorState>, every: Duration, batch:
                         );
                     }
                 }
-                if deleted + ended > 0 {
+                if deleted + ended + planned > 0 {
                     tracing::info!(
                         examined = results.len(),
                         deleted,
                         ended,
+                        planned,
                         "orphan sweep settled runs"
                     );
                 }
