@@ -673,15 +673,16 @@ async fn act(
             if !locals.contains_key(&a.sandbox_id) {
                 adopt_or_report_lost(client, config, epoch, driver, locals, &a).await;
             }
-            match locals.get_mut(&a.sandbox_id) {
-                Some(local) if !local.suspended => {
+            if let Some(local) = locals.get_mut(&a.sandbox_id) {
+                if !local.suspended {
+                    // Not suspended this time (its stream could not be parked): the
+                    // assignment stays listed, and the next list tries again.
                     if suspend_here(client, config, epoch, driver, local).await {
                         tracing::info!(sandbox_id = %a.sandbox_id, "paused: suspended and published unplaced");
                     }
-                }
-                // Suspended here, but the reconciler still lists it running: the
-                // publication was lost. Say it again (an observation is idempotent).
-                Some(local) => {
+                } else {
+                    // Suspended here, but the reconciler still lists it running: the
+                    // publication was lost. Say it again (an observation is idempotent).
                     publish(
                         client,
                         config,
@@ -693,7 +694,6 @@ async fn act(
                     )
                     .await;
                 }
-                None => {}
             }
         }
         _ => {}

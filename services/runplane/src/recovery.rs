@@ -40,7 +40,7 @@ pub async fn sweep(
     )?;
     let mut client = StreamRecoveryServiceClient::new(channel);
     let mut cursor = String::new();
-    let (mut examined, mut deleted, mut ended) = (0, 0, 0);
+    let (mut examined, mut deleted, mut ended, mut planned) = (0, 0, 0, 0);
     loop {
         let answer = client
             .sweep_orphans(recovery_pb::SweepOrphansRequest {
@@ -62,6 +62,10 @@ pub async fn sweep(
                     ended += 1;
                     "run ended (stream_recovery_exhausted)"
                 }
+                recovery_pb::OrphanAction::TakeoverPlanned => {
+                    planned += 1;
+                    "taken over (its controller's lease lapsed; resume_stream sent)"
+                }
                 _ => continue,
             };
             let would = if args.dry_run { "would be " } else { "" };
@@ -75,7 +79,7 @@ pub async fn sweep(
     let mode = if args.dry_run { " (dry run)" } else { "" };
     writeln!(
         out,
-        "swept {examined} runs{mode}: {deleted} keys deleted, {ended} runs ended"
+        "swept {examined} runs{mode}: {deleted} keys deleted, {ended} runs ended, {planned} taken over"
     )?;
     Ok(())
 }
