@@ -220,6 +220,7 @@ pub async fn run(
         )
         .in_current_span(),
     );
+    let pending_acks = steering::PendingAcks::default();
     let steering = tokio::spawn(
         steering::poll(
             client.clone(),
@@ -229,6 +230,7 @@ pub async fn run(
             live.clone(),
             ending.clone(),
             clock.clone(),
+            pending_acks.clone(),
         )
         .in_current_span(),
     );
@@ -261,9 +263,13 @@ pub async fn run(
         });
     }
     let interrupted = control.interrupted();
-    // The agent is gone: steering has nothing left to act on. Outputs drain to their end.
+    // The agent is gone: steering has nothing left to act on. What it applied and has not
+    // had acknowledged yet is sent now, before the verdict. Outputs drain to their end.
     steering.abort();
     let _ = steering.await;
+    pending_acks
+        .flush(&client, &env.run_id, FLUSH_ACKS_WITHIN)
+        .await;
     agent.finish_output().await;
     // Frames go before the result: once the run is terminal its key stops working.
     live.finish();
@@ -332,6 +338,9 @@ async fn submit(
         })
         .await
 }
+
+/// How long the acknowledgements left at the agent's exit may take to send.
+const FLUSH_ACKS_WITHIN: Duration = Duration::from_secs(10);
 
 /// The poll wait the runner asks for; the server caps it.
 pub const POLL_WAIT: Duration = Duration::from_secs(20);

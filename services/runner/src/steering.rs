@@ -12,6 +12,10 @@
 //! - A terminal run (the answer's state, or `RUN_TERMINAL`) and an `abort` both stop the
 //!   agent through [`Ending`]. An abort served with the terminal answer is applied by
 //!   that stop and acknowledged once before the loop ends.
+//! - Acknowledgements not yet confirmed by a poll's answer are kept in [`PendingAcks`],
+//!   which outlives the loop: when the agent exits, the runner stops the loop and sends
+//!   what it still holds before the verdict ([`PendingAcks::flush`]), so a steer applied
+//!   just before the agent exited is never left pending.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -29,11 +33,69 @@ pub const STEER_MAX_ATTEMPTS: u32 = 3;
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_CAP: Duration = Duration::from_secs(15);
 
+/// Acknowledgements the steering loop owes the run store: pushed once a message's action
+/// landed, cleared only when a poll carrying them was answered. Shared with the runner,
+/// which sends what is left when the agent has exited.
+#[derive(Clone, Default)]
+pub struct PendingAcks(std::sync::Arc<std::sync::Mutex<Vec<runstore_pb::SteeringAck>>>);
+
+impl PendingAcks {
+    fn push(&self, ack: runstore_pb::SteeringAck) {
+        self.0.lock().expect("not poisoned").push(ack);
+    }
+
+    fn snapshot(&self) -> Vec<runstore_pb::SteeringAck> {
+        self.0.lock().expect("not poisoned").clone()
+    }
+
+    fn take(&self) -> Vec<runstore_pb::SteeringAck> {
+        std::mem::take(&mut *self.0.lock().expect("not poisoned"))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.lock().expect("not poisoned").is_empty()
+    }
+
+    /// Sends what is still owed with one poll that waits for nothing, bounded by
+    /// `within`; called once the loop is stopped, before the verdict (the run key stops
+    /// working once the run is terminal). Resending an acknowledged id changes nothing.
+    pub async fn flush(&self, client: &Client, run_id: &str, within: Duration) {
+        let acks = self.take();
+        if acks.is_empty() {
+            return;
+        }
+        let count = acks.len();
+        let sent = tokio::time::timeout(
+            within,
+            client
+                .clone()
+                .poll_steering(runstore_pb::PollSteeringRequest {
+                    run_id: run_id.to_owned(),
+                    acks,
+                    wait: None,
+                    max_messages: 0,
+                }),
+        )
+        .await;
+        match sent {
+            Ok(Ok(_)) => tracing::debug!(count, "acknowledgements sent before the verdict"),
+            Ok(Err(status)) => {
+                tracing::warn!(count, code = ?status.code(), "acknowledgements not sent before the verdict")
+            }
+            Err(_) => tracing::warn!(
+                count,
+                "acknowledgements not sent in time before the verdict"
+            ),
+        }
+    }
+}
+
 enum Applied {
     Yes,
     Failed(String),
 }
 
+#[allow(clippy::too_many_arguments)]
 pub async fn poll(
     client: Client,
     run_id: String,
@@ -42,8 +104,8 @@ pub async fn poll(
     frames: crate::frames::Frames,
     ending: Ending,
     clock: runplane_clock::SharedClock,
+    acks: PendingAcks,
 ) {
-    let mut acks: Vec<runstore_pb::SteeringAck> = Vec::new();
     let mut applied: HashSet<String> = HashSet::new();
     let mut attempts: HashMap<String, u32> = HashMap::new();
     let mut backoff = BACKOFF_START;
@@ -54,7 +116,7 @@ pub async fn poll(
     mark.record(answered, 0);
 
     loop {
-        let sent_acks = acks.clone();
+        let sent_acks = acks.snapshot();
         let answer = client
             .clone()
             .poll_steering(runstore_pb::PollSteeringRequest {
@@ -81,7 +143,9 @@ pub async fn poll(
                 continue;
             }
         };
-        acks.clear();
+        // Answered: what it carried is acknowledged (nothing was pushed meanwhile: only
+        // this loop pushes, after an answer).
+        acks.take();
         if let Some((from, failed_polls)) = degraded.take() {
             let _ = events
                 .send(degraded_event(from, failed_polls, clock.as_ref()))
@@ -112,7 +176,7 @@ pub async fn poll(
                     .clone()
                     .poll_steering(runstore_pb::PollSteeringRequest {
                         run_id: run_id.clone(),
-                        acks: std::mem::take(&mut acks),
+                        acks: acks.take(),
                         wait: None,
                         max_messages: 0,
                     })
