@@ -22,6 +22,14 @@ pub struct Paused {
     pub changed: bool,
 }
 
+/// A keyed change opened by [`Store::open_keyed`].
+enum Opened {
+    /// The key was used before: the run as it is now.
+    Replayed(run::Model),
+    /// The run, locked for the transaction.
+    Open(DatabaseTransaction, run::Model),
+}
+
 /// Why a run ends when its pause outlived its profile's `max_pause_seconds`.
 pub const REASON_PAUSED_TOO_LONG: &str = "paused_too_long";
 
@@ -37,19 +45,18 @@ impl Store {
         rule: PauseRule,
     ) -> Result<Paused> {
         const METHOD: &str = "PauseRun";
-        let (txn, run, replayed) = self
-            .begin_keyed(run_id, METHOD, idempotency_key, request_digest)
-            .await?;
-        if replayed.is_some() {
-            txn.commit().await?;
-            return Ok(Paused {
-                run,
-                changed: false,
-            });
-        }
-        if run.state.is_terminal() {
-            return Err(terminal_error(&run));
-        }
+        let (txn, run) = match self
+            .open_keyed(run_id, METHOD, idempotency_key, request_digest)
+            .await?
+        {
+            Opened::Replayed(run) => {
+                return Ok(Paused {
+                    run,
+                    changed: false,
+                });
+            }
+            Opened::Open(txn, run) => (txn, run),
+        };
         let (run, changed) = if run.paused_at_us > 0 {
             (run, false)
         } else {
@@ -87,19 +94,18 @@ impl Store {
         request_digest: &str,
     ) -> Result<Paused> {
         const METHOD: &str = "ResumeRun";
-        let (txn, run, replayed) = self
-            .begin_keyed(run_id, METHOD, idempotency_key, request_digest)
-            .await?;
-        if replayed.is_some() {
-            txn.commit().await?;
-            return Ok(Paused {
-                run,
-                changed: false,
-            });
-        }
-        if run.state.is_terminal() {
-            return Err(terminal_error(&run));
-        }
+        let (txn, run) = match self
+            .open_keyed(run_id, METHOD, idempotency_key, request_digest)
+            .await?
+        {
+            Opened::Replayed(run) => {
+                return Ok(Paused {
+                    run,
+                    changed: false,
+                });
+            }
+            Opened::Open(txn, run) => (txn, run),
+        };
         let (run, changed) = if run.paused_at_us == 0 {
             (run, false)
         } else {
@@ -131,6 +137,29 @@ impl Store {
         )
         .await?;
         Ok(Paused { run, changed })
+    }
+
+    /// Opens a keyed change of a live run under its lock: a replay of the key is
+    /// answered with the run as it is (committed, nothing written); a terminal run is
+    /// refused `RUN_TERMINAL`.
+    async fn open_keyed(
+        &self,
+        run_id: &str,
+        method: &str,
+        idempotency_key: &str,
+        request_digest: &str,
+    ) -> Result<Opened> {
+        let (txn, run, replayed) = self
+            .begin_keyed(run_id, method, idempotency_key, request_digest)
+            .await?;
+        if replayed.is_some() {
+            txn.commit().await?;
+            return Ok(Opened::Replayed(run));
+        }
+        if run.state.is_terminal() {
+            return Err(terminal_error(&run));
+        }
+        Ok(Opened::Open(txn, run))
     }
 
     /// Live runs whose pause has lasted past its end, soonest first: one bounded read on

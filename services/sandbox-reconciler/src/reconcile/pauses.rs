@@ -137,48 +137,56 @@ impl Reconciler {
         if !self.park(row).await {
             return Ok(());
         }
-        let spec = SandboxSpec::from(row);
-        if let Err(e) = self.driver.suspend(&spec).await {
-            tracing::warn!(sandbox_id = %row.id, error = %e, "paused run's sandbox not suspended; next round retries");
-            return Ok(());
-        }
-        if self
-            .store
-            .move_local(
-                &row.id,
-                row.execution_generation,
-                SandboxStatus::Started,
-                SandboxStatus::Suspended,
-            )
-            .await?
-        {
-            tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "paused: sandbox suspended");
-        }
+        let suspended = self.driver.suspend(&SandboxSpec::from(row)).await;
+        self.local_moved(
+            row,
+            suspended,
+            SandboxStatus::Started,
+            SandboxStatus::Suspended,
+        )
+        .await?;
         Ok(())
     }
 
     /// Restores a local sandbox suspended for a pause, marks it started and hands its
     /// stream back to its runner.
     async fn restore_local(&self, row: &sandbox::Model) -> Result<(), ReconcilerError> {
-        let spec = SandboxSpec::from(row);
-        if let Err(e) = self.driver.resume(&spec).await {
-            tracing::warn!(sandbox_id = %row.id, error = %e, "resumed run's sandbox not restored; next round retries");
-            return Ok(());
-        }
+        let resumed = self.driver.resume(&SandboxSpec::from(row)).await;
         if self
-            .store
-            .move_local(
-                &row.id,
-                row.execution_generation,
+            .local_moved(
+                row,
+                resumed,
                 SandboxStatus::Suspended,
                 SandboxStatus::Started,
             )
             .await?
         {
-            tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, "resumed: sandbox restored");
+            self.unpark(row).await;
         }
-        self.unpark(row).await;
         Ok(())
+    }
+
+    /// Marks a local sandbox `to` (from `from`) once the driver did what it was asked;
+    /// whether the driver did (a failure is logged, and the next round tries again).
+    async fn local_moved(
+        &self,
+        row: &sandbox::Model,
+        driver: Result<(), runplane_sandbox::DriverError>,
+        from: SandboxStatus,
+        to: SandboxStatus,
+    ) -> Result<bool, ReconcilerError> {
+        if let Err(e) = driver {
+            tracing::warn!(sandbox_id = %row.id, error = %e, status = %to, "local sandbox not moved for its run's pause; next round retries");
+            return Ok(false);
+        }
+        if self
+            .store
+            .move_local(&row.id, row.execution_generation, from, to)
+            .await?
+        {
+            tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, status = %to, "local sandbox moved for its run's pause");
+        }
+        Ok(true)
     }
 
     /// Parks `row`'s run's stream at the coordinator; whether it answered that it did (a
