@@ -133,15 +133,18 @@ impl Drop for Process {
 /// sandboxes its control plane had no time to destroy (their processes end with their
 /// runs; the rest would stay for ever).
 pub fn release_sandboxes(dir: &Path) {
-    // Each sandbox's own network: its slirp4netns and its namespace.
-    let sandboxes = std::fs::read_dir(dir.join("sandboxes"))
-        .into_iter()
-        .flatten()
-        .flatten();
-    for sandbox in sandboxes {
-        let id = sandbox.file_name().to_string_lossy().into_owned();
+    // Each sandbox's own network: its slirp4netns and its namespace. A sandbox's
+    // directory is named by its id, wherever under `dir` its driver keeps it (`dev`'s
+    // `sandboxes/`, a reconciler's or a node's own state directory).
+    for sandbox in sandbox_dirs(dir, 3) {
+        let Some(id) = sandbox
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+        else {
+            continue;
+        };
         let netns = format!("runplane-{id}");
-        if let Some(pid) = std::fs::read_to_string(sandbox.path().join("slirp.pid"))
+        if let Some(pid) = std::fs::read_to_string(sandbox.join("slirp.pid"))
             .ok()
             .and_then(|p| p.trim().parse::<i32>().ok())
             && std::fs::read(format!("/proc/{pid}/cmdline"))
@@ -181,6 +184,27 @@ pub fn release_sandboxes(dir: &Path) {
             }
         }
     }
+}
+
+/// The directories under `dir`, at most `depth` levels down, named as a sandbox is (its
+/// id, a UUID).
+fn sandbox_dirs(dir: &Path, depth: usize) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if uuid::Uuid::parse_str(&entry.file_name().to_string_lossy()).is_ok() {
+            found.push(path);
+        } else if depth > 1 {
+            found.extend(sandbox_dirs(&path, depth - 1));
+        }
+    }
+    found
 }
 
 /// Removes, from the test engine (`RUNPLANE_TEST_ENGINE`, when set), every container
