@@ -683,16 +683,7 @@ async fn act(
                 } else {
                     // Suspended here, but the reconciler still lists it running: the
                     // publication was lost. Say it again (an observation is idempotent).
-                    publish(
-                        client,
-                        config,
-                        epoch,
-                        &local.row,
-                        reconciler_pb::SandboxStatus::Suspended,
-                        false,
-                        None,
-                    )
-                    .await;
+                    publish_suspended(client, config, epoch, &local.row).await;
                 }
             }
         }
@@ -780,17 +771,23 @@ async fn suspend_here(
         return false;
     }
     local.suspended = true;
+    publish_suspended(client, config, epoch, &local.row).await;
+    true
+}
+
+/// Publishes `row` SUSPENDED and unplaced: its route identity still names this node,
+/// the only one that can restore it.
+async fn publish_suspended(client: &Client, config: &AgentConfig, epoch: u64, row: &SandboxSpec) {
     publish(
         client,
         config,
         epoch,
-        &local.row,
+        row,
         reconciler_pb::SandboxStatus::Suspended,
         false,
         None,
     )
     .await;
-    true
 }
 
 /// How long a park or unpark may take before the agent moves on.
