@@ -193,6 +193,35 @@ impl ControlPlane {
         .await
     }
 
+    /// The run's receipt body, once its signature verified against the run store's key.
+    pub async fn verified_receipt(&self, run_id: &str) -> runstore_pb::ReceiptBody {
+        let mut runs = self.runs();
+        let receipt = runs
+            .get_receipt(runplane_testkit::authed(
+                runstore_pb::GetReceiptRequest {
+                    run_id: run_id.to_owned(),
+                },
+                &self.token,
+            ))
+            .await
+            .expect("the receipt")
+            .into_inner()
+            .receipt
+            .expect("sealed");
+        let key = runs
+            .get_receipt_public_key(runplane_testkit::authed(
+                runstore_pb::GetReceiptPublicKeyRequest {
+                    key_id: receipt.key_id.clone(),
+                },
+                &self.token,
+            ))
+            .await
+            .expect("the receipt's public key")
+            .into_inner();
+        let public: [u8; 32] = key.public_key.as_slice().try_into().expect("32 bytes");
+        runplane_run_store::domain::receipt::verify(&receipt, &public).expect("it verifies")
+    }
+
     /// The run once it ended (within 60 s).
     pub async fn ended(&self, run_id: &str) -> runstore_pb::Run {
         self.run_when(run_id, "the run to end", |run| run.state().is_terminal())

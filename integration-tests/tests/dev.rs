@@ -255,6 +255,7 @@ async fn run_keys_and_tokens_never_reach_the_logs() {
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: "log-scan-key-000001".into(),
+                ..Default::default()
             },
             &token,
         ))

@@ -471,6 +471,7 @@ async fn a_node_credential_acts_only_for_its_node_and_is_refused_everywhere_else
                 sandbox_id: SANDBOX.into(),
                 sandbox_generation: 1,
                 idempotency_key: format!("{SANDBOX}:1"),
+                ..Default::default()
             },
             &own,
         ))

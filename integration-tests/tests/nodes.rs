@@ -335,6 +335,7 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
             sandbox_id: "0b0e5c1a-7d3e-4f60-9a2b-5c6d7e8f9a0b".into(),
             sandbox_generation: 5,
             idempotency_key: "a-newer-generation-0001".into(),
+            ..Default::default()
         },
         TOKEN,
     ))

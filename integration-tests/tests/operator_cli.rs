@@ -188,7 +188,15 @@ async fn runs_lists_a_run_with_its_columns_and_get_shows_it() {
     let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
     assert_eq!(
         header,
-        ["ID", "STATE", "LEAD", "CREDENTIAL", "AGE", "REASON"],
+        [
+            "ID",
+            "STATE",
+            "LEAD",
+            "CREDENTIAL",
+            "AGE",
+            "ATTEMPT",
+            "REASON"
+        ],
         "{table}"
     );
     let row = table
@@ -198,7 +206,7 @@ async fn runs_lists_a_run_with_its_columns_and_get_shows_it() {
     let cells: Vec<&str> = row.split_whitespace().collect();
     assert_eq!(cells[1..4], ["succeeded", "alice", "local"], "{row}");
     assert!(cells[4].ends_with('s') || cells[4].ends_with('m'), "{row}");
-    assert_eq!(cells[5], "exit_zero", "{row}");
+    assert_eq!(cells[5..], ["1", "exit_zero"], "{row}");
 
     let out = dev.cli(&["runs", "--json", "--lead", "alice"]).await;
     assert!(out.status.success(), "{}", text(&out.stderr));

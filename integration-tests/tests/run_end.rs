@@ -97,6 +97,7 @@ impl Dev {
                     sandbox_id: format!("sbx-{name}"),
                     sandbox_generation: 1,
                     idempotency_key: format!("sbx-{name}:1-by-hand"),
+                    ..Default::default()
                 },
                 &self.token,
             ))

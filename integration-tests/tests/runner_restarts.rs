@@ -96,6 +96,7 @@ impl ControlPlane {
                 sandbox_id: "sbx-restart".into(),
                 sandbox_generation: 1,
                 idempotency_key: format!("{name}-sandbox-key-01"),
+                ..Default::default()
             })
             .await
             .unwrap()

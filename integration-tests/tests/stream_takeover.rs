@@ -121,6 +121,7 @@ impl World {
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: "takeover-sandbox-key-1".into(),
+                ..Default::default()
             })
             .await
             .unwrap()

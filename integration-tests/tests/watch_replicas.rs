@@ -58,6 +58,7 @@ async fn a_watcher_on_one_serve_process_sees_an_append_made_through_another() {
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: format!("key-{run_id}"),
+                ..Default::default()
             },
             TOKEN,
         ))

@@ -173,6 +173,7 @@ async fn a_credential_health_restart_loses_no_failure_and_admission_fails_closed
             sandbox_id: "sbx-r".into(),
             sandbox_generation: 1,
             idempotency_key: "sbx-r:1:issue-key-0".into(),
+            ..Default::default()
         })
         .await
         .unwrap()

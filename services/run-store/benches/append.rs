@@ -80,6 +80,7 @@ async fn bench_run_store(endpoint: &str, runners: usize, batch: usize, round: us
                     sandbox_id: "sbx".into(),
                     sandbox_generation: 1,
                     idempotency_key: format!("bench-key-{}", run.id),
+                    ..Default::default()
                 },
                 TOKEN,
             ))

@@ -159,6 +159,7 @@ async fn life(channel: Channel, n: u64, created: &AtomicU64) -> Result<(), tonic
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: format!("retention-bench-key-{n:06}"),
+                ..Default::default()
             },
             TOKEN,
         ))

@@ -132,6 +132,7 @@ async fn latencies(appender: &Channel, watcher: &Channel, n: usize) -> Vec<Durat
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: format!("bench-key-{run_id}"),
+                ..Default::default()
             },
             TOKEN,
         ))

@@ -146,6 +146,13 @@ impl Changes {
         self.notify(RECONCILER_WORK);
     }
 
+    /// `run_id`'s attempt ended and the next is due: its watchers see it, and the
+    /// reconciler deletes the old sandbox and, after the backoff, dispatches the next.
+    pub fn attempt_ended(&self, run_id: &str) {
+        self.notify(run_id);
+        self.notify(RECONCILER_WORK);
+    }
+
     /// `run_id` was paused or resumed: its watchers see it, and the reconciler suspends or
     /// restores its sandbox.
     pub fn paused(&self, run_id: &str) {

@@ -7,7 +7,7 @@ use crate::domain::state::RunState;
 use crate::domain::validate::json_to_struct;
 use crate::domain::verdict::Verdict;
 use crate::error::RunStoreError;
-use crate::store::entities::{event, run, steering_message};
+use crate::store::entities::{event, run, run_attempt, steering_message};
 use runplane_clock::to_timestamp as timestamp;
 
 pub fn run(model: &run::Model) -> runstore_pb::Run {
@@ -70,6 +70,24 @@ pub fn run(model: &run::Model) -> runstore_pb::Run {
             .then(|| timestamp(model.waiting_since_us)),
         paused_since: (!model.state.is_terminal() && model.paused_at_us > 0)
             .then(|| timestamp(model.paused_at_us)),
+        attempt: crate::store::attempts::current_attempt(model),
+        retry_at: (!model.state.is_terminal() && model.retry_at_us > 0)
+            .then(|| timestamp(model.retry_at_us)),
+        attempts: Vec::new(),
+    }
+}
+
+/// One attempt's record.
+pub fn attempt(model: &run_attempt::Model) -> runstore_pb::Attempt {
+    runstore_pb::Attempt {
+        number: u32::try_from(model.number).unwrap_or(u32::MAX),
+        sandbox_id: model.sandbox_id.clone(),
+        node_id: model.node_id.clone(),
+        started_at: Some(timestamp(model.started_at_us)),
+        ended_at: (model.ended_at_us > 0).then(|| timestamp(model.ended_at_us)),
+        end_reason: model.end_reason.clone(),
+        end_message: model.end_message.clone(),
+        superseded_verdict: model.superseded_verdict.clone(),
     }
 }
 

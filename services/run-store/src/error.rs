@@ -81,6 +81,14 @@ pub enum RunStoreError {
     ReceiptKeyUnknown { key_id: String },
     #[error("{0}")]
     VerdictConflict(String),
+    #[error("attempt {attempt} of run {run_id} has ended; the run is on attempt {current}")]
+    AttemptSuperseded {
+        run_id: String,
+        attempt: u32,
+        current: u32,
+    },
+    #[error("run {run_id} retries in {retry_after_ms} ms (its attempt's backoff)")]
+    RetryBackoff { run_id: String, retry_after_ms: u64 },
 }
 
 impl From<runplane_ids::OrgDenied> for RunStoreError {
@@ -127,6 +135,10 @@ impl ServiceError for RunStoreError {
             E::ReceiptNotSealed { .. } => (Code::FailedPrecondition, ErrorReason::ReceiptNotSealed),
             E::ReceiptKeyUnknown { .. } => (Code::NotFound, ErrorReason::ReceiptKeyUnknown),
             E::VerdictConflict(_) => (Code::FailedPrecondition, ErrorReason::VerdictConflict),
+            E::AttemptSuperseded { .. } => {
+                (Code::FailedPrecondition, ErrorReason::AttemptSuperseded)
+            }
+            E::RetryBackoff { .. } => (Code::Unavailable, ErrorReason::RetryBackoff),
         }
     }
 
@@ -154,6 +166,15 @@ impl ServiceError for RunStoreError {
                 ("limit".to_owned(), limit.to_string()),
             ],
             E::Upstream(_) => metadata([("upstream", "credential_health".to_owned())]),
+            E::AttemptSuperseded {
+                attempt, current, ..
+            } => metadata([
+                ("attempt", attempt.to_string()),
+                ("current_attempt", current.to_string()),
+            ]),
+            E::RetryBackoff { retry_after_ms, .. } => {
+                metadata([("retry_after_ms", retry_after_ms.to_string())])
+            }
             E::RunNotFound { run_id } | E::ReceiptNotSealed { run_id } => {
                 metadata([("run_id", run_id.clone())])
             }

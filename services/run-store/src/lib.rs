@@ -102,6 +102,9 @@ impl RunStore {
             .with_failure_reports(config.run_store.admission)
             .with_event_quota(store::EventQuota::from_config(&config.run_store))
             .with_webhooks(webhooks.routes())
+            .with_retries(domain::retry::RetryRules::from_profiles(
+                &config.credential_health.profiles,
+            ))
             .with_tasks(tasks.clone());
         // The watchers' safety net: one query per re-check for every watched run.
         tasks.spawn(RECHECK_TASK, {

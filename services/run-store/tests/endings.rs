@@ -282,9 +282,10 @@ async fn a_delayed_fail_run_for_a_replaced_sandbox_leaves_the_run_alone(h: Harne
         .unwrap();
     assert_eq!(h.get_run(&run_id).await.sandbox_id, "sbx-replacement");
     let mut op = h.operator().await;
+    // A reason no retry policy covers: this is about the guard, not about attempts.
     let lost = |sandbox: &str, key: &str| runstore_pb::FailRunRequest {
         run_id: run_id.clone(),
-        reason: "sandbox_lost".into(),
+        reason: "stream_recovery_exhausted".into(),
         message: format!("{sandbox} lost past the grace"),
         idempotency_key: key.into(),
         if_sandbox_generation: Some(1),
@@ -368,9 +369,10 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
     let (run_id, _) = h.running_run("guarded-fail").await;
     let current_key = h.issue_key(&run_id, 2).await;
     let mut op = h.operator().await;
+    // A reason no retry policy covers: this is about the guard, not about attempts.
     let fail = |key: &str, guard: Option<u64>| runstore_pb::FailRunRequest {
         run_id: run_id.clone(),
-        reason: "sandbox_lost".into(),
+        reason: "stream_recovery_exhausted".into(),
         message: "lost past the grace".into(),
         idempotency_key: key.into(),
         if_sandbox_generation: guard,

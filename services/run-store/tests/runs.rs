@@ -364,6 +364,7 @@ async fn org_tokens_are_confined_to_their_org(h: Harness) {
             sandbox_id: "sbx".into(),
             sandbox_generation: 1,
             idempotency_key: "org-token-issue-key".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -711,6 +712,7 @@ async fn numbers_past_their_columns_are_invalid_argument_and_change_nothing(h: H
             sandbox_id: "sbx-past".into(),
             sandbox_generation: past,
             idempotency_key: "issue-past-i64-max-1".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -319,6 +319,7 @@ async fn an_interrupt_on_a_queued_run_cancels_it(h: Harness) {
             sandbox_id: "sbx".into(),
             sandbox_generation: 1,
             idempotency_key: "issue-after-cancel".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -218,6 +218,7 @@ async fn scenario(
                     sandbox_id: "sbx".into(),
                     sandbox_generation: 1,
                     idempotency_key: format!("outage-key-{}", run.id),
+                    ..Default::default()
                 },
                 TOKEN,
             ))

@@ -164,7 +164,7 @@ pub async fn run(
         .into_inner();
     let run = hello.run.unwrap_or_default();
     let limits = hello.limits.unwrap_or_default();
-    tracing::info!(run_id = %env.run_id, command = %run.command, "hello accepted; starting the agent");
+    tracing::info!(run_id = %env.run_id, command = %run.command, attempt = hello.attempt, "hello accepted; starting the agent");
 
     // The live stream, under the run's stream lease; its own upstream, its own throttle.
     let recovery_layer = RetryLayer::new(retry);
@@ -182,10 +182,17 @@ pub async fn run(
     let ending = ending::Ending::new();
     let (events_tx, events_rx) = events::channel();
     live.report_to(&events_tx);
+    let mut environment = vec![
+        (ENV_LABELS, labels_environment(&run.labels)),
+        (ENV_ATTEMPT, hello.attempt.max(1).to_string()),
+    ];
+    if hello.attempt > 1 {
+        environment.push((ENV_PREVIOUS_ATTEMPT, hello.previous_attempt_reason.clone()));
+    }
     let spawned = child::Agent::spawn(
         &run.command,
         &run.args,
-        &[(ENV_LABELS, labels_environment(&run.labels))],
+        &environment,
         events_tx.clone(),
         Some(live.clone()),
         clock.clone(),
@@ -348,6 +355,14 @@ pub const POLL_WAIT: Duration = Duration::from_secs(20);
 /// The run's labels, as the agent finds them: `k=v` pairs, comma-separated, in key order
 /// (a label's key and value never hold a comma or an `=`).
 pub const ENV_LABELS: &str = "RUNPLANE_LABELS";
+
+/// Which attempt of its run the agent is (1, 2, …): a run whose sandbox or runner died
+/// is run again in a new sandbox, and the agent can resume its own session.
+pub const ENV_ATTEMPT: &str = "RUNPLANE_ATTEMPT";
+
+/// From attempt 2 on, why the previous attempt ended (`runner_exited`, `sandbox_lost`,
+/// …); unset on the first.
+pub const ENV_PREVIOUS_ATTEMPT: &str = "RUNPLANE_PREVIOUS_ATTEMPT";
 
 fn labels_environment(labels: &std::collections::HashMap<String, String>) -> String {
     let mut pairs: Vec<(&String, &String)> = labels.iter().collect();

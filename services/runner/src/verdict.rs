@@ -130,9 +130,15 @@ pub fn recorded<T>(
     }
 }
 
+/// Whether `status` says the run is over for this runner: the run is terminal, or this
+/// runner's attempt ended and the run went on to another (`ATTEMPT_SUPERSEDED`). Either
+/// way the agent stops and nothing more is sent.
 pub fn is_run_terminal(status: &tonic::Status) -> bool {
     status.code() == tonic::Code::FailedPrecondition
-        && error_info(status).is_some_and(|i| i.reason == ErrorReason::RunTerminal.as_str_name())
+        && error_info(status).is_some_and(|i| {
+            i.reason == ErrorReason::RunTerminal.as_str_name()
+                || i.reason == ErrorReason::AttemptSuperseded.as_str_name()
+        })
 }
 
 pub fn kind_name(kind: runstore_pb::SteeringKind) -> &'static str {

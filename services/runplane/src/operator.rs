@@ -261,9 +261,17 @@ pub fn write_runs(
     out: &mut impl Write,
 ) -> std::io::Result<()> {
     let mut rows = vec![
-        ["ID", "STATE", "LEAD", "CREDENTIAL", "AGE", "REASON"]
-            .map(String::from)
-            .to_vec(),
+        [
+            "ID",
+            "STATE",
+            "LEAD",
+            "CREDENTIAL",
+            "AGE",
+            "ATTEMPT",
+            "REASON",
+        ]
+        .map(String::from)
+        .to_vec(),
     ];
     for run in runs {
         let age = run
@@ -277,6 +285,7 @@ pub fn write_runs(
             or_dash(&run.lead_id),
             or_dash(&run.credential_id),
             age,
+            run.attempt.max(1).to_string(),
             or_dash(output::reason(run)),
         ]);
     }
@@ -350,6 +359,7 @@ pub fn write_run(
         ("credential", or_dash(&run.credential_id)),
         ("profile", or_dash(&run.profile)),
         ("command", output::command_line(&run.command, &run.args)),
+        ("attempt", attempt_line(run, &when)),
         ("sandbox_id", or_dash(&run.sandbox_id)),
         ("sandbox_generation", run.sandbox_generation.to_string()),
         ("last_sequence", run.last_sequence.to_string()),
@@ -379,7 +389,51 @@ pub fn write_run(
     for (key, value) in rows {
         writeln!(out, "{key:<width$}  {value}")?;
     }
+    if !run.attempts.is_empty() {
+        writeln!(out, "attempts:")?;
+        let mut table = vec![
+            ["#", "SANDBOX", "NODE", "STARTED", "ENDED", "REASON"]
+                .map(String::from)
+                .to_vec(),
+        ];
+        for a in &run.attempts {
+            let ended = match (&a.end_reason, &a.end_message) {
+                (reason, _) if reason.is_empty() => "-".to_owned(),
+                (reason, message) if message.is_empty() => reason.clone(),
+                (reason, message) => format!("{reason}: {message}"),
+            };
+            let ended = match a.superseded_verdict.as_str() {
+                "" => ended,
+                late => format!("{ended} (a late verdict was refused: {late})"),
+            };
+            table.push(vec![
+                a.number.to_string(),
+                or_dash(&a.sandbox_id),
+                or_dash(&a.node_id),
+                a.started_at.as_ref().map_or("-".into(), rfc3339),
+                a.ended_at.as_ref().map_or("-".into(), rfc3339),
+                ended,
+            ]);
+        }
+        let mut text = Vec::new();
+        output::table(&mut text, &table)?;
+        for line in String::from_utf8_lossy(&text).lines() {
+            writeln!(out, "  {line}")?;
+        }
+    }
     Ok(())
+}
+
+/// `2`, or `2 (retry due 2026-… (in 3s))` while the run waits out its backoff.
+fn attempt_line(
+    run: &runstore_pb::Run,
+    when: &dyn Fn(&Option<prost_types::Timestamp>) -> String,
+) -> String {
+    let number = run.attempt.max(1);
+    match &run.retry_at {
+        Some(_) => format!("{number} (starts {})", when(&run.retry_at)),
+        None => number.to_string(),
+    }
 }
 
 /// `runplane logs RUN`: the stored events, or with `--follow` every event to the run's
@@ -736,15 +790,15 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
-            lines[0], "ID      STATE          LEAD   CREDENTIAL  AGE  REASON",
+            lines[0], "ID      STATE          LEAD   CREDENTIAL  AGE  ATTEMPT  REASON",
             "{text}"
         );
         assert_eq!(
-            lines[1], "0190-a  running        alice  local       10m  -",
+            lines[1], "0190-a  running        alice  local       10m  1        -",
             "{text}"
         );
         assert_eq!(
-            lines[2], "0190-b  backend_error  bob    cred-b      10s  rate limited",
+            lines[2], "0190-b  backend_error  bob    cred-b      10s  1        rate limited",
             "{text}"
         );
     }

@@ -182,6 +182,19 @@ fn print_event(event: &runstore_pb::Event) -> anyhow::Result<()> {
                 .context("writing to stdout")?;
         }
         runstore_pb::EventKind::Stderr => eprintln!("{}", event.text),
+        runstore_pb::EventKind::AttemptEnded => eprintln!(
+            "runplane: attempt {} ended ({}: {}); the next starts at {}",
+            field(event, "attempt"),
+            field(event, "reason"),
+            field(event, "message"),
+            field(event, "retry_at"),
+        ),
+        runstore_pb::EventKind::AttemptStarted => eprintln!(
+            "runplane: attempt {} started in sandbox {} on {}",
+            field(event, "attempt"),
+            field(event, "sandbox_id"),
+            field(event, "node_id"),
+        ),
         kind => eprintln!(
             "runplane: [{}] {} {}",
             kind.as_str_name()
@@ -192,4 +205,20 @@ fn print_event(event: &runstore_pb::Event) -> anyhow::Result<()> {
         ),
     }
     Ok(())
+}
+
+/// One field of an event's data as text ("-" when absent).
+fn field(event: &runstore_pb::Event, name: &str) -> String {
+    use prost_types::value::Kind;
+    match event
+        .data
+        .as_ref()
+        .and_then(|d| d.fields.get(name))
+        .and_then(|v| v.kind.as_ref())
+    {
+        Some(Kind::StringValue(s)) if !s.is_empty() => s.clone(),
+        Some(Kind::NumberValue(n)) => format!("{n}"),
+        Some(Kind::BoolValue(b)) => b.to_string(),
+        _ => "-".to_owned(),
+    }
 }

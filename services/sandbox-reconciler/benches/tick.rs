@@ -86,6 +86,7 @@ async fn main() {
                 limits: String::new(),
                 image: String::new(),
                 paused: 0,
+                attempt: 1,
             })
             .collect();
         for chunk in rows.chunks(1000) {

@@ -32,6 +32,7 @@ pub async fn runs_to_place(
     run_store: &RunStoreClient,
     fleet: Option<&FleetClient>,
     max_runs: u32,
+    now_us: i64,
 ) -> Result<Vec<runstore_pb::Run>, tonic::Status> {
     let max_runs = max_runs.clamp(1, CLAIM_PER_ROUND);
     let request = match fleet {
@@ -72,7 +73,14 @@ pub async fn runs_to_place(
         .runs;
     for run in starting {
         let unkeyed = run.sandbox_generation == 0;
-        if unkeyed && !runs.iter().any(|r| r.id == run.id) {
+        // A run between attempts waits out its backoff (the run store refuses its key
+        // until then).
+        let backing_off = run
+            .retry_at
+            .as_ref()
+            .and_then(runplane_clock::from_timestamp)
+            .is_some_and(|at| at > now_us);
+        if unkeyed && !backing_off && !runs.iter().any(|r| r.id == run.id) {
             runs.push(run);
         }
     }

@@ -20,14 +20,14 @@ use tonic::Code;
 runplane_testkit::on_both_backends!(
     workers 4,
     World::start =>
-    one_loss_observation_only_stamps_and_the_run_fails_after_the_grace,
+    one_loss_observation_only_stamps_and_the_attempt_ends_after_the_grace,
     a_stamp_cleared_while_the_probe_is_in_flight_keeps_the_run_alive,
     a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read,
-    grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once,
-    a_recorded_runner_exit_ends_the_run_at_once_and_leaves_a_verdict_alone,
+    grace_expiry_seen_by_three_concurrent_ticks_ends_the_attempt_once,
+    a_recorded_runner_exit_ends_the_attempt_at_once_and_leaves_a_verdict_alone,
 );
 
-async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace(w: World) {
+async fn one_loss_observation_only_stamps_and_the_attempt_ends_after_the_grace(w: World) {
     let (row, key) = w.running_sandbox("grace").await;
     let lost = w.reconciler(FakeDriver::always(Probe::Lost));
 
@@ -62,9 +62,8 @@ async fn one_loss_observation_only_stamps_and_the_run_fails_after_the_grace(w: W
             .unwrap(),
         1
     );
-    let run = w.run_state(&row.run_id).await;
-    assert_eq!(run.state(), runstore_pb::RunState::Failed);
-    assert_eq!(run.failure_reason, "sandbox_lost");
+    // The run outlives its sandbox: its attempt ended, the next is due.
+    w.first_attempt_ended(&row.run_id, "sandbox_lost").await;
     // A sandbox seen alive again before the grace ends clears the stamp instead.
     let (row2, _) = w.running_sandbox("grace-recovers").await;
     lost.observe(row2.clone()).await.unwrap();
@@ -150,7 +149,7 @@ async fn a_stale_clear_cannot_delete_a_stamp_written_after_it_was_read(w: World)
     );
 }
 
-async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once(w: World) {
+async fn grace_expiry_seen_by_three_concurrent_ticks_ends_the_attempt_once(w: World) {
     let (row, key) = w.running_sandbox("three-ticks").await;
     let stamped = w.stamp(&row).await;
     w.clock.advance(GRACE + Duration::from_secs(1));
@@ -182,10 +181,8 @@ async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once(w: World
         1,
         "FailRun called once"
     );
-    assert_eq!(
-        w.run_state(&row.run_id).await.state(),
-        runstore_pb::RunState::Failed
-    );
+    // Once: attempt 1 ended and attempt 2 is due, not 3 or 4.
+    w.first_attempt_ended(&row.run_id, "sandbox_lost").await;
     let err = w
         .key_works(&row.run_id, &key, "batch-after-failure-1")
         .await
@@ -193,7 +190,7 @@ async fn grace_expiry_seen_by_three_concurrent_ticks_fails_the_run_once(w: World
     assert_eq!(err.code(), Code::FailedPrecondition);
 }
 
-async fn a_recorded_runner_exit_ends_the_run_at_once_and_leaves_a_verdict_alone(w: World) {
+async fn a_recorded_runner_exit_ends_the_attempt_at_once_and_leaves_a_verdict_alone(w: World) {
     let (row, _) = w.running_sandbox("runner-killed").await;
     let exited = w.reconciler(FakeDriver::always(Probe::Exited(Some(137))));
     // No time passes: the exit is certain, the grace is for what is unknown.
@@ -210,12 +207,9 @@ async fn a_recorded_runner_exit_ends_the_run_at_once_and_leaves_a_verdict_alone(
             .unwrap(),
         1
     );
-    let run = w.run_state(&row.run_id).await;
-    assert_eq!(run.state(), runstore_pb::RunState::Failed);
-    assert_eq!(run.failure_reason, "runner_exited");
-    let verdict = run.verdict.unwrap();
+    let first = w.first_attempt_ended(&row.run_id, "runner_exited").await;
     assert_eq!(
-        verdict.message,
+        first.end_message,
         format!(
             "the runner of sandbox {} was killed by signal 9 without a verdict",
             row.id

@@ -42,6 +42,7 @@ async fn runplane_storm(store: &dyn RecoveryStore, run: &str, tails: usize) -> u
             "first",
             CONTROLLER_LIFE_MS,
             now - CONTROLLER_LIFE_MS,
+            1,
         )
         .await
         .unwrap();
@@ -174,6 +175,7 @@ async fn main() {
                     "first",
                     5_000,
                     1_700_000_000_000,
+                    1,
                 )
                 .await
                 .unwrap();
@@ -189,6 +191,7 @@ async fn main() {
                     &format!("tok-{w}"),
                     600_000,
                     1_800_000_000_000,
+                    1,
                 )
                 .await
                 .unwrap();

@@ -117,6 +117,7 @@ async fn storm(tails: usize) -> Outcome {
             sandbox_id: "sbx".into(),
             sandbox_generation: 1,
             idempotency_key: format!("tail-storm-{tails}-key-0001"),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -165,6 +165,7 @@ timed_conformance!(
 conformance!(
     the_claims_wait_what_backoff_ms_says,
     only_the_first_controller_acquires_and_the_holder_gets_its_token_back,
+    a_later_attempts_runner_gets_a_fresh_lease_without_a_takeover,
     appends_are_fenced_idempotent_contiguous_and_budgeted,
     the_buffer_trims_and_reads_report_the_first_kept_frame,
     a_lowered_frame_limit_trims_a_long_buffer_at_once,
@@ -183,9 +184,16 @@ conformance!(
 /// The run's first controller held the lease until `lapsed_at`: there is a lost
 /// controller to replace from then on.
 async fn started(s: &Arc<dyn RecoveryStore>, run: &str, lapsed_at: i64) {
-    s.acquire(run, "first-controller", "first-token", 500, lapsed_at - 500)
-        .await
-        .unwrap();
+    s.acquire(
+        run,
+        "first-controller",
+        "first-token",
+        500,
+        lapsed_at - 500,
+        1,
+    )
+    .await
+    .unwrap();
 }
 
 fn claim(now_ms: i64, token: &str) -> ClaimArgs<'_> {
@@ -217,12 +225,12 @@ async fn only_the_first_controller_acquires_and_the_holder_gets_its_token_back(
     s: Arc<dyn RecoveryStore>,
 ) {
     let first = s
-        .acquire("run-1", "ctl-a", "token-a", TTL, T0)
+        .acquire("run-1", "ctl-a", "token-a", TTL, T0, 1)
         .await
         .unwrap();
     assert_eq!((first.token.as_str(), first.next_sequence), ("token-a", 1));
     let again = s
-        .acquire("run-1", "ctl-a", "token-other", TTL, T0 + 5)
+        .acquire("run-1", "ctl-a", "token-other", TTL, T0 + 5, 1)
         .await
         .unwrap();
     assert_eq!(
@@ -230,14 +238,55 @@ async fn only_the_first_controller_acquires_and_the_holder_gets_its_token_back(
         "the holder asking again gets its own token"
     );
     assert_eq!(
-        s.acquire("run-1", "ctl-b", "token-b", TTL, T0 + 10).await,
+        s.acquire("run-1", "ctl-b", "token-b", TTL, T0 + 10, 1)
+            .await,
         Err(StoreError::Held {
             controller: "ctl-a".into()
         })
     );
     // Once the lease lapsed, a new controller still cannot acquire: it must be claimed.
     assert_eq!(
-        s.acquire("run-1", "ctl-b", "token-b", TTL, T0 + TTL + 100)
+        s.acquire("run-1", "ctl-b", "token-b", TTL, T0 + TTL + 100, 1)
+            .await,
+        Err(StoreError::TakeoverRequired)
+    );
+}
+
+async fn a_later_attempts_runner_gets_a_fresh_lease_without_a_takeover(s: Arc<dyn RecoveryStore>) {
+    s.acquire("run-a", "attempt-1", "token-1", TTL, T0, 1)
+        .await
+        .unwrap();
+    // Attempt 1's runner still holds a live lease when attempt 2's says hello.
+    let second = s
+        .acquire("run-a", "attempt-2", "token-2", TTL, T0 + 10, 2)
+        .await
+        .unwrap();
+    assert_eq!(second.token, "token-2", "a fresh lease for the new attempt");
+    let budget = s.budget("run-a", T0 + 20).await.unwrap();
+    assert_eq!(
+        budget.attempts, 0,
+        "a new attempt spends no takeover budget"
+    );
+    assert_eq!(
+        budget.lease.map(|(holder, _)| holder).as_deref(),
+        Some("attempt-2")
+    );
+    assert_eq!(
+        s.renew("run-a", "token-1", TTL, T0 + 30).await,
+        Err(StoreError::Fenced),
+        "the earlier attempt's token is fenced"
+    );
+    // The same attempt cannot be granted twice: a second controller of attempt 2, and
+    // any of attempt 1, get what they got before attempts.
+    assert_eq!(
+        s.acquire("run-a", "other", "token-x", TTL, T0 + 40, 2)
+            .await,
+        Err(StoreError::Held {
+            controller: "attempt-2".into()
+        })
+    );
+    assert_eq!(
+        s.acquire("run-a", "attempt-1", "token-y", TTL, T0 + TTL + 100, 1)
             .await,
         Err(StoreError::TakeoverRequired)
     );
@@ -248,7 +297,7 @@ async fn appends_are_fenced_idempotent_contiguous_and_budgeted(s: Arc<dyn Recove
         stream_bytes: 64,
         ..BufferLimits::default()
     };
-    s.acquire("run-2", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-2", "ctl", "tok", TTL, T0, 1).await.unwrap();
     let a = s
         .append("run-2", "tok", &frames(1..=3), T0, &limits, false)
         .await
@@ -292,7 +341,7 @@ async fn the_buffer_trims_and_reads_report_the_first_kept_frame(s: Arc<dyn Recov
         max_frames: 3,
         ..BufferLimits::default()
     };
-    s.acquire("run-3", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-3", "ctl", "tok", TTL, T0, 1).await.unwrap();
     s.append("run-3", "tok", &frames(1..=5), T0, &limits, false)
         .await
         .unwrap();
@@ -309,7 +358,9 @@ async fn the_buffer_trims_and_reads_report_the_first_kept_frame(s: Arc<dyn Recov
 /// A lowered `max_frames` trims a full buffer in one append (ten thousand frames at once,
 /// more than one Lua `unpack` can take).
 async fn a_lowered_frame_limit_trims_a_long_buffer_at_once(s: Arc<dyn RecoveryStore>) {
-    s.acquire("run-long", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-long", "ctl", "tok", TTL, T0, 1)
+        .await
+        .unwrap();
     let limits = BufferLimits::default();
     for batch in 0..40u64 {
         let from = batch * 256 + 1;
@@ -435,7 +486,9 @@ async fn a_quiet_window_starts_a_fresh_budget(s: Arc<dyn RecoveryStore>) {
 }
 
 async fn a_parked_run_is_never_taken_over(s: Arc<dyn RecoveryStore>) {
-    s.acquire("run-6", "parked", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-6", "parked", "tok", TTL, T0, 1)
+        .await
+        .unwrap();
     for i in 1..=10 {
         let now = T0 + i * (TTL / 2);
         s.renew("run-6", "tok", TTL, now).await.unwrap();
@@ -468,7 +521,9 @@ async fn concurrent_claims_claim_once(s: Arc<dyn RecoveryStore>) {
 }
 
 async fn a_claim_fences_the_previous_controller(s: Arc<dyn RecoveryStore>) {
-    s.acquire("run-8", "first", "old", TTL, T0).await.unwrap();
+    s.acquire("run-8", "first", "old", TTL, T0, 1)
+        .await
+        .unwrap();
     let later = T0 + TTL + 1;
     assert!(matches!(
         s.claim("run-8", &claim(later, "new")).await.unwrap(),
@@ -573,7 +628,9 @@ async fn a_frame_older_than_the_buffer_ttl_is_trimmed_though_the_stream_goes_on(
         ttl: Duration::from_secs(3600),
         ..BufferLimits::default()
     };
-    s.acquire("run-age", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-age", "ctl", "tok", TTL, T0, 1)
+        .await
+        .unwrap();
     s.append("run-age", "tok", &frames(1..=3), T0, &limits, false)
         .await
         .unwrap();
@@ -624,7 +681,14 @@ async fn a_run_whose_lease_was_never_granted_is_never_claimed(s: Arc<dyn Recover
     );
     // Its runner then starts the stream as the first controller, not through a claim.
     let first = s
-        .acquire("run-9", "late-runner", "late-token", TTL, T0 + 21 * 61_000)
+        .acquire(
+            "run-9",
+            "late-runner",
+            "late-token",
+            TTL,
+            T0 + 21 * 61_000,
+            1,
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -637,7 +701,7 @@ async fn a_lost_lease_is_no_fence_and_a_controller_resyncs_past_lost_frames(
     s: Arc<dyn RecoveryStore>,
 ) {
     let limits = BufferLimits::default();
-    s.acquire("run-10", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-10", "ctl", "tok", TTL, T0, 1).await.unwrap();
     s.append("run-10", "tok", &frames(1..=3), T0, &limits, false)
         .await
         .unwrap();
@@ -690,7 +754,7 @@ async fn an_idle_buffer_expires_after_its_ttl(s: Arc<dyn RecoveryStore>, t: Time
         ttl: Duration::from_secs(600),
         ..BufferLimits::default()
     };
-    s.acquire("run-t1", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-t1", "ctl", "tok", TTL, T0, 1).await.unwrap();
     s.append("run-t1", "tok", &frames(1..=3), T0, &limits, false)
         .await
         .unwrap();
@@ -702,7 +766,9 @@ async fn an_idle_buffer_expires_after_its_ttl(s: Arc<dyn RecoveryStore>, t: Time
     assert_eq!((gone.frames.len(), gone.next_sequence), (0, 1), "{gone:?}");
     // A run granted and never appended to: its lost controller is known as lost (a
     // claim replaces it) until the state's TTL, long after its lease key went.
-    s.acquire("run-t1b", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-t1b", "ctl", "tok", TTL, T0, 1)
+        .await
+        .unwrap();
     t.pass(STATE_TTL - SECOND).await;
     assert!(matches!(
         s.claim("run-t1b", &claim(T0 + 10 * TTL, "t"))
@@ -710,7 +776,9 @@ async fn an_idle_buffer_expires_after_its_ttl(s: Arc<dyn RecoveryStore>, t: Time
             .unwrap(),
         ClaimOutcome::Claimed { attempt: 1, .. }
     ));
-    s.acquire("run-t1c", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-t1c", "ctl", "tok", TTL, T0, 1)
+        .await
+        .unwrap();
     t.pass(STATE_TTL + SECOND).await;
     assert_eq!(
         s.claim("run-t1c", &claim(T0 + 10 * TTL, "t"))
@@ -726,7 +794,7 @@ async fn a_lease_key_lives_four_leases_and_a_parked_one_until_unparked(
     t: Time,
 ) {
     let gc = Duration::from_millis((TTL * LEASE_GC_FACTOR) as u64);
-    s.acquire("run-t2", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-t2", "ctl", "tok", TTL, T0, 1).await.unwrap();
     t.pass(gc - SECOND).await;
     assert!(s.budget("run-t2", T0).await.unwrap().lease.is_some());
     t.pass(2 * SECOND).await;
@@ -735,7 +803,7 @@ async fn a_lease_key_lives_four_leases_and_a_parked_one_until_unparked(
         "the lease key expired"
     );
 
-    s.acquire("run-t3", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-t3", "ctl", "tok", TTL, T0, 1).await.unwrap();
     assert!(s.park("run-t3").await.unwrap());
     t.pass(STATE_TTL * 2).await;
     let parked = s.budget("run-t3", T0 + 10 * TTL).await.unwrap();
@@ -776,7 +844,7 @@ async fn an_orgs_hour_is_pruned_and_a_late_refund_leaves_nothing(
 }
 
 async fn the_index_of_runs_expires(s: Arc<dyn RecoveryStore>, t: Time) {
-    s.acquire("run-t5", "ctl", "tok", TTL, T0).await.unwrap();
+    s.acquire("run-t5", "ctl", "tok", TTL, T0, 1).await.unwrap();
     assert_eq!(s.runs("", 10).await.unwrap(), ["run-t5"]);
     t.pass(STATE_TTL + SECOND).await;
     assert!(s.runs("", 10).await.unwrap().is_empty());
@@ -846,7 +914,7 @@ async fn on_a_cluster_a_runs_keys_share_one_slot_and_runs_spread_over_the_master
 
 /// Drives one run through acquire, append, renew, park, unpark, claim and unclaim.
 async fn started_store(store: &RedisStore, run: &str) {
-    store.acquire(run, "c", "t1", TTL, T0).await.unwrap();
+    store.acquire(run, "c", "t1", TTL, T0, 1).await.unwrap();
     store
         .append(
             run,

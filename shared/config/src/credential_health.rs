@@ -108,6 +108,76 @@ pub struct ProfileConfig {
     /// unset, it does. `false` moves the deadline on by each pause's length.
     #[serde(default)]
     pub deadline_counts_paused_time: Option<bool>,
+    /// Which failures of this profile's runs start a new attempt, and how soon
+    /// (`retry = { max_attempts = 3, … }`); unset, [`RetryPolicy::default`].
+    #[serde(default)]
+    pub retry: Option<RetryPolicy>,
+}
+
+/// A profile's retry policy, classified by what a failure proves (the model is
+/// Kubernetes' `podFailurePolicy`). Infrastructure endings (the runner or sandbox died
+/// without a verdict, a sandbox or node lost past its grace) start the next attempt
+/// while attempts remain; the agent's own failure does not, unless its exit code is
+/// listed, or it was killed at its memory limit and `on_out_of_memory` says so.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Most attempts a run makes, the first included (1 to 100; 1 never retries).
+    pub max_attempts: u32,
+    /// The wait before the second attempt, in seconds; each later wait doubles, up to
+    /// `max_backoff_seconds`, and is jittered (the wait is drawn from its upper half).
+    pub backoff_seconds: f64,
+    /// The longest wait between attempts, in seconds.
+    pub max_backoff_seconds: f64,
+    /// Exit codes of the agent (1 to 255) that are retried like an infrastructure
+    /// failure; empty, an agent's non-zero exit ends the run.
+    pub exit_codes: Vec<i32>,
+    /// Whether an agent killed at its sandbox's memory limit is retried.
+    pub on_out_of_memory: bool,
+}
+
+impl Default for RetryPolicy {
+    /// At most 3 attempts, 1 s doubling to 30 s, no exit code retried, no OOM retried.
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            backoff_seconds: 1.0,
+            max_backoff_seconds: 30.0,
+            exit_codes: Vec::new(),
+            on_out_of_memory: false,
+        }
+    }
+}
+
+/// The longest wait between attempts a profile may set: one hour.
+pub const MAX_RETRY_BACKOFF_SECONDS: f64 = 3600.0;
+
+impl RetryPolicy {
+    /// Refuses what cannot be meant, naming the field under `field`.
+    pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        in_range(format!("{field}.max_attempts"), self.max_attempts, 1..=100)?;
+        for (name, seconds) in [
+            ("backoff_seconds", self.backoff_seconds),
+            ("max_backoff_seconds", self.max_backoff_seconds),
+        ] {
+            if !seconds.is_finite() || !(0.0..=MAX_RETRY_BACKOFF_SECONDS).contains(&seconds) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.{name}"),
+                    format!("must be between 0 and {MAX_RETRY_BACKOFF_SECONDS} seconds"),
+                ));
+            }
+        }
+        if self.max_backoff_seconds < self.backoff_seconds {
+            return Err(ConfigError::invalid(
+                format!("{field}.max_backoff_seconds"),
+                "must be at least backoff_seconds",
+            ));
+        }
+        for (i, code) in self.exit_codes.iter().enumerate() {
+            in_range(format!("{field}.exit_codes[{i}]"), *code, 1..=255)?;
+        }
+        Ok(())
+    }
 }
 
 /// How long a run may stay paused when its profile does not say.
@@ -275,6 +345,22 @@ impl CredentialHealthConfig {
                     ),
                 ));
             }
+            if let Some(retry) = &p.retry {
+                retry.validate(&format!("{field}.retry"))?;
+            }
+            if let Some(other) = self
+                .profiles
+                .iter()
+                .find(|o| o.name == p.name && o.retry != p.retry)
+            {
+                return Err(ConfigError::invalid(
+                    format!("{field}.retry"),
+                    format!(
+                        "profile `{}` gives its runs two retry policies (on credentials `{}` and `{}`); say it once, the same on every entry",
+                        p.name, other.credential_id, p.credential_id
+                    ),
+                ));
+            }
             if let Some(image) = &p.image
                 && !crate::checks::is_image_reference(image)
             {
@@ -334,6 +420,7 @@ impl Default for ProfileConfig {
             image: None,
             max_pause_seconds: None,
             deadline_counts_paused_time: None,
+            retry: None,
         }
     }
 }

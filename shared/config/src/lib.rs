@@ -30,8 +30,8 @@ pub use auth::{AuthConfig, parse_sha256};
 pub use checks::{is_image_reference, is_name};
 use checks::{validate_database_url, validate_endpoint_list};
 pub use credential_health::{
-    CredentialHealthConfig, DEFAULT_MAX_PAUSE_SECONDS, MAX_PAUSE_SECONDS, ProfileConfig,
-    ProfileLimits,
+    CredentialHealthConfig, DEFAULT_MAX_PAUSE_SECONDS, MAX_PAUSE_SECONDS,
+    MAX_RETRY_BACKOFF_SECONDS, ProfileConfig, ProfileLimits, RetryPolicy,
 };
 pub use error::ConfigError;
 pub use node::NodeConfig;

@@ -443,3 +443,44 @@ fn the_operator_token_may_be_given_by_its_digest_alone() {
         "{org_twice}"
     );
 }
+
+#[test]
+fn a_profiles_retry_policy_is_bounded_and_a_bad_one_is_refused_by_name() {
+    let profile = "[[credential_health.profiles]]\nname = \"p\"\ncredential_id = \"c\"\ncapacity = 1\nerror_pattern = \"e\"\nexhausted_pattern = \"x\"\n";
+    let unset = load_with(profile, &[]).unwrap();
+    assert_eq!(unset.credential_health.profiles[0].retry, None);
+    let set = load_with(
+        &format!("{profile}retry = {{ max_attempts = 5, backoff_seconds = 0.5, exit_codes = [3, 75], on_out_of_memory = true }}\n"),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        set.credential_health.profiles[0].retry,
+        Some(crate::RetryPolicy {
+            max_attempts: 5,
+            backoff_seconds: 0.5,
+            max_backoff_seconds: 30.0,
+            exit_codes: vec![3, 75],
+            on_out_of_memory: true,
+        })
+    );
+    for (retry, field) in [
+        ("max_attempts = 0", "retry.max_attempts"),
+        ("max_attempts = 101", "retry.max_attempts"),
+        ("backoff_seconds = -1.0", "retry.backoff_seconds"),
+        ("max_backoff_seconds = 0.5", "retry.max_backoff_seconds"),
+        ("max_backoff_seconds = 3601.0", "retry.max_backoff_seconds"),
+        ("exit_codes = [3, 256]", "retry.exit_codes[1]"),
+        ("exit_codes = [0]", "retry.exit_codes[0]"),
+        ("attempts = 2", "retry"),
+    ] {
+        let err = load_with(&format!("{profile}retry = {{ {retry} }}\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("credential_health.profiles[0].{field}"))
+                || (field == "retry" && err.contains("attempts")),
+            "{retry}: {err}"
+        );
+    }
+}

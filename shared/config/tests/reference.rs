@@ -46,6 +46,21 @@ const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
         "credential_health.profiles[].ended_run_retention_seconds",
         "unset",
     ),
+    // The retry table is unset in the example: its fields' defaults are the policy's.
+    ("credential_health.profiles[].retry.max_attempts", "`3`"),
+    (
+        "credential_health.profiles[].retry.backoff_seconds",
+        "`1.0`",
+    ),
+    (
+        "credential_health.profiles[].retry.max_backoff_seconds",
+        "`30.0`",
+    ),
+    ("credential_health.profiles[].retry.exit_codes", "`[]`"),
+    (
+        "credential_health.profiles[].retry.on_out_of_memory",
+        "`false`",
+    ),
     // Webhooks are off by default: an entry in the example would turn one on.
     ("run_store.webhooks[].url", "required"),
     ("run_store.webhooks[].secret", "required"),

@@ -47,6 +47,10 @@ counter!(
     /// Runs that became terminal, by `state`.
     runs_finished, "runplane.runs.finished", "Runs that reached a terminal state, by state");
 counter!(
+    /// Attempts of runs that ended and were followed by another, by `reason` (what ended
+    /// them: runner_exited, sandbox_lost, …).
+    runs_attempts, "runplane.runs.attempts", "Run attempts that ended and were retried, by reason");
+counter!(
     /// Events appended (replays of a batch not counted).
     events_appended, "runplane.events.appended", "Run events appended");
 counter!(
@@ -92,6 +96,7 @@ pub fn attr(key: &'static str, value: impl Into<opentelemetry::Value>) -> KeyVal
 pub const NAMES: &[&str] = &[
     "runplane.runs.created",
     "runplane.runs.finished",
+    "runplane.runs.attempts",
     "runplane.events.appended",
     "runplane.steering.acks",
     "runplane.transport.retries",

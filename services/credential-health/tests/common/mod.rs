@@ -263,6 +263,7 @@ impl Gate {
                 sandbox_id: "sbx-gate".into(),
                 sandbox_generation: 1,
                 idempotency_key: format!("sbx-gate:{run_id}:issue"),
+                ..Default::default()
             })
             .await
             .unwrap()

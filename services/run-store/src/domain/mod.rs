@@ -5,6 +5,7 @@ pub mod ids;
 pub mod labels;
 pub mod limits;
 pub mod receipt;
+pub mod retry;
 pub mod share;
 pub mod state;
 pub mod validate;

@@ -197,10 +197,15 @@ pub fn batch(
                 Ok(EventKind::Unspecified) | Err(_) => {
                     return Err(malformed("kind is unspecified or unknown".into()));
                 }
-                Ok(EventKind::SteerUndeliverable) => {
-                    return Err(malformed(
-                        "steer_undeliverable is written by the run store, not by runners".into(),
-                    ));
+                Ok(
+                    kind @ (EventKind::SteerUndeliverable
+                    | EventKind::AttemptEnded
+                    | EventKind::AttemptStarted),
+                ) => {
+                    return Err(malformed(format!(
+                        "{} is written by the run store, not by runners",
+                        kind.as_str_name()
+                    )));
                 }
                 Ok(_) => {}
             }

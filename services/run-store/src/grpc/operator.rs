@@ -147,8 +147,16 @@ impl RunService for RunApi {
         let s = &self.state;
         let scope = s.org_scope(&request)?;
         let run = s.visible_run(&scope, &request.get_ref().run_id).await?;
+        let mut answer = convert::run(&run);
+        answer.attempts = s
+            .store
+            .attempts(&run.id)
+            .await?
+            .iter()
+            .map(convert::attempt)
+            .collect();
         Ok(Response::new(runstore_pb::GetRunResponse {
-            run: Some(convert::run(&run)),
+            run: Some(answer),
         }))
     }
 
@@ -386,12 +394,17 @@ impl RunService for RunApi {
         if validate::int64("sandbox_generation", req.sandbox_generation)? == 0 {
             return Err(RunStoreError::invalid("sandbox_generation", "must be at least 1").into());
         }
+        validate::bounded("node_id", &req.node_id, 0, 128)?;
         let (key, secret) = s
             .store
             .issue_run_key(
                 &req.run_id,
-                &req.sandbox_id,
-                req.sandbox_generation,
+                &crate::store::KeyFor {
+                    sandbox_id: &req.sandbox_id,
+                    generation: req.sandbox_generation,
+                    attempt: req.attempt,
+                    node_id: &req.node_id,
+                },
                 &req.idempotency_key,
             )
             .await?;
@@ -423,6 +436,7 @@ impl RunService for RunApi {
             org_id: auth.run.org_id.clone(),
             run_state: runstore_pb::RunState::from(auth.run.state) as i32,
             sandbox_generation: auth.key.sandbox_generation as u64,
+            attempt: crate::store::attempts::attempt_of(&auth.key),
             key_id: auth.key.key_id,
         }))
     }
@@ -670,6 +684,8 @@ impl RunService for RunApi {
             s.changes.ended_again(&req.run_id);
         } else if outcome == runstore_pb::FailRunOutcome::MadeTerminal {
             s.changes.ended(&req.run_id, run.state);
+        } else if outcome == runstore_pb::FailRunOutcome::AttemptEnded {
+            s.changes.attempt_ended(&req.run_id);
         }
         tracing::info!(outcome = outcome.as_str_name(), "fail run");
         Ok(Response::new(runstore_pb::FailRunResponse {

@@ -35,17 +35,20 @@ impl RunnerService for RunnerApi {
         let req = request.get_ref();
         let auth = s.runner(&request, &req.run_id, false).await?;
         validate::client_key("nonce", &req.nonce)?;
-        let (run, claimed_at) = s
+        let hello = s
             .store
             .hello(&auth.key.key_id, &req.run_id, &req.nonce)
             .await?;
+        let run = hello.run;
         s.changes.notify(&run.id);
-        tracing::info!(key_id = %auth.key.key_id, generation = auth.key.sandbox_generation, "runner said hello");
+        tracing::info!(key_id = %auth.key.key_id, generation = auth.key.sandbox_generation, attempt = hello.attempt, "runner said hello");
         Ok(Response::new(runstore_pb::HelloResponse {
             chain_head: run.chain_head.clone(),
             run: Some(convert::run(&run)),
-            claimed_at: Some(runplane_clock::to_timestamp(claimed_at)),
+            claimed_at: Some(runplane_clock::to_timestamp(hello.claimed_at_us)),
             limits: Some(s.limits()),
+            attempt: hello.attempt,
+            previous_attempt_reason: hello.previous_attempt_reason,
         }))
     }
 
@@ -139,13 +142,30 @@ impl RunnerService for RunnerApi {
     ) -> std::result::Result<Response<runstore_pb::SubmitResultResponse>, Status> {
         let s = &self.state;
         let req = request.get_ref();
-        s.runner(&request, &req.run_id, true).await?;
+        let superseded = match s.runner(&request, &req.run_id, true).await {
+            Ok(_) => false,
+            Err(RunStoreError::AttemptSuperseded { .. }) => true,
+            Err(e) => return Err(e.into()),
+        };
         let verdict = req
             .verdict
             .as_ref()
             .ok_or_else(|| RunStoreError::invalid("verdict", "is required"))?;
         let verdict = Verdict::try_from(verdict)?;
         validate::verdict(&verdict)?;
+        if superseded {
+            // The runner of an attempt that has ended: its verdict's own replay is
+            // answered, any other refused and recorded on its attempt.
+            let run = s
+                .store
+                .superseded_verdict(crate::auth::presented(&request)?, &verdict)
+                .await?;
+            return Ok(Response::new(runstore_pb::SubmitResultResponse {
+                run: Some(convert::run(&run)),
+                already_recorded: true,
+                receipt: None,
+            }));
+        }
         validate::bounded(
             "failure_tail",
             &req.failure_tail,
@@ -172,6 +192,8 @@ impl RunnerService for RunnerApi {
         if finished.made_terminal {
             s.changes.ended(&req.run_id, finished.run.state);
             tracing::info!(outcome = %verdict.outcome, reason = %verdict.reason, "run finished");
+        } else if finished.retried {
+            s.changes.attempt_ended(&req.run_id);
         } else {
             s.changes.ended_again(&req.run_id);
         }

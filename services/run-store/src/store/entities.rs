@@ -68,6 +68,12 @@ pub mod run {
         /// paused the deadline sweep leaves it alone, and ResumeRun moves the deadline on
         /// by the pause's length.
         pub pause_holds_deadline: i64,
+        /// How many of its attempts ended and were followed by another: it is on attempt
+        /// `retries + 1`.
+        pub retries: i64,
+        /// When a run waiting to retry may start its next attempt (its backoff); 0 when
+        /// it is not waiting.
+        pub retry_at_us: i64,
         pub created_at_us: i64,
         pub started_at_us: Option<i64>,
         pub ended_at_us: Option<i64>,
@@ -115,6 +121,8 @@ pub mod run_key {
         pub revoked_at_us: Option<i64>,
         pub hello_nonce: Option<String>,
         pub hello_at_us: Option<i64>,
+        /// The attempt it was issued for (0 before attempts were recorded: the first).
+        pub attempt: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -284,6 +292,34 @@ pub mod run_label {
         #[sea_orm(primary_key, auto_increment = false)]
         pub key: String,
         pub value: String,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod run_attempt {
+    use sea_orm::entity::prelude::*;
+
+    /// One attempt of a run: the sandbox its key was issued for, and how it ended.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "run_attempts")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub run_id: String,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub number: i64,
+        pub sandbox_id: String,
+        pub node_id: String,
+        pub started_at_us: i64,
+        /// 0 while it runs.
+        pub ended_at_us: i64,
+        pub end_reason: String,
+        pub end_message: String,
+        /// A verdict its runner sent after it had ended, refused and kept here.
+        pub superseded_verdict: String,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

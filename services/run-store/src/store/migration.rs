@@ -70,6 +70,25 @@ impl MigratorTrait for Migrator {
                 column: "pause_holds_deadline",
             }),
             Box::new(AddPauseEnd),
+            // Attempts: how many of a run's attempts were retried (`runs.retries`), when
+            // its next may start (`runs.retry_at_us`), the attempt a key is for, and one
+            // row per attempt (`run_attempts`).
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0019_run_retries",
+                table: "runs",
+                column: "retries",
+            }),
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0020_run_retry_at",
+                table: "runs",
+                column: "retry_at_us",
+            }),
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0021_key_attempt",
+                table: "run_keys",
+                column: "attempt",
+            }),
+            Box::new(AddRunAttempts),
         ]
     }
 }
@@ -716,5 +735,47 @@ impl MigrationTrait for CreateRunStore {
                 .await?;
         }
         Ok(())
+    }
+}
+
+/// One row per attempt of a run (`run_attempts`), keyed by run and number.
+struct AddRunAttempts;
+
+impl MigrationName for AddRunAttempts {
+    fn name(&self) -> &str {
+        "m0022_run_attempts"
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for AddRunAttempts {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_table(
+                Table::create()
+                    .table(Alias::new("run_attempts"))
+                    .col(text("run_id"))
+                    .col(int64("number"))
+                    .col(text("sandbox_id"))
+                    .col(text("node_id"))
+                    .col(int64("started_at_us"))
+                    .col(int64("ended_at_us"))
+                    .col(text("end_reason"))
+                    .col(text("end_message"))
+                    .col(text("superseded_verdict"))
+                    .primary_key(
+                        Index::create()
+                            .col(Alias::new("run_id"))
+                            .col(Alias::new("number")),
+                    )
+                    .to_owned(),
+            )
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(Table::drop().table(Alias::new("run_attempts")).to_owned())
+            .await
     }
 }

@@ -16,6 +16,7 @@
 //!   own (FailRun, MarkBackendError), so a replay gets the first answer back.
 
 mod append;
+pub mod attempts;
 pub mod entities;
 mod events;
 mod keys;
@@ -42,6 +43,7 @@ use sea_orm::{
     EntityTrait, IntoActiveModel, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, SqlErr,
 };
 
+pub use keys::{Hello, KeyFor};
 pub use migration::Migrator;
 pub use pause::{PauseRule, Paused, REASON_PAUSED_TOO_LONG};
 pub use retention::{Retention, Swept};
@@ -89,6 +91,8 @@ pub struct Store {
     event_quota: EventQuota,
     /// The webhook endpoints and the events each takes (`[[run_store.webhooks]]`).
     webhooks: Arc<crate::domain::webhook::Routes>,
+    /// Each profile's retry policy (`retry` of `[[credential_health.profiles]]`).
+    retry_rules: Arc<crate::domain::retry::RetryRules>,
 }
 
 /// Most events and event bytes (text, data and names) one run stores; a runner's append
@@ -264,6 +268,8 @@ pub struct Finished {
     pub run: run::Model,
     /// This call made the run terminal (side effects are its to run).
     pub made_terminal: bool,
+    /// This call ended the run's attempt instead, and the next is due.
+    pub retried: bool,
 }
 
 fn is_unique_violation(e: &DbErr) -> bool {
@@ -284,7 +290,14 @@ impl Store {
             reasons: Arc::default(),
             event_quota: EventQuota::default(),
             webhooks: Arc::default(),
+            retry_rules: Arc::default(),
         }
+    }
+
+    /// Retries runs' attempts by their profiles' policies ([`crate::domain::retry`]).
+    pub fn with_retries(mut self, rules: crate::domain::retry::RetryRules) -> Self {
+        self.retry_rules = Arc::new(rules);
+        self
     }
 
     /// Owes lifecycle events to these endpoints ([`crate::domain::webhook::Routes`]).

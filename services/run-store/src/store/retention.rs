@@ -220,6 +220,10 @@ impl Store {
                 .filter(run_label::Column::RunId.eq(run_id))
                 .exec(&txn)
                 .await?;
+            entities::run_attempt::Entity::delete_many()
+                .filter(entities::run_attempt::Column::RunId.eq(run_id))
+                .exec(&txn)
+                .await?;
         }
         txn.commit().await?;
         Ok(gone)

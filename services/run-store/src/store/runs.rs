@@ -50,6 +50,8 @@ impl Store {
             paused_at_us: 0,
             pause_ends_at_us: 0,
             pause_holds_deadline: 0,
+            retries: 0,
+            retry_at_us: 0,
             created_at_us: now,
             started_at_us: None,
             ended_at_us: None,

@@ -21,6 +21,7 @@ impl Store {
                 return Ok(Finished {
                     run,
                     made_terminal: false,
+                    retried: false,
                 });
             }
             return Err(terminal_error(&run));
@@ -37,6 +38,18 @@ impl Store {
                 run = self.lock_run(&txn, run_id).await?;
             }
         }
+        if let Some(run) = self.retry_locked(&txn, &run, verdict).await? {
+            if verdict.outcome == VerdictOutcome::Failed && !failure_tail.is_empty() {
+                self.owe_turn_failure(&txn, &run, format!("{}:result", run.id), failure_tail)
+                    .await?;
+            }
+            txn.commit().await?;
+            return Ok(Finished {
+                run,
+                made_terminal: false,
+                retried: true,
+            });
+        }
         let run = self
             .finish_locked(&txn, run, verdict, Some(failure_tail), signer)
             .await?;
@@ -48,6 +61,7 @@ impl Store {
         Ok(Finished {
             run,
             made_terminal: true,
+            retried: false,
         })
     }
 
@@ -89,10 +103,15 @@ impl Store {
             (runstore_pb::FailRunOutcome::GuardMismatch, run)
         } else {
             let verdict = Verdict::new(VerdictOutcome::Failed, reason, message);
-            let run = self
-                .finish_locked(&txn, run, &verdict, None, signer)
-                .await?;
-            (runstore_pb::FailRunOutcome::MadeTerminal, run)
+            match self.retry_locked(&txn, &run, &verdict).await? {
+                Some(run) => (runstore_pb::FailRunOutcome::AttemptEnded, run),
+                None => {
+                    let run = self
+                        .finish_locked(&txn, run, &verdict, None, signer)
+                        .await?;
+                    (runstore_pb::FailRunOutcome::MadeTerminal, run)
+                }
+            }
         };
         self.commit_keyed(
             txn,
@@ -150,6 +169,7 @@ impl Store {
             return Ok(Finished {
                 run,
                 made_terminal: false,
+                retried: false,
             });
         }
         if run.state.is_terminal() {
@@ -171,6 +191,7 @@ impl Store {
         Ok(Finished {
             run,
             made_terminal: true,
+            retried: false,
         })
     }
 
@@ -400,6 +421,15 @@ impl Store {
         active.ended_at_us = sea_orm::Set(Some(now));
         active.updated_at_us = sea_orm::Set(now);
         let run = active.update(txn).await?;
+        self.end_attempt(
+            txn,
+            &run,
+            super::attempts::current_attempt(&run),
+            &verdict.reason,
+            &verdict.message,
+            now,
+        )
+        .await?;
 
         run_key::Entity::update_many()
             .col_expr(
@@ -418,6 +448,7 @@ impl Store {
             .order_by(event::Column::Sequence, Order::Asc)
             .all(txn)
             .await?;
+        let attempts = self.attempts_in(txn, &run.id).await?;
         let body = runstore_pb::ReceiptBody {
             run_id: run.id.clone(),
             org_id: run.org_id.clone(),
@@ -434,6 +465,15 @@ impl Store {
             chain_head: run.chain_head.clone(),
             sealed_at: Some(runplane_clock::to_timestamp(now)),
             key_id: String::new(),
+            attempts: attempts
+                .into_iter()
+                .map(|a| runstore_pb::AttemptRef {
+                    number: u32::try_from(a.number).unwrap_or(u32::MAX),
+                    sandbox_id: a.sandbox_id,
+                    node_id: a.node_id,
+                    end_reason: a.end_reason,
+                })
+                .collect(),
         };
         let sealed = signer.seal(body);
         receipt::Entity::insert(

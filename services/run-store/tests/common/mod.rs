@@ -223,6 +223,7 @@ impl Harness {
                 sandbox_id: sandbox_id.into(),
                 sandbox_generation: generation,
                 idempotency_key: format!("{sandbox_id}:{generation}:issue-key"),
+                ..Default::default()
             })
             .await
             .expect("issue key")

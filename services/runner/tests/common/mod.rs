@@ -64,6 +64,7 @@ pub async fn run_with_key(
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: idempotency_key.into(),
+                ..Default::default()
             },
             TOKEN,
         ))

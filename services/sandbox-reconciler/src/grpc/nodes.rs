@@ -186,6 +186,8 @@ impl NodeService for NodeApi {
                 sandbox_id: row.id.clone(),
                 sandbox_generation: row.execution_generation as u64,
                 idempotency_key: format!("{}:{}", row.id, row.execution_generation),
+                attempt: u32::try_from(row.attempt.max(1)).unwrap_or(u32::MAX),
+                node_id: req.node_id.clone(),
             })
             .await?
             .into_inner();

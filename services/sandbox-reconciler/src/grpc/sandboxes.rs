@@ -99,6 +99,7 @@ impl SandboxService for SandboxApi {
                 } else {
                     run.traceparent
                 },
+                attempt: run.attempt.max(1),
                 run_id: run.id,
                 org_id: run.org_id,
                 node_id,

@@ -70,7 +70,7 @@ pub async fn dispatch(
         }
     };
     let to_place = match max_runs {
-        Some(max_runs) => crate::slots::runs_to_place(run_store, fleet, max_runs)
+        Some(max_runs) => crate::slots::runs_to_place(run_store, fleet, max_runs, store.now_us())
             .await
             .map_err(|status| {
                 tracing::warn!(code = ?status.code(), message = status.message(), "no slots claimed this round; runs wait");
@@ -80,8 +80,11 @@ pub async fn dispatch(
     };
     if let Some(runs) = to_place {
         for run in runs {
+            let attempt = run.attempt.max(1);
             let new = |node_id: String| crate::store::NewSandbox {
-                client_request_id: format!("dispatch:{}", run.id),
+                // One sandbox per attempt, whichever replica places it.
+                client_request_id: dispatch_key(&run.id, attempt),
+                attempt,
                 network: profiles.network_of(&run.profile),
                 limits: profiles.limits_of(&run.profile),
                 image: profiles.image_of(&run.profile),
@@ -136,7 +139,8 @@ pub async fn dispatch(
             run_id = %row.run_id,
             sandbox_id = %row.id,
             node_id = LOCAL_NODE,
-            attempt = row.execution_generation,
+            attempt = row.attempt.max(1),
+            generation = row.execution_generation,
         );
         runplane_grpc::trace_context::continue_trace(&span, &row.traceparent);
         let issued = run_store
@@ -146,6 +150,8 @@ pub async fn dispatch(
                 sandbox_id: row.id.clone(),
                 sandbox_generation: row.execution_generation as u64,
                 idempotency_key: format!("{}:{}", row.id, row.execution_generation),
+                attempt: u32::try_from(row.attempt.max(1)).unwrap_or(u32::MAX),
+                node_id: LOCAL_NODE.to_owned(),
             })
             .instrument(span.clone())
             .await;
@@ -153,7 +159,9 @@ pub async fn dispatch(
             Ok(answer) => Some(answer.into_inner().run_key),
             Err(status) => {
                 let reason = error_info(&status).map(|i| i.reason).unwrap_or_default();
-                if reason == ErrorReason::RunTerminal.as_str_name() {
+                if reason == ErrorReason::RunTerminal.as_str_name()
+                    || reason == ErrorReason::AttemptSuperseded.as_str_name()
+                {
                     store
                         .mark_deleted(&row.id, row.execution_generation)
                         .await?;
@@ -204,4 +212,14 @@ pub async fn dispatch(
         }
     }
     Ok(started)
+}
+
+/// The dedupe key of the sandbox dispatch makes for attempt `attempt` of `run_id`: every
+/// replica that places the attempt names the same row, so it is started once. The first
+/// attempt keeps the key from before attempts (`dispatch:<run>`).
+pub fn dispatch_key(run_id: &str, attempt: u32) -> String {
+    match attempt {
+        0 | 1 => format!("dispatch:{run_id}"),
+        n => format!("dispatch:{run_id}:{n}"),
+    }
 }

@@ -6,7 +6,7 @@ use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_sandbox::{Driver, SandboxSpec};
 
 use super::reconciler::Reconciler;
-use super::runs::{Only, RUN_IDS_PER_QUESTION, run_ids_of, runs_among};
+use super::runs::{RUN_IDS_PER_QUESTION, run_ids_of};
 use crate::clients::RunStoreClient;
 use crate::domain::placement::LOCAL_NODE;
 use crate::error::ReconcilerError;
@@ -42,19 +42,28 @@ impl Reconciler {
             cursor = Some(last.id.clone());
             let full = rows.len() as u64 == batch;
             let run_ids = run_ids_of(&rows);
-            let ended = if run_ids.is_empty() {
+            let runs = if run_ids.is_empty() {
                 Default::default()
             } else {
-                ended_runs(run_store, run_ids).await?
+                attempts_of(run_store, run_ids).await?
             };
-            for row in rows.iter().filter(|r| ended.contains(&r.run_id)) {
+            for row in &rows {
+                let why = match runs.get(&row.run_id) {
+                    Some(RunNow::Ended) => "the run has ended",
+                    Some(RunNow::OnAttempt(attempt))
+                        if i64::from(*attempt) > row.attempt.max(1) =>
+                    {
+                        "the run went on to a later attempt"
+                    }
+                    _ => continue,
+                };
                 if self
                     .store
                     .mark_deleted(&row.id, row.execution_generation)
                     .await?
                 {
                     deleted += 1;
-                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, status = %row.status, "the run has ended; sandbox deleted, its stop owed");
+                    tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, status = %row.status, attempt = row.attempt.max(1), "{why}; sandbox deleted, its stop owed");
                 }
             }
             if !full {
@@ -85,12 +94,48 @@ impl Reconciler {
     }
 }
 
-/// Which of `run_ids` (at most 500) the run store says are terminal.
-async fn ended_runs(
+/// Where a sandbox's run is, as the run store says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunNow {
+    Ended,
+    /// Live, on this attempt.
+    OnAttempt(u32),
+}
+
+/// Where each of `run_ids` (at most 500) is that the run store knows: ended, or live on
+/// an attempt. Every page of the answer is read, and only runs asked for count.
+async fn attempts_of(
     run_store: &RunStoreClient,
     run_ids: Vec<String>,
-) -> Result<std::collections::HashSet<String>, ReconcilerError> {
-    runs_among(run_store, run_ids, &TERMINAL_RUN_STATES, Only::Any).await
+) -> Result<std::collections::HashMap<String, RunNow>, ReconcilerError> {
+    let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
+    let mut found = std::collections::HashMap::new();
+    let mut page_token = String::new();
+    loop {
+        let page = run_store
+            .clone()
+            .list_runs(runstore_pb::ListRunsRequest {
+                run_ids: run_ids.clone(),
+                page_size: RUN_IDS_PER_QUESTION as u32,
+                page_token,
+                view: runstore_pb::RunView::Basic as i32,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        for run in page.runs.into_iter().filter(|r| asked.contains(&r.id)) {
+            let now = if TERMINAL_RUN_STATES.contains(&run.state()) {
+                RunNow::Ended
+            } else {
+                RunNow::OnAttempt(run.attempt)
+            };
+            found.insert(run.id, now);
+        }
+        if page.next_page_token.is_empty() {
+            return Ok(found);
+        }
+        page_token = page.next_page_token;
+    }
 }
 
 /// Stops a deleted local sandbox's process and acknowledges the stop; `false` (logged)

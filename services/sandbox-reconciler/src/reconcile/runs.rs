@@ -28,8 +28,6 @@ pub(super) fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
 /// What else a run must be for [`runs_among`] to answer with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Only {
-    /// Nothing else.
-    Any,
     /// It has a steering or control message not yet acknowledged.
     WithPendingMessages,
     /// It is paused (PauseRun).

@@ -51,6 +51,10 @@ pub mod sandbox {
         /// local one is suspended here) and its wakes wait; once resumed, its restore is
         /// owed until it runs again (which an idle suspend, 0, never asks for).
         pub paused: i64,
+        /// The attempt of its run it was made for (1, 2, …; 0 for rows made before
+        /// attempts: the first). A sandbox of an attempt its run has moved past is
+        /// deleted like one of an ended run.
+        pub attempt: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

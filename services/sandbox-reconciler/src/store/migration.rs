@@ -53,6 +53,13 @@ impl MigratorTrait for Migrator {
                 table: "sandboxes",
                 column: "paused",
             }),
+            // The attempt of its run a sandbox was made for (`sandboxes.attempt`; 0 for
+            // rows from before attempts: the first).
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0010_sandbox_attempt",
+                table: "sandboxes",
+                column: "attempt",
+            }),
         ]
     }
 }

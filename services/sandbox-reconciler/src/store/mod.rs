@@ -89,6 +89,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         limits,
         image,
         traceparent,
+        attempt,
     } = new;
     sandbox::Model {
         id: uuid::Uuid::new_v4().to_string(),
@@ -112,6 +113,7 @@ fn new_direct_sandbox(new: NewSandbox, now: i64) -> sandbox::Model {
         limits,
         image,
         paused: 0,
+        attempt: i64::from(attempt),
     }
 }
 
@@ -165,6 +167,8 @@ pub struct NewSandbox {
     pub image: String,
     /// The run's trace.
     pub traceparent: String,
+    /// The attempt of the run it is made for (1, 2, …).
+    pub attempt: u32,
 }
 
 /// What one [`Store::prune`] deleted.

@@ -292,6 +292,7 @@ impl World {
                     sandbox_id: sandbox_id.clone(),
                     sandbox_generation: 1,
                     idempotency_key: format!("{sandbox_id}:1"),
+                    ..Default::default()
                 },
                 TOKEN,
             ))
@@ -348,6 +349,7 @@ impl World {
             created_at_us: now,
             updated_at_us: now,
             paused: 0,
+            attempt: 1,
             traceparent: String::new(),
             network: String::new(),
             limits: String::new(),
@@ -369,6 +371,22 @@ impl World {
             .into_inner()
             .run
             .unwrap()
+    }
+
+    /// Asserts `run_id`'s first attempt ended, once, for `reason`, and its second is due
+    /// (the run is STARTING on attempt 2, without a sandbox): what a loss or a known exit
+    /// does to a run whose retry policy has attempts left. Returns attempt 1's record.
+    pub async fn first_attempt_ended(&self, run_id: &str, reason: &str) -> runstore_pb::Attempt {
+        let run = self.run_state(run_id).await;
+        assert_eq!(
+            (run.state(), run.attempt, run.sandbox_id.as_str()),
+            (runstore_pb::RunState::Starting, 2, ""),
+            "{run:?}"
+        );
+        assert_eq!(run.attempts.len(), 1, "{run:?}");
+        let first = run.attempts[0].clone();
+        assert_eq!((first.number, first.end_reason.as_str()), (1, reason));
+        first
     }
 
     /// The runner of `run_id` submits a succeeded verdict with its key.

@@ -16,7 +16,7 @@ pub(super) async fn acquire(
     validate::run_id(&req.run_id)?;
     validate::controller_id(&req.controller_id)?;
     let ttl = validate::lease_ttl_ms(req.ttl.as_ref())?;
-    s.runner(&request, &req.run_id).await?;
+    let key = s.runner_key(&request, &req.run_id).await?;
     let acquired = s
         .store
         .acquire(
@@ -25,6 +25,7 @@ pub(super) async fn acquire(
             &new_token(),
             ttl,
             s.now_ms(),
+            key.attempt,
         )
         .await
         .map_err(store_error)?;

@@ -92,6 +92,16 @@ impl CoordinatorState {
         request: &Request<T>,
         run_id: &str,
     ) -> Result<String, Status> {
+        Ok(self.runner_key(request, run_id).await?.org_id)
+    }
+
+    /// As [`CoordinatorState::runner`], with what the run store says of the key (its
+    /// org and the attempt it was issued for).
+    pub(super) async fn runner_key<T>(
+        &self,
+        request: &Request<T>,
+        run_id: &str,
+    ) -> Result<runstore_pb::CheckRunKeyResponse, Status> {
         let key = runplane_grpc::auth::caller(request)
             .and_then(runplane_grpc::auth::Caller::presented)
             .ok_or_else(unauthenticated)?;
@@ -104,7 +114,7 @@ impl CoordinatorState {
             })
             .await;
         match check {
-            Ok(answer) => Ok(answer.into_inner().org_id),
+            Ok(answer) => Ok(answer.into_inner()),
             // The run store's refusal (invalid, revoked, other run, terminal) stands as is
             // (see `RecoveryError::Upstream`).
             Err(status) => Err(upstream(&status)),

@@ -32,6 +32,8 @@ type Expiry = Option<i64>;
 struct Run {
     lease: Option<Lease>,
     granted: bool,
+    /// The attempt of the run the lease was last granted to (Redis: meta `attempt`).
+    granted_attempt: u32,
     next: u64,
     first: u64,
     bytes: u64,
@@ -103,6 +105,7 @@ impl Run {
         }
         if gone(&mut self.meta_until) {
             self.granted = false;
+            self.granted_attempt = 0;
             self.next = 1;
             self.first = 1;
             self.bytes = 0;
@@ -206,9 +209,11 @@ impl RecoveryStore for MemoryStore {
         token: &str,
         ttl_ms: i64,
         now_ms: i64,
+        attempt: u32,
     ) -> Result<Acquired> {
         let out = self.with(run, |r, t| {
-            if let Some(lease) = r.live_lease(now_ms).cloned() {
+            let later_attempt = r.granted && attempt > r.granted_attempt.max(1);
+            if let Some(lease) = r.live_lease(now_ms).cloned().filter(|_| !later_attempt) {
                 if lease.controller != controller {
                     return Err(StoreError::Held {
                         controller: lease.controller,
@@ -225,10 +230,11 @@ impl RecoveryStore for MemoryStore {
                 r.keep_meta(t, STATE_TTL.as_millis() as i64);
                 return Ok(acquired);
             }
-            if r.granted {
+            if r.granted && !later_attempt {
                 return Err(StoreError::TakeoverRequired);
             }
             r.granted = true;
+            r.granted_attempt = attempt.max(1);
             r.lease = Some(Lease {
                 controller: controller.to_owned(),
                 token: token.to_owned(),

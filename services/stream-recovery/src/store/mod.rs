@@ -129,7 +129,10 @@ pub trait RecoveryStore: Send + Sync + 'static {
     /// on Redis, so does every other replica's.
     fn notifier(&self) -> &Notifier;
     /// Grants the lease to a run's first controller; the same controller again gets its
-    /// token back (and a fresh expiry).
+    /// token back (and a fresh expiry). The first controller of a later `attempt` of the
+    /// run (its runner's key says which) gets a fresh lease, whoever held it: the earlier
+    /// attempt's runner is gone (its key was revoked), so this is no takeover and spends
+    /// no budget.
     async fn acquire(
         &self,
         run: &str,
@@ -137,6 +140,7 @@ pub trait RecoveryStore: Send + Sync + 'static {
         token: &str,
         ttl_ms: i64,
         now_ms: i64,
+        attempt: u32,
     ) -> Result<Acquired>;
     /// Extends the lease `token` holds; a lease that is gone is taken back (not a fence).
     async fn renew(&self, run: &str, token: &str, ttl_ms: i64, now_ms: i64) -> Result<i64>;

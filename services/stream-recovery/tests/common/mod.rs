@@ -315,6 +315,7 @@ impl World {
                 sandbox_id: "sbx".into(),
                 sandbox_generation: 1,
                 idempotency_key: format!("recovery-test-key-{:04}", unique()),
+                ..Default::default()
             })
             .await
             .unwrap()

@@ -16,6 +16,7 @@ pub(super) async fn acquire(
     token: &str,
     ttl_ms: i64,
     now_ms: i64,
+    attempt: u32,
 ) -> Result<Acquired> {
     let k = store.keys(run);
     let mut conn = store.conn.clone();
@@ -30,6 +31,7 @@ pub(super) async fn acquire(
         .arg(now_ms)
         .arg(LEASE_GC_FACTOR)
         .arg(STATE_TTL.as_millis() as u64)
+        .arg(attempt.max(1))
         .invoke_async(&mut conn)
         .await?;
     match text(&out[0]).as_str() {

@@ -115,8 +115,9 @@ impl RecoveryStore for RedisStore {
         token: &str,
         ttl_ms: i64,
         now_ms: i64,
+        attempt: u32,
     ) -> Result<Acquired> {
-        leases::acquire(self, run, controller, token, ttl_ms, now_ms).await
+        leases::acquire(self, run, controller, token, ttl_ms, now_ms, attempt).await
     }
 
     async fn renew(&self, run: &str, token: &str, ttl_ms: i64, now_ms: i64) -> Result<i64> {
