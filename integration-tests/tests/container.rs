@@ -29,7 +29,7 @@ runplane_integration_tests::on_both_starts!(
     a_container_agent_reaches_neither_the_host_nor_the_control_plane,
     no_run_key_reaches_the_container_or_the_engines_view_of_it,
     a_cancelled_container_run_leaves_no_container,
-    a_container_removed_from_outside_ends_its_run_once_as_lost,
+    a_container_removed_from_outside_ends_its_attempt_once_as_lost,
     a_container_run_survives_a_restart_of_dev,
 );
 
@@ -432,15 +432,20 @@ async fn a_run_whose_image_is_gone_ends_image_unavailable() {
     assert!(err.contains("failed (image_unavailable"), "{out}\n{err}");
 }
 
-/// A container removed from outside while its agent runs: the run ends once, failed
-/// `sandbox_lost`.
-async fn a_container_removed_from_outside_ends_its_run_once_as_lost(start: Start) {
+/// A container removed from outside while its agent runs: its attempt ends once,
+/// `sandbox_lost`, and the run's second attempt, in a new container that learns which
+/// attempt it is and why the first ended, succeeds.
+async fn a_container_removed_from_outside_ends_its_attempt_once_as_lost(start: Start) {
     let dev = dev(start, &[]).await;
-    let cli = run_command(&dev, "echo started; sleep 600")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let cli = run_command(
+        &dev,
+        "echo \"attempt $RUNPLANE_ATTEMPT after ${RUNPLANE_PREVIOUS_ATTEMPT:-nothing}\"; \
+         if [ \"$RUNPLANE_ATTEMPT\" = 1 ]; then sleep 600; fi",
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let id = runplane_integration_tests::sandboxes::eventually(
         Duration::from_secs(60),
         "the running container",
@@ -460,11 +465,24 @@ async fn a_container_removed_from_outside_ends_its_run_once_as_lost(start: Start
         .await
         .expect("the run ends")
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (stdout, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{err}");
     assert_eq!(
-        err.matches("runplane: failed (sandbox_lost").count(),
+        err.matches("runplane: attempt 1 ended (sandbox_lost")
+            .count(),
         1,
         "{err}"
+    );
+    assert_eq!(
+        stdout
+            .lines()
+            .filter(|l| l.starts_with("attempt "))
+            .collect::<Vec<_>>(),
+        ["attempt 1 after nothing", "attempt 2 after sandbox_lost"],
+        "{stdout}\n{err}"
     );
 }
 

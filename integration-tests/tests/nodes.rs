@@ -147,13 +147,14 @@ async fn an_idle_suspended_sandbox_is_woken_on_the_node_holding_it_and_its_run_f
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_ends() {
+async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_retries() {
     // Each node listens on its advertised endpoint: a free port, not a shared one.
     let node_endpoint_17011 = runplane_testkit::free_local_addr().to_string();
     // The agent and its sandbox die together (a container restart); the agent comes back
     // with the same id at once, so the reconciler still counts the node ready and assigns
     // the sandbox again. Its key was claimed by the dead runner: the agent must say the
-    // sandbox is gone, or the run would stay RUNNING for ever.
+    // sandbox is gone, or the run would stay RUNNING for ever. Past the grace the attempt
+    // ends sandbox_lost and the run's second attempt runs in a new sandbox.
     let control_plane = ControlPlane::start(
         TOKEN,
         &[
@@ -183,7 +184,12 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
                     "c".into(),
                 )),
                 command: "sh".into(),
-                args: vec!["-c".into(), "echo started; exec sleep 60".into()],
+                args: vec![
+                    "-c".into(),
+                    "echo attempt $RUNPLANE_ATTEMPT; [ $RUNPLANE_ATTEMPT = 1 ] && exec sleep 60; \
+                     echo done"
+                        .into(),
+                ],
                 ..Default::default()
             },
             TOKEN,
@@ -270,10 +276,15 @@ async fn a_node_agent_restarted_without_its_sandbox_reports_it_lost_and_the_run_
         }
     })
     .await;
-    assert_eq!(ended.state(), runstore_pb::RunState::Failed, "{ended:?}");
-    assert_eq!(ended.verdict.unwrap().reason, "sandbox_lost");
-    // Nothing of it keeps running: the agent the dead runner left behind is stopped with
-    // the sandbox's session when the ended run's sandbox is destroyed.
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
+    let reasons: Vec<&str> = ended
+        .attempts
+        .iter()
+        .map(|a| a.end_reason.as_str())
+        .collect();
+    assert_eq!(reasons, ["sandbox_lost", "exit_zero"], "{ended:?}");
+    // Nothing of attempt 1 keeps running: the agent the dead runner left behind is stopped
+    // with the sandbox's session when the superseded sandbox is destroyed.
     eventually(
         Duration::from_secs(15),
         "the orphaned agent to be gone",
@@ -405,4 +416,75 @@ async fn a_launch_the_reconciler_refuses_is_not_claimed_again_on_every_poll() {
         .await;
     }
     assert_eq!(refusals(), 1, "the refusal is final for that assignment");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_on_a_host_lost_for_good_runs_its_next_attempt_on_another_node() {
+    // A host gone (its node agent and the sandbox killed, nothing comes back): past the
+    // loss grace the attempt ends sandbox_lost, once, and attempt 2 runs on the node still
+    // standing, learns why attempt 1 ended, and the run succeeds.
+    let control_plane = ControlPlane::start(
+        TOKEN,
+        &[
+            ("RUNPLANE_SANDBOX_RECONCILER__LOCAL_SANDBOXES", "false"),
+            ("RUNPLANE_SANDBOX_RECONCILER__LOSS_GRACE_SECONDS", "2"),
+        ],
+    )
+    .await;
+    let endpoint = control_plane.endpoint.clone();
+    let api = SandboxServiceClient::new(channel(&endpoint).await);
+    let (node_a, dir_a) =
+        control_plane.node("node-a", &runplane_testkit::free_local_addr().to_string());
+    sandboxes::node_ready(&api, TOKEN, "node-a").await;
+    let run = control_plane
+        .create_script_run(
+            "host-lost-request-000001",
+            "echo \"attempt $RUNPLANE_ATTEMPT after ${RUNPLANE_PREVIOUS_ATTEMPT:-nothing}\"; \
+             if [ \"$RUNPLANE_ATTEMPT\" = 1 ]; then exec sleep 600; fi",
+        )
+        .await;
+    let first = control_plane
+        .sandbox_when(&run.id, "attempt 1's sandbox on node-a", |s| {
+            s.status() == reconciler_pb::SandboxStatus::Started
+        })
+        .await;
+    control_plane
+        .run_when(&run.id, "attempt 1 to print", |r| r.last_sequence >= 1)
+        .await;
+    // A second node, free, before the first host goes.
+    let (_node_b, _dir_b) =
+        control_plane.node("node-b", &runplane_testkit::free_local_addr().to_string());
+    sandboxes::node_ready(&api, TOKEN, "node-b").await;
+    let shell: u32 = std::fs::read_to_string(dir_a.join(&first.id).join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .expect("a pid");
+    let session = ReapSession(shell);
+    drop(node_a);
+    let _ = std::process::Command::new("pkill")
+        .args(["-KILL", "-P", &shell.to_string()])
+        .status();
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &shell.to_string()])
+        .status();
+    // The agent attempt 1 leaves behind is the host's: a host gone takes it too.
+    drop(session);
+
+    let ended = control_plane.ended(&run.id).await;
+    assert_eq!(ended.state(), runstore_pb::RunState::Succeeded, "{ended:?}");
+    let attempts: Vec<(u32, &str, &str)> = ended
+        .attempts
+        .iter()
+        .map(|a| (a.number, a.node_id.as_str(), a.end_reason.as_str()))
+        .collect();
+    assert_eq!(
+        attempts,
+        [(1, "node-a", "sandbox_lost"), (2, "node-b", "exit_zero")],
+        "{ended:?}"
+    );
+    assert_eq!(
+        control_plane.stdout(&run.id).await,
+        ["attempt 1 after nothing", "attempt 2 after sandbox_lost"]
+    );
 }

@@ -266,7 +266,8 @@ async fn runs_failed_by_a_service_or_a_backend_error_have_their_agents_stopped()
     let (lost, lost_runner, lost_pid) = running(&dev, "loss-grace", None).await;
     let (backend, backend_runner, backend_pid) = running(&dev, "backend", None).await;
     let mut op = dev.op().await;
-    // What the reconciler sends when a loss outlives the grace.
+    // What the reconciler sends when a loss outlives the grace: it ends the run's attempt
+    // (the run goes on to attempt 2), and attempt 1's agent stops as a cancelled run's.
     op.fail_run(authed(
         runstore_pb::FailRunRequest {
             run_id: lost.id.clone(),
@@ -298,7 +299,7 @@ async fn runs_failed_by_a_service_or_a_backend_error_have_their_agents_stopped()
     assert_gone(lost_pid, "FailRun").await;
     assert_gone(backend_pid, "MarkBackendError").await;
     for (runner, run_id, state) in [
-        (lost_runner, &lost.id, runstore_pb::RunState::Failed),
+        (lost_runner, &lost.id, runstore_pb::RunState::Starting),
         (
             backend_runner,
             &backend.id,

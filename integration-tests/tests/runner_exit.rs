@@ -155,3 +155,25 @@ async fn a_killed_runner_is_followed_by_a_second_attempt_on_a_node_agent() {
     );
     kill_the_runner(&control_plane, &dir, "runner-exit-node-0000001").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_exits_3_is_not_retried() {
+    // The agent's own failure proves nothing against the infrastructure: one attempt, the
+    // run ends with the agent's exit code.
+    let control_plane = ControlPlane::start(TOKEN, &[]).await;
+    let run = control_plane
+        .create_script_run(
+            "agent-exit-3-request-01",
+            "echo attempt $RUNPLANE_ATTEMPT; exit 3",
+        )
+        .await;
+    let ended = control_plane.ended(&run.id).await;
+    assert_eq!(ended.state(), runstore_pb::RunState::Failed, "{ended:?}");
+    assert_eq!(ended.attempt, 1);
+    let verdict = ended.verdict.unwrap();
+    assert_eq!(
+        (verdict.reason.as_str(), verdict.exit_code),
+        ("exit_nonzero", Some(3))
+    );
+    assert_eq!(control_plane.stdout(&run.id).await, ["attempt 1"]);
+}

@@ -21,6 +21,7 @@ runplane_testkit::on_both_backends!(
     the_agents_own_failure_ends_the_run_unless_its_exit_code_is_listed,
     a_cancel_in_the_backoff_ends_the_run_and_no_attempt_starts,
     a_retry_that_could_not_start_before_the_deadline_ends_the_run,
+    steers_not_acknowledged_by_an_attempt_reach_the_next,
 );
 
 /// Profiles `retry-3` (an agent exiting 3 is retried) and `once` (never retried), on a
@@ -402,4 +403,47 @@ async fn a_retry_that_could_not_start_before_the_deadline_ends_the_run(h: Harnes
         .into_inner();
     assert_eq!(answer.outcome(), runstore_pb::FailRunOutcome::MadeTerminal);
     assert_eq!(answer.run.unwrap().verdict.unwrap().reason, "sandbox_lost");
+}
+
+async fn steers_not_acknowledged_by_an_attempt_reach_the_next(h: Harness) {
+    let (run_id, first_key) = running(&h, "attempt-steers", "").await;
+    let mut op = h.operator().await;
+    let steer = |text: &str, key: &str| runstore_pb::SteerRequest {
+        run_id: run_id.clone(),
+        text: text.into(),
+        idempotency_key: key.into(),
+    };
+    // Delivered to attempt 1, never acknowledged: its runner died with it.
+    op.steer(steer("before", "steer-before-the-loss"))
+        .await
+        .unwrap();
+    let mut first = h.runner(&first_key).await;
+    let delivered = poll(&mut first, &run_id, vec![]).await.unwrap();
+    assert_eq!(delivered.messages.len(), 1);
+    op.fail_run(lost(&run_id, "sbx-1", 1)).await.unwrap();
+    // Queued in the gap between the attempts.
+    op.steer(steer("between", "steer-between-attempts"))
+        .await
+        .unwrap();
+    h.advance(Duration::from_secs(2));
+    let second_key = key_for(&h, &run_id, "sbx-2", 2).await.unwrap();
+    hello(&h, &run_id, &second_key).await;
+    let mut second = h.runner(&second_key).await;
+    let answer = poll(&mut second, &run_id, vec![]).await.unwrap();
+    let texts: Vec<&str> = answer
+        .messages
+        .iter()
+        .map(|m| match &m.payload {
+            Some(runstore_pb::steering_message::Payload::Steer(s)) => s.text.as_str(),
+            _ => "",
+        })
+        .collect();
+    assert_eq!(texts, ["before", "between"], "{answer:?}");
+    let acks = answer
+        .messages
+        .iter()
+        .map(|m| applied(&m.id))
+        .collect::<Vec<_>>();
+    let after = poll(&mut second, &run_id, acks).await.unwrap();
+    assert!(after.messages.is_empty(), "{after:?}");
 }

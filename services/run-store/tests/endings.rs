@@ -437,7 +437,7 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
 
     let run = h.get_run(&run_id).await;
     assert_eq!(run.state(), runstore_pb::RunState::Failed);
-    assert_eq!(run.failure_reason, "sandbox_lost");
+    assert_eq!(run.failure_reason, "stream_recovery_exhausted");
     let err = append(
         &mut runner,
         &run_id,
@@ -449,7 +449,7 @@ async fn fail_run_with_a_stale_guard_does_nothing(h: Harness) {
     assert_reason(&err, Code::FailedPrecondition, ErrorReason::RunTerminal);
     assert_eq!(
         receipt(&h, &run_id).await.verdict.unwrap().reason,
-        "sandbox_lost"
+        "stream_recovery_exhausted"
     );
 }
 

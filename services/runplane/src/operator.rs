@@ -389,7 +389,9 @@ pub fn write_run(
     for (key, value) in rows {
         writeln!(out, "{key:<width$}  {value}")?;
     }
-    if !run.attempts.is_empty() {
+    // One attempt says nothing the rows above do not; from two on, each one's sandbox,
+    // node and end.
+    if run.attempts.len() > 1 {
         writeln!(out, "attempts:")?;
         let mut table = vec![
             ["#", "SANDBOX", "NODE", "STARTED", "ENDED", "REASON"]

@@ -27,13 +27,14 @@ pub const CLAIM_PER_ROUND: u32 = 100;
 /// round: runs wait rather than overfill a credential.
 ///
 /// At most `max_runs` (1 to [`CLAIM_PER_ROUND`]) are claimed: the room the ready nodes
-/// have.
+/// have. Runs between attempts wait out their backoff: the answer's second part is when
+/// the first of them may be placed (`None`: none waits).
 pub async fn runs_to_place(
     run_store: &RunStoreClient,
     fleet: Option<&FleetClient>,
     max_runs: u32,
     now_us: i64,
-) -> Result<Vec<runstore_pb::Run>, tonic::Status> {
+) -> Result<(Vec<runstore_pb::Run>, Option<i64>), tonic::Status> {
     let max_runs = max_runs.clamp(1, CLAIM_PER_ROUND);
     let request = match fleet {
         None => runstore_pb::ClaimSlotsRequest {
@@ -71,20 +72,25 @@ pub async fn runs_to_place(
         .await?
         .into_inner()
         .runs;
+    let mut next_retry: Option<i64> = None;
     for run in starting {
         let unkeyed = run.sandbox_generation == 0;
         // A run between attempts waits out its backoff (the run store refuses its key
         // until then).
-        let backing_off = run
+        let retry_at = run
             .retry_at
             .as_ref()
             .and_then(runplane_clock::from_timestamp)
-            .is_some_and(|at| at > now_us);
-        if unkeyed && !backing_off && !runs.iter().any(|r| r.id == run.id) {
+            .filter(|at| *at > now_us);
+        if let Some(at) = retry_at.filter(|_| unkeyed) {
+            next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
+            continue;
+        }
+        if unkeyed && !runs.iter().any(|r| r.id == run.id) {
             runs.push(run);
         }
     }
-    Ok(runs)
+    Ok((runs, next_retry))
 }
 
 /// One credential of the fleet view as ClaimSlots fills it.

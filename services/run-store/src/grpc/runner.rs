@@ -95,7 +95,8 @@ impl RunnerService for RunnerApi {
         let req = request.get_ref();
         // A terminal run's key still polls: the runner learns the run ended (and gets an
         // abort enqueued as it ended) from the answer instead of an error.
-        s.runner(&request, &req.run_id, true).await?;
+        let auth = s.runner(&request, &req.run_id, true).await?;
+        let attempt = crate::store::attempts::attempt_of(&auth.key);
         let acks = check_acks(&req.acks, s.settings.limits.max_ack_ids as usize)?;
         let limit = match req.max_messages {
             0 => 16,
@@ -116,6 +117,17 @@ impl RunnerService for RunnerApi {
         loop {
             let mut pending = s.store.pending_messages(&req.run_id, limit.into()).await?;
             let run = s.store.get_run(&req.run_id).await?;
+            // This runner's attempt ended while it waited: the messages are the next
+            // attempt's, and this runner is done.
+            let current = crate::store::attempts::current_attempt(&run);
+            if current != attempt && !run.state.is_terminal() {
+                return Err(RunStoreError::AttemptSuperseded {
+                    run_id: run.id,
+                    attempt,
+                    current,
+                }
+                .into());
+            }
             let terminal = run.state.is_terminal();
             if terminal {
                 // Only an abort still means anything to a runner whose run ended.

@@ -87,6 +87,22 @@ impl Store {
             .filter(run_key::Column::RevokedAtUs.is_null())
             .exec(txn)
             .await?;
+        // A stream hand-off queued for this attempt's runner names a lease the next
+        // attempt replaces with a fresh one: it is settled here, not delivered to the
+        // next runner. Steers and interrupts stay for it.
+        steering_message::Entity::update_many()
+            .col_expr(steering_message::Column::AckedAtUs, Expr::value(now))
+            .col_expr(
+                steering_message::Column::AckOutcome,
+                Expr::value(REVOKED_ATTEMPT_ENDED),
+            )
+            .filter(steering_message::Column::RunId.eq(run.id.as_str()))
+            .filter(steering_message::Column::AckedAtUs.is_null())
+            .filter(
+                steering_message::Column::Kind.eq(runstore_pb::SteeringKind::ResumeStream as i32),
+            )
+            .exec(txn)
+            .await?;
         // The append moved the chain on: read the row it wrote.
         let run = self.lock_run(txn, &run.id).await?;
         let mut active = run.into_active_model();

@@ -20,6 +20,16 @@ pub struct RunnerEndpoints {
     pub stream_recovery: String,
 }
 
+/// What one dispatch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Dispatched {
+    /// Local sandboxes started.
+    pub started: u64,
+    /// When the first run waiting out its retry backoff may be placed (store
+    /// microseconds); `None`: none waits. The loop runs a round then, not a tick later.
+    pub next_retry_at_us: Option<i64>,
+}
+
 /// Gives queued runs a sandbox and starts sandboxes that were decided but not started.
 ///
 /// The run key is asked of the run store per sandbox generation (a replay before the
@@ -35,7 +45,7 @@ pub async fn dispatch(
     idle_timeout: Duration,
     local_sandboxes: bool,
     profiles: &crate::domain::placement::ProfileSandboxes,
-) -> Result<u64, ReconcilerError> {
+) -> Result<Dispatched, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
     use crate::store::Placed;
@@ -69,13 +79,18 @@ pub async fn dispatch(
             None
         }
     };
+    let mut next_retry_at_us = None;
     let to_place = match max_runs {
         Some(max_runs) => crate::slots::runs_to_place(run_store, fleet, max_runs, store.now_us())
             .await
             .map_err(|status| {
                 tracing::warn!(code = ?status.code(), message = status.message(), "no slots claimed this round; runs wait");
             })
-            .ok(),
+            .ok()
+            .map(|(runs, next_retry)| {
+                next_retry_at_us = next_retry;
+                runs
+            }),
         None => None,
     };
     if let Some(runs) = to_place {
@@ -211,7 +226,10 @@ pub async fn dispatch(
             Err(e) => tracing::error!(sandbox_id = %row.id, error = %e, "sandbox not started"),
         }
     }
-    Ok(started)
+    Ok(Dispatched {
+        started,
+        next_retry_at_us,
+    })
 }
 
 /// The dedupe key of the sandbox dispatch makes for attempt `attempt` of `run_id`: every

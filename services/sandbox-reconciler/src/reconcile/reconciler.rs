@@ -70,6 +70,9 @@ pub struct Reconciler {
     /// What this replica last told the run store of each local sandbox's agent waiting
     /// for input: (generation, waiting).
     pub(super) waiting: Arc<std::sync::Mutex<std::collections::HashMap<String, (i64, bool)>>>,
+    /// When the first run waiting out its retry backoff may be placed, as this replica's
+    /// last dispatch saw (store microseconds; 0: none waits).
+    pub(super) retry_due_us: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl Reconciler {
@@ -82,6 +85,7 @@ impl Reconciler {
             recovery: None,
             pruned_at_us: Arc::default(),
             waiting: Arc::default(),
+            retry_due_us: Arc::default(),
         }
     }
 

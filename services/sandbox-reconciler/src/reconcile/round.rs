@@ -21,8 +21,8 @@ impl Reconciler {
     /// failure and the next round retries it. The sweep comes before wake assignment, so a
     /// wake of a sandbox whose run ended is settled, not assigned.
     pub async fn round(&self, run_store: &RunStoreClient, endpoints: &RunnerEndpoints) {
-        if self.settings.dispatch
-            && let Err(e) = dispatch(
+        if self.settings.dispatch {
+            match dispatch(
                 &self.store,
                 self.driver.as_ref(),
                 run_store,
@@ -33,8 +33,13 @@ impl Reconciler {
                 &self.settings.profiles,
             )
             .await
-        {
-            tracing::warn!(error = %e, "dispatch failed; next round retries");
+            {
+                Ok(done) => self.retry_due_us.store(
+                    done.next_retry_at_us.unwrap_or(0),
+                    std::sync::atomic::Ordering::Relaxed,
+                ),
+                Err(e) => tracing::warn!(error = %e, "dispatch failed; next round retries"),
+            }
         }
         if let Err(e) = self.delete_sandboxes_of_ended_runs(run_store).await {
             tracing::warn!(error = %e, "sweep of ended runs failed; next round retries");
@@ -124,9 +129,20 @@ pub async fn run_loop(
         run_store_work.clone(),
     )));
     loop {
+        // A run whose retry backoff ends before the next interval's round is placed then.
+        let wait = match reconciler
+            .retry_due_us
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => interval,
+            due => {
+                let left = due.saturating_sub(reconciler.store.now_us()).max(0) as u64;
+                interval.min(Duration::from_micros(left).max(Duration::from_millis(50)))
+            }
+        };
         tokio::select! {
             () = &mut shutdown => return,
-            () = tokio::time::sleep(interval) => {}
+            () = tokio::time::sleep(wait) => {}
             () = run_store_work.notified() => {}
             () = signals.round_wanted() => {}
         }

@@ -263,10 +263,20 @@ pub struct AgentContainer {
     pub argv: Vec<String>,
 }
 
+/// What the runner tells the agent of its run (its labels, which attempt it is and why
+/// the previous one ended), passed from the wrapper's environment into the container as
+/// is. Nothing else of the host's environment enters it.
+const RUN_ENV: [&str; 3] = [
+    "RUNPLANE_LABELS",
+    "RUNPLANE_ATTEMPT",
+    "RUNPLANE_PREVIOUS_ATTEMPT",
+];
+
 impl AgentContainer {
-    /// What the agent finds in its environment: its home and where it parks.
+    /// What the agent finds in its environment: its home, where it parks, and what the
+    /// runner says of its run ([`RUN_ENV`]).
     fn env(&self) -> Vec<String> {
-        vec![
+        let mut env = vec![
             format!("HOME={}", crate::contract::WORKSPACE),
             format!(
                 "{}={}/{}",
@@ -274,7 +284,13 @@ impl AgentContainer {
                 crate::contract::WORKSPACE,
                 crate::contract::PARK_MARK
             ),
-        ]
+        ];
+        env.extend(
+            RUN_ENV
+                .iter()
+                .filter_map(|name| Some(format!("{name}={}", std::env::var(name).ok()?))),
+        );
+        env
     }
 }
 
