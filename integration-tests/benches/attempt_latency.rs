@@ -149,8 +149,11 @@ async fn main() {
             kill(runner);
             known.push(until_running(&runs, &run.id, 2).await - died);
         } else {
+            // The whole session at once (a member may be gone by its turn).
             for member in session_members(shell) {
-                kill(member);
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &member.to_string()])
+                    .status();
             }
             lost.push(until_running(&runs, &run.id, 2).await - died);
         }

@@ -53,6 +53,9 @@ pub struct TickReport {
     pub confirmed: u64,
     /// Writes whose compare-and-set found the row changed since it was read.
     pub lost_races: u64,
+    /// When the first loss still waiting out its grace is due (store microseconds);
+    /// `None`: none waits. The loop runs a round then, not up to a tick later.
+    pub next_loss_due_us: Option<i64>,
 }
 
 #[derive(Clone)]
@@ -73,6 +76,9 @@ pub struct Reconciler {
     /// When the first run waiting out its retry backoff may be placed, as this replica's
     /// last dispatch saw (store microseconds; 0: none waits).
     pub(super) retry_due_us: Arc<std::sync::atomic::AtomicI64>,
+    /// When the first loss waiting out its grace is due, as this replica's last tick saw
+    /// (store microseconds; 0: none waits).
+    pub(super) loss_due_us: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl Reconciler {
@@ -86,6 +92,7 @@ impl Reconciler {
             pruned_at_us: Arc::default(),
             waiting: Arc::default(),
             retry_due_us: Arc::default(),
+            loss_due_us: Arc::default(),
         }
     }
 

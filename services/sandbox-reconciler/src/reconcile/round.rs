@@ -65,6 +65,10 @@ impl Reconciler {
         let started = tokio::time::Instant::now();
         match self.tick().await {
             Ok(report) => {
+                self.loss_due_us.store(
+                    report.next_loss_due_us.unwrap_or(0),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 metrics::reconcile_tick_duration().record(started.elapsed().as_secs_f64(), &[]);
                 if report.stamped > 0 {
                     metrics::reconcile_loss_stamps().add(report.stamped, &[]);
@@ -129,17 +133,18 @@ pub async fn run_loop(
         run_store_work.clone(),
     )));
     loop {
-        // A run whose retry backoff ends before the next interval's round is placed then.
-        let wait = match reconciler
-            .retry_due_us
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            0 => interval,
-            due => {
-                let left = due.saturating_sub(reconciler.store.now_us()).max(0) as u64;
-                interval.min(Duration::from_micros(left).max(Duration::from_millis(50)))
-            }
-        };
+        // A run whose retry backoff ends, or a loss whose grace ends, before the next
+        // interval's round is acted on then.
+        let now = reconciler.store.now_us();
+        let wait = [&reconciler.retry_due_us, &reconciler.loss_due_us]
+            .into_iter()
+            .map(|due| due.load(std::sync::atomic::Ordering::Relaxed))
+            .filter(|due| *due > 0)
+            .map(|due| {
+                Duration::from_micros(due.saturating_sub(now).max(0) as u64)
+                    .max(Duration::from_millis(50))
+            })
+            .fold(interval, Duration::min);
         tokio::select! {
             () = &mut shutdown => return,
             () = tokio::time::sleep(wait) => {}

@@ -40,6 +40,10 @@ impl Reconciler {
                 report.cleared += o.cleared;
                 report.confirmed += o.confirmed;
                 report.lost_races += o.lost_races;
+                report.next_loss_due_us = match (report.next_loss_due_us, o.next_loss_due_us) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
             }
             if !full {
                 break;
@@ -56,13 +60,21 @@ impl Reconciler {
         };
         let probe = self.driver.status(&SandboxSpec::from(&row)).await;
         let now = self.store.now_us();
+        let grace_us = self.settings.loss_grace.as_micros().min(i64::MAX as u128) as i64;
         let won = match decide(
             row.loss_observed_at_us,
             &probe,
             now,
             self.settings.loss_grace,
         ) {
-            Decision::Nothing => return Ok(report),
+            Decision::Nothing => {
+                // A loss still within its grace: due when the grace ends.
+                report.next_loss_due_us = row
+                    .loss_observed_at_us
+                    .filter(|_| !matches!(probe, Probe::Alive))
+                    .map(|stamp| stamp.saturating_add(grace_us));
+                return Ok(report);
+            }
             Decision::StampLoss | Decision::ReplaceStamp => {
                 let won = self
                     .store
@@ -75,6 +87,7 @@ impl Reconciler {
                     .await?;
                 if won {
                     report.stamped += 1;
+                    report.next_loss_due_us = Some(now.saturating_add(grace_us));
                     tracing::info!(sandbox_id = %row.id, run_id = %row.run_id, probe = ?probe, "loss observed; waiting out the grace");
                 }
                 won
