@@ -119,6 +119,66 @@ mod two_replicas {
         assert_eq!(placed, 10);
     }
 
+    /// A run's attempt ended: both replicas, held at the same point, place its next
+    /// attempt at once. The attempt's dispatch key makes one sandbox of it, and the sweep
+    /// deletes attempt 1's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_replicas_start_a_runs_next_attempt_once() {
+        let w = World::start(Backend::postgres().await).await;
+        register(&w, "node-a", "a").await;
+        register(&w, "node-b", "b").await;
+        let run = w.queued_run("next-attempt-once").await;
+        w.dispatch_once(&w.store).await;
+        let ended = w
+            .run_store()
+            .await
+            .fail_run(authed(
+                runstore_pb::FailRunRequest {
+                    run_id: run.id.clone(),
+                    reason: "runner_exited".into(),
+                    message: "the runner was killed by signal 9 without a verdict".into(),
+                    idempotency_key: "runner-exited:next-attempt-once".into(),
+                    if_sandbox_generation: None,
+                    if_sandbox_id: String::new(),
+                },
+                TOKEN,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(ended.outcome(), runstore_pb::FailRunOutcome::AttemptEnded);
+        // This world's reconciler clock is months ahead of the run store's: the backoff
+        // is over as the reconciler sees it.
+        let other = w.replica_store().await;
+        hold_list_runs(&w, true);
+        tokio::join!(w.dispatch_once(&w.store), w.dispatch_once(&other));
+        hold_list_runs(&w, false);
+        let rows = sandbox::Entity::find()
+            .all(w.store.database())
+            .await
+            .unwrap();
+        let attempts: Vec<i64> = rows.iter().map(|r| r.attempt).collect();
+        assert_eq!(
+            (
+                attempts.iter().filter(|a| **a == 1).count(),
+                attempts.iter().filter(|a| **a == 2).count()
+            ),
+            (1, 1),
+            "one sandbox per attempt: {rows:?}"
+        );
+        let reconciler = w.reconciler(FakeDriver::always(Probe::Alive));
+        assert_eq!(
+            reconciler
+                .delete_sandboxes_of_ended_runs(&w.outbox_client().await)
+                .await
+                .unwrap(),
+            1,
+            "attempt 1's sandbox is deleted, attempt 2's kept"
+        );
+        let first = rows.iter().find(|r| r.attempt == 1).unwrap();
+        assert_eq!(w.store.sandbox(&first.id).await.unwrap().status, "deleted");
+    }
+
     /// Both replicas sweep the sandboxes of ended runs at once, both holding the same
     /// answer from the run store: each sandbox is deleted by exactly one of them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
