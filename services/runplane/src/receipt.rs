@@ -178,6 +178,16 @@ fn print_verified(receipt: &Receipt, key: &[u8; 32], out: &mut impl Write) -> an
             hex(&check.digest)
         )?;
     }
+    if !body.attempts.is_empty() {
+        writeln!(out, "  attempts {}", body.attempts.len())?;
+        for attempt in &body.attempts {
+            writeln!(
+                out,
+                "    attempt {} {} (sandbox {} on {})",
+                attempt.number, attempt.end_reason, attempt.sandbox_id, attempt.node_id
+            )?;
+        }
+    }
     writeln!(out, "  chain    {}", hex(&body.chain_head))?;
     if let Some(sealed) = body
         .sealed_at
