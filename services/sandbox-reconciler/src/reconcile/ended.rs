@@ -6,7 +6,7 @@ use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_sandbox::{Driver, SandboxSpec};
 
 use super::reconciler::Reconciler;
-use super::runs::{RUN_IDS_PER_QUESTION, run_ids_of};
+use super::runs::{Only, RUN_IDS_PER_QUESTION, run_ids_of, runs_of};
 use crate::clients::RunStoreClient;
 use crate::domain::placement::LOCAL_NODE;
 use crate::error::ReconcilerError;
@@ -103,39 +103,23 @@ enum RunNow {
 }
 
 /// Where each of `run_ids` (at most 500) is that the run store knows: ended, or live on
-/// an attempt. Every page of the answer is read, and only runs asked for count.
+/// an attempt.
 async fn attempts_of(
     run_store: &RunStoreClient,
     run_ids: Vec<String>,
 ) -> Result<std::collections::HashMap<String, RunNow>, ReconcilerError> {
-    let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
-    let mut found = std::collections::HashMap::new();
-    let mut page_token = String::new();
-    loop {
-        let page = run_store
-            .clone()
-            .list_runs(runstore_pb::ListRunsRequest {
-                run_ids: run_ids.clone(),
-                page_size: RUN_IDS_PER_QUESTION as u32,
-                page_token,
-                view: runstore_pb::RunView::Basic as i32,
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
-        for run in page.runs.into_iter().filter(|r| asked.contains(&r.id)) {
+    Ok(runs_of(run_store, run_ids, &[], Only::Any)
+        .await?
+        .into_iter()
+        .map(|run| {
             let now = if TERMINAL_RUN_STATES.contains(&run.state()) {
                 RunNow::Ended
             } else {
                 RunNow::OnAttempt(run.attempt)
             };
-            found.insert(run.id, now);
-        }
-        if page.next_page_token.is_empty() {
-            return Ok(found);
-        }
-        page_token = page.next_page_token;
-    }
+            (run.id, now)
+        })
+        .collect())
 }
 
 /// Stops a deleted local sandbox's process and acknowledges the stop; `false` (logged)

@@ -28,6 +28,8 @@ pub(super) fn run_ids_of(rows: &[sandbox::Model]) -> Vec<String> {
 /// What else a run must be for [`runs_among`] to answer with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Only {
+    /// Nothing else.
+    Any,
     /// It has a steering or control message not yet acknowledged.
     WithPendingMessages,
     /// It is paused (PauseRun).
@@ -44,8 +46,24 @@ pub(super) async fn runs_among(
     states: &[runstore_pb::RunState],
     only: Only,
 ) -> Result<std::collections::HashSet<String>, ReconcilerError> {
+    Ok(runs_of(run_store, run_ids, states, only)
+        .await?
+        .into_iter()
+        .map(|r| r.id)
+        .collect())
+}
+
+/// The runs of `run_ids` (at most [`RUN_IDS_PER_QUESTION`]) in one of `states` (any
+/// state when empty) and what `only` says, every page of the answer read and checked as
+/// [`runs_among`] says.
+pub(super) async fn runs_of(
+    run_store: &RunStoreClient,
+    run_ids: Vec<String>,
+    states: &[runstore_pb::RunState],
+    only: Only,
+) -> Result<Vec<runstore_pb::Run>, ReconcilerError> {
     let asked: std::collections::HashSet<String> = run_ids.iter().cloned().collect();
-    let mut found = std::collections::HashSet::new();
+    let mut found = Vec::new();
     let mut page_token = String::new();
     loop {
         let page = run_store
@@ -65,9 +83,9 @@ pub(super) async fn runs_among(
         found.extend(
             page.runs
                 .into_iter()
-                .filter(|r| states.contains(&r.state()) && asked.contains(&r.id))
-                .filter(|r| only != Only::Paused || r.paused_since.is_some())
-                .map(|r| r.id),
+                .filter(|r| states.is_empty() || states.contains(&r.state()))
+                .filter(|r| asked.contains(&r.id))
+                .filter(|r| only != Only::Paused || r.paused_since.is_some()),
         );
         if page.next_page_token.is_empty() {
             return Ok(found);
