@@ -134,10 +134,14 @@ pub struct RetryPolicy {
     pub exit_codes: Vec<i32>,
     /// Whether an agent killed at its sandbox's memory limit is retried.
     pub on_out_of_memory: bool,
+    /// Whether a run whose sandbox's image could not be had (not on the engine, or its
+    /// pull failed: `image_unavailable`) is retried, for a registry that comes back.
+    pub on_image_unavailable: bool,
 }
 
 impl Default for RetryPolicy {
-    /// At most 3 attempts, 1 s doubling to 30 s, no exit code retried, no OOM retried.
+    /// At most 3 attempts, 1 s doubling to 30 s, no exit code, OOM kill or missing image
+    /// retried.
     fn default() -> Self {
         Self {
             max_attempts: 3,
@@ -145,6 +149,7 @@ impl Default for RetryPolicy {
             max_backoff_seconds: 30.0,
             exit_codes: Vec::new(),
             on_out_of_memory: false,
+            on_image_unavailable: false,
         }
     }
 }

@@ -462,6 +462,7 @@ fn a_profiles_retry_policy_is_bounded_and_a_bad_one_is_refused_by_name() {
             max_backoff_seconds: 30.0,
             exit_codes: vec![3, 75],
             on_out_of_memory: true,
+            on_image_unavailable: false,
         })
     );
     for (retry, field) in [

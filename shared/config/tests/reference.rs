@@ -61,6 +61,10 @@ const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
         "credential_health.profiles[].retry.on_out_of_memory",
         "`false`",
     ),
+    (
+        "credential_health.profiles[].retry.on_image_unavailable",
+        "`false`",
+    ),
     // Webhooks are off by default: an entry in the example would turn one on.
     ("run_store.webhooks[].url", "required"),
     ("run_store.webhooks[].secret", "required"),

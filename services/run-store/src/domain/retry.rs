@@ -22,6 +22,8 @@ pub const REASON_SANDBOX_LOST: &str = "sandbox_lost";
 pub const REASON_OUT_OF_MEMORY: &str = "out_of_memory";
 /// The agent exited non-zero.
 pub const REASON_EXIT_NONZERO: &str = "exit_nonzero";
+/// The sandbox's image could not be had (not on the engine, or its pull failed).
+pub const REASON_IMAGE_UNAVAILABLE: &str = "image_unavailable";
 
 /// Each profile's retry policy; a profile that says nothing gets the default.
 #[derive(Debug, Clone, Default)]
@@ -60,6 +62,7 @@ pub fn retryable(policy: &RetryPolicy, verdict: &Verdict) -> bool {
     match verdict.reason.as_str() {
         REASON_RUNNER_EXITED | REASON_SANDBOX_LOST => true,
         REASON_OUT_OF_MEMORY => policy.on_out_of_memory,
+        REASON_IMAGE_UNAVAILABLE => policy.on_image_unavailable,
         REASON_EXIT_NONZERO => verdict
             .exit_code
             .is_some_and(|code| policy.exit_codes.contains(&code)),
@@ -105,6 +108,11 @@ mod tests {
         let exit3 = failed(REASON_EXIT_NONZERO, Some(3));
         assert!(!retries(&policy, &exit3, 1));
         assert!(!retries(&policy, &failed(REASON_OUT_OF_MEMORY, None), 1));
+        assert!(!retries(
+            &policy,
+            &failed(REASON_IMAGE_UNAVAILABLE, None),
+            1
+        ));
         assert!(!retries(&policy, &failed("deadline_exceeded", None), 1));
         assert!(!retries(&policy, &failed("backend_error", None), 1));
         assert!(!retries(
@@ -114,6 +122,8 @@ mod tests {
         ));
         policy.exit_codes = vec![3];
         policy.on_out_of_memory = true;
+        policy.on_image_unavailable = true;
+        assert!(retries(&policy, &failed(REASON_IMAGE_UNAVAILABLE, None), 1));
         assert!(retries(&policy, &exit3, 1));
         assert!(!retries(&policy, &failed(REASON_EXIT_NONZERO, Some(4)), 1));
         assert!(retries(&policy, &failed(REASON_OUT_OF_MEMORY, None), 1));

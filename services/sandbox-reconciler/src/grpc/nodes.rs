@@ -145,7 +145,7 @@ impl NodeService for NodeApi {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id, sandbox_id = %request.get_ref().sandbox_id))]
+    #[tracing::instrument(skip_all, fields(node_id = %request.get_ref().node_id, sandbox_id = %request.get_ref().sandbox_id, attempt = tracing::field::Empty))]
     async fn claim_launch(
         &self,
         request: Request<reconciler_pb::ClaimLaunchRequest>,
@@ -176,6 +176,7 @@ impl NodeService for NodeApi {
             }
             .into());
         }
+        tracing::Span::current().record("attempt", row.attempt.max(1));
         // The run store dedupes on the same key the local dispatch uses for this
         // generation, so a replay maps to the same key record.
         let issued = s
