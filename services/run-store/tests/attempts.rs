@@ -115,6 +115,11 @@ async fn running(h: &Harness, request_id: &str, profile: &str) -> (String, Strin
             profile.into(),
         ));
     }
+    running_as(h, request).await
+}
+
+/// The run `request` creates, its attempt 1 running in `sbx-1`; its id and the key.
+async fn running_as(h: &Harness, request: runstore_pb::CreateRunRequest) -> (String, String) {
     let run = h
         .operator()
         .await
@@ -381,23 +386,13 @@ async fn a_retry_that_could_not_start_before_the_deadline_ends_the_run(h: Harnes
         seconds: 10,
         nanos: 0,
     });
-    let run = h
-        .operator()
-        .await
-        .create_run(request)
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
-    let key = key_for(&h, &run.id, "sbx-1", 0).await.unwrap();
-    hello(&h, &run.id, &key).await;
+    let (run_id, _) = running_as(&h, request).await;
     // 9.5 s in, even the shortest backoff (0.5 s) reaches the deadline.
     h.advance(Duration::from_millis(9_500));
     let answer = h
         .operator()
         .await
-        .fail_run(lost(&run.id, "sbx-1", 1))
+        .fail_run(lost(&run_id, "sbx-1", 1))
         .await
         .unwrap()
         .into_inner();

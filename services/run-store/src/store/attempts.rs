@@ -25,6 +25,41 @@ pub fn attempt_of(key: &run_key::Model) -> u32 {
     u32::try_from(key.attempt.max(1)).unwrap_or(u32::MAX)
 }
 
+/// Attempt `number` of `run_id`'s row, if it has one.
+async fn attempt_row(
+    db: &impl ConnectionTrait,
+    run_id: &str,
+    number: u32,
+) -> Result<Option<run_attempt::Model>> {
+    Ok(
+        run_attempt::Entity::find_by_id((run_id.to_owned(), i64::from(number)))
+            .one(db)
+            .await?,
+    )
+}
+
+/// The row of attempt `number`, begun at `started_at_us` in `sandbox_id` on `node_id`,
+/// not ended.
+fn begun(
+    run_id: &str,
+    number: u32,
+    sandbox_id: &str,
+    node_id: &str,
+    started_at_us: i64,
+) -> run_attempt::Model {
+    run_attempt::Model {
+        run_id: run_id.to_owned(),
+        number: i64::from(number),
+        sandbox_id: sandbox_id.to_owned(),
+        node_id: node_id.to_owned(),
+        started_at_us,
+        ended_at_us: 0,
+        end_reason: String::new(),
+        end_message: String::new(),
+        superseded_verdict: String::new(),
+    }
+}
+
 impl Store {
     /// Ends the locked run's current attempt with `verdict` and schedules the next, when
     /// its profile's retry policy retries this ending, attempts remain and the next
@@ -77,16 +112,7 @@ impl Store {
             &events,
         )
         .await?;
-        run_key::Entity::update_many()
-            .col_expr(
-                run_key::Column::RevokedReason,
-                Expr::value(REVOKED_ATTEMPT_ENDED),
-            )
-            .col_expr(run_key::Column::RevokedAtUs, Expr::value(now))
-            .filter(run_key::Column::RunId.eq(run.id.as_str()))
-            .filter(run_key::Column::RevokedAtUs.is_null())
-            .exec(txn)
-            .await?;
+        revoke_live_keys(txn, &run.id, REVOKED_ATTEMPT_ENDED, now).await?;
         // A stream hand-off queued for this attempt's runner names a lease the next
         // attempt replaces with a fresh one: it is settled here, not delivered to the
         // next runner. Steers and interrupts stay for it.
@@ -146,42 +172,30 @@ impl Store {
         message: &str,
         now: i64,
     ) -> Result<()> {
-        let row = run_attempt::Entity::find_by_id((run.id.clone(), i64::from(number)))
-            .one(txn)
-            .await?;
-        match row {
-            Some(row) if row.ended_at_us > 0 => Ok(()),
+        let ended = |row: run_attempt::Model| {
+            let mut active = row.into_active_model();
+            active.ended_at_us = sea_orm::Set(now);
+            active.end_reason = sea_orm::Set(reason.to_owned());
+            active.end_message = sea_orm::Set(message.to_owned());
+            active
+        };
+        match attempt_row(txn, &run.id, number).await? {
+            Some(row) if row.ended_at_us > 0 => {}
             Some(row) => {
-                let mut active = row.into_active_model();
-                active.ended_at_us = sea_orm::Set(now);
-                active.end_reason = sea_orm::Set(reason.to_owned());
-                active.end_message = sea_orm::Set(message.to_owned());
-                active.update(txn).await?;
-                Ok(())
+                ended(row).update(txn).await?;
             }
             // An attempt that never got a sandbox (a run cancelled in its backoff) has
             // nothing to record.
-            None if run.sandbox_id.is_empty() => Ok(()),
+            None if run.sandbox_id.is_empty() => {}
             None => {
-                run_attempt::Entity::insert(
-                    run_attempt::Model {
-                        run_id: run.id.clone(),
-                        number: i64::from(number),
-                        sandbox_id: run.sandbox_id.clone(),
-                        node_id: String::new(),
-                        started_at_us: run.started_at_us.unwrap_or(run.created_at_us),
-                        ended_at_us: now,
-                        end_reason: reason.to_owned(),
-                        end_message: message.to_owned(),
-                        superseded_verdict: String::new(),
-                    }
-                    .into_active_model(),
-                )
-                .exec_without_returning(txn)
-                .await?;
-                Ok(())
+                let started = run.started_at_us.unwrap_or(run.created_at_us);
+                let row = begun(&run.id, number, &run.sandbox_id, "", started);
+                run_attempt::Entity::insert(ended(row))
+                    .exec_without_returning(txn)
+                    .await?;
             }
         }
+        Ok(())
     }
 
     /// Writes attempt `number`'s row when its first key is issued.
@@ -194,27 +208,11 @@ impl Store {
         node_id: &str,
         now: i64,
     ) -> Result<()> {
-        let exists = run_attempt::Entity::find_by_id((run_id.to_owned(), i64::from(number)))
-            .one(txn)
-            .await?
-            .is_some();
-        if !exists {
-            run_attempt::Entity::insert(
-                run_attempt::Model {
-                    run_id: run_id.to_owned(),
-                    number: i64::from(number),
-                    sandbox_id: sandbox_id.to_owned(),
-                    node_id: node_id.to_owned(),
-                    started_at_us: now,
-                    ended_at_us: 0,
-                    end_reason: String::new(),
-                    end_message: String::new(),
-                    superseded_verdict: String::new(),
-                }
-                .into_active_model(),
-            )
-            .exec_without_returning(txn)
-            .await?;
+        if attempt_row(txn, run_id, number).await?.is_none() {
+            let row = begun(run_id, number, sandbox_id, node_id, now);
+            run_attempt::Entity::insert(row.into_active_model())
+                .exec_without_returning(txn)
+                .await?;
         }
         Ok(())
     }
@@ -227,8 +225,7 @@ impl Store {
         key: &run_key::Model,
     ) -> Result<()> {
         let attempt = attempt_of(key);
-        let node_id = run_attempt::Entity::find_by_id((run.id.clone(), i64::from(attempt)))
-            .one(txn)
+        let node_id = attempt_row(txn, &run.id, attempt)
             .await?
             .map(|a| a.node_id)
             .unwrap_or_default();
@@ -282,13 +279,10 @@ impl Store {
         run_id: &str,
         number: u32,
     ) -> Result<String> {
-        Ok(
-            run_attempt::Entity::find_by_id((run_id.to_owned(), i64::from(number)))
-                .one(txn)
-                .await?
-                .map(|a| a.end_reason)
-                .unwrap_or_default(),
-        )
+        Ok(attempt_row(txn, run_id, number)
+            .await?
+            .map(|a| a.end_reason)
+            .unwrap_or_default())
     }
 
     /// A verdict from the runner of an attempt that has ended. Its own replay (the
@@ -303,9 +297,7 @@ impl Store {
         let txn = self.write_tx().await?;
         let run = self.lock_run(&txn, &key.run_id).await?;
         let attempt = attempt_of(&key);
-        let row = run_attempt::Entity::find_by_id((run.id.clone(), i64::from(attempt)))
-            .one(&txn)
-            .await?;
+        let row = attempt_row(&txn, &run.id, attempt).await?;
         let said = format!("{} {}", verdict.outcome, verdict.reason);
         if let Some(row) = row {
             if row.end_reason == verdict.reason && row.superseded_verdict.is_empty() {

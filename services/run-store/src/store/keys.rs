@@ -97,16 +97,7 @@ impl Store {
         self.start_attempt(&txn, run_id, attempt, sandbox_id, for_.node_id, now)
             .await?;
         // One live key per run: whatever was issued before is superseded.
-        run_key::Entity::update_many()
-            .col_expr(
-                run_key::Column::RevokedReason,
-                Expr::value(REVOKED_SUPERSEDED),
-            )
-            .col_expr(run_key::Column::RevokedAtUs, Expr::value(now))
-            .filter(run_key::Column::RunId.eq(run_id))
-            .filter(run_key::Column::RevokedAtUs.is_null())
-            .exec(&txn)
-            .await?;
+        revoke_live_keys(&txn, run_id, REVOKED_SUPERSEDED, now).await?;
         let key = run_key::Model {
             key_id: ids::new_key_id(),
             run_id: run_id.to_owned(),

@@ -65,6 +65,25 @@ type Result<T> = std::result::Result<T, RunStoreError>;
 pub const REVOKED_SUPERSEDED: &str = "superseded";
 pub const REVOKED_TERMINAL: &str = "terminal";
 
+/// Revokes every live key of `run_id` for `reason`, in the caller's transaction: one
+/// live key per run (a new one supersedes the last), none once its attempt or the run
+/// has ended.
+pub(super) async fn revoke_live_keys(
+    txn: &DatabaseTransaction,
+    run_id: &str,
+    reason: &str,
+    now: i64,
+) -> Result<()> {
+    run_key::Entity::update_many()
+        .col_expr(run_key::Column::RevokedReason, Expr::value(reason))
+        .col_expr(run_key::Column::RevokedAtUs, Expr::value(now))
+        .filter(run_key::Column::RunId.eq(run_id))
+        .filter(run_key::Column::RevokedAtUs.is_null())
+        .exec(txn)
+        .await?;
+    Ok(())
+}
+
 /// Verdict reasons the run store itself records.
 pub const REASON_CANCELLED: &str = "cancelled";
 pub const REASON_DEADLINE_EXCEEDED: &str = "deadline_exceeded";

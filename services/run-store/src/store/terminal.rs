@@ -38,21 +38,15 @@ impl Store {
                 run = self.lock_run(&txn, run_id).await?;
             }
         }
-        if let Some(run) = self.retry_locked(&txn, &run, verdict).await? {
-            if verdict.outcome == VerdictOutcome::Failed && !failure_tail.is_empty() {
-                self.owe_turn_failure(&txn, &run, format!("{}:result", run.id), failure_tail)
-                    .await?;
-            }
-            txn.commit().await?;
-            return Ok(Finished {
-                run,
-                made_terminal: false,
-                retried: true,
-            });
-        }
-        let run = self
-            .finish_locked(&txn, run, verdict, Some(failure_tail), signer)
-            .await?;
+        // A retried verdict ends the attempt; any other ends the run.
+        let (run, retried) = match self.retry_locked(&txn, &run, verdict).await? {
+            Some(run) => (run, true),
+            None => (
+                self.finish_locked(&txn, run, verdict, Some(failure_tail), signer)
+                    .await?,
+                false,
+            ),
+        };
         if verdict.outcome == VerdictOutcome::Failed && !failure_tail.is_empty() {
             self.owe_turn_failure(&txn, &run, format!("{}:result", run.id), failure_tail)
                 .await?;
@@ -60,8 +54,8 @@ impl Store {
         txn.commit().await?;
         Ok(Finished {
             run,
-            made_terminal: true,
-            retried: false,
+            made_terminal: !retried,
+            retried,
         })
     }
 
@@ -431,16 +425,7 @@ impl Store {
         )
         .await?;
 
-        run_key::Entity::update_many()
-            .col_expr(
-                run_key::Column::RevokedReason,
-                Expr::value(REVOKED_TERMINAL),
-            )
-            .col_expr(run_key::Column::RevokedAtUs, Expr::value(now))
-            .filter(run_key::Column::RunId.eq(run.id.as_str()))
-            .filter(run_key::Column::RevokedAtUs.is_null())
-            .exec(txn)
-            .await?;
+        revoke_live_keys(txn, &run.id, REVOKED_TERMINAL, now).await?;
 
         let checks = event::Entity::find()
             .filter(event::Column::RunId.eq(run.id.as_str()))
