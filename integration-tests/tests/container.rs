@@ -437,7 +437,7 @@ async fn a_run_whose_image_is_gone_ends_image_unavailable() {
 /// attempt it is and why the first ended, succeeds.
 async fn a_container_removed_from_outside_ends_its_attempt_once_as_lost(start: Start) {
     let dev = dev(start, &[]).await;
-    let cli = run_command(
+    let mut cli = run_command(
         &dev,
         "echo \"attempt $RUNPLANE_ATTEMPT after ${RUNPLANE_PREVIOUS_ATTEMPT:-nothing}\"; \
          if [ \"$RUNPLANE_ATTEMPT\" = 1 ]; then sleep 600; fi",
@@ -446,12 +446,24 @@ async fn a_container_removed_from_outside_ends_its_attempt_once_as_lost(start: S
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    let id = runplane_integration_tests::sandboxes::eventually(
-        Duration::from_secs(60),
-        "the running container",
-        || async { containers_of(&dev).into_iter().next() },
-    )
-    .await;
+    // The container is removed once attempt 1's agent has printed: its agent runs.
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(cli.stdout.take().unwrap()).lines();
+    let mut printed = Vec::new();
+    while let Some(line) = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("attempt 1 prints")
+        .unwrap()
+    {
+        printed.push(line);
+        if printed.last().is_some_and(|l| l.starts_with("attempt 1")) {
+            break;
+        }
+    }
+    let id = containers_of(&dev)
+        .into_iter()
+        .next()
+        .expect("attempt 1's container");
     assert_eq!(started_as(&dev, &id), start);
     assert!(
         engine::call(
@@ -461,14 +473,19 @@ async fn a_container_removed_from_outside_ends_its_attempt_once_as_lost(start: S
         ),
         "removing the container"
     );
+    let rest = async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            printed.push(line);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), rest)
+        .await
+        .expect("the run ends");
     let out = tokio::time::timeout(Duration::from_secs(60), cli.wait_with_output())
         .await
         .expect("the run ends")
         .unwrap();
-    let (stdout, err) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
+    let (stdout, err) = (printed.join("\n"), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{stdout}\n{err}");
     assert_eq!(
         err.matches("runplane: attempt 1 ended (sandbox_lost")
