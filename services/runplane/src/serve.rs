@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use clap::ValueEnum;
-use runplane_config::Config;
+use runplane_config::{Config, ServiceRole};
 
 use crate::startup::{Selection, bind, init_telemetry, open, run_until};
 
@@ -34,13 +34,28 @@ impl Selection {
         }
         s
     }
+
+    /// The service roles selected, each calling the others with its own token.
+    fn roles(&self) -> impl Iterator<Item = ServiceRole> {
+        [
+            (self.run_store, ServiceRole::RunStore),
+            (self.sandbox_reconciler, ServiceRole::SandboxReconciler),
+            (self.stream_recovery, ServiceRole::StreamRecovery),
+            (self.credential_health, ServiceRole::CredentialHealth),
+        ]
+        .into_iter()
+        .filter_map(|(selected, role)| selected.then_some(role))
+    }
 }
 
 pub async fn serve(config_file: Option<&Path>, names: &[ServiceName]) -> anyhow::Result<()> {
     let config = Config::load(config_file)?;
     config.require_operator_token()?;
-    config.require_service_token()?;
     let selection = Selection::from_names(names);
+    // Each role hosted here calls the others with its own token, else the shared one.
+    for role in selection.roles() {
+        config.require_calling_token(role)?;
+    }
     if selection.sandbox_reconciler {
         config.require_agents_apart_from_secrets()?;
     }

@@ -26,7 +26,7 @@ use figment::Figment;
 use figment::providers::{Env, Format, Toml};
 use serde::Deserialize;
 
-pub use auth::{AuthConfig, parse_sha256};
+pub use auth::{AuthConfig, PerRole, ServiceRole, parse_sha256};
 pub use checks::{is_image_reference, is_name};
 use checks::{validate_database_url, validate_endpoint_list};
 pub use credential_health::{
@@ -104,7 +104,7 @@ impl Config {
 
     /// Checks what serde cannot. Requirements that depend on the role (tokens to serve)
     /// are checked by [`Config::require_operator_token`] and
-    /// [`Config::require_service_token`].
+    /// [`Config::require_calling_token`].
     pub fn validate(&self) -> Result<(), ConfigError> {
         // Section by section; when several fields are wrong, the first in this order is
         // the one reported.
@@ -175,9 +175,10 @@ impl Config {
         self.auth.require_operator_token()
     }
 
-    /// Serving needs the service token too; the error says how to set one.
-    pub fn require_service_token(&self) -> Result<&Secret, ConfigError> {
-        self.auth.require_service_token()
+    /// Serving `role` needs a token to call the others with (its own or the shared
+    /// one); the error says how to set one.
+    pub fn require_calling_token(&self, role: ServiceRole) -> Result<&Secret, ConfigError> {
+        self.auth.require_calling_token(role)
     }
 
     pub fn shutdown_grace(&self) -> std::time::Duration {
@@ -226,7 +227,9 @@ fn describe(error: figment::Error) -> String {
             // unquoted numeric token, say) that would print it.
             let secret = e.path.last().is_some_and(|key| {
                 SECRET_KEYS.iter().any(|s| key.eq_ignore_ascii_case(s))
-            }) || e.path.iter().any(|key| key.eq_ignore_ascii_case("org_tokens"));
+            }) || e.path.iter().any(|key| {
+                key.eq_ignore_ascii_case("org_tokens") || key.eq_ignore_ascii_case("service_tokens")
+            });
             if secret {
                 format!(
                     "key \"{}\" holds a value of the wrong type (a secret: not shown); expected a string",
