@@ -1,7 +1,7 @@
 //! Who is calling, as the server's authentication layer (`runplane_grpc::auth`) found:
-//! the operator and service tokens act in any org, an org token only in its org, and a
-//! run key is checked here against its run. Tokens and keys are compared by SHA-256 and
-//! never logged.
+//! the operator token and any service token act in any org, an org token only in its
+//! org, and a run key is checked here against its run. Tokens and keys are compared by
+//! SHA-256 and never logged.
 
 use runplane_grpc::auth::Caller;
 use runplane_ids::OrgScope;
@@ -48,7 +48,9 @@ mod tests {
             Err(RunStoreError::Unauthenticated)
         ));
         let mut service = Request::new(());
-        service.extensions_mut().insert(Caller::Service);
+        service
+            .extensions_mut()
+            .insert(Caller::Service(runplane_grpc::auth::Role::Any));
         assert_eq!(org_scope(&service).unwrap(), OrgScope::Any);
         assert!(matches!(
             presented(&service),

@@ -7,9 +7,12 @@
 //! - parses `authorization: Bearer <token>` once (none, or a malformed one, is
 //!   UNAUTHENTICATED);
 //! - hashes the token (SHA-256) and compares the hash, in constant time, with every
-//!   configured token: the operator token, the service token and each org token;
+//!   configured token: the operator token, the shared service token, each service
+//!   role's own token (or its digest) and each org token;
 //! - admits a configured token only on a method that names its caller
-//!   (PERMISSION_DENIED otherwise: the caller is known, the method is not theirs);
+//!   (PERMISSION_DENIED otherwise: the caller is known, the method is not theirs): a
+//!   role's own token where its role is named, the shared service token where any
+//!   service role is;
 //! - hands any other token on as [`Caller::Presented`] when the method takes a credential
 //!   only its handler can judge (a run key, a node credential, a route token), and
 //!   refuses it (UNAUTHENTICATED) everywhere else.
@@ -22,6 +25,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+pub use runplane_config::ServiceRole;
 use runplane_proto::{Caller as Kind, Callers};
 use sha2::{Digest, Sha256};
 use tonic::Code;
@@ -70,13 +74,54 @@ impl std::fmt::Debug for Presented {
     }
 }
 
+/// Which service token a service's call came with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The shared `auth.service_token`: admitted wherever any service role is named.
+    Any,
+    /// A role's own token (`auth.service_tokens.<role>`, or its digest): admitted only
+    /// where that role is named.
+    Only(ServiceRole),
+}
+
+impl Role {
+    /// Whether a method that names `callers` admits this role's token.
+    pub fn is_admitted_by(self, callers: Callers) -> bool {
+        match self {
+            Role::Any => callers.admits_a_service(),
+            Role::Only(role) => callers.admits(kind_of(role)),
+        }
+    }
+
+    /// How a refusal names the token: `shared service`, `run_store service`, ….
+    fn token_name(self) -> &'static str {
+        match self {
+            Role::Any => "shared service",
+            Role::Only(ServiceRole::RunStore) => "run_store service",
+            Role::Only(ServiceRole::SandboxReconciler) => "sandbox_reconciler service",
+            Role::Only(ServiceRole::StreamRecovery) => "stream_recovery service",
+            Role::Only(ServiceRole::CredentialHealth) => "credential_health service",
+        }
+    }
+}
+
+/// The caller a method names for a service role.
+pub fn kind_of(role: ServiceRole) -> Kind {
+    match role {
+        ServiceRole::RunStore => Kind::RunStore,
+        ServiceRole::SandboxReconciler => Kind::SandboxReconciler,
+        ServiceRole::StreamRecovery => Kind::StreamRecovery,
+        ServiceRole::CredentialHealth => Kind::CredentialHealth,
+    }
+}
+
 /// The authenticated caller of a call, in its request's extensions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Caller {
     /// The operator token: any org.
     Operator,
-    /// The service token: any org.
-    Service,
+    /// A service token, the shared one or a role's own: any org.
+    Service(Role),
     /// An org token: only its org.
     Org(String),
     /// A token no configuration names, on a method whose handler checks it (a run key,
@@ -85,13 +130,13 @@ pub enum Caller {
 }
 
 impl Caller {
-    /// The orgs the caller may act in: every org for the operator and service tokens,
+    /// The orgs the caller may act in: every org for the operator and any service token,
     /// its own for an org token; `None` for a presented token (a run key, a node
     /// credential, a route token), which acts in no org. The one answer every service
     /// asks of a caller's org.
     pub fn org_scope(&self) -> Option<runplane_ids::OrgScope> {
         match self {
-            Caller::Operator | Caller::Service => Some(runplane_ids::OrgScope::Any),
+            Caller::Operator | Caller::Service(_) => Some(runplane_ids::OrgScope::Any),
             Caller::Org(org) => Some(runplane_ids::OrgScope::Only(org.clone())),
             Caller::Presented(_) => None,
         }
@@ -125,6 +170,7 @@ pub fn caller<T>(request: &tonic::Request<T>) -> Option<&Caller> {
 pub struct Tokens {
     operator: Option<[u8; 32]>,
     service: Option<[u8; 32]>,
+    roles: Vec<([u8; 32], ServiceRole)>,
     orgs: Vec<([u8; 32], String)>,
 }
 
@@ -134,6 +180,10 @@ impl std::fmt::Debug for Tokens {
             .field("operator", &self.operator.is_some())
             .field("service", &self.service.is_some())
             .field(
+                "roles",
+                &self.roles.iter().map(|(_, r)| r.key()).collect::<Vec<_>>(),
+            )
+            .field(
                 "orgs",
                 &self.orgs.iter().map(|(_, o)| o).collect::<Vec<_>>(),
             )
@@ -142,15 +192,28 @@ impl std::fmt::Debug for Tokens {
 }
 
 impl Tokens {
-    /// `[auth]`'s operator, service and org tokens; an empty one matches nothing.
-    /// A token given by its digest (`operator_token_sha256`, `org_token_sha256`) is
-    /// admitted the same: only the digest is ever compared.
+    /// `[auth]`'s operator, service (shared and per role) and org tokens; an empty one
+    /// matches nothing. A token given by its digest (`operator_token_sha256`,
+    /// `service_token_sha256`, `org_token_sha256`) is admitted the same: only the digest
+    /// is ever compared.
     pub fn from_config(auth: &runplane_config::AuthConfig) -> Self {
         let hash = |s: &runplane_config::Secret| (!s.is_empty()).then(|| sha256(s.expose()));
         Self {
             operator: hash(&auth.operator_token)
                 .or_else(|| runplane_config::parse_sha256(&auth.operator_token_sha256)),
             service: hash(&auth.service_token),
+            roles: auth
+                .service_tokens
+                .iter()
+                .filter_map(|(role, token)| hash(token).map(|h| (h, role)))
+                .chain(
+                    auth.service_token_sha256
+                        .iter()
+                        .filter_map(|(role, digest)| {
+                            runplane_config::parse_sha256(digest).map(|d| (d, role))
+                        }),
+                )
+                .collect(),
             orgs: auth
                 .org_tokens
                 .iter()
@@ -170,7 +233,12 @@ impl Tokens {
             found = Some(Caller::Operator);
         }
         if self.service.is_some_and(|h| same(&h, hash)) {
-            found = Some(Caller::Service);
+            found = Some(Caller::Service(Role::Any));
+        }
+        for (h, role) in &self.roles {
+            if same(h, hash) {
+                found = Some(Caller::Service(Role::Only(*role)));
+            }
         }
         for (h, org) in &self.orgs {
             if same(h, hash) {
@@ -205,21 +273,20 @@ pub fn decide(tokens: &Tokens, path: &str, authorization: Option<&http::HeaderVa
     let hash = sha256(token);
     match tokens.configured(&hash) {
         Some(caller) => {
-            let kind = match caller {
-                Caller::Operator => Kind::Operator,
-                Caller::Service => Kind::Service,
-                Caller::Org(_) => Kind::Org,
+            let (admitted, name) = match &caller {
+                Caller::Operator => (policy.callers.admits(Kind::Operator), "operator"),
+                Caller::Service(role) => (role.is_admitted_by(policy.callers), role.token_name()),
+                Caller::Org(_) => (policy.callers.admits(Kind::Org), "org"),
                 Caller::Presented(_) => unreachable!("a configured token is never presented"),
             };
-            if policy.callers.admits(kind) {
+            if admitted {
                 Decision::Admit(caller)
             } else {
                 Decision::Refuse(
                     Code::PermissionDenied,
                     ErrorReason::PermissionDenied,
                     format!(
-                        "the {} token may not call {path} (its callers: {})",
-                        kind.as_str(),
+                        "the {name} token may not call {path} (its callers: {})",
                         names(policy.callers)
                     ),
                 )
@@ -391,7 +458,10 @@ mod tests {
             decided(CREATE_RUN, &a),
             Decision::Admit(Caller::Org("acme".into()))
         );
-        assert_eq!(decided(FAIL_RUN, &s), Decision::Admit(Caller::Service));
+        assert_eq!(
+            decided(FAIL_RUN, &s),
+            Decision::Admit(Caller::Service(Role::Any))
+        );
         let denied = (Code::PermissionDenied, ErrorReason::PermissionDenied);
         assert_eq!(
             refused(decided(CREATE_RUN, &s)),
@@ -420,6 +490,179 @@ mod tests {
                 "RunnerService: run keys only"
             );
         }
+    }
+
+    /// The tokens of a split deployment: the shared one, three roles' own tokens in full
+    /// and credential health's by its digest, as a server holding none of them has it.
+    fn role_tokens() -> Tokens {
+        let mut auth = runplane_config::AuthConfig {
+            operator_token: runplane_config::Secret::new("o".repeat(40)),
+            service_token: runplane_config::Secret::new("s".repeat(40)),
+            ..Default::default()
+        };
+        for role in ServiceRole::ALL {
+            if role != ServiceRole::CredentialHealth {
+                *auth.service_tokens.get_mut(role) = runplane_config::Secret::new(token_of(role));
+            }
+        }
+        auth.service_token_sha256.credential_health =
+            sha256(&token_of(ServiceRole::CredentialHealth))
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+        Tokens::from_config(&auth)
+    }
+
+    fn token_of(role: ServiceRole) -> String {
+        format!("{}-own-service-token-0123456789abcdef", role.key())
+    }
+
+    fn decided_by_role(path: &str, token: &str) -> Decision {
+        decide(&role_tokens(), path, Some(&header(token)))
+    }
+
+    const ISSUE_RUN_KEY: &str = "/runplane.runstore.v1.RunService/IssueRunKey";
+    const CHECK_RUN_KEY: &str = "/runplane.runstore.v1.RunService/CheckRunKey";
+    const MARK_BACKEND_ERROR: &str = "/runplane.runstore.v1.RunService/MarkBackendError";
+    const CHECK_ADMISSION: &str = "/runplane.credentials.v1.CredentialHealthService/CheckAdmission";
+    const PARK_STREAM: &str = "/runplane.recovery.v1.StreamRecoveryService/ParkStream";
+
+    #[test]
+    fn each_roles_token_calls_what_its_service_calls_and_nothing_else() {
+        let own = |role| Decision::Admit(Caller::Service(Role::Only(role)));
+        let admitted = [
+            (ServiceRole::SandboxReconciler, ISSUE_RUN_KEY),
+            (ServiceRole::SandboxReconciler, FAIL_RUN),
+            (ServiceRole::SandboxReconciler, PARK_STREAM),
+            (ServiceRole::StreamRecovery, CHECK_RUN_KEY),
+            (ServiceRole::StreamRecovery, FAIL_RUN),
+            (ServiceRole::RunStore, CHECK_ADMISSION),
+            (ServiceRole::CredentialHealth, MARK_BACKEND_ERROR),
+        ];
+        for (role, path) in admitted {
+            assert_eq!(
+                decided_by_role(path, &token_of(role)),
+                own(role),
+                "{} on {path}",
+                role.key()
+            );
+        }
+        let denied = (Code::PermissionDenied, ErrorReason::PermissionDenied);
+        let refused_ones = [
+            (ServiceRole::StreamRecovery, ISSUE_RUN_KEY),
+            (ServiceRole::StreamRecovery, MINT),
+            (ServiceRole::CredentialHealth, FAIL_RUN),
+            (ServiceRole::CredentialHealth, ISSUE_RUN_KEY),
+            (ServiceRole::RunStore, FAIL_RUN),
+            (ServiceRole::RunStore, CHECK_RUN_KEY),
+            (ServiceRole::SandboxReconciler, CHECK_ADMISSION),
+            (ServiceRole::SandboxReconciler, CREATE_RUN),
+        ];
+        for (role, path) in refused_ones {
+            assert_eq!(
+                refused(decided_by_role(path, &token_of(role))),
+                denied,
+                "{} on {path}",
+                role.key()
+            );
+        }
+        let Decision::Refuse(_, _, message) =
+            decided_by_role(ISSUE_RUN_KEY, &token_of(ServiceRole::StreamRecovery))
+        else {
+            panic!("admitted");
+        };
+        assert_eq!(
+            message,
+            format!(
+                "the stream_recovery service token may not call {ISSUE_RUN_KEY} (its callers: \
+                 operator, sandbox_reconciler)"
+            )
+        );
+        assert!(!message.contains(&token_of(ServiceRole::StreamRecovery)));
+    }
+
+    #[test]
+    fn every_method_admits_a_roles_token_exactly_where_it_names_the_role() {
+        for policy in runplane_proto::METHOD_POLICIES {
+            for role in ServiceRole::ALL {
+                let decision = decided_by_role(policy.path, &token_of(role));
+                if policy.callers.admits(kind_of(role)) {
+                    assert_eq!(
+                        decision,
+                        Decision::Admit(Caller::Service(Role::Only(role))),
+                        "{}",
+                        policy.path
+                    );
+                } else {
+                    assert!(
+                        matches!(decision, Decision::Refuse(Code::PermissionDenied, _, _)),
+                        "{} on {}: {decision:?}",
+                        role.key(),
+                        policy.path
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_shared_token_is_admitted_wherever_any_service_role_is_named() {
+        let shared = "s".repeat(40);
+        let mut named = 0;
+        for policy in runplane_proto::METHOD_POLICIES {
+            let decision = decided_by_role(policy.path, &shared);
+            if Kind::SERVICE_ROLES
+                .iter()
+                .any(|k| policy.callers.admits(*k))
+            {
+                named += 1;
+                assert_eq!(
+                    decision,
+                    Decision::Admit(Caller::Service(Role::Any)),
+                    "{}",
+                    policy.path
+                );
+                assert_eq!(
+                    Caller::Service(Role::Any).org_scope(),
+                    Some(runplane_ids::OrgScope::Any)
+                );
+            } else {
+                assert!(
+                    matches!(decision, Decision::Refuse(Code::PermissionDenied, _, _)),
+                    "{}: {decision:?}",
+                    policy.path
+                );
+            }
+        }
+        assert!(named >= 10, "only {named} methods name a service role");
+        for role in ServiceRole::ALL {
+            assert_eq!(
+                Caller::Service(Role::Only(role)).org_scope(),
+                Some(runplane_ids::OrgScope::Any)
+            );
+        }
+    }
+
+    #[test]
+    fn a_role_token_given_by_its_digest_authenticates_as_the_full_token_does() {
+        let token = token_of(ServiceRole::CredentialHealth);
+        let mut full = runplane_config::AuthConfig::default();
+        full.service_tokens.credential_health = runplane_config::Secret::new(token.clone());
+        let full = Tokens::from_config(&full);
+        for policy in runplane_proto::METHOD_POLICIES {
+            assert_eq!(
+                decide(&full, policy.path, Some(&header(&token))),
+                decided_by_role(policy.path, &token),
+                "{}",
+                policy.path
+            );
+        }
+        assert_eq!(
+            decided_by_role(MARK_BACKEND_ERROR, &token),
+            Decision::Admit(Caller::Service(Role::Only(ServiceRole::CredentialHealth)))
+        );
+        let debug = format!("{:?}", role_tokens());
+        assert!(!debug.contains(&token), "{debug}");
     }
 
     #[test]

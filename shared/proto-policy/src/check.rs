@@ -211,11 +211,22 @@ fn classify(
         for value in values {
             match value.as_enum_number() {
                 Some(1) => callers.push(Caller::Operator),
-                Some(2) => callers.push(Caller::Service),
+                // The shared token is admitted wherever a service role is named; a method
+                // names the roles that call it, so one role's token reaches no more.
+                Some(2) => problems.push(
+                    "callers names CALLER_SERVICE, which no method names any more: name the \
+                     service roles that call it (CALLER_RUN_STORE, CALLER_SANDBOX_RECONCILER, \
+                     CALLER_STREAM_RECOVERY, CALLER_CREDENTIAL_HEALTH)"
+                        .into(),
+                ),
                 Some(3) => callers.push(Caller::Org),
                 Some(4) => callers.push(Caller::Runner),
                 Some(5) => callers.push(Caller::Node),
                 Some(6) => callers.push(Caller::Route),
+                Some(7) => callers.push(Caller::RunStore),
+                Some(8) => callers.push(Caller::SandboxReconciler),
+                Some(9) => callers.push(Caller::StreamRecovery),
+                Some(10) => callers.push(Caller::CredentialHealth),
                 _ => problems.push("callers names CALLER_UNSPECIFIED or an unknown caller".into()),
             }
         }

@@ -63,12 +63,12 @@ impl OutageBudget {
 }
 
 /// Who presents a call's bearer credential (`runplane.options.v1.Caller`).
+/// `CALLER_SERVICE`, the shared service token, is not among them: the build refuses a
+/// method that names it, and the shared token is admitted wherever a service role is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Caller {
     /// The operator token: humans, the CLI, grpcurl. Any org.
     Operator,
-    /// The service token: runplane's services calling each other. Any org.
-    Service,
     /// An org token; the handler confines it to its org.
     Org,
     /// A run key, checked by the handler against the run it names.
@@ -77,37 +77,60 @@ pub enum Caller {
     Node,
     /// A route token, checked by the node it names.
     Route,
+    /// The run store's service token. Any org.
+    RunStore,
+    /// The sandbox reconciler's service token. Any org.
+    SandboxReconciler,
+    /// The stream recovery coordinator's service token. Any org.
+    StreamRecovery,
+    /// Credential health's service token. Any org.
+    CredentialHealth,
 }
 
 impl Caller {
-    pub const ALL: [Caller; 6] = [
+    pub const ALL: [Caller; 9] = [
         Caller::Operator,
-        Caller::Service,
         Caller::Org,
         Caller::Runner,
         Caller::Node,
         Caller::Route,
+        Caller::RunStore,
+        Caller::SandboxReconciler,
+        Caller::StreamRecovery,
+        Caller::CredentialHealth,
     ];
 
-    const fn bit(self) -> u8 {
-        1 << self as u8
+    /// The service roles: runplane's services calling each other, each with its own
+    /// token (or the shared one, admitted wherever any of them is named).
+    pub const SERVICE_ROLES: [Caller; 4] = [
+        Caller::RunStore,
+        Caller::SandboxReconciler,
+        Caller::StreamRecovery,
+        Caller::CredentialHealth,
+    ];
+
+    const fn bit(self) -> u16 {
+        1 << self as u16
     }
 
     pub const fn as_str(self) -> &'static str {
         match self {
             Caller::Operator => "operator",
-            Caller::Service => "service",
             Caller::Org => "org",
             Caller::Runner => "runner",
             Caller::Node => "node",
             Caller::Route => "route",
+            Caller::RunStore => "run_store",
+            Caller::SandboxReconciler => "sandbox_reconciler",
+            Caller::StreamRecovery => "stream_recovery",
+            Caller::CredentialHealth => "credential_health",
         }
     }
 }
 
 /// The callers a method admits, as a set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Callers(u8);
+pub struct Callers(u16);
 
 impl Callers {
     pub const fn of(callers: &[Caller]) -> Self {
@@ -126,6 +149,19 @@ impl Callers {
 
     pub const fn is_empty(self) -> bool {
         self.0 == 0
+    }
+
+    /// Whether the set names any service role (where the shared service token is
+    /// admitted).
+    pub const fn admits_a_service(self) -> bool {
+        let mut i = 0;
+        while i < Caller::SERVICE_ROLES.len() {
+            if self.admits(Caller::SERVICE_ROLES[i]) {
+                return true;
+            }
+            i += 1;
+        }
+        false
     }
 
     /// The callers in the set, in [`Caller::ALL`] order.

@@ -149,3 +149,18 @@ fn the_table_carries_each_methods_callers() {
     let table = render_table(&methods);
     assert!(table.contains("callers: ::runplane_proto_policy::Callers::of(&[::runplane_proto_policy::Caller::Operator])"), "{table}");
 }
+
+#[test]
+fn rejects_a_method_that_names_the_shared_service_caller() {
+    let err = rejected("shared_service.proto");
+    assert_eq!(
+        problems_of(&err, "/fixture.shared_service.v1.Widgets/Poke"),
+        [
+            "callers names CALLER_SERVICE, which no method names any more: name the service roles that call it (CALLER_RUN_STORE, CALLER_SANDBOX_RECONCILER, CALLER_STREAM_RECOVERY, CALLER_CREDENTIAL_HEALTH)"
+        ]
+    );
+    assert!(
+        problems_of(&err, "/fixture.shared_service.v1.Widgets/Prod").is_empty(),
+        "{err}"
+    );
+}
