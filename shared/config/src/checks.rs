@@ -1,5 +1,5 @@
-//! Checks several sections share: bounded numbers, names, database URLs and endpoint
-//! lists.
+//! Checks several sections share: bounded numbers, names and endpoint lists (the stores'
+//! URLs are `store_urls`).
 
 use std::fmt::Display;
 use std::ops::RangeInclusive;
@@ -29,21 +29,6 @@ pub(crate) fn in_range<T: PartialOrd + Display>(
 /// "must be between LO and HI".
 pub(crate) fn between<T: Display>(range: &RangeInclusive<T>) -> String {
     format!("must be between {} and {}", range.start(), range.end())
-}
-
-/// A `database_url` field names Postgres or SQLite, the two databases the SQL services
-/// speak.
-pub(crate) fn validate_database_url(field: &'static str, url: &str) -> Result<(), ConfigError> {
-    if !(url.starts_with("postgres://")
-        || url.starts_with("postgresql://")
-        || url.starts_with("sqlite:"))
-    {
-        return Err(ConfigError::invalid(
-            field,
-            "must start with postgres:// or sqlite:",
-        ));
-    }
-    Ok(())
 }
 
 /// An endpoint field is one `http://` or `https://` URL or several separated by commas

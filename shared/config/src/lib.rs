@@ -14,6 +14,7 @@ mod run_store;
 mod sandbox_reconciler;
 mod secret;
 mod server;
+mod store_urls;
 mod stream_recovery;
 mod telemetry;
 mod tls;
@@ -27,8 +28,8 @@ use figment::providers::{Env, Format, Toml};
 use serde::Deserialize;
 
 pub use auth::{AuthConfig, PerRole, ServiceRole, parse_sha256};
+use checks::validate_endpoint_list;
 pub use checks::{is_image_reference, is_name};
-use checks::{validate_database_url, validate_endpoint_list};
 pub use credential_health::{
     CredentialHealthConfig, DEFAULT_MAX_PAUSE_SECONDS, MAX_PAUSE_SECONDS,
     MAX_RETRY_BACKOFF_SECONDS, ProfileConfig, ProfileLimits, RetryPolicy,
@@ -42,7 +43,9 @@ pub use sandbox_reconciler::{
 };
 pub use secret::Secret;
 pub use server::{DEFAULT_LISTEN, ServerConfig};
-pub use stream_recovery::{RedisTarget, StreamRecoveryConfig, redact_url};
+pub use store_urls::redact_url;
+use store_urls::validate_database_url;
+pub use stream_recovery::{RedisTarget, StreamRecoveryConfig};
 pub use telemetry::{LogFormat, TelemetryConfig};
 pub use tls::TlsConfig;
 pub use webhooks::{
@@ -245,6 +248,9 @@ fn describe(error: figment::Error) -> String {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod store_url_tests;
 
 #[cfg(test)]
 mod example {

@@ -4,14 +4,20 @@ use serde::Deserialize;
 
 use crate::error::ConfigError;
 use crate::server::default_endpoint;
+use crate::store_urls::{pem_file, validate_redis_node};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StreamRecoveryConfig {
-    /// One Redis, `redis://[user:password@]host:port[/db]` (`rediss://` for TLS); or a
-    /// Redis Cluster, `redis+cluster://[user:password@]host:port,host:port,...` or a
-    /// comma-separated list of `redis://` seed nodes; or `memory://`, the in-process store.
+    /// One Redis, `redis://[[user]:password@]host:port[/db]` (`rediss://` for TLS); or a
+    /// Redis Cluster, `redis+cluster://[[user]:password@]host:port,host:port,...`
+    /// (`rediss+cluster://` for TLS) or a comma-separated list of `redis://` seed nodes;
+    /// or `memory://`, the in-process store. The password is never logged.
     pub redis_url: String,
+    /// For a TLS `redis_url`: a PEM bundle of the CA certificates the servers'
+    /// certificates are checked against, instead of the system's trust store. Empty: the
+    /// system's trust store.
+    pub redis_ca_file: String,
     /// Prefix of every Redis key the coordinator writes (no `{` or `}`: a run's keys are
     /// hash-tagged `{run:<id>}` so each run's keys share one cluster slot).
     pub key_prefix: String,
@@ -26,10 +32,31 @@ impl Default for StreamRecoveryConfig {
     fn default() -> Self {
         Self {
             redis_url: "redis://127.0.0.1:6379".to_owned(),
+            redis_ca_file: String::new(),
             key_prefix: "runplane:".to_owned(),
             endpoint: default_endpoint(),
             max_org_buffered_bytes: 4 << 30,
         }
+    }
+}
+
+/// Written out so `redis_url` prints without its password.
+impl std::fmt::Debug for StreamRecoveryConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            redis_url,
+            redis_ca_file,
+            key_prefix,
+            endpoint,
+            max_org_buffered_bytes,
+        } = self;
+        f.debug_struct("StreamRecoveryConfig")
+            .field("redis_url", &crate::store_urls::redact_url(redis_url))
+            .field("redis_ca_file", redis_ca_file)
+            .field("key_prefix", key_prefix)
+            .field("endpoint", endpoint)
+            .field("max_org_buffered_bytes", max_org_buffered_bytes)
+            .finish()
     }
 }
 
@@ -40,8 +67,41 @@ impl StreamRecoveryConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        if let Err(reason) = self.target() {
-            return Err(ConfigError::invalid("stream_recovery.redis_url", reason));
+        let target = self
+            .target()
+            .map_err(|reason| ConfigError::invalid("stream_recovery.redis_url", reason))?;
+        let nodes: &[String] = match &target {
+            RedisTarget::Memory => &[],
+            RedisTarget::Single(url) => std::slice::from_ref(url),
+            RedisTarget::Cluster(seeds) => seeds,
+        };
+        for (i, node) in nodes.iter().enumerate() {
+            validate_redis_node(node).map_err(|reason| {
+                let which = match nodes.len() {
+                    1 => String::new(),
+                    _ => format!("seed {} ", i + 1),
+                };
+                // The reason never repeats the URL (a password could be in it).
+                ConfigError::invalid("stream_recovery.redis_url", format!("{which}{reason}"))
+            })?;
+        }
+        let tls = nodes.iter().filter(|n| n.starts_with("rediss://")).count();
+        if tls != 0 && tls != nodes.len() {
+            return Err(ConfigError::invalid(
+                "stream_recovery.redis_url",
+                "mixes redis:// and rediss:// seeds: a cluster is reached over TLS or not at all",
+            ));
+        }
+        if !self.redis_ca_file.is_empty() {
+            if tls == 0 {
+                return Err(ConfigError::invalid(
+                    "stream_recovery.redis_ca_file",
+                    "is set but stream_recovery.redis_url is not TLS: use rediss:// (or \
+                     rediss+cluster://), or leave the CA file empty",
+                ));
+            }
+            pem_file("the CA file", &self.redis_ca_file, "CERTIFICATE")
+                .map_err(|reason| ConfigError::invalid("stream_recovery.redis_ca_file", reason))?;
         }
         crate::checks::in_range(
             "stream_recovery.max_org_buffered_bytes",
@@ -56,25 +116,6 @@ impl StreamRecoveryConfig {
             ));
         }
         Ok(())
-    }
-}
-
-/// `url` with any password replaced, safe to log or put in an error; a comma-separated
-/// list (cluster seeds) has each element's replaced.
-pub fn redact_url(url: &str) -> String {
-    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
-}
-
-fn redact_one(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let userinfo = &url[scheme_end + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
     }
 }
 
@@ -186,7 +227,7 @@ mod tests {
             assert!(t(bad).is_err(), "{bad:?} accepted");
         }
         assert_eq!(
-            redact_url("redis://u:pw@a:1,redis://u:pw@b:2"),
+            crate::store_urls::redact_url("redis://u:pw@a:1,redis://u:pw@b:2"),
             "redis://u:***@a:1,redis://u:***@b:2"
         );
         // The reason never repeats the URL (a password could be in it).
