@@ -50,11 +50,9 @@ impl StreamRecovery {
         config: &runplane_config::Config,
         clock: SharedClock,
     ) -> Result<Self, RecoveryError> {
-        let target = config::redis_target(config)?;
-        let store =
-            store::redis::RedisStore::connect_to(&target, &config.stream_recovery.key_prefix)
-                .await
-                .map_err(|e| config::unreachable(config, e.to_string()))?;
+        let store = store::redis::RedisStore::open(&config.stream_recovery)
+            .await
+            .map_err(|e| config::unreachable(config, e.to_string()))?;
         Self::with_store(Arc::new(store), config, clock)
     }
 

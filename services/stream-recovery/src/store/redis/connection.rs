@@ -1,5 +1,6 @@
 //! The Redis store's handle: one server's connection or a cluster's, and what it keeps
-//! beside (its key prefix, the index memo, the wake-ups of its followers).
+//! beside (its key prefix, the index memo, the wake-ups of its followers); and the
+//! clients it connects with (over TLS, trusting the CA it was given, if any).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -66,5 +67,22 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .finish()
+    }
+}
+
+/// A client of the one server `url` names; over TLS, `ca` (PEM) replaces the system's
+/// CAs. A CA with a `redis://` URL is refused by redis-rs (and earlier by the config).
+pub(super) fn client(url: &str, ca: Option<&[u8]>) -> redis::RedisResult<redis::Client> {
+    match ca {
+        Some(ca) => redis::Client::build_with_tls(url, certificates(ca)),
+        None => redis::Client::open(url),
+    }
+}
+
+/// The certificates a TLS connection trusts: the CAs of `ca` (PEM), no client identity.
+pub(super) fn certificates(ca: &[u8]) -> redis::TlsCertificates {
+    redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(ca.to_vec()),
     }
 }

@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use redis::aio::ConnectionManager;
-use runplane_config::RedisTarget;
+use runplane_config::{RedisTarget, StreamRecoveryConfig};
 use runplane_grpc::notifier::Notifier;
 
 use crate::domain::policy::BufferLimits;
@@ -42,7 +42,7 @@ use crate::store::{
     Acquired, Appended, BudgetState, ClaimArgs, ClaimOutcome, RecoveryStore, Replay, Result,
     StoreError,
 };
-use connection::Conn;
+use connection::{Conn, certificates, client};
 use relay::relay_changes;
 
 /// The relay of the other replicas' changes (`relay::relay_changes`). Aborted when the
@@ -56,24 +56,47 @@ const RELAY_TASK: runplane_grpc::Task = runplane_grpc::Task {
 };
 
 impl RedisStore {
+    /// Connects to the Redis `[stream_recovery]` names: `redis_url`, its servers'
+    /// certificates checked against `redis_ca_file` when set, keys under `key_prefix`.
+    pub async fn open(config: &StreamRecoveryConfig) -> Result<Self> {
+        let target = config
+            .target()
+            .map_err(|reason| StoreError::Backend(reason.to_owned()))?;
+        let ca = match config.redis_ca_file.as_str() {
+            "" => None,
+            path => Some(std::fs::read(path).map_err(|e| {
+                StoreError::Backend(format!(
+                    "cannot read stream_recovery.redis_ca_file {path}: {e}"
+                ))
+            })?),
+        };
+        Self::connect_to(&target, ca.as_deref(), &config.key_prefix).await
+    }
+
     /// Connects to `url`, in any form `[stream_recovery].redis_url` takes (one server, or
-    /// a cluster by `redis+cluster://` or a comma-separated list of seeds).
+    /// a cluster by `redis+cluster://` or a comma-separated list of seeds), trusting the
+    /// system's CAs when it is TLS.
     pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
         let target =
             RedisTarget::parse(url).map_err(|reason| StoreError::Backend(reason.to_owned()))?;
-        Self::connect_to(&target, prefix).await
+        Self::connect_to(&target, None, prefix).await
     }
 
-    pub async fn connect_to(target: &RedisTarget, prefix: &str) -> Result<Self> {
+    /// Connects to `target`; over TLS, `ca` (PEM) replaces the system's CAs.
+    pub async fn connect_to(target: &RedisTarget, ca: Option<&[u8]>, prefix: &str) -> Result<Self> {
+        let ca: Option<Arc<[u8]>> = ca.map(Arc::from);
         let conn = match target {
             RedisTarget::Single(url) => {
-                Conn::Single(ConnectionManager::new(redis::Client::open(url.as_str())?).await?)
+                Conn::Single(ConnectionManager::new(client(url, ca.as_deref())?).await?)
             }
-            RedisTarget::Cluster(seeds) => Conn::Cluster(
-                redis::cluster::ClusterClient::new(seeds.iter().map(String::as_str))?
-                    .get_async_connection()
-                    .await?,
-            ),
+            RedisTarget::Cluster(seeds) => {
+                let mut builder =
+                    redis::cluster::ClusterClientBuilder::new(seeds.iter().map(String::as_str));
+                if let Some(ca) = &ca {
+                    builder = builder.certs(certificates(ca));
+                }
+                Conn::Cluster(builder.build()?.get_async_connection().await?)
+            }
             RedisTarget::Memory => {
                 return Err(StoreError::Backend(
                     "memory:// is the in-process store, not Redis".to_owned(),
@@ -90,7 +113,14 @@ impl RedisStore {
         let channel = format!("{prefix}changes");
         relay.spawn(RELAY_TASK, {
             let notifier = notifier.clone();
-            move |_| relay_changes(servers.clone(), channel.clone(), notifier.clone())
+            move |_| {
+                relay_changes(
+                    servers.clone(),
+                    ca.clone(),
+                    channel.clone(),
+                    notifier.clone(),
+                )
+            }
         });
         Ok(Self {
             conn,

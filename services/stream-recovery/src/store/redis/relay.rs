@@ -1,23 +1,27 @@
 //! The relay of changes between replicas: every change a store makes to a run is
 //! published on one channel, and every replica's subscriber wakes its own followers.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use runplane_grpc::notifier::Notifier;
 
-use super::connection::RedisStore;
+use super::connection::{RedisStore, client};
 
 /// Relays the runs published on `channel` (by every replica's scripts and changes) to
 /// this process's followers. Subscribes on one server (in a cluster any node hears every
 /// node's PUBLISH), moving to the next seed when it fails; after a reconnect everyone is
 /// woken, since what was published meanwhile is gone.
-pub(super) async fn relay_changes(servers: Vec<String>, channel: String, notifier: Notifier) {
+pub(super) async fn relay_changes(
+    servers: Vec<String>,
+    ca: Option<Arc<[u8]>>,
+    channel: String,
+    notifier: Notifier,
+) {
     use futures::StreamExt;
     for server in servers.iter().cycle() {
         let subscribed = async {
-            let mut pubsub = redis::Client::open(server.as_str())?
-                .get_async_pubsub()
-                .await?;
+            let mut pubsub = client(server, ca.as_deref())?.get_async_pubsub().await?;
             pubsub.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(pubsub)
         };
