@@ -17,6 +17,7 @@ pub mod domain;
 pub mod drivers;
 pub mod error;
 pub mod grpc;
+pub mod owed;
 pub mod reconcile;
 pub mod signals;
 pub mod slots;

@@ -39,6 +39,7 @@ async fn a_reattach_wakes_an_unplaced_sandbox_whatever_its_direct_route_names(w:
             epoch: 1,
             used: 0,
             registered_at_us: now,
+            fenced_at_us: 0,
         })
         .await
         .unwrap();

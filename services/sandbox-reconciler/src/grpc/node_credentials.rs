@@ -51,10 +51,22 @@ impl NodeCredentialService for NodeCredentialApi {
         let req = request.get_ref();
         node_name("node_id", &req.node_id)?;
         let revoked = s.store.revoke_node_credentials(&req.node_id).await?;
-        tracing::info!(revoked, "node credentials revoked");
+        tracing::info!(
+            revoked = revoked.credentials,
+            fenced = revoked.fenced,
+            fenced_sandboxes = revoked.fenced_sandboxes,
+            "node credentials revoked"
+        );
+        if revoked.fenced_sandboxes > 0 {
+            // Their FailRun calls are in the outbox: deliver them now, not a tick later.
+            s.signals.want_round();
+        }
+        let count = |n: u64| n.min(u64::from(u32::MAX)) as u32;
         Ok(Response::new(
             reconciler_pb::RevokeNodeCredentialsResponse {
-                revoked: revoked.min(u64::from(u32::MAX)) as u32,
+                revoked: count(revoked.credentials),
+                fenced: revoked.fenced,
+                fenced_sandboxes: count(revoked.fenced_sandboxes),
             },
         ))
     }

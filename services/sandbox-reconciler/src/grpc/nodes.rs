@@ -66,6 +66,7 @@ impl NodeService for NodeApi {
         let node = s
             .store
             .register_node(
+                &credential.id,
                 &req.node_id,
                 &req.boot_id,
                 &req.endpoint,

@@ -171,7 +171,9 @@ impl SandboxService for SandboxApi {
                 .iter()
                 .map(|n| {
                     let mut shown = node_of(n);
-                    if n.last_heartbeat_us < silent_since {
+                    if n.is_fenced() {
+                        shown.state = reconciler_pb::NodeState::Fenced as i32;
+                    } else if n.last_heartbeat_us < silent_since {
                         shown.state = reconciler_pb::NodeState::Unresponsive as i32;
                     }
                     shown

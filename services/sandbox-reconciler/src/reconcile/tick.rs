@@ -4,8 +4,6 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use prost::Message;
-use runplane_proto::runstore::v1 as runstore_pb;
 use runplane_sandbox::{Probe, SandboxSpec};
 
 use super::reconciler::{Reconciler, TickReport};
@@ -128,7 +126,7 @@ impl Reconciler {
                 let Probe::Exited(code) = probe else {
                     unreachable!("only a recorded exit is certain")
                 };
-                let fail = runner_exited_row(&row, code, now);
+                let fail = crate::owed::runner_exited(&row, code, now);
                 let won = self
                     .store
                     .confirm_loss(
@@ -153,70 +151,15 @@ impl Reconciler {
     }
 }
 
-/// The FailRun this reconciler owes the run store for `row`, as an outbox row.
+/// The FailRun owed for `row`, lost (or exited with no recorded status) past the grace.
 fn fail_run_row(row: &sandbox::Model, what: &str, grace: Duration, now_us: i64) -> outbox::Model {
-    owed_fail_run(
+    crate::owed::sandbox_lost(
         row,
-        "sandbox_lost",
         format!(
             "sandbox {} {what} for longer than the {} s loss grace",
             row.id,
             grace.as_secs()
         ),
-        format!("sandbox-lost:{}:{}", row.id, row.execution_generation),
         now_us,
     )
-}
-
-/// The FailRun owed for `row` whose runner exited with `code` (recorded by its driver).
-/// A runner that submitted its verdict before it exited left its run terminal, and the
-/// run store answers this one with that verdict, changing nothing.
-fn runner_exited_row(row: &sandbox::Model, code: Option<i32>, now_us: i64) -> outbox::Model {
-    let status = code.map_or("exited".to_owned(), |c| match c {
-        // The shell's convention: 128 + the signal that killed it.
-        129..=192 => format!("was killed by signal {}", c - 128),
-        c => format!("exited with status {c}"),
-    });
-    owed_fail_run(
-        row,
-        REASON_RUNNER_EXITED,
-        format!(
-            "the runner of sandbox {} {status} without a verdict",
-            row.id
-        ),
-        format!("runner-exited:{}:{}", row.id, row.execution_generation),
-        now_us,
-    )
-}
-
-/// Why a run ends when its runner exited without a verdict.
-pub const REASON_RUNNER_EXITED: &str = "runner_exited";
-
-fn owed_fail_run(
-    row: &sandbox::Model,
-    reason: &str,
-    message: String,
-    idempotency_key: String,
-    now_us: i64,
-) -> outbox::Model {
-    let request = runstore_pb::FailRunRequest {
-        run_id: row.run_id.clone(),
-        reason: reason.into(),
-        message,
-        idempotency_key,
-        // Only the sandbox and execution this reconciler watched: a run that moved on (to
-        // a newer generation, or to a replacement sandbox, which starts at generation 1
-        // again) is left alone.
-        if_sandbox_generation: Some(row.execution_generation as u64),
-        if_sandbox_id: row.id.clone(),
-    };
-    let mut owed = runplane_db::outbox::row(
-        "run_store.fail_run",
-        request.idempotency_key.clone(),
-        request.encode_to_vec(),
-        now_us,
-    );
-    // The run's trace, so the loss and the run's end read as one story.
-    owed.traceparent = row.traceparent.clone();
-    owed
 }

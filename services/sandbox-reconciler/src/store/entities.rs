@@ -161,12 +161,22 @@ pub mod node {
         /// Sandbox slots in use, as the node last reported.
         pub used: i32,
         pub registered_at_us: i64,
+        /// When the node was fenced (its credentials all revoked), 0 while it is not: a
+        /// fenced node gets no placement until it registers again with a new credential.
+        pub fenced_at_us: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
     pub enum Relation {}
 
     impl ActiveModelBehavior for ActiveModel {}
+}
+
+impl node::Model {
+    /// Fenced: its credentials were all revoked, and it has not registered since.
+    pub fn is_fenced(&self) -> bool {
+        self.fenced_at_us != 0
+    }
 }
 
 pub mod wake {

@@ -60,6 +60,13 @@ impl MigratorTrait for Migrator {
                 table: "sandboxes",
                 column: "attempt",
             }),
+            // When a node was fenced by the revocation of its credentials
+            // (`nodes.fenced_at_us`, 0: not fenced).
+            Box::new(runplane_db::migrations::AddBigIntColumn {
+                name: "m0011_node_fenced_at",
+                table: "nodes",
+                column: "fenced_at_us",
+            }),
         ]
     }
 }

@@ -9,7 +9,9 @@
 //!   crash between the deletion and the stop cannot leave the process running.
 //! - `route_identities`: which node serves a direct sandbox's sessions; read only while
 //!   the sandbox has an `active_node_id` (see `domain::placement`).
-//! - `nodes`: registered node agents and their endpoints.
+//! - `nodes`: registered node agents and their endpoints; `fenced_at_us` (0: not fenced)
+//!   marks a node whose credentials were all revoked: it gets no placement until it
+//!   registers again with a new credential (see `fence`).
 //! - `node_credentials`: node agents' own bearer credentials, one node id each, kept as
 //!   the SHA-256 of the secret; revoked rows stay (revoked_at_us) for the listing.
 //! - `wakes`: restore requests, at most one open per sandbox (a partial unique index).
@@ -17,6 +19,7 @@
 //!   delivered with an idempotency key until the callee answers.
 
 pub mod entities;
+mod fence;
 pub mod migration;
 pub mod node_credentials;
 pub mod nodes;
@@ -73,7 +76,7 @@ pub enum Placed {
     New(sandbox::Model),
     /// The request's sandbox already existed (a replay, or another replica placed it).
     Existing(sandbox::Model),
-    /// The node has no room.
+    /// The node has no room (or was fenced: it takes nothing).
     Full,
 }
 
@@ -171,6 +174,15 @@ pub struct NewSandbox {
     pub attempt: u32,
 }
 
+/// How a live sandbox ends ([`Store::end_live`]): its final status (exited or lost), the
+/// exit code its driver recorded, and the FailRun owed to its run.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    pub final_status: SandboxStatus,
+    pub exit_code: Option<i32>,
+    pub fail_run: outbox::Model,
+}
+
 /// What one [`Store::prune`] deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Pruned {
@@ -229,10 +241,16 @@ impl Store {
         }
         let node_id = new.node_id.clone();
         let txn = runplane_db::write_tx(&self.db).await?;
-        node::Entity::find_by_id(node_id.clone())
+        let node = node::Entity::find_by_id(node_id.clone())
             .lock_exclusive()
             .one(&txn)
             .await?;
+        // Fenced since dispatch read it as ready: the fence holds this lock while it ends
+        // the node's sandboxes, so nothing is placed on it after.
+        if node.is_some_and(|n| n.is_fenced()) {
+            txn.rollback().await?;
+            return Ok(Placed::Full);
+        }
         let placed = sea_orm::PaginatorTrait::count(
             sandbox::Entity::find()
                 .filter(sandbox::Column::ActiveNodeId.eq(node_id.as_str()))
@@ -543,16 +561,21 @@ impl Store {
             .await?)
     }
 
+    /// The sandbox `id` at `generation`, while it is live.
+    fn live_guard(id: &str, generation: i64) -> sea_orm::Condition {
+        sea_orm::Condition::all()
+            .add(sandbox::Column::Id.eq(id))
+            .add(sandbox::Column::ExecutionGeneration.eq(generation))
+            .add(sandbox::Column::Status.is_in(LIVE))
+    }
+
+    /// [`Store::live_guard`] with the loss stamp the tick read.
     fn loss_guard(id: &str, generation: i64, read_stamp: Option<i64>) -> sea_orm::Condition {
         let stamp = match read_stamp {
             None => sandbox::Column::LossObservedAtUs.is_null(),
             Some(s) => sandbox::Column::LossObservedAtUs.eq(s),
         };
-        sea_orm::Condition::all()
-            .add(sandbox::Column::Id.eq(id))
-            .add(sandbox::Column::ExecutionGeneration.eq(generation))
-            .add(sandbox::Column::Status.is_in(LIVE))
-            .add(stamp)
+        Self::live_guard(id, generation).add(stamp)
     }
 
     /// Stamps the first loss observation, compare-and-set against the stamp the tick read
@@ -601,27 +624,48 @@ impl Store {
         fail_run: outbox::Model,
     ) -> Result<bool> {
         let txn = self.db.begin().await?;
-        let done = sandbox::Entity::update_many()
-            .col_expr(sandbox::Column::Status, Expr::value(final_status))
-            .col_expr(sandbox::Column::ExitCode, Expr::value(exit_code))
-            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(self.now_us()))
-            .filter(Self::loss_guard(
-                &row.id,
-                row.execution_generation,
-                read_stamp,
-            ))
-            .exec(&txn)
-            .await?;
-        if done.rows_affected != 1 {
+        let ended = Ending {
+            final_status,
+            exit_code,
+            fail_run,
+        };
+        let guard = Self::loss_guard(&row.id, row.execution_generation, read_stamp);
+        if !Self::end_live(&txn, &row.id, guard, ended, self.now_us()).await? {
             txn.rollback().await?;
             return Ok(false);
         }
-        outbox::Entity::insert(fail_run.into_active_model())
-            .exec_without_returning(&txn)
+        txn.commit().await?;
+        Ok(true)
+    }
+
+    /// The one way a live sandbox ends as exited or lost, whoever established it (the
+    /// tick, a node's fence): the row `guard` selects (a compare-and-set on what its
+    /// caller read, always within [`Store::live_guard`]) takes its final status, the
+    /// FailRun owed for it joins the outbox and its open wakes are settled, all in `db`'s
+    /// transaction. `false`, with nothing written, when the guard no longer holds: another
+    /// replica's tick or fence ended it first, so its attempt ends once.
+    pub(crate) async fn end_live(
+        db: &impl sea_orm::ConnectionTrait,
+        id: &str,
+        guard: sea_orm::Condition,
+        ended: Ending,
+        now_us: i64,
+    ) -> Result<bool> {
+        let done = sandbox::Entity::update_many()
+            .col_expr(sandbox::Column::Status, Expr::value(ended.final_status))
+            .col_expr(sandbox::Column::ExitCode, Expr::value(ended.exit_code))
+            .col_expr(sandbox::Column::UpdatedAtUs, Expr::value(now_us))
+            .filter(guard)
+            .exec(db)
+            .await?;
+        if done.rows_affected != 1 {
+            return Ok(false);
+        }
+        outbox::Entity::insert(ended.fail_run.into_active_model())
+            .exec_without_returning(db)
             .await?;
         // Nothing restores a sandbox whose loss is confirmed.
-        Self::settle_wakes_of_ended(&txn, &row.id, self.now_us()).await?;
-        txn.commit().await?;
+        Self::settle_wakes_of_ended(db, id, now_us).await?;
         Ok(true)
     }
 

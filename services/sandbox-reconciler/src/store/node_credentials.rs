@@ -1,8 +1,9 @@
 //! Node agents' own credentials: made and revoked by an operator, checked on every
 //! NodeService call. Only the SHA-256 of a secret is stored; the secret is returned once.
+//! Revoking a node's last live credential fences the node (`store::fence`).
 
 use sea_orm::sea_query::Expr;
-use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use sea_orm::{ColumnTrait, EntityTrait, PaginatorTrait, QueryFilter, QueryOrder, QuerySelect};
 
 use super::Store;
 use super::entities::node_credential;
@@ -20,6 +21,18 @@ pub fn token_sha256(token: &str) -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// What one [`Store::revoke_node_credentials`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Revoked {
+    /// Credentials this call revoked (0 for a replay).
+    pub credentials: u64,
+    /// Whether this call fenced the node (false when it was fenced already, or never
+    /// registered).
+    pub fenced: bool,
+    /// Live sandboxes of the node this call ended as lost.
+    pub fenced_sandboxes: u64,
 }
 
 /// Most rows one listing returns.
@@ -53,19 +66,36 @@ impl Store {
         Ok((row, token))
     }
 
-    /// Revokes `node_id`'s live credentials; how many.
-    pub async fn revoke_node_credentials(&self, node_id: &str) -> Result<u64> {
-        let done = node_credential::Entity::update_many()
-            .col_expr(
-                node_credential::Column::RevokedAtUs,
-                Expr::value(self.now_us()),
-            )
+    /// Revokes `node_id`'s live credentials and, in the same transaction, fences the node
+    /// once it has no live credential left (see `store::fence`): no placement on it any
+    /// more, and every live sandbox it holds lost at once.
+    pub async fn revoke_node_credentials(&self, node_id: &str) -> Result<Revoked> {
+        let txn = runplane_db::write_tx(&self.db).await?;
+        let now = self.now_us();
+        let credentials = node_credential::Entity::update_many()
+            .col_expr(node_credential::Column::RevokedAtUs, Expr::value(now))
             .filter(node_credential::Column::NodeId.eq(node_id))
             .filter(node_credential::Column::RevokedAtUs.is_null())
-            .exec(&self.db)
-            .await
-            .map_err(ReconcilerError::from)?;
-        Ok(done.rows_affected)
+            .exec(&txn)
+            .await?
+            .rows_affected;
+        // One made while this call ran, committed before the update read, keeps the node.
+        let live_left = node_credential::Entity::find()
+            .filter(node_credential::Column::NodeId.eq(node_id))
+            .filter(node_credential::Column::RevokedAtUs.is_null())
+            .count(&txn)
+            .await?;
+        let fenced = if live_left == 0 {
+            self.fence_node(&txn, node_id, now).await?
+        } else {
+            None
+        };
+        txn.commit().await?;
+        Ok(Revoked {
+            credentials,
+            fenced: fenced.is_some(),
+            fenced_sandboxes: fenced.unwrap_or(0),
+        })
     }
 
     /// Credentials, revoked included, oldest first (of `node_id` when given).

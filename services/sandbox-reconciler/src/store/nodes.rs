@@ -7,7 +7,7 @@ use sea_orm::{
 };
 
 use super::Store;
-use super::entities::{node, route_identity, sandbox, wake};
+use super::entities::{node, node_credential, route_identity, sandbox, wake};
 use crate::domain::status::SandboxStatus;
 use crate::error::ReconcilerError;
 
@@ -59,16 +59,33 @@ pub struct Observation<'a> {
 pub const WAKE_ATTEMPTS: i32 = 3;
 
 impl Store {
-    /// Registers a node. The same boot again keeps its epoch; a new boot bumps it, which
-    /// fences every call the previous boot still makes.
+    /// Registers a node with its live credential `credential_id`. The same boot again
+    /// keeps its epoch; a new boot bumps it, which fences every call the previous boot
+    /// still makes. A fenced node registers as a fresh one: a new epoch, unfenced.
+    ///
+    /// The credential is read share-locked in the transaction, so a revocation is
+    /// ordered before or after the whole registration: a registration authenticated just
+    /// before its credential was revoked cannot lift the fence that revocation set
+    /// (it finds the credential revoked and is refused), and one that committed first is
+    /// fenced by it.
     pub async fn register_node(
         &self,
+        credential_id: &str,
         id: &str,
         boot_id: &str,
         endpoint: &str,
         capacity: i32,
     ) -> Result<node::Model> {
-        let txn = self.db.begin().await?;
+        let txn = runplane_db::write_tx(&self.db).await?;
+        let live = node_credential::Entity::find_by_id(credential_id.to_owned())
+            .filter(node_credential::Column::RevokedAtUs.is_null())
+            .lock_shared()
+            .one(&txn)
+            .await?;
+        if live.is_none() {
+            txn.rollback().await?;
+            return Err(ReconcilerError::NodeCredentialRevoked);
+        }
         let now = self.now_us();
         let node = match node::Entity::find_by_id(id.to_owned()).one(&txn).await? {
             None => {
@@ -81,6 +98,7 @@ impl Store {
                     epoch: 1,
                     used: 0,
                     registered_at_us: now,
+                    fenced_at_us: 0,
                 };
                 node::Entity::insert(row.clone().into_active_model())
                     .exec_without_returning(&txn)
@@ -88,7 +106,7 @@ impl Store {
                 row
             }
             Some(existing) => {
-                let epoch = if existing.boot_id == boot_id {
+                let epoch = if existing.boot_id == boot_id && !existing.is_fenced() {
                     existing.epoch
                 } else {
                     existing.epoch + 1
@@ -99,6 +117,7 @@ impl Store {
                 active.boot_id = sea_orm::Set(boot_id.to_owned());
                 active.epoch = sea_orm::Set(epoch);
                 active.last_heartbeat_us = sea_orm::Set(now);
+                active.fenced_at_us = sea_orm::Set(0);
                 active.update(&txn).await?
             }
         };
@@ -150,10 +169,11 @@ impl Store {
             .await?)
     }
 
-    /// Nodes that heartbeat since `since_us`, least used first.
+    /// Nodes that heartbeat since `since_us` and are not fenced, least used first.
     pub async fn ready_nodes(&self, since_us: i64) -> Result<Vec<node::Model>> {
         Ok(node::Entity::find()
             .filter(node::Column::LastHeartbeatUs.gte(since_us))
+            .filter(node::Column::FencedAtUs.eq(0))
             .order_by_asc(node::Column::Used)
             .order_by_asc(node::Column::Id)
             .all(&self.db)
