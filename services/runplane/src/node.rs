@@ -60,7 +60,9 @@ enum TokenCommand {
         #[command(flatten)]
         connect: Connect,
     },
-    /// Revoke every credential of node NODE: its agent is refused from now on and stops.
+    /// Revoke every credential of node NODE and fence it: its agent is refused from now on
+    /// and stops, it gets no placement, and its sandboxes are lost at once (no loss grace),
+    /// their runs' attempts retried on other nodes. A new credential makes it a fresh node.
     #[command(after_help = EXIT_STATUS)]
     Revoke {
         node: String,
@@ -208,6 +210,13 @@ async fn token(
                 .map_err(crate::connect::rpc)?
                 .into_inner();
             writeln!(out, "revoked {} credentials of node {node}", answer.revoked)?;
+            if answer.fenced {
+                writeln!(
+                    out,
+                    "fenced node {node}: {} sandboxes lost, their attempts retried elsewhere",
+                    answer.fenced_sandboxes
+                )?;
+            }
         }
         TokenCommand::List { node, .. } => {
             let answer = client
