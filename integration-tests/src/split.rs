@@ -32,6 +32,17 @@ impl Split {
     /// every process; `env` adds `RUNPLANE_*` overrides; sandboxes' state lives in
     /// `state_dir`.
     pub async fn start(config: Option<&Path>, state_dir: &Path, env: &[(&str, &str)]) -> Self {
+        Self::start_each(config, state_dir, env, |_| Vec::new()).await
+    }
+
+    /// [`Split::start`], with `each(service)` adding overrides for that service's process
+    /// alone (its own token, say).
+    pub async fn start_each(
+        config: Option<&Path>,
+        state_dir: &Path,
+        env: &[(&str, &str)],
+        each: impl Fn(&str) -> Vec<(String, String)>,
+    ) -> Self {
         let databases = vec![
             TestDatabase::new().await,
             TestDatabase::new().await,
@@ -99,8 +110,10 @@ impl Split {
         }
         let mut processes = HashMap::new();
         for service in SERVICES {
+            let own = each(service);
             let mut env: Vec<(&str, &str)> = common
                 .iter()
+                .chain(&own)
                 .map(|(k, v)| (k.as_str(), v.as_str()))
                 .collect();
             env.push(("RUNPLANE_SERVER__LISTEN", addrs[service].as_str()));

@@ -87,7 +87,10 @@ impl CredentialHealth {
             &config.credential_health.database_url,
         )
         .await?;
-        let token = &config.auth.service_token;
+        // Its own service token when it has one, else the shared one.
+        let token = config
+            .auth
+            .calling_token(runplane_config::ServiceRole::CredentialHealth);
         let run_store = runplane_grpc::client::service_client(
             &config.run_store.endpoint,
             token,

@@ -80,7 +80,10 @@ impl RunStore {
             Some(
                 runplane_grpc::client::service_client(
                     &config.credential_health.endpoint,
-                    &config.auth.service_token,
+                    // Its own token when it has one: only CALLER_RUN_STORE's methods.
+                    config
+                        .auth
+                        .calling_token(runplane_config::ServiceRole::RunStore),
                     CredentialHealthServiceClient::with_interceptor,
                 )
                 .map_err(|e| RunStoreError::InvalidField {

@@ -105,9 +105,12 @@ impl SandboxReconciler {
         } else {
             None
         };
-        let token = &config.auth.service_token;
+        let token = config
+            .auth
+            .calling_token(runplane_config::ServiceRole::SandboxReconciler);
         let route_key = config::route_key(config);
-        // The other services, each called with the service token.
+        // The other services, each called with the reconciler's own service token (else
+        // the shared one).
         let invalid = |field: &'static str| {
             move |e: runplane_grpc::client::ClientError| ReconcilerError::InvalidField {
                 field,

@@ -70,7 +70,10 @@ impl StreamRecovery {
         config: &runplane_config::Config,
         clock: SharedClock,
     ) -> Result<Self, RecoveryError> {
-        let token = &config.auth.service_token;
+        // Its own service token when it has one, else the shared one.
+        let token = config
+            .auth
+            .calling_token(runplane_config::ServiceRole::StreamRecovery);
         let run_store = runplane_grpc::client::service_client(
             &config.run_store.endpoint,
             token,

@@ -102,7 +102,9 @@ impl<T> PerRole<T> {
 
     /// Each role with its value, in [`ServiceRole::ALL`] order.
     pub fn iter(&self) -> impl Iterator<Item = (ServiceRole, &T)> {
-        ServiceRole::ALL.into_iter().map(|role| (role, self.get(role)))
+        ServiceRole::ALL
+            .into_iter()
+            .map(|role| (role, self.get(role)))
     }
 }
 
@@ -133,19 +135,22 @@ impl AuthConfig {
     }
 
     /// The token `role` calls the other services with: its own when set, else the
-    /// shared one; `None` when neither is.
-    pub fn calling_token(&self, role: ServiceRole) -> Option<&Secret> {
-        [self.service_tokens.get(role), &self.service_token]
-            .into_iter()
-            .find(|token| !token.is_empty())
+    /// shared one (empty when neither is; serving refuses that, see
+    /// [`AuthConfig::require_calling_token`]).
+    pub fn calling_token(&self, role: ServiceRole) -> &Secret {
+        match self.service_tokens.get(role) {
+            own if !own.is_empty() => own,
+            _ => &self.service_token,
+        }
     }
 
     /// Serving `role` needs a token to call the others with: its own or the shared one.
     /// The error names both fields and their variables.
     pub fn require_calling_token(&self, role: ServiceRole) -> Result<&Secret, ConfigError> {
-        self.calling_token(role).ok_or_else(|| {
+        let token = self.calling_token(role);
+        if token.is_empty() {
             let key = role.key();
-            ConfigError::invalid(
+            return Err(ConfigError::invalid(
                 "auth.service_token",
                 format!(
                     "required to serve {key}: the token it calls the other services with; set \
@@ -155,8 +160,9 @@ impl AuthConfig {
                      operator token)",
                     key.to_uppercase()
                 ),
-            )
-        })
+            ));
+        }
+        Ok(token)
     }
 
     /// Tokens that are set are long enough and distinct; whether they are required
@@ -262,13 +268,17 @@ impl AuthConfig {
         let operator = full("auth.operator_token".into(), &self.operator_token).or_else(|| {
             parse_sha256(&self.operator_token_sha256).map(|d| ("auth.operator_token".into(), d))
         });
-        let roles = self.service_tokens.iter().filter_map(|(role, token)| {
-            full(format!("auth.service_tokens.{}", role.key()), token)
-        });
-        let digests = self.service_token_sha256.iter().filter_map(|(role, digest)| {
-            parse_sha256(digest)
-                .map(|d| (format!("auth.service_token_sha256.{}", role.key()), d))
-        });
+        let roles = self
+            .service_tokens
+            .iter()
+            .filter_map(|(role, token)| full(format!("auth.service_tokens.{}", role.key()), token));
+        let digests = self
+            .service_token_sha256
+            .iter()
+            .filter_map(|(role, digest)| {
+                parse_sha256(digest)
+                    .map(|d| (format!("auth.service_token_sha256.{}", role.key()), d))
+            });
         let secrets = operator
             .into_iter()
             .chain(full("auth.service_token".into(), &self.service_token))

@@ -52,7 +52,10 @@ fn each_role_reads_its_own_token_and_digest_from_the_file_and_the_environment() 
         &format!("[auth.service_tokens]\nrun_store = \"{RUN_STORE}\"\n"),
         &[
             ("RUNPLANE_AUTH__OPERATOR_TOKEN", OPERATOR),
-            ("RUNPLANE_AUTH__SERVICE_TOKEN_SHA256__SANDBOX_RECONCILER", &digest),
+            (
+                "RUNPLANE_AUTH__SERVICE_TOKEN_SHA256__SANDBOX_RECONCILER",
+                &digest,
+            ),
             (
                 "RUNPLANE_AUTH__SERVICE_TOKENS__STREAM_RECOVERY",
                 "stream-recovery-token-0123456789abcdef012",
@@ -93,7 +96,8 @@ fn a_role_calls_with_its_own_token_else_the_shared_one_and_needs_one_to_serve() 
         .unwrap_err()
         .to_string();
     assert!(
-        missing.starts_with("invalid config: auth.service_token: required to serve stream_recovery"),
+        missing
+            .starts_with("invalid config: auth.service_token: required to serve stream_recovery"),
         "{missing}"
     );
     assert!(
@@ -109,7 +113,7 @@ fn a_role_calls_with_its_own_token_else_the_shared_one_and_needs_one_to_serve() 
         &[],
     )
     .unwrap();
-    let calling = |role| both.auth.calling_token(role).unwrap().expose().to_owned();
+    let calling = |role| both.auth.calling_token(role).expose().to_owned();
     assert_eq!(calling(ServiceRole::RunStore), RUN_STORE, "its own wins");
     assert_eq!(calling(ServiceRole::CredentialHealth), SHARED);
 }
