@@ -213,3 +213,30 @@ async fn output_past_the_runs_event_quota_is_counted_in_one_marker_and_the_run_s
     );
     assert!(markers[0].contains(&expected), "{stderr}");
 }
+
+/// An agent that prints a NUL byte loses no line: the runner writes it as U+FFFD (as it
+/// does invalid UTF-8), which every store keeps, and the run store refuses a raw NUL the
+/// same on SQLite and PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_byte_in_the_output_is_kept_as_a_replacement_character() {
+    let data = tempfile::tempdir().unwrap();
+    let addr = free_local_addr().to_string();
+    let _dev = start_dev_on(data.path(), &addr, &[]).await;
+    let cli = run_cli(
+        &addr,
+        data.path(),
+        r"printf 'before\000after\n'; printf 'err\000\n' >&2; echo next",
+    );
+    let output = tokio::time::timeout(Duration::from_secs(60), cli.wait_with_output())
+        .await
+        .expect("runplane run ends")
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    );
+    assert_eq!(out, "before\u{FFFD}after\nnext\n", "{err}");
+    assert!(err.contains("err\u{FFFD}"), "{err}");
+    assert!(err.contains("succeeded (exit_zero, exit code 0)"), "{err}");
+    assert!(err.contains("receipt: 3 events"), "{err}");
+}

@@ -164,6 +164,30 @@ async fn bad_batches_are_refused_and_nothing_is_written(h: Harness) {
         .unwrap_err();
     assert_reason(&err, Code::InvalidArgument, ErrorReason::EventMalformed);
 
+    // A NUL byte: PostgreSQL keeps no text with one (SQLite would), so both refuse it
+    // as the runner's mistake, never as storage failing.
+    for (field, event) in [
+        ("text", line("before\0after")),
+        (
+            "name",
+            runstore_pb::EventInput {
+                name: "check\0name".into(),
+                ..line("named")
+            },
+        ),
+    ] {
+        let err = append(
+            &mut runner,
+            &run_id,
+            &format!("batch-nul-{field}-0001"),
+            vec![event],
+        )
+        .await
+        .unwrap_err();
+        assert_reason(&err, Code::InvalidArgument, ErrorReason::EventMalformed);
+        assert!(err.message().contains("NUL"), "{field}: {}", err.message());
+    }
+
     let err = append(&mut runner, &run_id, "short", vec![line("x")])
         .await
         .unwrap_err();

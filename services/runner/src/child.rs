@@ -269,8 +269,13 @@ async fn read_lines(
             return;
         };
         let mut text = String::from_utf8_lossy(&buf).into_owned();
+        // No store keeps a NUL byte in text (the run store refuses one): written as
+        // U+FFFD, like the bytes that are not UTF-8.
+        if text.contains('\0') {
+            text = text.replace('\0', "\u{FFFD}");
+        }
         if text.len() > MAX_LINE_BYTES {
-            // Invalid UTF-8 replaced grows the text: cut it back on a character boundary.
+            // Invalid UTF-8 or NUL replaced grows the text: cut it back on a character boundary.
             let mut cut = MAX_LINE_BYTES;
             while !text.is_char_boundary(cut) {
                 cut -= 1;

@@ -219,6 +219,13 @@ pub fn batch(
             if e.name.len() > 128 {
                 return Err(malformed("name is more than 128 bytes".into()));
             }
+            // PostgreSQL keeps no text with a NUL byte (SQLite would): refused here, the
+            // same on both, rather than failing as storage would.
+            if e.text.contains('\0') || e.name.contains('\0') {
+                return Err(malformed(
+                    "text or name holds a NUL byte, which no store keeps (the runner writes it as U+FFFD)".into(),
+                ));
+            }
             let data = data_json(e.data.as_ref()).map_err(malformed)?;
             if data.len() > limits.max_event_text_bytes as usize {
                 return Err(malformed(format!(
