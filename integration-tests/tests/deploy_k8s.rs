@@ -1,13 +1,23 @@
-//! `deploy/k8s/`, checked without a cluster: the base (the four services and the node
-//! agents' DaemonSet) and the production overlay. The probed gRPC health names are
-//! services of the proto descriptor set, and every container's environment loads as a
-//! valid runplane config (so a misspelt `RUNPLANE_<SECTION>__<FIELD>` fails here, not in
-//! a crash loop); the check of that config loading is here too, on the Secret's
-//! stand-ins.
+//! `deploy/k8s/`, checked without a cluster: the base (the four services, the
+//! namespaces and NetworkPolicies), the node agent template and the production overlay,
+//! read as files and as `kubectl kustomize` builds them. The probed gRPC health names
+//! are services of the proto descriptor set, and every container's environment loads as
+//! a valid runplane config (so a misspelt `RUNPLANE_<SECTION>__<FIELD>` fails here, not
+//! in a crash loop); the check of that config loading is here too, on the Secrets'
+//! stand-ins. What contains agents is in `deploy_k8s/isolation.rs` (Secrets, tokens,
+//! Pod Security) and `deploy_k8s/network.rs` (NetworkPolicies).
 
 mod deploy_common;
+#[path = "deploy_k8s/isolation.rs"]
+mod isolation;
 #[path = "deploy_k8s/manifests.rs"]
 mod manifests;
+#[path = "deploy_k8s/network.rs"]
+mod network;
+#[path = "deploy_k8s/policies.rs"]
+mod policies;
+#[path = "deploy_k8s/render.rs"]
+mod render;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -107,7 +117,7 @@ fn k8s_base_has_a_deployment_service_pdb_and_hpa_per_service_with_grpc_health_pr
             "{name}"
         );
 
-        let env = container_environment(container, &config_maps);
+        let env = container_environment(pod, container, &config_maps);
         assert_eq!(
             env.get("RUNPLANE_SERVER__LISTEN").map(String::as_str),
             Some("0.0.0.0:7070"),
@@ -120,8 +130,11 @@ fn k8s_base_has_a_deployment_service_pdb_and_hpa_per_service_with_grpc_health_pr
             );
             assert_eq!(
                 env.get(&var),
-                Some(&format!("http://{other}:{PORT}")),
-                "Deployment {name} needs {var}, the Service {other}"
+                Some(&format!(
+                    "http://{other}.{CONTROL_PLANE_NAMESPACE}.svc:{PORT}"
+                )),
+                "Deployment {name} needs {var}, the Service {other} by its full name (the \
+                 runners on node agents, in another namespace, get it from the reconciler)"
             );
         }
         assert!(env.contains_key("OTEL_SERVICE_NAME"), "Deployment {name}");
@@ -290,34 +303,33 @@ fn the_production_overlay_runs_two_replicas_of_everything_with_a_pinned_image() 
         "the production image is pinned (tag {tag:?}, digest {digest:?})"
     );
 
-    // The node agents run the sandboxes: they get production resources of their own.
-    assert!(
-        patched_value(
-            &json_patches_for(&overlay, "DaemonSet", NODE_AGENTS),
-            "/spec/template/spec/containers/0/resources"
-        )
-        .is_some_and(|r| !r["limits"]["memory"].is_null()),
-        "production resources for the node agents"
-    );
-
-    // The overlay's ConfigMap patch, merged over the base's, still makes a valid config
-    // for every Deployment and for the node agents.
-    let base = resources(&k8s().join("base"));
-    let config_maps = overlay_config_maps(&overlay_dir, &overlay, &base);
-    let workloads = serve_names()
-        .into_iter()
-        .map(|name| ("Deployment", name))
-        .chain([("DaemonSet", NODE_AGENTS.to_owned())]);
-    for (kind, name) in workloads {
-        let workload = find(&base, kind, &name);
-        let container = &workload["spec"]["template"]["spec"]["containers"][0];
-        let env = container_environment(container, &config_maps);
-        assert_valid_config(&format!("k8s production {kind} {name}"), &env);
+    // As kustomize builds it: the node agents, which run the sandboxes, get production
+    // resources of their own, and every container's environment (the ConfigMaps with
+    // the overlay's patch merged) is a valid config.
+    let built = render::kustomize(&overlay_dir);
+    let template = render::workloads(&resources(&k8s().join("node")));
+    let template_resources = &template[0].containers()[0]["resources"];
+    let config_maps = base_config_maps(&built);
+    let mut nodes = 0;
+    for workload in render::workloads(&built) {
+        let container = workload.containers()[0];
+        if workload.runs_agents() {
+            nodes += 1;
+            assert!(
+                !container["resources"]["limits"]["memory"].is_null()
+                    && container["resources"] != *template_resources,
+                "{}: production resources for the node agents",
+                workload.origin()
+            );
+        }
+        let env = container_environment(&workload.pod, container, &config_maps);
+        assert_valid_config(&format!("k8s production {}", workload.origin()), &env);
     }
+    assert!(nodes >= 2, "production runs {nodes} node agents");
 }
 
 #[test]
-fn k8s_base_runs_only_the_services_and_the_node_agents_all_restricted() {
+fn k8s_base_runs_only_the_services_all_restricted() {
     let base = resources(&k8s().join("base"));
     let services = serve_names();
     let mut workloads = BTreeSet::new();
@@ -328,10 +340,14 @@ fn k8s_base_runs_only_the_services_and_the_node_agents_all_restricted() {
         }
         let name = str_of(&resource["metadata"]["name"], "a name");
         assert!(
-            (kind == "Deployment" && services.iter().any(|s| s == name))
-                || (kind == "DaemonSet" && name == NODE_AGENTS),
-            "deploy/k8s/base runs {kind} {name}, which is neither a service's Deployment nor \
-             the node agents' DaemonSet: give it checks here"
+            kind == "Deployment" && services.iter().any(|s| s == name),
+            "deploy/k8s/base runs {kind} {name}, which is not a service's Deployment: give it \
+             checks here"
+        );
+        assert_eq!(
+            resource["metadata"]["namespace"].as_str(),
+            Some(CONTROL_PLANE_NAMESPACE),
+            "{kind} {name}"
         );
         workloads.insert((kind, name));
         assert_restricted(
@@ -341,166 +357,138 @@ fn k8s_base_runs_only_the_services_and_the_node_agents_all_restricted() {
     }
     assert_eq!(
         workloads.len(),
-        services.len() + 1,
-        "one Deployment per service and the node agents: {workloads:?}"
+        services.len(),
+        "one Deployment per service: {workloads:?}"
     );
 }
 
 #[test]
-fn k8s_node_agents_run_runplane_node_on_every_node() {
-    let base = resources(&k8s().join("base"));
-    let config_maps = base_config_maps(&base);
-    let daemonset = find(&base, "DaemonSet", NODE_AGENTS);
-    let pod = &daemonset["spec"]["template"];
-    assert!(
-        selects(
-            &labels(&daemonset["spec"]["selector"]["matchLabels"]),
-            &labels(&pod["metadata"]["labels"])
-        ),
-        "DaemonSet {NODE_AGENTS}'s selector matches its pods"
-    );
-    // No Service of a runplane service selects the agents.
-    for name in serve_names() {
-        let service = find(&base, "Service", &name);
-        assert!(
-            !selects(
-                &labels(&service["spec"]["selector"]),
-                &labels(&pod["metadata"]["labels"])
-            ),
-            "Service {name} selects the node agents"
-        );
-    }
-    assert_eq!(
-        pod["spec"]["automountServiceAccountToken"].as_bool(),
-        Some(false),
-        "sandboxes share the agent's pod: no Kubernetes API token"
-    );
-    let containers = pod["spec"]["containers"].as_sequence().expect("containers");
-    assert_eq!(
-        containers.len(),
-        1,
-        "DaemonSet {NODE_AGENTS}: one container"
-    );
-    let container = &containers[0];
-    let command: Vec<String> = strings(&container["command"])
+fn k8s_node_agents_run_runplane_node_each_under_its_own_id() {
+    let built = render::kustomize(&k8s().join("overlays/production"));
+    let config_maps = base_config_maps(&built);
+    let nodes: Vec<render::Workload> = render::workloads(&built)
         .into_iter()
-        .chain(strings(&container["args"]))
-        .filter(|arg| arg != "runplane")
+        .filter(|w| w.runs_agents())
         .collect();
-    assert_eq!(
-        command,
-        [
-            "node",
-            "--token-file=/etc/runplane/node-tokens/$(NODE_NAME)"
-        ],
-        "DaemonSet {NODE_AGENTS} runs `runplane node` with its node's own credential"
-    );
-    assert!(
-        subcommands().contains("node"),
-        "`runplane node` is a subcommand of the binary"
-    );
-    // `runplane node` serves sessions but no health service, and a probe that failed
-    // would restart it and end its sandboxes.
-    for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
+    assert!(!nodes.is_empty(), "production runs no node agent");
+    let mut ids = BTreeSet::new();
+    for node in &nodes {
+        let origin = node.origin();
         assert!(
-            container[probe].is_null() || !container[probe]["exec"].is_null(),
-            "DaemonSet {NODE_AGENTS}: {probe} can only exec, `runplane node` serves no port"
+            selects(&labels(&node.pod["metadata"]["labels"]), &node.labels()),
+            "{origin}: its pods carry its labels"
         );
-    }
-    for (section, key) in [
-        ("requests", "cpu"),
-        ("requests", "memory"),
-        ("limits", "memory"),
-    ] {
+        // No Service of a runplane service selects the agents.
+        for name in serve_names() {
+            let service = find(&built, "Service", &name);
+            assert!(
+                !selects(&labels(&service["spec"]["selector"]), &node.labels()),
+                "Service {name} selects {origin}"
+            );
+        }
+        let containers = node.containers();
+        assert_eq!(containers.len(), 1, "{origin}: one container");
+        let container = containers[0];
+        let command: Vec<String> = strings(&container["command"])
+            .into_iter()
+            .chain(strings(&container["args"]))
+            .filter(|arg| arg != "runplane")
+            .collect();
+        assert_eq!(
+            command,
+            ["node", "--token-file=/etc/runplane/node-credential/token"],
+            "{origin} runs `runplane node` with its node's own credential, from a file"
+        );
         assert!(
-            !container["resources"][section][key].is_null(),
-            "DaemonSet {NODE_AGENTS} needs resources.{section}.{key}"
+            subcommands().contains("node"),
+            "`runplane node` is a subcommand of the binary"
         );
-    }
+        // `runplane node` serves sessions but no health service, and a probe that failed
+        // would restart it and end its sandboxes.
+        for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
+            assert!(
+                container[probe].is_null() || !container[probe]["exec"].is_null(),
+                "{origin}: {probe} can only exec, `runplane node` serves no health service"
+            );
+        }
+        for (section, key) in [
+            ("requests", "cpu"),
+            ("requests", "memory"),
+            ("limits", "memory"),
+        ] {
+            assert!(
+                !container["resources"][section][key].is_null(),
+                "{origin} needs resources.{section}.{key}"
+            );
+        }
 
-    // Sandboxes inherit the agent's environment: of the secrets, it carries only the
-    // operator token it registers with.
-    assert!(
-        container["envFrom"]
+        let env = container_environment(&node.pod, container, &config_maps);
+        assert_valid_config(&origin, &env);
+        let config = load_config(&env).expect("a valid config");
+        assert!(
+            ids.insert(config.node.id.clone()),
+            "two node agents register as {}",
+            config.node.id
+        );
+        assert_eq!(
+            node.name,
+            format!("{NODE_AGENTS}-{}", config.node.id),
+            "{origin}: named after its node id"
+        );
+        let (host, port) = config.node.endpoint.rsplit_once(':').unwrap_or_else(|| {
+            panic!(
+                "RUNPLANE_NODE__ENDPOINT {:?} is not host:port",
+                config.node.endpoint
+            )
+        });
+        assert_eq!(
+            host, POD_IP,
+            "RUNPLANE_NODE__ENDPOINT is the pod's IP (status.podIP)"
+        );
+        assert!(
+            port.parse::<u16>().is_ok_and(|p| p > 0),
+            "RUNPLANE_NODE__ENDPOINT: bad port {port}"
+        );
+        assert!(
+            (1..=10_000).contains(&config.node.capacity),
+            "RUNPLANE_NODE__CAPACITY {} is outside what the reconciler accepts",
+            config.node.capacity
+        );
+        assert_eq!(
+            config.sandbox_reconciler.endpoint,
+            format!("http://sandbox-reconciler.{CONTROL_PLANE_NAMESPACE}.svc:{PORT}"),
+            "the agents dial the reconciler's Service in the control plane's namespace"
+        );
+        assert_eq!(
+            env.get("OTEL_SERVICE_NAME").map(String::as_str),
+            Some("runplane-node")
+        );
+
+        // The state directory is on a volume: the root filesystem is read-only.
+        let state_dir = Path::new(&config.node.state_dir);
+        assert!(
+            state_dir.is_absolute(),
+            "RUNPLANE_NODE__STATE_DIR {state_dir:?}"
+        );
+        let mount = container["volumeMounts"]
             .as_sequence()
             .into_iter()
             .flatten()
-            .all(|source| source["secretRef"].is_null()),
-        "DaemonSet {NODE_AGENTS}: no envFrom of a Secret"
-    );
-    let secret_keys: BTreeSet<&str> = container["env"]
-        .as_sequence()
-        .into_iter()
-        .flatten()
-        .filter_map(|entry| entry["valueFrom"]["secretKeyRef"]["key"].as_str())
-        .collect();
-    assert_eq!(
-        secret_keys,
-        BTreeSet::new(),
-        "DaemonSet {NODE_AGENTS}: no secret in the environment its sandboxes would inherit"
-    );
-
-    let env = container_environment(container, &config_maps);
-    assert_valid_config(&format!("k8s base DaemonSet {NODE_AGENTS}"), &env);
-    let config = load_config(&env).expect("a valid config");
-    assert_eq!(
-        config.node.id, NODE_NAME,
-        "RUNPLANE_NODE__ID is the Kubernetes node's name (spec.nodeName): stable across restarts"
-    );
-    let (host, port) = config.node.endpoint.rsplit_once(':').unwrap_or_else(|| {
-        panic!(
-            "RUNPLANE_NODE__ENDPOINT {:?} is not host:port",
-            config.node.endpoint
-        )
-    });
-    assert_eq!(
-        host, POD_IP,
-        "RUNPLANE_NODE__ENDPOINT is the pod's IP (status.podIP)"
-    );
-    assert!(
-        port.parse::<u16>().is_ok_and(|p| p > 0),
-        "RUNPLANE_NODE__ENDPOINT: bad port {port}"
-    );
-    assert!(
-        (1..=10_000).contains(&config.node.capacity),
-        "RUNPLANE_NODE__CAPACITY {} is outside what the reconciler accepts",
-        config.node.capacity
-    );
-    assert_eq!(
-        config.sandbox_reconciler.endpoint,
-        format!("http://sandbox-reconciler:{PORT}"),
-        "the agents dial the reconciler's Service"
-    );
-    assert!(env.contains_key("OTEL_EXPORTER_OTLP_ENDPOINT"));
-    assert_eq!(
-        env.get("OTEL_SERVICE_NAME").map(String::as_str),
-        Some("runplane-node")
-    );
-
-    // The state directory is on a volume: the root filesystem is read-only.
-    let state_dir = Path::new(&config.node.state_dir);
-    assert!(
-        state_dir.is_absolute(),
-        "RUNPLANE_NODE__STATE_DIR {state_dir:?}"
-    );
-    let mount = container["volumeMounts"]
-        .as_sequence()
-        .into_iter()
-        .flatten()
-        .filter(|m| state_dir.starts_with(str_of(&m["mountPath"], "a mountPath")))
-        .max_by_key(|m| str_of(&m["mountPath"], "a mountPath").len())
-        .unwrap_or_else(|| panic!("RUNPLANE_NODE__STATE_DIR {state_dir:?} is on no volume"));
-    let volume_name = str_of(&mount["name"], "a volumeMount name");
-    let volume = pod["spec"]["volumes"]
-        .as_sequence()
-        .into_iter()
-        .flatten()
-        .find(|v| v["name"].as_str() == Some(volume_name))
-        .unwrap_or_else(|| panic!("volumeMount {volume_name} names no volume"));
-    assert!(
-        !volume["emptyDir"].is_null() || !volume["hostPath"].is_null(),
-        "the node's state directory is on an emptyDir or a hostPath"
-    );
+            .filter(|m| state_dir.starts_with(str_of(&m["mountPath"], "a mountPath")))
+            .max_by_key(|m| str_of(&m["mountPath"], "a mountPath").len())
+            .unwrap_or_else(|| panic!("RUNPLANE_NODE__STATE_DIR {state_dir:?} is on no volume"));
+        let volume_name = str_of(&mount["name"], "a volumeMount name");
+        let volume = node.spec()["volumes"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .find(|v| v["name"].as_str() == Some(volume_name))
+            .unwrap_or_else(|| panic!("volumeMount {volume_name} names no volume"));
+        assert!(
+            !volume["emptyDir"].is_null(),
+            "the node's state directory is on an emptyDir"
+        );
+    }
 }
 
 #[test]
@@ -509,10 +497,11 @@ fn k8s_reconciler_runs_no_local_sandboxes_when_it_can_have_several_replicas() {
     let base = resources(&k8s().join("base"));
     let deployment = find(&base, "Deployment", name);
     let hpa = find(&base, "HorizontalPodAutoscaler", name);
-    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let pod = &deployment["spec"]["template"];
+    let container = &pod["spec"]["containers"][0];
     let base_replicas = deployment["spec"]["replicas"].as_u64().unwrap_or(1);
     let base_hpa_max = hpa["spec"]["maxReplicas"].as_u64().expect("maxReplicas");
-    let base_env = container_environment(container, &base_config_maps(&base));
+    let base_env = container_environment(pod, container, &base_config_maps(&base));
     assert_no_local_sandboxes_with_replicas("k8s base", base_replicas.max(base_hpa_max), &base_env);
 
     let overlay_dir = k8s().join("overlays/production");
@@ -535,17 +524,20 @@ fn k8s_reconciler_runs_no_local_sandboxes_when_it_can_have_several_replicas() {
         "production runs several reconciler replicas ({replicas})"
     );
     let env = container_environment(
+        pod,
         container,
         &overlay_config_maps(&overlay_dir, &overlay, &base),
     );
     assert_no_local_sandboxes_with_replicas("k8s production", replicas.max(hpa_max), &env);
 
     // With local sandboxes off, a queued run waits for a node agent: there must be some.
-    for env in [&base_env, &env] {
-        let config = load_config(env).expect("a valid config");
-        if !config.sandbox_reconciler.local_sandboxes {
-            find(&base, "DaemonSet", NODE_AGENTS);
-        }
+    let config = load_config(&env).expect("a valid config");
+    if !config.sandbox_reconciler.local_sandboxes {
+        let built = render::kustomize(&overlay_dir);
+        assert!(
+            render::workloads(&built).iter().any(|w| w.runs_agents()),
+            "production runs no node agent, and the reconciler no local sandbox"
+        );
     }
 }
 
@@ -554,12 +546,18 @@ fn k8s_reconciler_runs_no_local_sandboxes_when_it_can_have_several_replicas() {
 #[test]
 fn the_config_check_catches_a_misspelt_field_and_a_bad_value() {
     let mut env: BTreeMap<String, String> = [
-        ("RUNPLANE_SERVER__LISTEN", "0.0.0.0:7070"),
-        ("RUNPLANE_AUTH__OPERATOR_TOKEN_SHA256", SECRET_KEYS[0].1),
-        ("RUNPLANE_AUTH__SERVICE_TOKEN", SECRET_KEYS[1].1),
+        ("RUNPLANE_SERVER__LISTEN", "0.0.0.0:7070".to_owned()),
+        (
+            "RUNPLANE_AUTH__OPERATOR_TOKEN_SHA256",
+            secret_stand_in("runplane-token-digests", "operator-token-sha256"),
+        ),
+        (
+            "RUNPLANE_AUTH__SERVICE_TOKENS__RUN_STORE",
+            secret_stand_in("runplane-run-store", "service-token"),
+        ),
     ]
     .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .map(|(k, v)| (k.to_owned(), v))
     .collect();
     assert_eq!(config_error(&env), None);
 

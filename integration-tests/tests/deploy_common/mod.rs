@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use runplane_config::Config;
+use runplane_config::{Config, ServiceRole};
 use serde_norway::Value;
 
 /// The port every runplane container listens on.
@@ -159,13 +159,19 @@ pub fn load_config(env: &BTreeMap<String, String>) -> Result<Config, String> {
         for (name, value) in env {
             jail.set_env(name, value);
         }
-        // `runplane serve` needs both tokens; a node agent (RUNPLANE_NODE__ID) holds
-        // neither, its own credential comes from a file.
+        // `runplane serve` needs the operator token (or its digest) and a token to call
+        // the others with: the role's own (the role whose token the environment holds)
+        // or the shared one. A node agent (RUNPLANE_NODE__ID) holds neither, its own
+        // credential comes from a file.
         let node_agent = env.contains_key("RUNPLANE_NODE__ID");
         loaded = Some(Config::load(None).and_then(|config| {
             if !node_agent {
                 config.require_operator_token()?;
-                config.require_service_token()?;
+                let role = ServiceRole::ALL
+                    .into_iter()
+                    .find(|role| !config.auth.service_tokens.get(*role).is_empty())
+                    .unwrap_or(ServiceRole::RunStore);
+                config.require_calling_token(role)?;
             }
             Ok(config)
         }));

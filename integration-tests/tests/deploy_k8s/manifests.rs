@@ -29,8 +29,13 @@ pub const HEALTH_SERVICES: [(&str, &str); 4] = [
     ),
 ];
 
-/// The DaemonSet of node agents (`runplane node`), where sandboxes run on Kubernetes.
+/// The node agent template (deploy/k8s/node): each node of an overlay is a Deployment
+/// made from it, `runplane-node-<id>`.
 pub const NODE_AGENTS: &str = "runplane-node";
+
+/// The namespaces: the control plane's and the node agents'.
+pub const CONTROL_PLANE_NAMESPACE: &str = "runplane";
+pub const NODES_NAMESPACE: &str = "runplane-nodes";
 
 /// Kinds that run pods: each in the base must be one this file checks.
 pub const WORKLOAD_KINDS: [&str; 7] = [
@@ -48,23 +53,24 @@ pub const POD_NAME: &str = "runplane-0123456789-abcde";
 pub const NODE_NAME: &str = "ip-10-0-1-23.eu-west-1.compute.internal";
 pub const POD_IP: &str = "10.244.1.17";
 
-/// The keys of the Secret `runplane-secrets`, with stand-in values that pass validation.
-pub const SECRET_KEYS: [(&str, &str); 4] = [
-    (
-        "operator-token-sha256",
-        // SHA-256 of "test-operator-token-test-operator-token-0123".
-        "a385cd2b1238e40c4629021cedd8afdac0361a5f6fbc683ce955c8fce9088072",
-    ),
-    (
-        "service-token",
-        "test-service-token-test-service-token-012345",
-    ),
-    (
-        "receipt-signing-key",
-        "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0",
-    ),
-    ("postgres-password", "test-password"),
-];
+/// A stand-in for key `key` of the Secret `secret`, one that passes validation: digests
+/// are 64 hex digits, tokens at least 32 characters, every value distinct.
+pub fn secret_stand_in(secret: &str, key: &str) -> String {
+    let seed: String = format!("{secret}/{key}")
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if key.ends_with("sha256") || key == "receipt-signing-key" {
+        // Distinct within 64 digits: the names differ early enough.
+        let tail: String = seed.chars().rev().collect();
+        return tail.repeat(2)[..64].to_owned();
+    }
+    match key {
+        "postgres-password" => format!("stand-in-password-{}", &seed[..16]),
+        "redis-url" => "redis://:stand-in-redis-password@redis.databases.svc:6379".to_owned(),
+        _ => format!("stand-in-{secret}-{key}-0123456789abcdef"),
+    }
+}
 
 /// Every `.yaml`/`.yml` file under `dir`, sorted.
 pub fn yaml_files(dir: &Path) -> Vec<PathBuf> {
@@ -165,19 +171,10 @@ pub fn selects(selector: &BTreeMap<String, String>, pod: &BTreeMap<String, Strin
 }
 
 pub fn secret_value(secret_ref: &Value) -> String {
-    assert_eq!(
-        secret_ref["name"].as_str(),
-        Some("runplane-secrets"),
-        "secrets come from the Secret runplane-secrets"
-    );
-    let key = str_of(&secret_ref["key"], "a secret key");
-    SECRET_KEYS
-        .iter()
-        .find(|(k, _)| *k == key)
-        .map(|(_, v)| (*v).to_owned())
-        .unwrap_or_else(|| {
-            panic!("runplane-secrets has no key {key} (documented: {SECRET_KEYS:?})")
-        })
+    secret_stand_in(
+        str_of(&secret_ref["name"], "a secretKeyRef name"),
+        str_of(&secret_ref["key"], "a secret key"),
+    )
 }
 
 /// `$(NAME)` references expanded against the variables defined before, as the kubelet
@@ -199,8 +196,18 @@ pub fn expand(value: &str, env: &BTreeMap<String, String>) -> String {
     out
 }
 
-/// What the downward API gives a container for `fieldRef` `path` (a stand-in).
-pub fn field_value(path: &str) -> String {
+/// What the downward API gives a container of a pod labelled `pod_labels` for
+/// `fieldRef` `path` (a stand-in, or the label).
+pub fn field_value(path: &str, pod_labels: &BTreeMap<String, String>) -> String {
+    if let Some(label) = path
+        .strip_prefix("metadata.labels['")
+        .and_then(|rest| rest.strip_suffix("']"))
+    {
+        return pod_labels
+            .get(label)
+            .unwrap_or_else(|| panic!("fieldRef {path}: the pod has no label {label}"))
+            .clone();
+    }
     match path {
         "metadata.name" => POD_NAME,
         "metadata.namespace" => "runplane",
@@ -211,12 +218,14 @@ pub fn field_value(path: &str) -> String {
     .to_owned()
 }
 
-/// The environment a workload's runplane container gets with `config_maps` (name to
-/// data) applied.
+/// The environment `container` of the pod template `pod` gets with `config_maps` (name
+/// to data) applied.
 pub fn container_environment(
+    pod: &Value,
     container: &Value,
     config_maps: &BTreeMap<String, BTreeMap<String, String>>,
 ) -> BTreeMap<String, String> {
+    let pod_labels = labels(&pod["metadata"]["labels"]);
     let mut env = BTreeMap::new();
     for source in container["envFrom"].as_sequence().into_iter().flatten() {
         let name = str_of(&source["configMapRef"]["name"], "an envFrom configMapRef");
@@ -242,7 +251,10 @@ pub fn container_environment(
                     panic!("env {name} reads key {key} of ConfigMap {map}, which has no such key")
                 })
         } else if let Some(field) = entry["valueFrom"].get("fieldRef") {
-            field_value(str_of(&field["fieldPath"], "a fieldRef fieldPath"))
+            field_value(
+                str_of(&field["fieldPath"], "a fieldRef fieldPath"),
+                &pod_labels,
+            )
         } else {
             panic!("env {name} has neither value nor a known valueFrom")
         };
