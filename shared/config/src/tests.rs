@@ -111,7 +111,10 @@ fn a_profile_may_take_the_network_away_and_says_so_once() {
 fn the_service_token_is_required_to_serve_and_is_not_the_operator_token() {
     let operator = "o".repeat(32);
     let none = load_with(&format!("[auth]\noperator_token = \"{operator}\"\n"), &[]).unwrap();
-    let missing = none.require_calling_token(ServiceRole::RunStore).unwrap_err().to_string();
+    let missing = none
+        .require_calling_token(ServiceRole::RunStore)
+        .unwrap_err()
+        .to_string();
     assert!(
         missing.starts_with("invalid config: auth.service_token: required to serve"),
         "{missing}"
