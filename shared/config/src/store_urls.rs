@@ -133,9 +133,9 @@ pub(crate) fn validate_redis_node(url: &str) -> Result<(), String> {
         .ok_or("must be a redis:// or rediss:// URL")?;
     if rest.contains('#') {
         return Err(
-            "has a #fragment: redis-rs reads only #insecure, which turns off the check \
-             of the server's certificate and is not compiled in; name the CA that signed it in \
-             stream_recovery.redis_ca_file"
+            "has a #fragment (a # in a password is written %23): redis-rs reads only \
+             #insecure, which turns off the check of the server's certificate and is not \
+             compiled in; name the CA that signed it in stream_recovery.redis_ca_file"
                 .to_owned(),
         );
     }
