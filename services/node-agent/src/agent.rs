@@ -49,6 +49,10 @@ pub struct AgentConfig {
     pub reconciler_endpoint: String,
     /// The stream recovery coordinator its sandboxes' runners talk to.
     pub recovery_endpoint: String,
+    /// The control plane's other endpoints this node knows of (the run store, credential
+    /// health); with the reconciler's and the coordinator's, their addresses are refused
+    /// to its agents' outbound network.
+    pub control_plane_endpoints: Vec<String>,
     /// NodeService's bearer: this node's own credential (`runplane node token create`).
     pub token: Secret,
     pub state_dir: PathBuf,
@@ -138,6 +142,12 @@ pub async fn run(
         runplane_grpc::client::Bearer::new(config.token.expose()),
     );
     let driver = ProcessDriver::new(&config.state_dir, &config.runplane_binary)
+        .refusing(
+            [&config.reconciler_endpoint, &config.recovery_endpoint]
+                .into_iter()
+                .chain(&config.control_plane_endpoints)
+                .cloned(),
+        )
         .contained(config.containment.clone());
     // Sessions reach this node's sandboxes here, with the route tokens ResolveRoute signs
     // for this node; it refuses to start where it cannot listen.

@@ -149,6 +149,10 @@ async fn run(config_file: Option<&Path>, token_file: Option<&Path>) -> anyhow::R
             capacity: config.node.capacity,
             reconciler_endpoint: config.sandbox_reconciler.endpoint.clone(),
             recovery_endpoint: config.stream_recovery.endpoint.clone(),
+            control_plane_endpoints: vec![
+                config.run_store.endpoint.clone(),
+                config.credential_health.endpoint.clone(),
+            ],
             token,
             state_dir: config.node.state_dir.clone().into(),
             clock: runplane_clock::SystemClock::shared(),

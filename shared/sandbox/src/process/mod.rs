@@ -72,6 +72,9 @@ pub struct ProcessDriver {
     /// The container containment's engine, and its warm pool where it keeps one.
     engine: Option<Arc<Engine>>,
     warm: Option<Arc<WarmPool>>,
+    /// Endpoints besides a launch's own whose addresses its agents' network refuses:
+    /// the rest of the control plane, as this driver's host knows it.
+    refused_endpoints: Vec<String>,
 }
 
 /// The pid of a warm container's `runplane-holder`, in its sandbox's directory.
@@ -91,7 +94,16 @@ impl ProcessDriver {
             containment: Containment::None,
             engine: None,
             warm: None,
+            refused_endpoints: Vec::new(),
         }
+    }
+
+    /// This driver with `endpoints`' addresses refused to its agents' outbound network,
+    /// besides the run store and coordinator each launch names: a node's reconciler and
+    /// the services it knows of, which a launch does not name. Empty ones are skipped.
+    pub fn refusing(mut self, endpoints: impl IntoIterator<Item = String>) -> Self {
+        self.refused_endpoints = endpoints.into_iter().filter(|e| !e.is_empty()).collect();
+        self
     }
 
     /// This driver with its agents contained as [`Containment::probe`] found possible.
@@ -196,6 +208,9 @@ impl ProcessDriver {
                 // this host.
                 let mut refused = network::endpoint_addresses(&launch.endpoint).await;
                 refused.extend(network::endpoint_addresses(&launch.recovery_endpoint).await);
+                for endpoint in &self.refused_endpoints {
+                    refused.extend(network::endpoint_addresses(endpoint).await);
+                }
                 network::up(dir, id, &refused, join).await?;
                 Net::Own {
                     netns: network::netns_path(id),
