@@ -1,7 +1,9 @@
-//! `deploy/compose.yaml` and the collector and Prometheus configs it mounts from
-//! `deploy/compose/`, checked without Docker: every service `runplane serve` accepts runs
-//! on 7070 and knows every endpoint, every container's environment loads as a valid
-//! runplane config, and the databases, Redis and the telemetry pipeline are wired.
+//! `deploy/compose.yaml` and the configs it mounts from `deploy/compose/`, read: every
+//! service `runplane serve` accepts runs on 7070 and knows every endpoint, every
+//! container's environment (with deploy/.env as `compose/make-env` writes it) loads as a
+//! valid runplane config, each secret is only where it is needed, agents run only on the
+//! node agent, and the databases, Redis and the telemetry pipeline are wired.
+//! `scripts/compose-smoke` brings the stack up for real.
 
 mod deploy_common;
 
@@ -14,22 +16,24 @@ use deploy_common::{
     scalar, serve_names, str_of, strings, yaml,
 };
 
-/// Stand-ins for the compose variables of deploy/.env that have no default.
-const COMPOSE_VARIABLES: [(&str, &str); 3] = [
-    (
-        "RUNPLANE_OPERATOR_TOKEN_SHA256",
-        // SHA-256 of "test-operator-token-test-operator-token-0123".
-        "a385cd2b1238e40c4629021cedd8afdac0361a5f6fbc683ce955c8fce9088072",
-    ),
-    (
-        "RUNPLANE_SERVICE_TOKEN",
-        "test-service-token-test-service-token-012345",
-    ),
-    (
-        "RUNPLANE_RECEIPT_SIGNING_KEY",
-        "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0",
-    ),
-];
+/// The compose variables without a default, as deploy/.env has them: the output of
+/// `deploy/compose/make-env`, which the README tells operators to run (fresh secrets).
+fn compose_variables() -> &'static BTreeMap<String, String> {
+    static VARIABLES: std::sync::OnceLock<BTreeMap<String, String>> = std::sync::OnceLock::new();
+    VARIABLES.get_or_init(|| {
+        let out = std::process::Command::new(deploy().join("compose/make-env"))
+            .output()
+            .expect("running deploy/compose/make-env (needs bash, openssl, sha256sum)");
+        assert!(out.status.success(), "make-env: {out:?}");
+        String::from_utf8(out.stdout)
+            .expect("make-env prints text")
+            .lines()
+            .filter(|line| !line.starts_with('#'))
+            .filter_map(|line| line.split_once('='))
+            .map(|(name, value)| (name.to_owned(), value.to_owned()))
+            .collect()
+    })
+}
 
 fn compose() -> Value {
     yaml(&deploy().join("compose.yaml"))
@@ -42,8 +46,8 @@ fn compose_services(compose: &Value) -> &serde_norway::Mapping {
 }
 
 /// `${NAME}`, `${NAME:-default}`, `${NAME-default}`, `${NAME:?error}` and `${NAME?error}`
-/// replaced as compose would: the default, or the variable from deploy/.env (a
-/// stand-in here). Returns the names without a default too.
+/// replaced as compose would: the default, or the variable from deploy/.env (as
+/// make-env writes it). Returns the names without a default too.
 fn interpolate(text: &str, without_default: &mut BTreeSet<String>) -> String {
     let mut out = String::new();
     let mut rest = text;
@@ -63,13 +67,9 @@ fn interpolate(text: &str, without_default: &mut BTreeSet<String>) -> String {
             Some(default) => out.push_str(default),
             None => {
                 without_default.insert(name.to_owned());
-                let value = COMPOSE_VARIABLES
-                    .iter()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, v)| *v)
-                    .unwrap_or_else(|| {
-                        panic!("compose variable {name} has no default and no stand-in in COMPOSE_VARIABLES")
-                    });
+                let value = compose_variables().get(name).unwrap_or_else(|| {
+                    panic!("compose variable {name} has no default and deploy/compose/make-env does not write it")
+                });
                 out.push_str(value);
             }
         }
@@ -101,6 +101,13 @@ fn compose_environment(
     env
 }
 
+/// The user of `scheme://user[:password]@host...`.
+fn url_user(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let userinfo = rest.split_once('@').map_or("", |(u, _)| u);
+    userinfo.split(':').next().unwrap_or_default().to_owned()
+}
+
 /// `scheme://[user[:password]@]host:port[/path]` -> (host, port, path).
 fn url_parts(url: &str) -> (String, u64, String) {
     let rest = url
@@ -116,6 +123,24 @@ fn url_parts(url: &str) -> (String, u64, String) {
         .parse()
         .unwrap_or_else(|_| panic!("{url}: bad port {port}"));
     (host.to_owned(), port, path.to_owned())
+}
+
+/// The compose services whose command is `runplane node`: where agents run.
+fn node_agents(services: &serde_norway::Mapping) -> Vec<(String, &Value)> {
+    services
+        .iter()
+        .filter(|(_, s)| strings(&s["command"]).first().map(String::as_str) == Some("node"))
+        .map(|(name, s)| (str_of(name, "a service name").to_owned(), s))
+        .collect()
+}
+
+fn networks(service: &Value) -> Vec<String> {
+    strings(&service["networks"])
+}
+
+/// `ROLE` of a service: RUN_STORE for run-store, ...
+fn role(name: &str) -> String {
+    name.replace('-', "_").to_uppercase()
 }
 
 #[test]
@@ -143,10 +168,7 @@ fn compose_runs_every_service_runplane_serve_accepts_on_7070_with_all_endpoints(
         // The services call each other: every container knows every endpoint, each the
         // compose service of that name on 7070.
         for other in serve_names() {
-            let var = format!(
-                "RUNPLANE_{}__ENDPOINT",
-                other.replace('-', "_").to_uppercase()
-            );
+            let var = format!("RUNPLANE_{}__ENDPOINT", role(&other));
             assert_eq!(
                 env.get(&var),
                 Some(&format!("http://{other}:{PORT}")),
@@ -168,38 +190,217 @@ fn compose_runs_every_service_runplane_serve_accepts_on_7070_with_all_endpoints(
             service_names.insert(service_name.clone()),
             "OTEL_SERVICE_NAME {service_name} is used twice"
         );
+        // podman-compose starts what a service depends on first, whatever the condition;
+        // a service up before its database retries (restart: unless-stopped).
+        let depends = strings(&service["depends_on"]);
         for dependency in ["postgres", "redis"] {
-            assert_eq!(
-                service["depends_on"][dependency]["condition"].as_str(),
-                Some("service_healthy"),
-                "{name} should wait for a healthy {dependency}"
-            );
             assert!(
-                !services[dependency]["healthcheck"]["test"].is_null(),
-                "{dependency} needs a healthcheck for service_healthy"
+                depends.iter().any(|d| d == dependency),
+                "{name} should start after {dependency}"
             );
         }
+        assert_eq!(
+            service["restart"].as_str(),
+            Some("unless-stopped"),
+            "{name}"
+        );
         assert_valid_config(&format!("compose service {name}"), &env);
     }
 
-    let env_example = read(&deploy().join(".env.example"));
+    let make_env = compose_variables();
     for name in &without_default {
         assert!(
-            env_example
-                .lines()
-                .any(|l| l.starts_with(&format!("{name}="))),
-            "compose needs ${{{name}}}: deploy/.env.example should show it"
+            make_env.contains_key(name),
+            "compose needs ${{{name}}}: deploy/compose/make-env should write it"
         );
     }
 }
 
+/// Each service holds its own service token and the others' digests; none holds another
+/// service's token, the shared one or the operator token; the node holds none at all.
+#[test]
+fn each_service_holds_only_its_own_token_and_the_node_only_its_credential() {
+    let compose = compose();
+    let services = compose_services(&compose);
+    let text = read(&deploy().join("compose.yaml"));
+    for line in text.lines().map(str::trim_start) {
+        assert!(
+            !line.starts_with("RUNPLANE_AUTH__OPERATOR_TOKEN:")
+                && !line.starts_with("RUNPLANE_AUTH__SERVICE_TOKEN:"),
+            "compose.yaml hands a container the operator token or the shared service token: {line}"
+        );
+    }
+    for name in serve_names() {
+        let env = compose_environment(&services[name.as_str()], &mut BTreeSet::new());
+        let own = format!("RUNPLANE_AUTH__SERVICE_TOKENS__{}", role(&name));
+        assert!(env.contains_key(&own), "{name} needs its own token {own}");
+        for other in serve_names() {
+            let digest = format!("RUNPLANE_AUTH__SERVICE_TOKEN_SHA256__{}", role(&other));
+            let token = format!("RUNPLANE_AUTH__SERVICE_TOKENS__{}", role(&other));
+            if other == name {
+                assert!(
+                    !env.contains_key(&digest),
+                    "{name}: {digest} and its own token"
+                );
+            } else {
+                assert!(
+                    env.contains_key(&digest),
+                    "{name} admits {other} by {digest}"
+                );
+                assert!(!env.contains_key(&token), "{name} holds {other}'s token");
+            }
+        }
+        assert!(
+            env.contains_key("RUNPLANE_AUTH__OPERATOR_TOKEN_SHA256"),
+            "{name}"
+        );
+    }
+    let nodes = node_agents(services);
+    assert!(!nodes.is_empty(), "compose runs no node agent");
+    for (name, node) in nodes {
+        let env = compose_environment(node, &mut BTreeSet::new());
+        for (var, value) in &env {
+            assert!(
+                !var.starts_with("RUNPLANE_AUTH__")
+                    && !var.ends_with("__DATABASE_URL")
+                    && !var.ends_with("__REDIS_URL")
+                    && !var.contains("SIGNING_KEY")
+                    && !var.contains("PASSWORD")
+                    && !var.contains("TOKEN"),
+                "node agent {name} holds a control-plane secret: {var}"
+            );
+            for secret in compose_variables().values() {
+                assert!(
+                    !value.contains(secret.as_str()),
+                    "node agent {name}'s {var} holds a secret of deploy/.env"
+                );
+            }
+        }
+        // Its credential is a secret file of its own; it mounts nothing of deploy/.
+        let secrets = strings(&node["secrets"]);
+        assert_eq!(secrets, [format!("{name}-token")], "{name}'s secrets");
+        assert_eq!(
+            strings(&node["command"]),
+            [
+                "node",
+                "--token-file",
+                &format!("/run/secrets/{name}-token")
+            ]
+        );
+        for volume in strings(&node["volumes"]) {
+            assert!(
+                !volume.starts_with('.') && !volume.contains(".env"),
+                "node agent {name} mounts {volume}"
+            );
+        }
+        assert_valid_config(&format!("node agent {name}"), &env);
+    }
+}
+
+/// Agents run only on node agents, each in a container of its own: no reconciler runs
+/// local sandboxes, nothing sets isolation `none`, the node uses the container driver.
+#[test]
+fn agents_run_only_on_node_agents_in_containers() {
+    let compose = compose();
+    let services = compose_services(&compose);
+    let text = read(&deploy().join("compose.yaml"));
+    assert!(
+        !text.contains("ISOLATION") && !text.contains("LOCAL_SANDBOXES_BESIDE_SECRETS"),
+        "compose.yaml names an isolation or keeps agents beside secrets"
+    );
+    let reconciler = compose_environment(&services["sandbox-reconciler"], &mut BTreeSet::new());
+    let config = load_config(&reconciler).expect("a valid config");
+    assert!(
+        !config.sandbox_reconciler.local_sandboxes,
+        "the reconciler holds secrets: it must not run agents (LOCAL_SANDBOXES=false)"
+    );
+    let replicas = services["sandbox-reconciler"]["deploy"]["replicas"]
+        .as_u64()
+        .unwrap_or(1);
+    assert_no_local_sandboxes_with_replicas("compose", replicas, &reconciler);
+    for (name, node) in node_agents(services) {
+        let env = compose_environment(node, &mut BTreeSet::new());
+        let config = load_config(&env).expect("a valid node config");
+        assert_eq!(
+            config.sandbox_reconciler.driver,
+            runplane_config::DriverKind::Container,
+            "{name} contains its agents in containers"
+        );
+        assert!(
+            env.contains_key("RUNPLANE_SANDBOX_RECONCILER__CONTAINER__IMAGE"),
+            "{name} names its agents' image"
+        );
+        // The engine's socket is the node's alone.
+        assert!(
+            strings(&node["volumes"])
+                .iter()
+                .any(|v| v.ends_with(":/run/runplane-engine.sock")),
+            "{name} gets the engine socket"
+        );
+    }
+    for (name, service) in services {
+        let name = str_of(name, "a service name");
+        if node_agents(services).iter().all(|(n, _)| n != name) {
+            assert!(
+                !strings(&service["volumes"])
+                    .iter()
+                    .any(|v| v.contains("engine.sock") || v.contains("docker.sock")),
+                "{name} gets the engine socket"
+            );
+        }
+    }
+}
+
+/// The databases sit on an internal network with the services alone; a node agent is
+/// never on it, and reaches only the services.
+#[test]
+fn databases_are_on_an_internal_network_no_node_joins() {
+    let compose = compose();
+    let services = compose_services(&compose);
+    let data = &compose["networks"]["data"];
+    assert_eq!(data["internal"].as_bool(), Some(true), "`data` is internal");
+    for database in ["postgres", "redis"] {
+        assert_eq!(networks(&services[database]), ["data"], "{database}");
+        assert!(
+            services[database]["ports"].is_null(),
+            "{database} publishes a port"
+        );
+    }
+    for (name, node) in node_agents(services) {
+        assert!(
+            !networks(node).iter().any(|n| n == "data"),
+            "node agent {name} is on the databases' network"
+        );
+        for network in networks(node) {
+            for (other, service) in services {
+                let other = str_of(other, "a service name");
+                if networks(service).contains(&network) && other != name {
+                    assert!(
+                        serve_names().iter().any(|s| s == other),
+                        "node agent {name} shares network {network} with {other}"
+                    );
+                }
+            }
+        }
+    }
+}
 #[test]
 fn compose_databases_redis_and_observability_are_wired() {
     let compose = compose();
     let services = compose_services(&compose);
     let image = |name: &str| str_of(&services[name]["image"], "an image").to_owned();
-    assert!(image("postgres").starts_with("postgres:16"));
-    assert!(image("redis").starts_with("redis:7"));
+    assert!(image("postgres").contains("runplane-postgres:"));
+    assert!(image("redis").contains("runplane-redis:"));
+    for (name, file) in [
+        ("postgres", "images/postgres.Containerfile"),
+        ("redis", "images/redis.Containerfile"),
+    ] {
+        assert_eq!(
+            str_of(&services[name]["build"]["dockerfile"], "a Containerfile"),
+            file
+        );
+        assert!(deploy().join(file).exists(), "{file}");
+    }
     assert!(image("otel-collector").starts_with("otel/opentelemetry-collector-contrib:"));
     assert!(image("tempo").starts_with("grafana/tempo:"));
     assert!(image("prometheus").starts_with("prom/prometheus:"));
@@ -217,13 +418,13 @@ fn compose_databases_redis_and_observability_are_wired() {
         }
     }
 
-    // One server, one database per Postgres-backed service: the init script creates
-    // exactly the databases the URLs name, on the compose postgres service.
+    // One server, one role and one database per Postgres-backed service: the init script
+    // creates exactly the databases the URLs name, each owned by the role that reaches it.
     let init = read(&deploy().join("compose/postgres-init.sql"));
     let created: BTreeSet<String> = init
         .lines()
         .filter_map(|line| line.trim().strip_prefix("CREATE DATABASE "))
-        .map(|rest| rest.trim_end_matches(';').trim().to_owned())
+        .map(|rest| rest.trim_end_matches(';').replace(" OWNER ", "@"))
         .collect();
     let mut used = BTreeSet::new();
     let mut unused = BTreeSet::new();
@@ -233,20 +434,29 @@ fn compose_databases_redis_and_observability_are_wired() {
             if var.ends_with("__DATABASE_URL") {
                 let (host, port, database) = url_parts(value);
                 assert_eq!((host.as_str(), port), ("postgres", 5432), "{var}");
-                used.insert(database);
+                let user = url_user(value);
+                assert_ne!(user, "postgres", "{name} connects as the superuser");
+                used.insert(format!("{database}@{user}"));
             }
             if var == "RUNPLANE_STREAM_RECOVERY__REDIS_URL" {
                 let (host, port, _) = url_parts(value);
                 assert_eq!((host.as_str(), port), ("redis", 6379), "{var}");
+                assert_eq!(
+                    value
+                        .split_once("://")
+                        .and_then(|(_, r)| r.split_once('@'))
+                        .map(|(a, _)| a),
+                    Some(format!(":{}", compose_variables()["REDIS_PASSWORD"]).as_str()),
+                    "stream recovery authenticates to Redis"
+                );
             }
         }
     }
     assert_eq!(created, used, "postgres-init.sql vs the database URLs");
+    let redis = compose_environment(&services["redis"], &mut unused);
     assert!(
-        strings(&services["postgres"]["volumes"])
-            .iter()
-            .any(|v| v.contains("postgres-init.sql:/docker-entrypoint-initdb.d/")),
-        "the init script is mounted into /docker-entrypoint-initdb.d"
+        redis.contains_key("REDIS_PASSWORD"),
+        "Redis requires a password"
     );
 
     // Collector: OTLP/gRPC in; traces to Tempo, metrics to its prometheus exporter,
@@ -309,38 +519,4 @@ fn compose_databases_redis_and_observability_are_wired() {
         targets.contains(&format!("otel-collector:{exporter_port}")),
         "Prometheus scrapes the collector's exporter on {exporter_port}: {targets:?}"
     );
-}
-
-#[test]
-fn compose_runs_one_reconciler_with_local_sandboxes() {
-    let compose = compose();
-    let services = compose_services(&compose);
-    let reconciler = &services["sandbox-reconciler"];
-    let env = compose_environment(reconciler, &mut BTreeSet::new());
-    let config = load_config(&env).expect("a valid config");
-    let agents = services
-        .values()
-        .any(|s| strings(&s["command"]).first().map(String::as_str) == Some("node"));
-    assert!(
-        agents || config.sandbox_reconciler.local_sandboxes,
-        "compose runs no node agent: with local sandboxes off, runs would wait forever"
-    );
-    let replicas = reconciler["deploy"]["replicas"].as_u64().unwrap_or(1);
-    assert_no_local_sandboxes_with_replicas("compose", replicas, &env);
-}
-
-/// No container holds the operator token: they get its SHA-256 alone; the CLI keeps the
-/// token in deploy/.env.
-#[test]
-fn no_container_gets_the_operator_token_itself() {
-    let text = read(&deploy().join("compose.yaml"));
-    for line in text.lines() {
-        assert!(
-            !line
-                .trim_start()
-                .starts_with("RUNPLANE_AUTH__OPERATOR_TOKEN:"),
-            "compose.yaml hands a container the operator token: {line}"
-        );
-    }
-    assert!(text.contains("RUNPLANE_AUTH__OPERATOR_TOKEN_SHA256:"));
 }
