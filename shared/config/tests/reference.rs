@@ -25,16 +25,6 @@ const HEADER: &str = "| key | default | meaning |";
 /// Fields the example file leaves out, each with the default its row must show and the
 /// reason it is checked here against `Config::default()` instead.
 const ABSENT_FROM_EXAMPLE: &[(&str, &str)] = &[
-    // Per-role service tokens are for split deployments; the example's `[auth]` shows
-    // the one shared token.
-    ("auth.service_tokens.run_store", "`\"\"`"),
-    ("auth.service_tokens.sandbox_reconciler", "`\"\"`"),
-    ("auth.service_tokens.stream_recovery", "`\"\"`"),
-    ("auth.service_tokens.credential_health", "`\"\"`"),
-    ("auth.service_token_sha256.run_store", "`\"\"`"),
-    ("auth.service_token_sha256.sandbox_reconciler", "`\"\"`"),
-    ("auth.service_token_sha256.stream_recovery", "`\"\"`"),
-    ("auth.service_token_sha256.credential_health", "`\"\"`"),
     // Unset means `node.endpoint`'s address; the example does not write it.
     ("node.listen", "`\"\"`"),
     // An `Option`: unset has no TOML value to write.
