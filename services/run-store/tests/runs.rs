@@ -18,6 +18,7 @@ runplane_testkit::on_both_backends!(
     create_run_is_keyed_by_client_request_id,
     org_tokens_are_confined_to_their_org,
     watch_run_streams_events_and_ends_after_the_verdict,
+    a_watch_of_a_finished_run_sends_its_events_then_ends_on_its_terminal_state,
     list_runs_filters_and_pages,
     list_runs_by_ids,
     pending_messages_are_listed_and_wake_the_reconciler_as_ends_do,
@@ -432,6 +433,55 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
         .cloned()
         .collect();
     assert_eq!(events, ["event:2:b", "event:3:c"]);
+}
+
+/// The verdict committed with events still unsent to a watcher (the race the live
+/// watch above can lose: the run read terminal while its last events were not yet
+/// streamed), made certain by watching the finished run from before those events: they
+/// come first, and the stream ends on the terminal snapshot, as WatchRun promises.
+async fn a_watch_of_a_finished_run_sends_its_events_then_ends_on_its_terminal_state(h: Harness) {
+    let (run_id, key) = h.running_run("watch-finished").await;
+    let mut runner = h.runner(&key).await;
+    append(
+        &mut runner,
+        &run_id,
+        "batch-finished-0001",
+        vec![line("a"), line("b"), line("c")],
+    )
+    .await
+    .unwrap();
+    submit(&mut runner, &run_id, succeeded()).await.unwrap();
+    let mut stream = h
+        .operator()
+        .await
+        .watch_run(runstore_pb::WatchRunRequest {
+            run_id: run_id.clone(),
+            after_sequence: 1,
+            states_only: false,
+            heartbeat_interval: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    use runstore_pb::watch_run_response::Update;
+    let mut seen = Vec::new();
+    while let Some(item) = stream.next().await {
+        match item.unwrap().update.unwrap() {
+            Update::Run(run) => seen.push(format!("run:{}", run.state().as_str_name())),
+            Update::Event(e) => seen.push(format!("event:{}:{}", e.sequence, e.text)),
+            Update::Gap(g) => seen.push(format!("gap:{}", g.from_sequence)),
+            Update::Heartbeat(_) => {}
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "run:RUN_STATE_SUCCEEDED",
+            "event:2:b",
+            "event:3:c",
+            "run:RUN_STATE_SUCCEEDED"
+        ]
+    );
 }
 
 /// A states-only WatchRun of `run_id`, and its first message (the run's snapshot).

@@ -40,6 +40,10 @@ pub(super) async fn watch(
         return Ok(());
     }
     let mut cursor = req.after_sequence;
+    // Where this pass began reading events, and whether a snapshot went out after the
+    // last event: the stream's last message is its terminal snapshot.
+    let mut read_from = cursor;
+    let mut snapshot_last = true;
     let mut changes = s.changes.subscribe(&req.run_id);
     // Events retention deleted are said as one gap, then the stream goes on after it.
     let mut pruned_through = first.events_pruned_through as u64;
@@ -52,6 +56,7 @@ pub(super) async fn watch(
                         to_sequence: pruned_through,
                     };
                     cursor = pruned_through;
+                    snapshot_last = false;
                     if !send(Update::Gap(gap)).await {
                         return Ok(());
                     }
@@ -71,6 +76,7 @@ pub(super) async fn watch(
                         }
                     }
                     cursor = sequence;
+                    snapshot_last = false;
                     if !send(Update::Event(convert::event(e))).await {
                         return Ok(());
                     }
@@ -85,8 +91,17 @@ pub(super) async fn watch(
             pruned_through = run.events_pruned_through as u64;
             continue;
         }
+        let caught_up = req.states_only || cursor >= run.last_sequence as u64;
+        // A run that ended while its last events were still unsent (or a finished run
+        // watched from before them): they go first, then the terminal snapshot ends the
+        // stream, whichever snapshot was sent before them.
+        if run.state.is_terminal() && !caught_up && cursor > read_from {
+            read_from = cursor;
+            continue;
+        }
         if run.state != last_state
             || (run.state.is_terminal() && run.updated_at_us != last_updated)
+            || (run.state.is_terminal() && caught_up && !snapshot_last)
             || run.waiting_since_us != last_waiting
             || run.paused_at_us != last_paused
         {
@@ -97,8 +112,9 @@ pub(super) async fn watch(
             if !send(Update::Run(convert::run(&run))).await {
                 return Ok(());
             }
+            snapshot_last = true;
         }
-        if run.state.is_terminal() && (req.states_only || cursor >= run.last_sequence as u64) {
+        if run.state.is_terminal() && caught_up {
             return Ok(());
         }
         if s.changes.is_closing() {
