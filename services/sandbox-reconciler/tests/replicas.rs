@@ -179,6 +179,57 @@ mod two_replicas {
         assert_eq!(w.store.sandbox(&first.id).await.unwrap().status, "deleted");
     }
 
+    /// A sandbox lost while it was created, before its run key was issued (its node fenced):
+    /// the run store refuses the loss's FailRun (it knows no sandbox of the run yet), so
+    /// the run is still STARTING on attempt 1 with no key. Both replicas, dispatching at
+    /// once, place one sandbox in its stead, on the node that is left, for that attempt;
+    /// a later round places nothing more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_replicas_replace_a_sandbox_lost_before_its_key_once() {
+        use sea_orm::{ColumnTrait, QueryFilter};
+        let w = World::start(Backend::postgres().await).await;
+        register(&w, "node-a", "a").await;
+        let run = w.queued_run("lost-before-key").await;
+        w.dispatch_once(&w.store).await;
+        let first = w
+            .store
+            .live_sandbox_of(&run.id)
+            .await
+            .unwrap()
+            .expect("placed");
+        assert_eq!(first.active_node_id.as_deref(), Some("node-a"));
+        w.store.revoke_node_credentials("node-a").await.unwrap();
+        assert_eq!(w.store.sandbox(&first.id).await.unwrap().status, "lost");
+        deliver_outbox(&w.store, &w.outbox_client().await, 10)
+            .await
+            .unwrap();
+        register(&w, "node-b", "b").await;
+
+        let other = w.replica_store().await;
+        hold_list_runs(&w, true);
+        tokio::join!(w.dispatch_once(&w.store), w.dispatch_once(&other));
+        hold_list_runs(&w, false);
+        w.dispatch_once(&w.store).await;
+
+        let rows = sandbox::Entity::find()
+            .filter(sandbox::Column::RunId.eq(run.id.as_str()))
+            .all(w.store.database())
+            .await
+            .unwrap();
+        let creating: Vec<_> = rows.iter().filter(|r| r.status == "creating").collect();
+        assert_eq!(
+            creating.len(),
+            1,
+            "one sandbox in the lost one's stead: {rows:?}"
+        );
+        assert_eq!(creating[0].active_node_id.as_deref(), Some("node-b"));
+        assert_eq!(
+            creating[0].attempt, 1,
+            "the attempt never began: it is not spent"
+        );
+        assert_eq!(rows.len(), 2, "{rows:?}");
+    }
+
     /// Both replicas sweep the sandboxes of ended runs at once, both holding the same
     /// answer from the run store: each sandbox is deleted by exactly one of them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -48,8 +48,6 @@ pub async fn dispatch(
 ) -> Result<Dispatched, ReconcilerError> {
     use runplane_grpc::{ErrorReason, error_info};
 
-    use crate::store::Placed;
-
     let nodes = store.ready_nodes(store.silent_since()).await?;
     // What each ready node has room for: its capacity less what is placed on it. Runs go
     // to nodes only within that room; with no node ready, they run here (when allowed).
@@ -96,9 +94,9 @@ pub async fn dispatch(
     if let Some(runs) = to_place {
         for run in runs {
             let attempt = run.attempt.max(1);
-            let new = |node_id: String| crate::store::NewSandbox {
+            let new = |node_id: String, key: &str| crate::store::NewSandbox {
                 // One sandbox per attempt, whichever replica places it.
-                client_request_id: dispatch_key(&run.id, attempt),
+                client_request_id: key.to_owned(),
                 attempt,
                 network: profiles.network_of(&run.profile),
                 limits: profiles.limits_of(&run.profile),
@@ -109,32 +107,30 @@ pub async fn dispatch(
                 idle_timeout_ms: idle_timeout.as_millis() as i64,
                 traceparent: run.traceparent.clone(),
             };
-            if nodes.is_empty() {
-                store.create_placed(new(LOCAL_NODE.to_owned())).await?;
-                continue;
-            }
-            // The node with the most room, within its capacity (checked again under the
-            // node's lock, against every replica's placements). With none left the run
-            // waits STARTING for the next round; only a run claimed before a crash, or
-            // by a replica that placed on the same nodes at once, gets here.
-            loop {
-                let Some(chosen) = choose_node(&rooms) else {
-                    tracing::debug!(run_id = %run.id, "every ready node is full; the run waits");
-                    break;
+            // A sandbox of this attempt that ended before the run store issued it a key
+            // (lost while it was created: its loss was refused, the run knowing no sandbox
+            // yet) leaves the run STARTING without one. The next is keyed after it, the
+            // same for every replica, so one sandbox takes its place.
+            let mut key = dispatch_key(&run.id, attempt);
+            for replaced in 0..=MAX_REPLACED_BEFORE_KEY {
+                let placed = match nodes.is_empty() {
+                    true => Some(
+                        store
+                            .create_placed(new(LOCAL_NODE.to_owned(), &key))
+                            .await?,
+                    ),
+                    false => place_on_a_node(store, &mut rooms, |node| new(node, &key)).await?,
                 };
-                let room = &mut rooms[chosen];
-                match store
-                    .place_within_capacity(new(room.node_id.clone()), room.capacity)
-                    .await?
-                {
-                    Placed::New(_) => {
-                        room.free -= 1;
-                        break;
+                match placed {
+                    Some(ended) if ended_before_its_key(&ended) => {
+                        if replaced == MAX_REPLACED_BEFORE_KEY {
+                            tracing::warn!(run_id = %run.id, "{replaced} sandboxes of this attempt ended before a key was issued; the run waits for its deadline");
+                            break;
+                        }
+                        tracing::info!(run_id = %run.id, sandbox_id = %ended.id, status = %ended.status, "the run's sandbox ended before its key was issued; placing another");
+                        key = replacement_key(&key, &ended.id);
                     }
-                    // A run placed earlier (its launch not claimed yet) is counted where
-                    // it is.
-                    Placed::Existing(_) => break,
-                    Placed::Full => room.free = 0,
+                    _ => break,
                 }
             }
         }
@@ -230,6 +226,53 @@ pub async fn dispatch(
         started,
         next_retry_at_us,
     })
+}
+
+/// How many sandboxes of one attempt dispatch replaces when each ends before its run key
+/// is issued; past it the run waits STARTING for its deadline (logged).
+const MAX_REPLACED_BEFORE_KEY: usize = 5;
+
+/// Whether dispatch's sandbox for a run it was handed (STARTING, no key of this attempt
+/// issued) has ended: lost, exited or deleted before any runner of it held a key.
+fn ended_before_its_key(row: &sandbox::Model) -> bool {
+    row.status.is_ended()
+}
+
+/// The dedupe key of the sandbox that takes the place of `ended`, keyed `key`.
+fn replacement_key(key: &str, ended: &str) -> String {
+    format!("{key}:after:{ended}")
+}
+
+/// Places one sandbox (`new(node)`) on the node with the most room, within its capacity
+/// (checked again under the node's lock, against every replica's placements): the row
+/// placed now or before under the same key, or `None` when every node is full. The run
+/// then waits STARTING for the next round; only a run claimed before a crash, or by a
+/// replica that placed on the same nodes at once, gets there.
+async fn place_on_a_node(
+    store: &Store,
+    rooms: &mut [NodeRoom],
+    new: impl Fn(String) -> crate::store::NewSandbox,
+) -> Result<Option<sandbox::Model>, ReconcilerError> {
+    use crate::store::Placed;
+    loop {
+        let Some(chosen) = choose_node(rooms) else {
+            tracing::debug!("every ready node is full; the run waits");
+            return Ok(None);
+        };
+        let room = &mut rooms[chosen];
+        match store
+            .place_within_capacity(new(room.node_id.clone()), room.capacity)
+            .await?
+        {
+            Placed::New(row) => {
+                room.free -= 1;
+                return Ok(Some(row));
+            }
+            // A run placed earlier (its launch not claimed yet) is counted where it is.
+            Placed::Existing(row) => return Ok(Some(row)),
+            Placed::Full => room.free = 0,
+        }
+    }
 }
 
 /// The dedupe key of the sandbox dispatch makes for attempt `attempt` of `run_id`: every
