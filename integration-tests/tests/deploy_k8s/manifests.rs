@@ -367,21 +367,11 @@ pub fn assert_restricted(origin: &str, pod: &Value) {
     for host in ["hostNetwork", "hostPID", "hostIPC"] {
         assert_ne!(pod[host].as_bool(), Some(true), "{origin}: {host}");
     }
-    const ALLOWED_VOLUMES: [&str; 8] = [
-        "configMap",
-        "csi",
-        "downwardAPI",
-        "emptyDir",
-        "ephemeral",
-        "persistentVolumeClaim",
-        "projected",
-        "secret",
-    ];
     for volume in pod["volumes"].as_sequence().into_iter().flatten() {
         for key in volume.as_mapping().expect("a volume").keys() {
             let key = str_of(key, "a volume field");
             assert!(
-                key == "name" || ALLOWED_VOLUMES.contains(&key),
+                key == "name" || crate::render::RESTRICTED_VOLUMES.contains(&key),
                 "{origin}: a {key} volume breaks the restricted Pod Security Standard"
             );
         }

@@ -177,6 +177,18 @@ pub fn namespaces(resources: &[Value]) -> BTreeMap<String, BTreeMap<String, Stri
         .collect()
 }
 
+/// The volume types the restricted Pod Security Standard admits.
+pub const RESTRICTED_VOLUMES: [&str; 8] = [
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+];
+
 /// The Pod Security Standards' levels, least permissive first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
@@ -223,16 +235,6 @@ pub fn level_needed(pod: &Value) -> (Level, Vec<String>) {
         "SETPCAP",
         "SETUID",
         "SYS_CHROOT",
-    ];
-    const RESTRICTED_VOLUMES: [&str; 8] = [
-        "configMap",
-        "csi",
-        "downwardAPI",
-        "emptyDir",
-        "ephemeral",
-        "persistentVolumeClaim",
-        "projected",
-        "secret",
     ];
     for volume in spec["volumes"].as_sequence().into_iter().flatten() {
         for key in volume.as_mapping().expect("a volume").keys() {
