@@ -143,8 +143,8 @@ async fn revoking_a_nodes_credential_fences_it_and_its_run_goes_on_on_another_no
         .expect("node-a's credential works before the revocation");
     assert_eq!(
         revoke(&control_plane, "node-a").await,
-        "revoked 1 credentials of node node-a\n\
-         fenced node node-a: 1 sandboxes lost, their attempts retried elsewhere\n"
+        "revoked 1 credential of node node-a\n\
+         fenced node node-a: 1 sandbox lost, its attempt retried elsewhere\n"
     );
 
     // Its next call is refused, and its agent stops: no process of it is left.
@@ -252,8 +252,8 @@ async fn revoking_a_nodes_credential_fences_it_and_its_run_goes_on_on_another_no
         .await;
     assert_eq!(
         revoke(&control_plane, "node-b").await,
-        "revoked 1 credentials of node node-b\n\
-         fenced node node-b: 0 sandboxes lost, their attempts retried elsewhere\n"
+        "revoked 1 credential of node node-b\n\
+         fenced node node-b: it held no live sandbox\n"
     );
     let second = control_plane
         .create_script_run("node-fencing-request-0002", "echo back on node-a")

@@ -213,13 +213,27 @@ async fn token(
                 .await
                 .map_err(crate::connect::rpc)?
                 .into_inner();
-            writeln!(out, "revoked {} credentials of node {node}", answer.revoked)?;
+            let credentials = match answer.revoked {
+                1 => "credential",
+                _ => "credentials",
+            };
+            writeln!(
+                out,
+                "revoked {} {credentials} of node {node}",
+                answer.revoked
+            )?;
             if answer.fenced {
-                writeln!(
-                    out,
-                    "fenced node {node}: {} sandboxes lost, their attempts retried elsewhere",
-                    answer.fenced_sandboxes
-                )?;
+                match answer.fenced_sandboxes {
+                    0 => writeln!(out, "fenced node {node}: it held no live sandbox")?,
+                    1 => writeln!(
+                        out,
+                        "fenced node {node}: 1 sandbox lost, its attempt retried elsewhere"
+                    )?,
+                    n => writeln!(
+                        out,
+                        "fenced node {node}: {n} sandboxes lost, their attempts retried elsewhere"
+                    )?,
+                }
             }
         }
         TokenCommand::List { node, .. } => {
