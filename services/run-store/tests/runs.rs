@@ -390,34 +390,14 @@ async fn watch_run_streams_events_and_ends_after_the_verdict(h: Harness) {
     )
     .await
     .unwrap();
-    let mut stream = h
-        .operator()
-        .await
-        .watch_run(runstore_pb::WatchRunRequest {
-            run_id: run_id.clone(),
-            after_sequence: 1,
-            states_only: false,
-            heartbeat_interval: None,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let stream = watch_from(&h, &run_id, 1).await;
     let writer = tokio::spawn(async move {
         append(&mut runner, &run_id, "batch-watch-000002", vec![line("c")])
             .await
             .unwrap();
         submit(&mut runner, &run_id, succeeded()).await.unwrap();
     });
-    use runstore_pb::watch_run_response::Update;
-    let mut seen = Vec::new();
-    while let Some(item) = stream.next().await {
-        match item.unwrap().update.unwrap() {
-            Update::Run(run) => seen.push(format!("run:{}", run.state().as_str_name())),
-            Update::Event(e) => seen.push(format!("event:{}:{}", e.sequence, e.text)),
-            Update::Gap(g) => seen.push(format!("gap:{}", g.from_sequence)),
-            Update::Heartbeat(_) => {}
-        }
-    }
+    let seen = watched(stream).await;
     writer.await.unwrap();
     assert_eq!(
         seen.first().map(String::as_str),
@@ -451,18 +431,41 @@ async fn a_watch_of_a_finished_run_sends_its_events_then_ends_on_its_terminal_st
     .await
     .unwrap();
     submit(&mut runner, &run_id, succeeded()).await.unwrap();
-    let mut stream = h
-        .operator()
+    let stream = watch_from(&h, &run_id, 1).await;
+    let seen = watched(stream).await;
+    assert_eq!(
+        seen,
+        [
+            "run:RUN_STATE_SUCCEEDED",
+            "event:2:b",
+            "event:3:c",
+            "run:RUN_STATE_SUCCEEDED"
+        ]
+    );
+}
+
+/// A WatchRun of `run_id`'s states and events after `after_sequence`.
+async fn watch_from(
+    h: &Harness,
+    run_id: &str,
+    after_sequence: u64,
+) -> tonic::Streaming<runstore_pb::WatchRunResponse> {
+    h.operator()
         .await
         .watch_run(runstore_pb::WatchRunRequest {
-            run_id: run_id.clone(),
-            after_sequence: 1,
+            run_id: run_id.to_owned(),
+            after_sequence,
             states_only: false,
             heartbeat_interval: None,
         })
         .await
         .unwrap()
-        .into_inner();
+        .into_inner()
+}
+
+/// Everything `stream` sends until it ends, heartbeats aside: `run:STATE`,
+/// `event:SEQ:TEXT` and `gap:FROM`.
+async fn watched(mut stream: tonic::Streaming<runstore_pb::WatchRunResponse>) -> Vec<String> {
     use runstore_pb::watch_run_response::Update;
     let mut seen = Vec::new();
     while let Some(item) = stream.next().await {
@@ -473,15 +476,7 @@ async fn a_watch_of_a_finished_run_sends_its_events_then_ends_on_its_terminal_st
             Update::Heartbeat(_) => {}
         }
     }
-    assert_eq!(
-        seen,
-        [
-            "run:RUN_STATE_SUCCEEDED",
-            "event:2:b",
-            "event:3:c",
-            "run:RUN_STATE_SUCCEEDED"
-        ]
-    );
+    seen
 }
 
 /// A states-only WatchRun of `run_id`, and its first message (the run's snapshot).
